@@ -1,0 +1,157 @@
+# kvpool - the only build entry point (GNU make).
+#
+#   make               libraries (build/libkvpool.so, build/libkvpool.a) and tools
+#   make deps          install missing Debian packages (tools/deps.sh)
+#   make run           the main job on embedded defaults
+#   make test          every Check suite (unit + integration)
+#   make asan | tsan   the suites under ASan+UBSan | TSan
+#   make valgrind      the suites under valgrind memcheck
+#   make bench         benchmarks: table + one JSON line per figure
+#   make test-gpu      tests/gpu (needs CUDA and a GPU)
+#   make install PREFIX=/usr/local
+#
+# Options: CUDA=auto|0|1 (auto: on when nvcc is found), CUDA_HOME=<toolkit>,
+#          DEBUG=0|1|2 (assertion tier), O=<optimization flags>.
+
+SHELL := /bin/bash
+PREFIX ?= /usr/local
+CC ?= cc
+O ?= -O2
+DEBUG ?= 1
+CUDA ?= auto
+VARIANT ?=
+B := build$(if $(VARIANT),/$(VARIANT))
+
+NVCC_PATH := $(shell command -v nvcc 2>/dev/null)
+CUDA_HOME ?= $(if $(NVCC_PATH),$(patsubst %/bin/,%,$(dir $(NVCC_PATH))),)
+ifeq ($(CUDA),auto)
+  HAVE_CUDA := $(if $(and $(CUDA_HOME),$(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h)),1,0)
+else
+  HAVE_CUDA := $(CUDA)
+endif
+
+SOVERSION := 0
+VERSION := 0.1.0
+
+WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
+CFLAGS_BASE := -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -fPIC -fvisibility=hidden -DKVP_DEBUG=$(DEBUG) -Iinclude
+LIBS := -ljemalloc -lurcu-bp -lpthread -lm
+SAN :=
+ifeq ($(VARIANT),asan)
+  SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC
+endif
+ifeq ($(VARIANT),tsan)
+  SAN := -fsanitize=thread -fno-omit-frame-pointer -DKVP_META_LIBC
+endif
+ifeq ($(VARIANT),valgrind)
+  SAN := -DKVP_META_LIBC
+endif
+
+LIB_SRC := $(wildcard util/*.c alloc/*.c stats/*.c codecs/*.c pages/*.c)
+ifeq ($(HAVE_CUDA),1)
+  CFLAGS_BASE += -DKVP_HAVE_CUDA -I$(CUDA_HOME)/include
+  LIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+else
+  LIB_SRC := $(filter-out %_cuda.c,$(LIB_SRC))
+endif
+CFLAGS := $(CFLAGS_BASE) $(SAN) $(EXTRA_CFLAGS)
+LDFLAGS := $(SAN)
+
+LIB_OBJ := $(LIB_SRC:%.c=$(B)/obj/%.o)
+SO := $(B)/libkvpool.so.$(VERSION)
+A := $(B)/libkvpool.a
+
+UNIT_SRC := $(wildcard tests/unit/check_*.c)
+INTEG_SRC := $(wildcard tests/integration/check_*.c)
+GPU_SRC := $(wildcard tests/gpu/check_*.c)
+UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
+INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
+GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench
+CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
+
+.PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports
+all: deps lib $(TOOLS)
+lib: $(SO) $(A)
+
+deps:
+	@tools/deps.sh
+
+$(B)/obj/%.o: %.c $(wildcard include/*.h */*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -c $< -o $@
+
+$(SO): $(LIB_OBJ) tools/exports.map
+	$(CC) -shared -Wl,-soname,libkvpool.so.$(SOVERSION) -Wl,--version-script=tools/exports.map \
+	  $(LDFLAGS) -o $@ $(LIB_OBJ) $(LIBS)
+	ln -sf libkvpool.so.$(VERSION) $(B)/libkvpool.so.$(SOVERSION)
+	ln -sf libkvpool.so.$(SOVERSION) $(B)/libkvpool.so
+
+$(A): $(LIB_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+
+# Unit tests see internals and link the static library.
+$(B)/tests/check_%: tests/unit/check_%.c $(A) tests/unit/*.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
+
+# Integration tests and tools see only include/ and link the shared library.
+PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
+$(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO)
+	@mkdir -p $(dir $@)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -ljansson -lpthread $(LDFLAGS)
+
+$(B)/kvpool-demo: tools/kvpool-demo.c $(SO)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
+
+# The bench links jemalloc directly for its baseline.
+$(B)/kvpool-bench: tools/kvpool-bench.c $(SO)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljemalloc -lm $(LDFLAGS)
+
+run: deps $(B)/kvpool-demo
+	$(B)/kvpool-demo
+
+test: deps lib $(UNIT_BIN) $(INTEG_BIN) check-exports
+	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN)
+
+check-exports: $(SO)
+	@tools/check-exports.sh $(SO)
+
+asan:
+	$(MAKE) VARIANT=asan test
+tsan:
+	$(MAKE) VARIANT=tsan test
+valgrind:
+	$(MAKE) VARIANT=valgrind lib $(patsubst build/%,build/valgrind/%,$(UNIT_BIN) $(INTEG_BIN))
+	@KVP_TEST_WRAP="valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite" \
+	  CK_FORK=no tools/run-tests.sh $(patsubst build/%,build/valgrind/%,$(UNIT_BIN) $(INTEG_BIN))
+
+bench: deps $(B)/kvpool-bench
+	$(B)/kvpool-bench
+
+test-gpu: deps lib $(GPU_BIN)
+	@if [ "$(HAVE_CUDA)" != 1 ]; then echo "test-gpu: skipped, built without CUDA"; exit 0; fi; \
+	  CK_FORK=no tools/run-tests.sh $(GPU_BIN)
+
+$(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO)
+	@mkdir -p $(dir $@)
+	$(CC) $(PUB_CFLAGS) $(if $(filter 1,$(HAVE_CUDA)),-DKVP_HAVE_CUDA -I$(CUDA_HOME)/include) -o $@ $< \
+	  -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -lpthread \
+	  $(if $(filter 1,$(HAVE_CUDA)),-L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart) $(LDFLAGS)
+
+install: lib
+	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
+	install -m 644 include/kvpool.h $(DESTDIR)$(PREFIX)/include/
+	install -m 755 $(SO) $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 $(A) $(DESTDIR)$(PREFIX)/lib/
+	ln -sf libkvpool.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libkvpool.so.$(SOVERSION)
+	ln -sf libkvpool.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libkvpool.so
+	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' \
+	  -e 's|@LIBS_PRIVATE@|$(LIBS)|' tools/kvpool.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvpool.pc
+	@echo "installed kvpool $(VERSION) into $(DESTDIR)$(PREFIX)"
+
+clean:
+	rm -rf build
+
+$(info kvpool: CUDA $(if $(filter 1,$(HAVE_CUDA)),on ($(CUDA_HOME)),off: building CPU-only)$(if $(VARIANT), [$(VARIANT)]))

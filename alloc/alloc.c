@@ -1,0 +1,274 @@
+/*
+ * alloc/alloc.c - the page allocator: size-class dispatch (slab slots up to
+ * 16 KiB, extents above), the strict budget, grow, and the allocator check.
+ *
+ * Invariants (kvp__alloc_check):
+ *   ledger.allocated = sum over live slab slots of their class size
+ *                    + sum over LARGE extents of their bytes
+ *   ledger.committed = bytes of SLAB and LARGE extents = ext.used_bytes
+ *   ledger.pages     = used slots + LARGE extents
+ *   ledger.allocated <= ledger.budget (and peak too), committed <= reserved
+ *
+ * Order of every mutation: validate, check the budget, reserve metadata
+ * (the sequence's stats slot), take the bytes, then count them. Anything that
+ * fails before the last step leaves the allocator as it was.
+ *
+ * Cost of the fast path (small class, current slab has room): a table lookup
+ * for the class, a budget compare, the slab take (see slab.c), the sequence
+ * slot probe and the per-tag counters: no locks of its own (the caller holds
+ * the pool's writer lock), no system calls.
+ */
+#include "slab.h"
+
+#include <string.h>
+
+int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes, uint64_t budget_bytes,
+                    kvp__stats *stats, kvp__meta *meta) {
+  memset(a, 0, sizeof *a);
+  kvp__sc_init();
+  a->stats = stats;
+  a->meta = meta;
+  for (uint32_t i = 0; i < KVP__SC_COUNT; i++) a->bins[i].cur = &kvp__slab_empty;
+  int rc = kvp__region_open(mem, device, region_bytes, &a->region);
+  if (rc) return rc;
+  if ((rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
+    kvp__region_close(&a->region);
+    return rc;
+  }
+  kvp__ledger_init(&a->ledger, region_bytes, budget_bytes);
+  return KVP_OK;
+}
+
+void kvp__alloc_fini(kvp__alloc *a) {
+  kvp__slabs_fini(a);
+  kvp__extents_fini(&a->ext);
+  kvp__region_close(&a->region);
+}
+
+bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
+  return bytes && bytes <= KVP_MAX_PAGE_BYTES && kvp__ledger_fits(&a->ledger, kvp__sc_size(kvp__sc_index(bytes)));
+}
+
+/* Take the bytes of class sc; *off receives the region offset. */
+static int take(kvp__alloc *a, uint32_t sc, uint64_t *off) {
+  if (KVP__LIKELY(sc < kvp__sc_small_count)) return kvp__slab_take(a, sc, off);
+  kvp__extent *e = NULL;
+  int rc = kvp__extent_alloc(&a->ext, kvp__sc_size(sc), KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
+  if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
+    rc = kvp__extent_alloc(&a->ext, kvp__sc_size(sc), KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
+  if (rc) return rc;
+  kvp__gauge_add(&a->ledger.committed, e->bytes);
+  kvp__gauge_add(&a->ledger.extents, 1);
+  *off = e->off;
+  return KVP_OK;
+}
+
+static int put(kvp__alloc *a, uint64_t off, uint32_t sc) {
+  if (sc < kvp__sc_small_count) return kvp__slab_put(a, off, sc);
+  kvp__extent *e = kvp__extent_at(&a->ext, off);
+  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != kvp__sc_size(sc))
+    return kvp__err(KVP_EINVAL, "page at offset %llu (class %u): not a live large page (foreign or already freed)",
+                    (unsigned long long)off, sc);
+  kvp__gauge_sub(&a->ledger.committed, e->bytes);
+  kvp__gauge_sub(&a->ledger.extents, 1);
+  kvp__extent_free(&a->ext, e);
+  return KVP_OK;
+}
+
+static int check_tag(const kvp__alloc *a, const kvp__tag *tag) {
+  if (!tag) return kvp__err(KVP_EINVAL, "page tag is NULL");
+  if (tag->layer >= a->stats->n_layers)
+    return kvp__err(KVP_EINVAL, "page tag: layer %u >= n_layers %u", tag->layer, a->stats->n_layers);
+  if (tag->head >= a->stats->n_heads)
+    return kvp__err(KVP_EINVAL, "page tag: head %u >= n_kv_heads %u", tag->head, a->stats->n_heads);
+  if (tag->type >= KVP_PAGE_TYPE_COUNT) return kvp__err(KVP_EINVAL, "page tag: page type %u unknown", tag->type);
+  if (tag->kv > 1) return kvp__err(KVP_EINVAL, "page tag: kv %u is neither 0 (K) nor 1 (V)", tag->kv);
+  if (tag->codec >= KVP__MAX_CODECS)
+    return kvp__err(KVP_EINVAL, "page tag: codec id %u >= %u", tag->codec, KVP__MAX_CODECS);
+  return KVP_OK;
+}
+
+static int refuse_budget(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
+  kvp__ledger_begin(&a->ledger);
+  a->ledger.budget_refusals++;
+  kvp__ledger_end(&a->ledger);
+  return kvp__err(KVP_EBUDGET, "page of %llu bytes (class %llu): allocated %llu + %llu would pass budget %llu",
+                  (unsigned long long)bytes, (unsigned long long)class_bytes,
+                  (unsigned long long)a->ledger.allocated.current, (unsigned long long)class_bytes,
+                  (unsigned long long)a->ledger.budget_bytes);
+}
+
+static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
+  kvp__ledger_begin(&a->ledger);
+  a->ledger.nospc_refusals++;
+  kvp__ledger_end(&a->ledger);
+  return kvp__err(KVP_ENOSPC, "page of %llu bytes (class %llu): no room in the %llu-byte region (%llu committed)",
+                  (unsigned long long)bytes, (unsigned long long)class_bytes,
+                  (unsigned long long)a->ledger.reserved_bytes, (unsigned long long)a->ledger.committed.current);
+}
+
+/* Count a live page in (+1) or out (-1) of the ledger and the stats. */
+static void count(kvp__alloc *a, const kvp__page *p, int sign) {
+  uint64_t cls = kvp__sc_size(p->sc);
+  if (sign > 0) {
+    kvp__gauge_add(&a->ledger.requested, p->requested_bytes);
+    kvp__gauge_add(&a->ledger.allocated, cls);
+    kvp__gauge_add(&a->ledger.pages, 1);
+  } else {
+    kvp__gauge_sub(&a->ledger.requested, p->requested_bytes);
+    kvp__gauge_sub(&a->ledger.allocated, cls);
+    kvp__gauge_sub(&a->ledger.pages, 1);
+  }
+  kvp__stats_count(a->stats, &p->tag, p->requested_bytes, cls, sign);
+}
+
+/* Allocate without validation or ledger section (callers hold it). */
+static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  uint32_t sc = kvp__sc_index(bytes);
+  uint64_t cls = kvp__sc_size(sc);
+  if (KVP__UNLIKELY(!kvp__ledger_fits(&a->ledger, cls))) return KVP_EBUDGET;
+  if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, tag->seq))) return KVP_ENOMEM;
+  uint64_t off = 0;
+  int rc = take(a, sc, &off);
+  if (rc) return rc;
+  out->off = off;
+  out->requested_bytes = (uint32_t)bytes;
+  out->sc = sc;
+  out->tag = *tag;
+  count(a, out, +1);
+  a->ledger.allocs++;
+  return KVP_OK;
+}
+
+static int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
+  uint64_t cls = kvp__sc_size(kvp__sc_index(bytes));
+  if (rc == KVP_EBUDGET) return refuse_budget(a, bytes, cls);
+  if (rc == KVP_ENOSPC) return refuse_space(a, bytes, cls);
+  return rc; /* ENOMEM: message already set */
+}
+
+int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  if (KVP__UNLIKELY(!bytes || bytes > KVP_MAX_PAGE_BYTES))
+    return kvp__err(KVP_EINVAL, "page size %llu bytes: must be 1..%llu", (unsigned long long)bytes,
+                    (unsigned long long)KVP_MAX_PAGE_BYTES);
+  int rc = check_tag(a, tag);
+  if (rc) return rc;
+  kvp__ledger_begin(&a->ledger);
+  rc = alloc_locked(a, bytes, tag, out);
+  kvp__ledger_end(&a->ledger);
+  return rc ? refuse(a, rc, bytes) : KVP_OK;
+}
+
+int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
+  if (!p) return kvp__err(KVP_EINVAL, "page is NULL");
+  if (p->sc >= KVP__SC_COUNT || !p->requested_bytes || p->requested_bytes > kvp__sc_size(p->sc))
+    return kvp__err(KVP_EINVAL, "page at offset %llu: class %u / %u requested bytes is not a page",
+                    (unsigned long long)p->off, p->sc, p->requested_bytes);
+  kvp__ledger_begin(&a->ledger);
+  int rc = put(a, p->off, p->sc);
+  if (!rc) {
+    count(a, p, -1);
+    a->ledger.frees++;
+  }
+  kvp__ledger_end(&a->ledger);
+  return rc;
+}
+
+/* Large page whose extent can take the following free extent. */
+static int grow_large_in_place(kvp__alloc *a, kvp__page *p, uint32_t sc, uint64_t bytes) {
+  kvp__extent *e = kvp__extent_at(&a->ext, p->off);
+  uint64_t old_cls = kvp__sc_size(p->sc), new_cls = kvp__sc_size(sc);
+  if (!e || e->state != KVP__EXT_LARGE || !kvp__ledger_fits(&a->ledger, new_cls - old_cls)) return KVP_ENOSPC;
+  if (!kvp__extent_grow_in_place(&a->ext, e, new_cls)) return KVP_ENOSPC;
+  count(a, p, -1);
+  p->sc = sc;
+  p->requested_bytes = (uint32_t)bytes;
+  count(a, p, +1);
+  kvp__gauge_add(&a->ledger.committed, new_cls - old_cls);
+  return KVP_OK;
+}
+
+int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
+  if (!bytes || bytes > KVP_MAX_PAGE_BYTES)
+    return kvp__err(KVP_EINVAL, "grow to %llu bytes: must be 1..%llu", (unsigned long long)bytes,
+                    (unsigned long long)KVP_MAX_PAGE_BYTES);
+  uint32_t sc = kvp__sc_index(bytes);
+  int rc = KVP_OK;
+  kvp__ledger_begin(&a->ledger);
+  a->ledger.grows++;
+  if (sc <= p->sc) { /* the class still holds it: only the requested bytes move */
+    count(a, p, -1);
+    p->requested_bytes = (uint32_t)bytes;
+    count(a, p, +1);
+  } else if (p->sc < kvp__sc_small_count || grow_large_in_place(a, p, sc, bytes) != KVP_OK) {
+    kvp__page np;
+    rc = alloc_locked(a, bytes, &p->tag, &np); /* both pages count while the move lasts */
+    if (!rc) {
+      rc = a->region.ops->copy(&a->region, np.off, p->off, p->requested_bytes < bytes ? p->requested_bytes : bytes,
+                               stream);
+      kvp__page old = *p;
+      kvp__page *drop = rc ? &np : &old;
+      int prc = put(a, drop->off, drop->sc);
+      kvp__assert(prc == KVP_OK);
+      (void)prc;
+      count(a, drop, -1);
+      a->ledger.allocs -= rc != 0; /* an undone move is no allocation */
+      if (!rc) {
+        *p = np;
+        a->ledger.grow_moves++;
+      }
+    }
+  }
+  if (rc) a->ledger.grows--;
+  kvp__ledger_end(&a->ledger);
+  return rc && rc != KVP_EDEVICE ? refuse(a, rc, bytes) : rc;
+}
+
+int kvp__alloc_check(const kvp__alloc *a) {
+  int rc = kvp__extents_check(&a->ext);
+  if (rc) return rc;
+  uint64_t allocated = 0, nused = 0, nslabs = 0, nlarge = 0;
+  uint64_t per_class_used[KVP__SC_COUNT] = {0}, per_class_slabs[KVP__SC_COUNT] = {0};
+  for (const kvp__extent *e = a->ext.first; e; e = e->anext) {
+    if (e->state == KVP__EXT_SLAB) {
+      const kvp__slab *s = e->owner;
+      uint64_t u = 0;
+      if (!s || s->ext != e) return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu has no slab", (unsigned long long)e->off);
+      if ((rc = kvp__slab_check(a, s, &u))) return rc;
+      allocated += u * s->slot_bytes;
+      nused += u;
+      per_class_used[s->sc] += u;
+      per_class_slabs[s->sc]++;
+      nslabs++;
+    } else if (e->state == KVP__EXT_LARGE) {
+      allocated += e->bytes;
+      nlarge++;
+    }
+  }
+  for (uint32_t c = 0; c < KVP__SC_COUNT; c++)
+    if (per_class_used[c] != a->bins[c].nused || per_class_slabs[c] != a->bins[c].nslabs)
+      return kvp__err(KVP_ECORRUPT, "class %u: %llu used slots in %llu slabs, bin says %llu in %llu", c,
+                      (unsigned long long)per_class_used[c], (unsigned long long)per_class_slabs[c],
+                      (unsigned long long)a->bins[c].nused, (unsigned long long)a->bins[c].nslabs);
+  const kvp__ledger *l = &a->ledger;
+  if (allocated != l->allocated.current)
+    return kvp__err(KVP_ECORRUPT, "ledger allocated %llu, slabs and extents hold %llu",
+                    (unsigned long long)l->allocated.current, (unsigned long long)allocated);
+  if (a->ext.used_bytes != l->committed.current)
+    return kvp__err(KVP_ECORRUPT, "ledger committed %llu, extents in use %llu",
+                    (unsigned long long)l->committed.current, (unsigned long long)a->ext.used_bytes);
+  if (nused + nlarge != l->pages.current || nslabs != l->slabs.current || nlarge != l->extents.current)
+    return kvp__err(KVP_ECORRUPT, "ledger counts %llu pages/%llu slabs/%llu extents, found %llu/%llu/%llu",
+                    (unsigned long long)l->pages.current, (unsigned long long)l->slabs.current,
+                    (unsigned long long)l->extents.current, (unsigned long long)(nused + nlarge),
+                    (unsigned long long)nslabs, (unsigned long long)nlarge);
+  if (l->requested.current > l->allocated.current || l->allocated.current > l->committed.current ||
+      l->committed.current > l->reserved_bytes)
+    return kvp__err(KVP_ECORRUPT, "ledger order broken: requested %llu, allocated %llu, committed %llu, reserved %llu",
+                    (unsigned long long)l->requested.current, (unsigned long long)l->allocated.current,
+                    (unsigned long long)l->committed.current, (unsigned long long)l->reserved_bytes);
+  if (l->allocated.peak > l->budget_bytes)
+    return kvp__err(KVP_ECORRUPT, "peak allocated %llu passed the budget %llu", (unsigned long long)l->allocated.peak,
+                    (unsigned long long)l->budget_bytes);
+  return KVP_OK;
+}

@@ -1,0 +1,234 @@
+/*
+ * alloc/alloc.h - bytes: region backends, size classes, extents, slabs, the
+ * ledger with its strict budget, and the page allocator that ties them.
+ *
+ * alloc uses util and stats only. Every piece of metadata lives on the host;
+ * host code never reads or writes payload bytes of a region (a device region
+ * is touched only through the backend's copy primitive).
+ *
+ *   region  [0 .............................................. reserved)
+ *           | extent | extent (SLAB, 2 MiB aligned) | free | extent | ...
+ *   The region is tiled by extents in address order; each is FREE, SLAB
+ *   (one 2 MiB slab of one size class) or LARGE (one page > 16 KiB).
+ */
+#ifndef KVP_ALLOC_H
+#define KVP_ALLOC_H
+
+#include "../stats/stats.h"
+#include "../util/util.h"
+
+/* ======================================================================
+ * Region backends (alloc/region.c host, alloc/region_cuda.c device)
+ * Each primitive returns KVP_OK or an error with a message.
+ * ==================================================================== */
+
+typedef struct kvp__region kvp__region;
+
+typedef struct kvp__region_ops {
+  const char *name; /* "host" or "cuda" */
+  /* Reserve bytes; on success set r->base. */
+  int (*reserve)(kvp__region *r);
+  void (*release)(kvp__region *r);
+  /* Copy bytes inside the region, ordered on stream (NULL: default). Ranges
+   * must not overlap. */
+  int (*copy)(kvp__region *r, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream);
+  /* Device-level bytes in use and capacity (resident bytes of the host range;
+   * cudaMemGetInfo for CUDA). */
+  int (*usage)(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes);
+} kvp__region_ops;
+
+struct kvp__region {
+  const kvp__region_ops *ops; /* backend */
+  kvp_mem mem;                /* KVP_MEM_HOST or KVP_MEM_CUDA */
+  int device;                 /* CUDA ordinal */
+  uint64_t bytes;             /* reserved bytes (multiple of KVP__EXTENT_UNIT) */
+  unsigned char *base;        /* first byte (host or device address) */
+  uint64_t map_bytes;         /* host backend: bytes actually mapped */
+  void *map_base;             /* host backend: start of the mapping */
+};
+
+int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, kvp__region *out);
+void kvp__region_close(kvp__region *r);
+extern const kvp__region_ops kvp__region_host_ops;
+#ifdef KVP_HAVE_CUDA
+extern const kvp__region_ops kvp__region_cuda_ops;
+#endif
+
+/* ======================================================================
+ * Size classes (alloc/sizeclass.c)
+ * Four classes per doubling from a 64 B granule:
+ *   64 128 192 256 | 320 384 448 512 | 640 768 896 1024 | ...
+ * index(bytes) is the smallest class >= bytes; size(index(b)) >= b.
+ * ==================================================================== */
+
+#define KVP__SC_GRANULE 64u
+#define KVP__SC_MAX_BYTES (1ull << 44)        /* largest class: 16 TiB */
+#define KVP__SC_COUNT 148u                    /* classes up to KVP__SC_MAX_BYTES (checked by a test) */
+#define KVP__SLAB_BYTES (2ull << 20)          /* one slab */
+#define KVP__SMALL_MAX_BYTES (16ull << 10)    /* largest class carved from slabs (>= 128 slots) */
+#define KVP__EXTENT_UNIT (4ull << 10)         /* extent granularity */
+#define KVP__EXTENT_UNIT_SHIFT 12u
+
+uint32_t kvp__sc_index_slow(uint64_t bytes); /* the formula; bytes in 1..MAX */
+uint64_t kvp__sc_size(uint32_t index);       /* the formula */
+extern uint8_t kvp__sc_lut[(KVP__SMALL_MAX_BYTES >> 6) + 1]; /* (b+63)>>6 -> index */
+extern uint32_t kvp__sc_small_count;          /* classes <= KVP__SMALL_MAX_BYTES */
+void kvp__sc_init(void);                      /* fill the LUT; idempotent */
+
+/* Fast path: one table load for small sizes. bytes in 1..KVP__SC_MAX_BYTES. */
+static inline uint32_t kvp__sc_index(uint64_t bytes) {
+  if (KVP__LIKELY(bytes <= KVP__SMALL_MAX_BYTES)) return kvp__sc_lut[(bytes + 63) >> 6];
+  return kvp__sc_index_slow(bytes);
+}
+/* Largest class <= bytes (bytes >= 64). */
+uint32_t kvp__sc_index_floor(uint64_t bytes);
+
+/* ======================================================================
+ * Extents (alloc/extent.c): the region tiled in 4 KiB units.
+ * ==================================================================== */
+
+typedef enum { KVP__EXT_FREE, KVP__EXT_SLAB, KVP__EXT_LARGE } kvp__ext_state;
+
+typedef struct kvp__extent {
+  uint64_t off;                      /* byte offset in the region */
+  uint64_t bytes;                    /* size, multiple of KVP__EXTENT_UNIT */
+  struct kvp__extent *aprev, *anext; /* neighbours in address order */
+  struct kvp__extent *fprev, *fnext; /* free-bin list (FREE only) */
+  void *owner;                       /* SLAB: its kvp__slab */
+  uint32_t bin;                      /* FREE: bin index */
+  uint8_t state;                     /* kvp__ext_state */
+} kvp__extent;
+
+typedef struct kvp__extents {
+  kvp__meta *meta;              /* metadata counter */
+  uint64_t bytes;               /* region bytes managed */
+  uint64_t nunits;              /* bytes / KVP__EXTENT_UNIT */
+  kvp__extent **rmap;           /* [nunits]: owning extent of each used unit, NULL if free */
+  kvp__extent *bins[KVP__SC_COUNT]; /* free extents by floor size class */
+  uint64_t nonempty[(KVP__SC_COUNT + 63) / 64]; /* bit per non-empty bin */
+  kvp__extent *first;           /* lowest-address extent */
+  uint64_t nextents;            /* descriptors (free and used) */
+  uint64_t used_bytes;          /* bytes of SLAB and LARGE extents */
+  uint64_t nlarge, nslab;       /* used extents by state */
+} kvp__extents;
+
+int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta);
+void kvp__extents_fini(kvp__extents *x);
+/* Allocate bytes (multiple of the unit) at an offset aligned to align (a
+ * power of two >= unit). KVP_ENOSPC when no free extent fits (no message:
+ * the caller words it), KVP_ENOMEM. */
+int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_state state,
+                      kvp__extent **out);
+/* Return an extent; it coalesces with free neighbours. */
+void kvp__extent_free(kvp__extents *x, kvp__extent *e);
+/* Try to extend a used extent in place to bytes by taking the free extent
+ * that follows it. Returns true on success. */
+bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes);
+/* Owning extent of the unit containing off, or NULL (free or out of range). */
+static inline kvp__extent *kvp__extent_at(const kvp__extents *x, uint64_t off) {
+  uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT;
+  return u < x->nunits ? x->rmap[u] : NULL;
+}
+/* Verify tiling, bins, rmap, counters. KVP_OK or KVP_ECORRUPT with message. */
+int kvp__extents_check(const kvp__extents *x);
+
+/* ======================================================================
+ * Slabs (alloc/slab.c): one 2 MiB extent, slots of one class, a bitmap.
+ * ==================================================================== */
+
+typedef struct kvp__slab {
+  kvp__extent *ext;               /* the extent it lives in */
+  uint64_t base;                  /* region offset of slot 0 */
+  struct kvp__slab *prev, *next;  /* in its bin's non-full list */
+  uint32_t sc;                    /* size class */
+  uint32_t slot_bytes;            /* class size */
+  uint32_t nslots;                /* slots in the slab */
+  uint32_t nfree;                 /* free slots */
+  uint32_t hint;                  /* bitmap word to search first */
+  uint32_t nwords;                /* bitmap words */
+  bool listed;                    /* on its bin's non-full list */
+  uint64_t bitmap[];              /* bit set = slot free */
+} kvp__slab;
+
+typedef struct kvp__bin {
+  kvp__slab *cur;    /* slab to allocate from; the empty sentinel if none */
+  kvp__slab *avail;  /* other non-full slabs (doubly linked) */
+  uint64_t nslabs;   /* slabs of this class */
+  uint64_t nused;    /* used slots of this class */
+} kvp__bin;
+
+/* The shared sentinel: nfree = 0, so the fast path needs no NULL test. */
+extern kvp__slab kvp__slab_empty;
+
+/* ======================================================================
+ * Ledger (alloc/ledger.c): the byte truth and the strict budget.
+ * Writer-only updates inside a sequence lock; lock-free snapshots.
+ * ==================================================================== */
+
+typedef struct kvp__ledger {
+  _Atomic uint64_t seq; /* sequence lock: odd while the writer updates */
+  kvp_gauge requested, allocated, committed, pages, slabs, extents; /* bytes or counts */
+  uint64_t allocs, frees, grows, grow_moves, budget_refusals, nospc_refusals; /* counts */
+  uint64_t reserved_bytes; /* region */
+  uint64_t budget_bytes;   /* strict cap on allocated */
+} kvp__ledger;
+
+void kvp__ledger_init(kvp__ledger *l, uint64_t reserved_bytes, uint64_t budget_bytes);
+static inline bool kvp__ledger_fits(const kvp__ledger *l, uint64_t alloc_bytes) {
+  return alloc_bytes <= l->budget_bytes - l->allocated.current;
+}
+void kvp__ledger_begin(kvp__ledger *l);
+void kvp__ledger_end(kvp__ledger *l);
+void kvp__gauge_add(kvp_gauge *g, uint64_t n);
+void kvp__gauge_sub(kvp_gauge *g, uint64_t n);
+/* Consistent copy of the ledger, from any thread. */
+void kvp__ledger_snapshot(const kvp__ledger *l, kvp__ledger *out);
+
+/* ======================================================================
+ * The page allocator (alloc/alloc.c)
+ * ==================================================================== */
+
+/* A page as its owner holds it: 32 bytes, out of band. */
+typedef struct kvp__page {
+  uint64_t off;             /* region offset of the first byte */
+  uint32_t requested_bytes; /* what the layout asked */
+  uint32_t sc;              /* size class index */
+  kvp__tag tag;             /* where its bytes are counted */
+} kvp__page;
+
+typedef struct kvp__alloc {
+  kvp__region region;          /* the reserved memory */
+  kvp__extents ext;            /* extent tiling */
+  kvp__bin bins[KVP__SC_COUNT]; /* slab bins, small classes only */
+  kvp__ledger ledger;          /* byte truth */
+  kvp__stats *stats;           /* per-tag counters */
+  kvp__meta *meta;             /* metadata counter of the pool */
+} kvp__alloc;
+
+int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes,
+                    uint64_t budget_bytes, kvp__stats *stats, kvp__meta *meta);
+void kvp__alloc_fini(kvp__alloc *a);
+static inline uint64_t kvp__page_alloc_bytes(const kvp__page *p) { return kvp__sc_size(p->sc); }
+static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {
+  return a->region.base + p->off;
+}
+/* Allocate a tagged page of bytes (1..KVP_MAX_PAGE_BYTES). EINVAL, EBUDGET,
+ * ENOSPC, ENOMEM; nothing changes on failure. */
+int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
+/* Free a page. EINVAL if p does not name a live page (foreign offset, double
+ * free, wrong class); nothing changes then. */
+int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
+/* Resize p to bytes keeping min(old, new) bytes of payload (copied on
+ * stream). In place when the class fits; else a new page is taken (the
+ * budget must hold both while the move lasts), the payload copied, the old
+ * freed. On failure p is unchanged. */
+int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream);
+/* Would an allocation of bytes pass the budget now? (planning; no effect) */
+bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes);
+/* Verify the allocator's metadata and that the ledger's allocated and
+ * committed figures and slab/extent counts equal the ones derived from the
+ * slabs and extents. Pages' requested bytes are checked by the owner. */
+int kvp__alloc_check(const kvp__alloc *a);
+/* Bytes of metadata per class etc. are in a->meta. */
+
+#endif /* KVP_ALLOC_H */

@@ -1,0 +1,260 @@
+/*
+ * alloc/extent.c - extents: the region tiled in 4 KiB units.
+ *
+ * Every byte of the region belongs to exactly one extent; extents are kept in
+ * address order (aprev/anext) and each is FREE, SLAB or LARGE. Descriptors
+ * live on the host (out of band), never in the region.
+ *
+ *   first -> [0, a) SLAB -> [a, b) FREE -> [b, c) LARGE -> ... -> [.., bytes)
+ *
+ * Invariants (kvp__extents_check):
+ *   off(first) = 0; off(next) = off + bytes; sum of bytes = x->bytes
+ *   no two address-adjacent extents are both FREE (free coalesces)
+ *   a FREE extent is in bins[floor_class(bytes)], and that bin's bit is set
+ *   rmap[u] = e for every unit u of a used extent e; NULL for free units
+ *   used_bytes = sum of bytes of used extents
+ *
+ * Allocation is first fit over segregated bins: the bin of floor_class(n)
+ * may hold extents large enough, every higher non-empty bin (found through a
+ * bitmap) holds only large-enough ones, modulo alignment, which is checked
+ * per candidate. Cost: O(1) bitmap scans plus the candidates inspected.
+ */
+#include "alloc.h"
+
+#include <string.h>
+
+static void bit_set(uint64_t *w, uint32_t i) { w[i / 64] |= 1ull << (i % 64); }
+static void bit_clear(uint64_t *w, uint32_t i) { w[i / 64] &= ~(1ull << (i % 64)); }
+
+static void bin_insert(kvp__extents *x, kvp__extent *e) {
+  uint32_t b = kvp__sc_index_floor(e->bytes);
+  e->state = KVP__EXT_FREE;
+  e->bin = b;
+  e->fprev = NULL;
+  e->fnext = x->bins[b];
+  if (e->fnext) e->fnext->fprev = e;
+  x->bins[b] = e;
+  bit_set(x->nonempty, b);
+}
+
+static void bin_remove(kvp__extents *x, kvp__extent *e) {
+  if (e->fprev) e->fprev->fnext = e->fnext;
+  else x->bins[e->bin] = e->fnext;
+  if (e->fnext) e->fnext->fprev = e->fprev;
+  if (!x->bins[e->bin]) bit_clear(x->nonempty, e->bin);
+  e->fprev = e->fnext = NULL;
+}
+
+static void link_after(kvp__extent *at, kvp__extent *e) {
+  e->aprev = at;
+  e->anext = at->anext;
+  if (at->anext) at->anext->aprev = e;
+  at->anext = e;
+}
+
+static void unlink_addr(kvp__extents *x, kvp__extent *e) {
+  if (e->aprev) e->aprev->anext = e->anext;
+  else x->first = e->anext;
+  if (e->anext) e->anext->aprev = e->aprev;
+}
+
+static void rmap_set(kvp__extents *x, uint64_t off, uint64_t bytes, kvp__extent *v) {
+  for (uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT, n = bytes >> KVP__EXTENT_UNIT_SHIFT; n; n--, u++)
+    x->rmap[u] = v;
+}
+
+int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta) {
+  memset(x, 0, sizeof *x);
+  x->meta = meta;
+  x->bytes = bytes;
+  x->nunits = bytes >> KVP__EXTENT_UNIT_SHIFT;
+  x->rmap = kvp__meta_calloc(meta, x->nunits * sizeof *x->rmap);
+  kvp__extent *e = kvp__meta_calloc(meta, sizeof *e);
+  if (!x->rmap || !e) {
+    kvp__meta_free(meta, x->rmap, x->nunits * sizeof *x->rmap);
+    kvp__meta_free(meta, e, sizeof *e);
+    return kvp__err(KVP_ENOMEM, "extent map for %llu bytes", (unsigned long long)bytes);
+  }
+  e->bytes = bytes;
+  x->first = e;
+  x->nextents = 1;
+  bin_insert(x, e);
+  return KVP_OK;
+}
+
+void kvp__extents_fini(kvp__extents *x) {
+  for (kvp__extent *e = x->first, *n; e; e = n) {
+    n = e->anext;
+    kvp__meta_free(x->meta, e, sizeof *e);
+  }
+  kvp__meta_free(x->meta, x->rmap, x->nunits * sizeof *x->rmap);
+  memset(x, 0, sizeof *x);
+}
+
+static bool fits(const kvp__extent *e, uint64_t bytes, uint64_t align, uint64_t *at) {
+  uint64_t a = kvp__align_up(e->off, align);
+  if (a + bytes > e->off + e->bytes) return false;
+  *at = a;
+  return true;
+}
+
+/* First free extent that can hold bytes at alignment, or NULL. */
+static kvp__extent *find_fit(const kvp__extents *x, uint64_t bytes, uint64_t align, uint64_t *at) {
+  uint32_t b = kvp__sc_index_floor(bytes);
+  for (kvp__extent *e = x->bins[b]; e; e = e->fnext)
+    if (fits(e, bytes, align, at)) return e;
+  for (uint32_t w = (b + 1) / 64; w < KVP__ARRAY_LEN(x->nonempty); w++) {
+    uint64_t bits = x->nonempty[w];
+    if (w == (b + 1) / 64) bits &= ~0ull << ((b + 1) % 64);
+    while (bits) {
+      uint32_t i = w * 64 + (uint32_t)__builtin_ctzll(bits);
+      bits &= bits - 1;
+      for (kvp__extent *e = x->bins[i]; e; e = e->fnext)
+        if (fits(e, bytes, align, at)) return e;
+    }
+  }
+  return NULL;
+}
+
+int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_state state,
+                      kvp__extent **out) {
+  kvp__assert(bytes && bytes % KVP__EXTENT_UNIT == 0 && align >= KVP__EXTENT_UNIT);
+  kvp__assert(state != KVP__EXT_FREE);
+  uint64_t at = 0;
+  kvp__extent *e = bytes <= x->bytes ? find_fit(x, bytes, align, &at) : NULL;
+  if (!e) return KVP_ENOSPC;
+  /* Compute, reserve, then commit: take both split descriptors first. */
+  kvp__extent *lead = NULL, *tail = NULL;
+  if (at > e->off && !(lead = kvp__meta_calloc(x->meta, sizeof *lead))) goto nomem;
+  if (at + bytes < e->off + e->bytes && !(tail = kvp__meta_calloc(x->meta, sizeof *tail))) goto nomem;
+  bin_remove(x, e);
+  if (lead) {
+    lead->off = e->off;
+    lead->bytes = at - e->off;
+    if (e->aprev) link_after(e->aprev, lead);
+    else {
+      lead->anext = e;
+      e->aprev = lead;
+      x->first = lead;
+    }
+    e->off = at;
+    e->bytes -= lead->bytes;
+    bin_insert(x, lead);
+    x->nextents++;
+  }
+  if (tail) {
+    tail->off = e->off + bytes;
+    tail->bytes = e->bytes - bytes;
+    link_after(e, tail);
+    e->bytes = bytes;
+    bin_insert(x, tail);
+    x->nextents++;
+  }
+  e->state = (uint8_t)state;
+  e->owner = NULL;
+  rmap_set(x, e->off, e->bytes, e);
+  x->used_bytes += bytes;
+  if (state == KVP__EXT_SLAB) x->nslab++;
+  else x->nlarge++;
+  *out = e;
+  return KVP_OK;
+nomem:
+  kvp__meta_free(x->meta, lead, sizeof *lead);
+  return kvp__err(KVP_ENOMEM, "extent descriptor");
+}
+
+void kvp__extent_free(kvp__extents *x, kvp__extent *e) {
+  kvp__assert(e->state != KVP__EXT_FREE);
+  rmap_set(x, e->off, e->bytes, NULL);
+  x->used_bytes -= e->bytes;
+  if (e->state == KVP__EXT_SLAB) x->nslab--;
+  else x->nlarge--;
+  e->state = KVP__EXT_FREE;
+  e->owner = NULL;
+  kvp__extent *p = e->aprev, *n = e->anext;
+  if (p && p->state == KVP__EXT_FREE) {
+    bin_remove(x, p);
+    p->bytes += e->bytes;
+    unlink_addr(x, e);
+    kvp__meta_free(x->meta, e, sizeof *e);
+    x->nextents--;
+    e = p;
+  }
+  if (n && n->state == KVP__EXT_FREE) {
+    bin_remove(x, n);
+    e->bytes += n->bytes;
+    unlink_addr(x, n);
+    kvp__meta_free(x->meta, n, sizeof *n);
+    x->nextents--;
+  }
+  bin_insert(x, e);
+}
+
+bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) {
+  kvp__extent *n = e->anext;
+  if (bytes <= e->bytes) return bytes == e->bytes;
+  uint64_t need = bytes - e->bytes;
+  if (!n || n->state != KVP__EXT_FREE || n->bytes < need) return false;
+  bin_remove(x, n);
+  if (n->bytes == need) {
+    unlink_addr(x, n);
+    kvp__meta_free(x->meta, n, sizeof *n);
+    x->nextents--;
+  } else {
+    n->off += need;
+    n->bytes -= need;
+    bin_insert(x, n);
+  }
+  rmap_set(x, e->off + e->bytes, need, e);
+  e->bytes = bytes;
+  x->used_bytes += need;
+  return true;
+}
+
+#define CORRUPT(...) kvp__err(KVP_ECORRUPT, __VA_ARGS__)
+
+static int check_bins(const kvp__extents *x, uint64_t nfree) {
+  uint64_t listed = 0;
+  for (uint32_t b = 0; b < KVP__SC_COUNT; b++) {
+    bool bit = (x->nonempty[b / 64] >> (b % 64)) & 1;
+    if (bit != (x->bins[b] != NULL)) return CORRUPT("extent bin %u: non-empty bit %d disagrees with its list", b, bit);
+    for (const kvp__extent *e = x->bins[b]; e; e = e->fnext, listed++) {
+      if (e->state != KVP__EXT_FREE || e->bin != b || kvp__sc_index_floor(e->bytes) != b)
+        return CORRUPT("extent at offset %llu (%llu bytes) is in free bin %u wrongly",
+                       (unsigned long long)e->off, (unsigned long long)e->bytes, b);
+      if (listed > nfree) return CORRUPT("extent bin %u: list longer than the free extents", b);
+    }
+  }
+  return listed == nfree ? KVP_OK : CORRUPT("%llu free extents, but %llu in bins", (unsigned long long)nfree,
+                                            (unsigned long long)listed);
+}
+
+int kvp__extents_check(const kvp__extents *x) {
+  uint64_t off = 0, n = 0, nfree = 0, used = 0, nslab = 0, nlarge = 0;
+  const kvp__extent *prev = NULL;
+  for (const kvp__extent *e = x->first; e; prev = e, e = e->anext, n++) {
+    if (e->aprev != prev) return CORRUPT("extent at offset %llu: broken address links", (unsigned long long)e->off);
+    if (e->off != off || !e->bytes || e->bytes % KVP__EXTENT_UNIT)
+      return CORRUPT("extent tiling broken at offset %llu (extent says %llu, %llu bytes)", (unsigned long long)off,
+                     (unsigned long long)e->off, (unsigned long long)e->bytes);
+    if (e->state == KVP__EXT_FREE && prev && prev->state == KVP__EXT_FREE)
+      return CORRUPT("free extents at offsets %llu and %llu were not coalesced", (unsigned long long)prev->off,
+                     (unsigned long long)e->off);
+    for (uint64_t u = e->off >> KVP__EXTENT_UNIT_SHIFT; u < (e->off + e->bytes) >> KVP__EXTENT_UNIT_SHIFT; u++)
+      if (x->rmap[u] != (e->state == KVP__EXT_FREE ? NULL : e))
+        return CORRUPT("address map of unit %llu disagrees with the extent at offset %llu", (unsigned long long)u,
+                       (unsigned long long)e->off);
+    if (e->state == KVP__EXT_FREE) nfree++;
+    else used += e->bytes;
+    nslab += e->state == KVP__EXT_SLAB;
+    nlarge += e->state == KVP__EXT_LARGE;
+    off += e->bytes;
+  }
+  if (off != x->bytes) return CORRUPT("extents cover %llu of %llu region bytes", (unsigned long long)off,
+                                      (unsigned long long)x->bytes);
+  if (n != x->nextents || used != x->used_bytes || nslab != x->nslab || nlarge != x->nlarge)
+    return CORRUPT("extent counters drifted: %llu/%llu descriptors, %llu/%llu used bytes",
+                   (unsigned long long)n, (unsigned long long)x->nextents, (unsigned long long)used,
+                   (unsigned long long)x->used_bytes);
+  return check_bins(x, nfree);
+}

@@ -1,0 +1,63 @@
+/*
+ * alloc/region_cuda.c - the CUDA region backend: one cudaMalloc at create,
+ * like an engine's pre-reserved KV tensor. Host code never dereferences it;
+ * payload moves with cudaMemcpyAsync on the caller's stream. cudaError_t
+ * never leaves this file: it becomes KVP_EDEVICE with CUDA's message.
+ */
+#include "alloc.h"
+
+#include <cuda_runtime_api.h>
+
+static int cuda_fail(cudaError_t e, const char *what, int device) {
+  return kvp__err(KVP_EDEVICE, "%s on CUDA device %d: %s (%s)", what, device, cudaGetErrorString(e),
+                  cudaGetErrorName(e));
+}
+
+static int cuda_reserve(kvp__region *r) {
+  int n = 0;
+  cudaError_t e = cudaGetDeviceCount(&n);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaGetDeviceCount", r->device);
+  if (r->device < 0 || r->device >= n)
+    return kvp__err(KVP_EINVAL, "config.device = %d, but %d CUDA device(s) are visible", r->device, n);
+  int prev = 0;
+  cudaGetDevice(&prev);
+  if ((e = cudaSetDevice(r->device)) != cudaSuccess) return cuda_fail(e, "cudaSetDevice", r->device);
+  void *p = NULL;
+  e = cudaMalloc(&p, r->bytes);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) {
+    cudaGetLastError(); /* clear the sticky-free error state */
+    return cuda_fail(e, "cudaMalloc of config.region_bytes", r->device);
+  }
+  r->base = p;
+  return KVP_OK;
+}
+
+static void cuda_release(kvp__region *r) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(r->device);
+  cudaFree(r->base);
+  cudaSetDevice(prev);
+}
+
+static int cuda_copy(kvp__region *r, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream) {
+  cudaError_t e = cudaMemcpyAsync(r->base + dst_off, r->base + src_off, bytes, cudaMemcpyDeviceToDevice,
+                                  (cudaStream_t)stream);
+  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaMemcpyAsync (page move)", r->device);
+}
+
+static int cuda_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(r->device);
+  size_t fr = 0, tot = 0;
+  cudaError_t e = cudaMemGetInfo(&fr, &tot);
+  cudaSetDevice(prev);
+  if (e != cudaSuccess) return cuda_fail(e, "cudaMemGetInfo", r->device);
+  *used_bytes = tot - fr;
+  *total_bytes = tot;
+  return KVP_OK;
+}
+
+const kvp__region_ops kvp__region_cuda_ops = {"cuda", cuda_reserve, cuda_release, cuda_copy, cuda_usage};

@@ -1,0 +1,180 @@
+/*
+ * alloc/slab.c - slabs: one 2 MiB-aligned extent cut into slots of one size
+ * class, with a host-side bitmap (bit set = slot free).
+ *
+ *   slab (2 MiB)  | slot 0 | slot 1 | ... | slot nslots-1 | unused tail |
+ *   bitmap        [ word 0: slots 0..63 ][ word 1 ] ... [ word nwords-1 ]
+ *
+ * Invariants (kvp__slab_check):
+ *   nslots = 2 MiB / slot_bytes; nfree = popcount(bitmap); bits >= nslots clear
+ *   the bin's cur slab is not on the avail list; every other non-full slab is
+ *   listed; a full slab is nowhere; at most one empty slab per class (cur),
+ *   the others go back to the extents at once. The kept empty slabs are
+ *   hysteresis only: when the extents run out of room, they are purged
+ *   before any allocation answers ENOSPC.
+ *
+ * Fast path (kvp__slab_take with a current slab that has room): the bin's
+ * cur slab is never NULL (an empty sentinel with nfree = 0 stands in), so
+ * taking a slot is a load, a ctz on the hint word, a bit clear and two
+ * stores. Finding a slab, or carving a new one, is the out-of-line slow path.
+ */
+#include "slab.h"
+
+#include <string.h>
+
+kvp__slab kvp__slab_empty; /* nfree = 0: never allocated from */
+
+static size_t slab_desc_bytes(uint32_t nwords) { return sizeof(kvp__slab) + nwords * sizeof(uint64_t); }
+
+static void avail_push(kvp__bin *b, kvp__slab *s) {
+  s->prev = NULL;
+  s->next = b->avail;
+  if (b->avail) b->avail->prev = s;
+  b->avail = s;
+  s->listed = true;
+}
+
+static void avail_remove(kvp__bin *b, kvp__slab *s) {
+  if (s->prev) s->prev->next = s->next;
+  else b->avail = s->next;
+  if (s->next) s->next->prev = s->prev;
+  s->prev = s->next = NULL;
+  s->listed = false;
+}
+
+static void slab_release(kvp__alloc *a, kvp__slab *s);
+
+uint64_t kvp__slabs_purge_empty(kvp__alloc *a) {
+  uint64_t n = 0;
+  for (uint32_t c = 0; c < kvp__sc_small_count; c++) {
+    kvp__slab *s = a->bins[c].cur;
+    if (s != &kvp__slab_empty && s->nfree == s->nslots) {
+      slab_release(a, s);
+      n++;
+    }
+  }
+  return n;
+}
+
+static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
+  uint32_t slot_bytes = (uint32_t)kvp__sc_size(sc);
+  uint32_t nslots = (uint32_t)(KVP__SLAB_BYTES / slot_bytes), nwords = (nslots + 63) / 64;
+  kvp__slab *s = kvp__meta_calloc(a->meta, slab_desc_bytes(nwords));
+  if (!s) return kvp__err(KVP_ENOMEM, "slab descriptor for class %u", sc);
+  kvp__extent *e = NULL;
+  int rc = kvp__extent_alloc(&a->ext, KVP__SLAB_BYTES, KVP__SLAB_BYTES, KVP__EXT_SLAB, &e);
+  if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
+    rc = kvp__extent_alloc(&a->ext, KVP__SLAB_BYTES, KVP__SLAB_BYTES, KVP__EXT_SLAB, &e);
+  if (rc) {
+    kvp__meta_free(a->meta, s, slab_desc_bytes(nwords));
+    return rc;
+  }
+  e->owner = s;
+  s->ext = e;
+  s->base = e->off;
+  s->sc = sc;
+  s->slot_bytes = slot_bytes;
+  s->nslots = s->nfree = nslots;
+  s->nwords = nwords;
+  memset(s->bitmap, 0xff, nwords * sizeof(uint64_t));
+  if (nslots % 64) s->bitmap[nwords - 1] = (1ull << (nslots % 64)) - 1;
+  a->bins[sc].nslabs++;
+  kvp__gauge_add(&a->ledger.committed, KVP__SLAB_BYTES);
+  kvp__gauge_add(&a->ledger.slabs, 1);
+  *out = s;
+  return KVP_OK;
+}
+
+static void slab_release(kvp__alloc *a, kvp__slab *s) {
+  kvp__bin *b = &a->bins[s->sc];
+  if (s->listed) avail_remove(b, s);
+  if (b->cur == s) b->cur = &kvp__slab_empty;
+  b->nslabs--;
+  kvp__extent_free(&a->ext, s->ext);
+  kvp__gauge_sub(&a->ledger.committed, KVP__SLAB_BYTES);
+  kvp__gauge_sub(&a->ledger.slabs, 1);
+  kvp__meta_free(a->meta, s, slab_desc_bytes(s->nwords));
+}
+
+/* Slow path: make bin->cur a slab with room. */
+static KVP__NOINLINE int refill(kvp__alloc *a, kvp__bin *b, uint32_t sc) {
+  kvp__slab *s = b->avail;
+  if (s) avail_remove(b, s);
+  else {
+    int rc = slab_new(a, sc, &s);
+    if (rc) return rc;
+  }
+  b->cur = s;
+  return KVP_OK;
+}
+
+int kvp__slab_take(kvp__alloc *a, uint32_t sc, uint64_t *off) {
+  kvp__bin *b = &a->bins[sc];
+  kvp__slab *s = b->cur;
+  if (KVP__UNLIKELY(!s->nfree)) {
+    int rc = refill(a, b, sc);
+    if (rc) return rc;
+    s = b->cur;
+  }
+  uint32_t w = s->hint;
+  while (!s->bitmap[w]) w = w + 1 == s->nwords ? 0 : w + 1;
+  uint32_t bit = (uint32_t)__builtin_ctzll(s->bitmap[w]);
+  s->bitmap[w] &= s->bitmap[w] - 1;
+  s->hint = w;
+  if (!--s->nfree) b->cur = &kvp__slab_empty; /* full: on no list */
+  b->nused++;
+  *off = s->base + (uint64_t)(w * 64 + bit) * s->slot_bytes;
+  return KVP_OK;
+}
+
+int kvp__slab_put(kvp__alloc *a, uint64_t off, uint32_t sc) {
+  kvp__extent *e = kvp__extent_at(&a->ext, off);
+  if (!e || e->state != KVP__EXT_SLAB)
+    return kvp__err(KVP_EINVAL, "page at offset %llu: not inside a slab (foreign or already freed)",
+                    (unsigned long long)off);
+  kvp__slab *s = e->owner;
+  uint64_t rel = off - s->base, slot = rel / s->slot_bytes;
+  if (s->sc != sc || rel % s->slot_bytes || slot >= s->nslots)
+    return kvp__err(KVP_EINVAL, "page at offset %llu (class %u): not a slot of the slab of class %u there",
+                    (unsigned long long)off, sc, s->sc);
+  uint64_t mask = 1ull << (slot % 64);
+  if (s->bitmap[slot / 64] & mask)
+    return kvp__err(KVP_EINVAL, "page at offset %llu: double free (slot %llu is already free)",
+                    (unsigned long long)off, (unsigned long long)slot);
+  kvp__bin *b = &a->bins[sc];
+  s->bitmap[slot / 64] |= mask;
+  if ((uint32_t)(slot / 64) < s->hint) s->hint = (uint32_t)(slot / 64);
+  b->nused--;
+  if (s->nfree++ == 0 && b->cur != s) avail_push(b, s);
+  if (s->nfree == s->nslots && b->cur != s) slab_release(a, s);
+  return KVP_OK;
+}
+
+int kvp__slab_check(const kvp__alloc *a, const kvp__slab *s, uint64_t *nused) {
+  uint64_t nfree = 0;
+  for (uint32_t w = 0; w < s->nwords; w++) nfree += (uint64_t)__builtin_popcountll(s->bitmap[w]);
+  if (s->nslots % 64 && (s->bitmap[s->nwords - 1] >> (s->nslots % 64)))
+    return kvp__err(KVP_ECORRUPT, "slab at offset %llu: free bits set past slot %u", (unsigned long long)s->base,
+                    s->nslots);
+  if (nfree != s->nfree || s->nslots != KVP__SLAB_BYTES / s->slot_bytes || s->slot_bytes != kvp__sc_size(s->sc))
+    return kvp__err(KVP_ECORRUPT, "slab at offset %llu (class %u): bitmap has %llu free slots, counter %u",
+                    (unsigned long long)s->base, s->sc, (unsigned long long)nfree, s->nfree);
+  const kvp__bin *b = &a->bins[s->sc];
+  bool is_cur = b->cur == s;
+  if (is_cur ? s->listed : (s->listed != (s->nfree > 0)))
+    return kvp__err(KVP_ECORRUPT, "slab at offset %llu: listed=%d with %u free slots (cur=%d)",
+                    (unsigned long long)s->base, s->listed, s->nfree, is_cur);
+  if (!is_cur && s->nfree == s->nslots)
+    return kvp__err(KVP_ECORRUPT, "slab at offset %llu: empty but kept", (unsigned long long)s->base);
+  *nused += s->nslots - s->nfree;
+  return KVP_OK;
+}
+
+void kvp__slabs_fini(kvp__alloc *a) {
+  for (kvp__extent *e = a->ext.first; e; e = e->anext)
+    if (e->state == KVP__EXT_SLAB) {
+      kvp__slab *s = e->owner;
+      kvp__meta_free(a->meta, s, slab_desc_bytes(s->nwords));
+      e->owner = NULL;
+    }
+}

@@ -1,0 +1,300 @@
+/*
+ * kvpool.h - the public C ABI of kvpool, a KV-cache memory manager.
+ *
+ * kvpool manages the KV cache of a transformer serving engine the way an
+ * allocator manages a heap: it reserves one region (host or CUDA), carves
+ * variable-size pages out of it with a size-class allocator, keeps a strict
+ * byte budget, and accounts for every byte it holds (the "ledger").
+ *
+ * This header is the manual. Sections:
+ *   1. Versions and status codes
+ *   2. Pool configuration and lifetime
+ *   3. Statistics and the ledger
+ *   4. Experimental: raw pages (define KVP_EXPERIMENTAL_API to see it)
+ *
+ * Conventions
+ *   - Every call returns int: KVP_OK (0) or a negative KVP_E* status. On a
+ *     failure nothing changed, and kvp_last_error() names the culprit.
+ *   - Results come back through out pointers; destroy functions accept NULL.
+ *   - Structs that may grow start with struct_size; fill them with the
+ *     matching *_init function before use.
+ *   - Thread context: calls that mutate a pool take its writer lock (one
+ *     writer at a time); kvp_stats_get is lock-free.
+ *
+ * Glossary of abbreviations used in names
+ *   sc   size class            seg  segment (tokens of one step in a stream)
+ *   blk  block                 pg   page
+ *   seq  sequence              kv   key/value selector (0 = K, 1 = V)
+ *
+ * Since: 0.1.0 unless stated.
+ */
+#ifndef KVPOOL_H
+#define KVPOOL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(KVP_BUILDING) && defined(__GNUC__)
+#define KVP_API __attribute__((visibility("default")))
+#else
+#define KVP_API
+#endif
+
+/* ------------------------------------------------------------------------
+ * 1. Versions and status codes
+ * ---------------------------------------------------------------------- */
+
+#define KVP_VERSION_MAJOR 0
+#define KVP_VERSION_MINOR 1
+#define KVP_VERSION_PATCH 0
+
+/* "MAJOR.MINOR.PATCH" of the library actually linked. */
+KVP_API const char *kvp_version(void);
+
+/* X(name, value, description). Values are pinned: never renumber. */
+#define KVP_STATUS_LIST(X)                                                \
+  X(OK, 0, "success")                                                     \
+  X(EINVAL, -1, "invalid argument")                                       \
+  X(ENOMEM, -2, "out of host memory for metadata")                        \
+  X(EBUDGET, -3, "the byte budget would be passed")                       \
+  X(ENOSPC, -4, "the region is full")                                     \
+  X(ENOENT, -5, "no such entry")                                          \
+  X(EEXIST, -6, "entry already exists")                                   \
+  X(EDEVICE, -7, "device (CUDA) error")                                   \
+  X(ECODEC, -8, "codec error")                                            \
+  X(EFORMAT, -9, "bad file format")                                       \
+  X(EBUSY, -10, "busy: pinned by a reader")                               \
+  X(ECORRUPT, -11, "an invariant of the pool is broken")                  \
+  X(ENOTSUP, -12, "not supported")
+
+typedef enum kvp_status {
+#define KVP__STATUS_ENUM(name, value, desc) KVP_##name = value,
+  KVP_STATUS_LIST(KVP__STATUS_ENUM)
+#undef KVP__STATUS_ENUM
+} kvp_status;
+
+/* Description of a status ("the byte budget would be passed"); never NULL. */
+KVP_API const char *kvp_strerror(int status);
+/* Name of a status ("KVP_EBUDGET"); "KVP_E?" for unknown values. */
+KVP_API const char *kvp_err_name(int status);
+/* Thread-local message of the last failed call on this thread, naming the
+ * argument, layer, head, token or file at fault. "" if none failed yet. It is
+ * not cleared by successful calls (like errno). */
+KVP_API const char *kvp_last_error(void);
+
+/* ------------------------------------------------------------------------
+ * 2. Pool configuration and lifetime
+ * ---------------------------------------------------------------------- */
+
+typedef enum kvp_dtype { KVP_DTYPE_F32, KVP_DTYPE_BF16, KVP_DTYPE_F16 } kvp_dtype;
+typedef enum kvp_mem { KVP_MEM_HOST, KVP_MEM_CUDA } kvp_mem;
+typedef enum kvp_seq_mode { KVP_SEQ_STREAM, KVP_SEQ_STEP } kvp_seq_mode;
+
+typedef struct kvp_pool kvp_pool; /* opaque */
+
+/* Limits checked by kvp_pool_create. */
+#define KVP_MAX_LAYERS 4096u
+#define KVP_MAX_KV_HEADS 1024u
+#define KVP_MAX_HEAD_DIM 4096u
+#define KVP_MIN_REGION_BYTES (2u << 20)   /* one slab */
+#define KVP_MAX_PAGE_BYTES 0xFFFFFFFFull   /* requested bytes of one page */
+
+typedef struct kvp_config {
+  size_t struct_size;      /* bytes; set by kvp_config_init */
+  uint32_t n_layers;       /* transformer layers, 1..KVP_MAX_LAYERS */
+  uint32_t n_kv_heads;     /* KV heads per layer, 1..KVP_MAX_KV_HEADS */
+  uint32_t head_dim;       /* elements per head, 1..KVP_MAX_HEAD_DIM */
+  kvp_dtype k_dtype;       /* dtype of appended K */
+  kvp_dtype v_dtype;       /* dtype of appended V */
+  kvp_mem memory;          /* where the region lives */
+  int device;              /* CUDA ordinal when memory == KVP_MEM_CUDA */
+  uint64_t region_bytes;   /* bytes reserved at create (rounded down to 4 KiB) */
+  uint64_t budget_bytes;   /* strict cap on allocated page bytes; 0 = region */
+  uint32_t block_tokens;   /* tokens per block; 0 = default (16) */
+  const char *codecs;      /* codec spec; NULL = raw */
+  const char *policy;      /* policy spec; NULL = none */
+} kvp_config;
+
+/* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
+ * memory, 64 MiB region, budget = region. */
+KVP_API void kvp_config_init(kvp_config *cfg);
+
+/* Create a pool: validate cfg, reserve the region (one mmap or one
+ * cudaMalloc), set up the allocator, ledger and stats.
+ * Returns KVP_OK and *out, or KVP_EINVAL (bad field, named in
+ * kvp_last_error), KVP_ENOMEM, KVP_EDEVICE, KVP_ENOTSUP (CUDA region in a
+ * build without CUDA). Thread-safe. */
+KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out);
+
+/* Destroy a pool and release its region and all metadata. NULL is fine. No
+ * other call on the pool may run concurrently or afterwards. */
+KVP_API void kvp_pool_destroy(kvp_pool *pool);
+
+/* ------------------------------------------------------------------------
+ * 3. Statistics and the ledger
+ *
+ * The ledger is the pool's byte truth. At every instant:
+ *   requested <= allocated <= committed <= reserved
+ *   allocated <= budget
+ * requested: bytes the page layouts asked for; allocated: their size-class
+ * (or extent) sizes; committed: bytes of slabs and extents in use; reserved:
+ * the region. Gauges carry {current, peak, total}: total is the sum of all
+ * increases. Counters carry a total.
+ * ---------------------------------------------------------------------- */
+
+/* Page types: what the bytes of a page mean. X(name, lower-case key) */
+#define KVP_PAGE_TYPE_LIST(X)                                             \
+  X(RAW, "raw")                                                           \
+  X(CODES, "codes")                                                       \
+  X(SCALES, "scales")                                                     \
+  X(CENTROIDS, "centroids")                                               \
+  X(ASSIGN, "assign")                                                     \
+  X(OUTLIERS, "outliers")                                                 \
+  X(META, "meta")
+
+typedef enum kvp_page_type {
+#define KVP__PT_ENUM(name, key) KVP_PAGE_##name,
+  KVP_PAGE_TYPE_LIST(KVP__PT_ENUM)
+#undef KVP__PT_ENUM
+  KVP_PAGE_TYPE_COUNT
+} kvp_page_type;
+
+typedef struct kvp_gauge {
+  uint64_t current; /* value now */
+  uint64_t peak;    /* highest value seen */
+  uint64_t total;   /* sum of all increases */
+} kvp_gauge;
+
+/* Usage of one slice of a breakdown (a page type, a K/V side, ...). */
+typedef struct kvp_usage {
+  uint64_t requested_bytes; /* sum of requested bytes of live pages */
+  uint64_t allocated_bytes; /* sum of allocated bytes of live pages */
+  uint64_t npages;          /* live pages */
+} kvp_usage;
+
+/* Every scalar figure, listed once: X(kind, field, "dotted.key", "help").
+ * kind is GAUGE (kvp_gauge), COUNTER (uint64_t total) or VALUE (uint64_t,
+ * a setting or a probe). The struct, JSON keys, Prometheus names and the text
+ * table are all generated from this list. */
+#define KVP_STATS_LIST(X)                                                          \
+  X(GAUGE, bytes_requested, "bytes.requested", "bytes the page layouts asked for")  \
+  X(GAUGE, bytes_allocated, "bytes.allocated", "size-class bytes of live pages")    \
+  X(GAUGE, bytes_committed, "bytes.committed", "bytes of slabs and extents in use") \
+  X(VALUE, bytes_reserved, "bytes.reserved", "bytes of the region")                 \
+  X(VALUE, budget_bytes, "bytes.budget", "strict cap on allocated bytes")           \
+  X(GAUGE, pages, "pages.live", "live pages")                                       \
+  X(GAUGE, slabs, "slabs.live", "slabs carved from the region")                     \
+  X(GAUGE, extents, "extents.live", "large-page extents in use")                    \
+  X(COUNTER, allocs, "ops.allocs", "page allocations")                              \
+  X(COUNTER, frees, "ops.frees", "page frees")                                      \
+  X(COUNTER, grows, "ops.grows", "page grows")                                      \
+  X(COUNTER, grow_moves, "ops.grow_moves", "grows that moved to a larger class")    \
+  X(COUNTER, budget_refusals, "ops.budget_refusals", "allocations refused by the budget") \
+  X(COUNTER, nospc_refusals, "ops.nospc_refusals", "allocations refused: region full") \
+  X(GAUGE, metadata_bytes, "host.metadata_bytes", "host bytes of allocator and pool metadata") \
+  X(VALUE, device_used_bytes, "device.used_bytes", "device-level bytes in use (cudaMemGetInfo, or resident bytes of a host region)") \
+  X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)")
+
+typedef struct kvp_stats {
+  size_t struct_size; /* bytes; set by the caller (sizeof(kvp_stats)) */
+  uint32_t version;   /* KVP_STATS_VERSION of the library that filled it */
+#define KVP__STATS_FIELD_GAUGE(f) kvp_gauge f;
+#define KVP__STATS_FIELD_COUNTER(f) uint64_t f;
+#define KVP__STATS_FIELD_VALUE(f) uint64_t f;
+#define KVP__STATS_FIELD(kind, f, key, help) KVP__STATS_FIELD_##kind(f)
+  KVP_STATS_LIST(KVP__STATS_FIELD)
+#undef KVP__STATS_FIELD
+  kvp_usage page_types[KVP_PAGE_TYPE_COUNT]; /* breakdown by page type */
+  kvp_usage kv[2];                           /* breakdown by side: 0 = K, 1 = V */
+} kvp_stats;
+
+#define KVP_STATS_VERSION 1u
+
+/* Dimensions of a breakdown, for kvp_stats_breakdown. */
+typedef enum kvp_stats_dim {
+  KVP_DIM_PAGE_TYPE, /* index: kvp_page_type */
+  KVP_DIM_KV,        /* index: 0 = K, 1 = V */
+  KVP_DIM_LAYER,     /* index: layer */
+  KVP_DIM_HEAD,      /* index: KV head */
+  KVP_DIM_CODEC,     /* index: codec id */
+  KVP_DIM_SEQ        /* index: sequence id */
+} kvp_stats_dim;
+
+/* Snapshot of the ledger and the fixed breakdowns, lock-free (the ledger is
+ * read under a sequence lock, so its figures are mutually consistent).
+ * out->struct_size must be set. Returns KVP_OK or KVP_EINVAL. */
+KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out);
+
+/* One slice of a breakdown. KVP_ENOENT for an index out of range (or a
+ * sequence holding no pages). */
+KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t index,
+                                kvp_usage *out);
+
+typedef enum kvp_stats_format { KVP_STATS_JSON, KVP_STATS_PROMETHEUS, KVP_STATS_TEXT } kvp_stats_format;
+
+/* Write the stats in a format into buf (cap bytes, NUL-terminated). *len gets
+ * the full length without the NUL; if it is >= cap the output was truncated
+ * and the call returns KVP_ENOSPC (call again with a larger buffer; buf may be
+ * NULL with cap 0 to ask for the length). */
+KVP_API int kvp_stats_write(kvp_pool *pool, kvp_stats_format fmt, char *buf, size_t cap,
+                            size_t *len);
+
+/* Verify every invariant of the pool from scratch: walk every slab, extent
+ * and page, re-derive the ledger and every breakdown, and compare. Returns
+ * KVP_OK or KVP_ECORRUPT with the first broken invariant in kvp_last_error.
+ * Takes the writer lock; cost is linear in pages and metadata. */
+KVP_API int kvp_check(kvp_pool *pool);
+
+/* ------------------------------------------------------------------------
+ * 4. Experimental: raw pages
+ *
+ * Engines that lay out their own pages can use the pool as a byte allocator
+ * directly: allocate a tagged page, learn its address, grow it, free it. The
+ * pages count in the ledger and in kvp_check like any other. Define
+ * KVP_EXPERIMENTAL_API before including this header to use these calls; they
+ * may change in a minor release.
+ * ---------------------------------------------------------------------- */
+#ifdef KVP_EXPERIMENTAL_API
+
+typedef uint64_t kvp_page_id; /* 0 is never a valid id */
+
+typedef struct kvp_page_tag {
+  uint64_t seq;         /* sequence the page belongs to */
+  uint32_t layer;       /* < n_layers */
+  uint32_t head;        /* < n_kv_heads */
+  kvp_page_type type;   /* page type */
+  uint32_t kv;          /* 0 = K, 1 = V */
+  uint32_t codec;       /* codec id (0 = raw) */
+} kvp_page_tag;
+
+typedef struct kvp_page_desc {
+  void *addr;               /* first byte (host or device address) */
+  uint64_t requested_bytes; /* what was asked */
+  uint64_t allocated_bytes; /* its size-class or extent size */
+} kvp_page_desc;
+
+/* Allocate a page of bytes (1..KVP_MAX_PAGE_BYTES) with a tag. Errors:
+ * KVP_EINVAL (size, tag), KVP_EBUDGET (allocated + class size > budget),
+ * KVP_ENOSPC (no room in the region), KVP_ENOMEM. Writer lock. */
+KVP_API int kvp_page_alloc(kvp_pool *pool, uint64_t bytes, const kvp_page_tag *tag,
+                           kvp_page_id *out);
+/* Free a page. KVP_ENOENT for an id that is not live (double free, foreign). */
+KVP_API int kvp_page_free(kvp_pool *pool, kvp_page_id id);
+/* Grow (or shrink) a page's requested size to bytes, keeping its first
+ * min(old, new) bytes. Stays in place when the class still fits, else moves
+ * to a larger class (the ledger counts both pages during the move, so the
+ * budget must hold both). The id stays valid; the address may change. */
+KVP_API int kvp_page_grow(kvp_pool *pool, kvp_page_id id, uint64_t bytes);
+/* Address and sizes of a live page. */
+KVP_API int kvp_page_describe(kvp_pool *pool, kvp_page_id id, kvp_page_desc *out);
+
+#endif /* KVP_EXPERIMENTAL_API */
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVPOOL_H */

@@ -1,0 +1,228 @@
+/*
+ * pages/pool.c - the pool: configuration, lifetime, statistics and the full
+ * check that ties region, allocator, ledger and pages together.
+ *
+ * Invariants checked by kvp_check (DESIGN.md section 4):
+ *   sum over live pages of requested = ledger.requested
+ *   live pages walked = ledger.pages
+ *   every breakdown (page type, K/V, codec, layer, head, sequence) equals
+ *   the sum over live pages of that slice
+ *   plus everything kvp__alloc_check verifies (allocated, committed, budget)
+ */
+#include "pages.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+KVP_API void kvp_config_init(kvp_config *cfg) {
+  if (!cfg) return;
+  memset(cfg, 0, sizeof *cfg);
+  cfg->struct_size = sizeof *cfg;
+  cfg->n_layers = 1;
+  cfg->n_kv_heads = 1;
+  cfg->head_dim = 128;
+  cfg->k_dtype = KVP_DTYPE_BF16;
+  cfg->v_dtype = KVP_DTYPE_BF16;
+  cfg->memory = KVP_MEM_HOST;
+  cfg->region_bytes = 64ull << 20;
+}
+
+static bool dtype_ok(kvp_dtype d) { return d == KVP_DTYPE_F32 || d == KVP_DTYPE_BF16 || d == KVP_DTYPE_F16; }
+
+static int validate(const kvp_config *in, kvp_config *c) {
+  if (!in) return kvp__err(KVP_EINVAL, "config is NULL");
+  if (in->struct_size == 0) return kvp__err(KVP_EINVAL, "config.struct_size is 0: call kvp_config_init first");
+  if (in->struct_size > sizeof *c)
+    return kvp__err(KVP_EINVAL, "config.struct_size %zu is larger than this library's %zu (newer header?)",
+                    in->struct_size, sizeof *c);
+  kvp_config_init(c);
+  memcpy(c, in, in->struct_size);
+  c->struct_size = sizeof *c;
+  if (c->n_layers == 0 || c->n_layers > KVP_MAX_LAYERS)
+    return kvp__err(KVP_EINVAL, "config.n_layers = %u: must be 1..%u", c->n_layers, KVP_MAX_LAYERS);
+  if (c->n_kv_heads == 0 || c->n_kv_heads > KVP_MAX_KV_HEADS)
+    return kvp__err(KVP_EINVAL, "config.n_kv_heads = %u: must be 1..%u", c->n_kv_heads, KVP_MAX_KV_HEADS);
+  if (c->head_dim == 0 || c->head_dim > KVP_MAX_HEAD_DIM)
+    return kvp__err(KVP_EINVAL, "config.head_dim = %u: must be 1..%u", c->head_dim, KVP_MAX_HEAD_DIM);
+  if (!dtype_ok(c->k_dtype)) return kvp__err(KVP_EINVAL, "config.k_dtype = %d is not a kvp_dtype", (int)c->k_dtype);
+  if (!dtype_ok(c->v_dtype)) return kvp__err(KVP_EINVAL, "config.v_dtype = %d is not a kvp_dtype", (int)c->v_dtype);
+  if (c->memory != KVP_MEM_HOST && c->memory != KVP_MEM_CUDA)
+    return kvp__err(KVP_EINVAL, "config.memory = %d is neither KVP_MEM_HOST nor KVP_MEM_CUDA", (int)c->memory);
+  c->region_bytes &= ~(KVP__EXTENT_UNIT - 1);
+  if (c->region_bytes < KVP_MIN_REGION_BYTES || c->region_bytes > KVP__SC_MAX_BYTES)
+    return kvp__err(KVP_EINVAL, "config.region_bytes = %llu: must be %u..%llu", (unsigned long long)in->region_bytes,
+                    KVP_MIN_REGION_BYTES, (unsigned long long)KVP__SC_MAX_BYTES);
+  if (c->budget_bytes == 0) c->budget_bytes = c->region_bytes;
+  if (c->block_tokens == 0) c->block_tokens = KVP__DEFAULT_BLOCK_TOKENS;
+  if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
+    return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
+  if (c->codecs && *c->codecs && strcmp(c->codecs, "raw") != 0)
+    return kvp__err(KVP_ENOTSUP, "config.codecs = \"%s\": this version stores pages raw only (use NULL or \"raw\")",
+                    c->codecs);
+  if (c->policy && *c->policy && strcmp(c->policy, "none") != 0)
+    return kvp__err(KVP_ENOTSUP, "config.policy = \"%s\": this version has no eviction policies (use NULL or \"none\")",
+                    c->policy);
+  c->codecs = c->policy = NULL; /* strings are not kept */
+  return KVP_OK;
+}
+
+KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
+  if (!out) return kvp__err(KVP_EINVAL, "out pointer is NULL");
+  *out = NULL;
+  kvp_config c;
+  int rc = validate(cfg, &c);
+  if (rc) return rc;
+  kvp__meta meta = {0};
+  kvp_pool *p = kvp__meta_calloc(&meta, sizeof *p);
+  if (!p) return kvp__err(KVP_ENOMEM, "pool object");
+  p->meta = meta;
+  p->cfg = c;
+  pthread_mutex_init(&p->lock, NULL);
+  if ((rc = kvp__stats_init(&p->stats, c.n_layers, c.n_kv_heads, &p->meta))) goto fail;
+  if ((rc = kvp__alloc_init(&p->alloc, c.memory, c.device, c.region_bytes, c.budget_bytes, &p->stats, &p->meta))) {
+    kvp__stats_fini(&p->stats);
+    goto fail;
+  }
+  *out = p;
+  return KVP_OK;
+fail:
+  pthread_mutex_destroy(&p->lock);
+  kvp__meta_free(NULL, p, sizeof *p);
+  return rc;
+}
+
+KVP_API void kvp_pool_destroy(kvp_pool *pool) {
+  if (!pool) return;
+  kvp__rawpages_fini(pool);
+  kvp__alloc_fini(&pool->alloc);
+  kvp__stats_fini(&pool->stats);
+  pthread_mutex_destroy(&pool->lock);
+  kvp__meta_free(NULL, pool, sizeof *pool);
+}
+
+static void gauge_from_meta(const kvp__meta *m, kvp_gauge *g) {
+  g->current = atomic_load_explicit(&m->bytes, memory_order_relaxed);
+  g->peak = atomic_load_explicit(&m->peak_bytes, memory_order_relaxed);
+  g->total = atomic_load_explicit(&m->total_bytes, memory_order_relaxed);
+}
+
+KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
+  if (!pool || !out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "stats out" : "pool");
+  if (out->struct_size < sizeof *out)
+    return kvp__err(KVP_EINVAL, "stats.struct_size %zu < %zu: set it to sizeof(kvp_stats)", out->struct_size,
+                    sizeof *out);
+  kvp__ledger l;
+  kvp__ledger_snapshot(&pool->alloc.ledger, &l);
+  memset(out, 0, sizeof *out);
+  out->struct_size = sizeof *out;
+  out->version = KVP_STATS_VERSION;
+  out->bytes_requested = l.requested;
+  out->bytes_allocated = l.allocated;
+  out->bytes_committed = l.committed;
+  out->bytes_reserved = l.reserved_bytes;
+  out->budget_bytes = l.budget_bytes;
+  out->pages = l.pages;
+  out->slabs = l.slabs;
+  out->extents = l.extents;
+  out->allocs = l.allocs;
+  out->frees = l.frees;
+  out->grows = l.grows;
+  out->grow_moves = l.grow_moves;
+  out->budget_refusals = l.budget_refusals;
+  out->nospc_refusals = l.nospc_refusals;
+  gauge_from_meta(&pool->meta, &out->metadata_bytes);
+  kvp__region *r = &pool->alloc.region;
+  if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
+    out->device_used_bytes = out->device_total_bytes = 0; /* probe failed: reported as unknown (0) */
+  for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) kvp__usage_read(&pool->stats.page_types[i], &out->page_types[i]);
+  for (uint32_t i = 0; i < 2; i++) kvp__usage_read(&pool->stats.kv[i], &out->kv[i]);
+  return KVP_OK;
+}
+
+KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t index, kvp_usage *out) {
+  if (!pool || !out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "usage out" : "pool");
+  const kvp__stats *st = &pool->stats;
+  const kvp__usage *u = NULL;
+  uint64_t n = 0;
+  switch (dim) {
+  case KVP_DIM_PAGE_TYPE: n = KVP_PAGE_TYPE_COUNT; u = index < n ? &st->page_types[index] : NULL; break;
+  case KVP_DIM_KV: n = 2; u = index < n ? &st->kv[index] : NULL; break;
+  case KVP_DIM_LAYER: n = st->n_layers; u = index < n ? &st->layers[index] : NULL; break;
+  case KVP_DIM_HEAD: n = st->n_heads; u = index < n ? &st->heads[index] : NULL; break;
+  case KVP_DIM_CODEC: n = KVP__MAX_CODECS; u = index < n ? &st->codecs[index] : NULL; break;
+  case KVP_DIM_SEQ: {
+    kvp__lock(pool);
+    const kvp__usage *su = kvp__stats_seq(st, index);
+    if (su) kvp__usage_read(su, out);
+    kvp__unlock(pool);
+    if (su && out->npages) return KVP_OK;
+    return kvp__err(KVP_ENOENT, "sequence %llu holds no pages", (unsigned long long)index);
+  }
+  default: return kvp__err(KVP_EINVAL, "stats dimension %d unknown", (int)dim);
+  }
+  if (!u) return kvp__err(KVP_ENOENT, "stats dimension %d: index %llu >= %llu", (int)dim, (unsigned long long)index,
+                          (unsigned long long)n);
+  kvp__usage_read(u, out);
+  return KVP_OK;
+}
+
+KVP_API int kvp_stats_write(kvp_pool *pool, kvp_stats_format fmt, char *buf, size_t cap, size_t *len) {
+  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
+  if (!buf && cap) return kvp__err(KVP_EINVAL, "buf is NULL with cap %zu", cap);
+  kvp_stats s = {.struct_size = sizeof s};
+  int rc = kvp_stats_get(pool, &s);
+  if (rc) return rc;
+  kvp__emit_src src = {&s, &pool->stats};
+  kvp__lock(pool); /* the per-sequence table may be rebuilt by the writer */
+  rc = kvp__stats_emit(&src, fmt, buf, cap, len);
+  kvp__unlock(pool);
+  return rc;
+}
+
+typedef struct walk_sum {
+  kvp__stats_sum sum;      /* per-slice sums */
+  const kvp__stats *st;    /* table to find sequence slots in */
+  uint64_t requested;      /* sum of requested bytes */
+  uint64_t npages;         /* pages visited */
+  uint64_t bad_off;        /* offset of a malformed page */
+  bool bad;                /* a page's requested exceeds its class */
+} walk_sum;
+
+static void visit(void *ctx, const kvp__page *pg) {
+  walk_sum *w = ctx;
+  uint64_t cls = kvp__sc_size(pg->sc);
+  if (pg->requested_bytes > cls && !w->bad) {
+    w->bad = true;
+    w->bad_off = pg->off;
+  }
+  w->requested += pg->requested_bytes;
+  w->npages++;
+  kvp__stats_sum_add(w->st, &w->sum, &pg->tag, pg->requested_bytes, cls);
+}
+
+static int check_locked(kvp_pool *pool) {
+  int rc = kvp__alloc_check(&pool->alloc);
+  if (rc) return rc;
+  walk_sum w = {.st = &pool->stats};
+  if ((rc = kvp__stats_sum_init(&pool->stats, &w.sum))) return rc;
+  kvp__rawpages_walk(&pool->raw, visit, &w);
+  const kvp__ledger *l = &pool->alloc.ledger;
+  if (w.bad)
+    rc = kvp__err(KVP_ECORRUPT, "page at offset %llu requests more bytes than its class", (unsigned long long)w.bad_off);
+  else if (w.requested != l->requested.current || w.npages != l->pages.current)
+    rc = kvp__err(KVP_ECORRUPT, "pages hold %llu requested bytes in %llu pages, ledger says %llu in %llu",
+                  (unsigned long long)w.requested, (unsigned long long)w.npages,
+                  (unsigned long long)l->requested.current, (unsigned long long)l->pages.current);
+  else
+    rc = kvp__stats_compare(&pool->stats, &w.sum);
+  kvp__stats_sum_fini(&pool->stats, &w.sum);
+  return rc;
+}
+
+KVP_API int kvp_check(kvp_pool *pool) {
+  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
+  kvp__lock(pool);
+  int rc = check_locked(pool);
+  kvp__unlock(pool);
+  return rc;
+}

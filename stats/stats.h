@@ -1,0 +1,89 @@
+/*
+ * stats/stats.h - counting: per-tag counters of page bytes, and the emitters
+ * (JSON, Prometheus, text) generated from KVP_STATS_LIST in kvpool.h.
+ *
+ * Every page carries a tag; each alloc/free adds/subtracts its requested and
+ * allocated bytes in every dimension of the tag, so each breakdown sums to
+ * the ledger's totals. Counters are written by the writer only (relaxed
+ * atomics) and read from any thread.
+ */
+#ifndef KVP_STATS_H
+#define KVP_STATS_H
+
+#include "../util/util.h"
+
+#define KVP__MAX_CODECS 64u /* codec ids 0..63 */
+
+/* Where a page's bytes are counted: 16 bytes. */
+typedef struct kvp__tag {
+  uint64_t seq;      /* sequence id */
+  uint16_t layer;    /* layer */
+  uint16_t head;     /* KV head */
+  uint8_t type;      /* kvp_page_type */
+  uint8_t kv;        /* 0 = K, 1 = V */
+  uint16_t codec;    /* codec id < KVP__MAX_CODECS */
+} kvp__tag;
+
+typedef struct kvp__usage {
+  _Atomic uint64_t requested_bytes; /* sum over live pages */
+  _Atomic uint64_t allocated_bytes; /* sum over live pages */
+  _Atomic uint64_t npages;          /* live pages */
+} kvp__usage;
+
+/* One entry of the per-sequence table (open addressing, linear probing). */
+typedef struct kvp__seq_usage {
+  uint64_t seq;      /* key */
+  bool used;         /* slot holds a key (tombstones are used with 0 pages) */
+  kvp__usage u;      /* its usage */
+} kvp__seq_usage;
+
+typedef struct kvp__stats {
+  kvp__meta *meta;                           /* metadata counter */
+  uint32_t n_layers, n_heads;                /* sizes of the arrays below */
+  kvp__usage page_types[KVP_PAGE_TYPE_COUNT];
+  kvp__usage kv[2];
+  kvp__usage codecs[KVP__MAX_CODECS];
+  kvp__usage *layers;                        /* [n_layers] */
+  kvp__usage *heads;                         /* [n_heads] */
+  kvp__seq_usage *seqs;                      /* [seq_cap], writer lock for access */
+  uint32_t seq_cap;                          /* power of two */
+  uint32_t seq_used;                         /* used slots (live and tombstone) */
+} kvp__stats;
+
+int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
+void kvp__stats_fini(kvp__stats *st);
+/* Make sure the tag's sequence has a slot, so the counting that follows
+ * cannot fail. KVP_ENOMEM. Writer lock. */
+int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq);
+/* Count a page in (sign +1) or out (-1) in every dimension of its tag.
+ * The sequence slot must exist (reserve first). */
+void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_bytes,
+                      uint64_t allocated_bytes, int sign);
+/* Read one usage into the public struct. */
+void kvp__usage_read(const kvp__usage *u, kvp_usage *out);
+/* The usage of a sequence, or NULL. Writer lock. */
+const kvp__usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq);
+/* Accumulator for checks: a plain (non-atomic) copy of every dimension. */
+typedef struct kvp__stats_sum {
+  kvp_usage page_types[KVP_PAGE_TYPE_COUNT], kv[2], codecs[KVP__MAX_CODECS];
+  kvp_usage *layers, *heads, *seqs; /* [n_layers], [n_heads], [seq_cap]: slot of the table */
+  uint64_t unknown_seq;             /* a page whose sequence has no slot (0 = none) */
+  bool has_unknown_seq;             /* unknown_seq is meaningful */
+} kvp__stats_sum;
+int kvp__stats_sum_init(const kvp__stats *st, kvp__stats_sum *s); /* KVP_ENOMEM */
+void kvp__stats_sum_fini(const kvp__stats *st, kvp__stats_sum *s);
+void kvp__stats_sum_add(const kvp__stats *st, kvp__stats_sum *s, const kvp__tag *tag, uint64_t requested_bytes,
+                        uint64_t allocated_bytes);
+/* Compare an independently derived sum with the counters. KVP_ECORRUPT names
+ * the first dimension and index that differ. */
+int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s);
+
+/* Emitters (stats/emit.c). The caller provides the snapshot and a callback
+ * for breakdowns of variable size. */
+typedef struct kvp__emit_src {
+  const kvp_stats *s;       /* scalar figures and fixed breakdowns */
+  const kvp__stats *st;     /* per-layer/head/codec/seq counters */
+} kvp__emit_src;
+int kvp__stats_emit(const kvp__emit_src *src, kvp_stats_format fmt, char *buf, size_t cap, size_t *len);
+
+#endif /* KVP_STATS_H */

@@ -1,0 +1,505 @@
+/*
+ * tests/unit/check_alloc.c - the allocator: size classes, extents, slabs,
+ * ledger and budget, grow, bad input, and a randomized churn with the full
+ * pool check after every operation.
+ */
+#define KVP_EXPERIMENTAL_API
+#include "../../alloc/slab.h"
+#include "../../pages/pages.h"
+#include "testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- size classes ------------------------------------------------------ */
+
+START_TEST(sc_formula_every_boundary) {
+  kvp__sc_init();
+  ck_assert_uint_eq(kvp__sc_size(KVP__SC_COUNT - 1), KVP__SC_MAX_BYTES);
+  ck_assert_uint_eq(kvp__sc_size(0), 64);
+  uint64_t prev = 0;
+  for (uint32_t i = 0; i < KVP__SC_COUNT; i++) {
+    uint64_t sz = kvp__sc_size(i);
+    ck_assert_msg(sz > prev && sz % KVP__SC_GRANULE == 0, "class %u size %llu", i, (unsigned long long)sz);
+    /* four classes per doubling: size(i + 4) = 2 size(i) past the first group */
+    if (i >= 4 && i + 4 < KVP__SC_COUNT) ck_assert_uint_eq(kvp__sc_size(i + 4), 2 * sz);
+    /* boundaries: sz maps to i, sz + 1 to i + 1, prev + 1 to i */
+    ck_assert_uint_eq(kvp__sc_index(sz), i);
+    ck_assert_uint_eq(kvp__sc_index_slow(sz), i);
+    ck_assert_uint_eq(kvp__sc_index(prev + 1), i);
+    if (i + 1 < KVP__SC_COUNT) ck_assert_uint_eq(kvp__sc_index(sz + 1), i + 1);
+    ck_assert_uint_eq(kvp__sc_index_floor(sz), i);
+    if (i > 0 && sz - 1 > prev) ck_assert_uint_eq(kvp__sc_index_floor(sz - 1), i - 1);
+    /* rounding waste under 25% */
+    ck_assert(prev < 256 || (sz - (prev + 1)) * 4 < sz);
+    /* large classes are whole extent units; small ones give >= 8 slots */
+    if (sz > KVP__SMALL_MAX_BYTES) ck_assert_uint_eq(sz % KVP__EXTENT_UNIT, 0);
+    else ck_assert(KVP__SLAB_BYTES / sz >= 128);
+    prev = sz;
+  }
+}
+END_TEST
+
+START_TEST(sc_lut_matches_formula) {
+  kvp__sc_init();
+  for (uint64_t b = 1; b <= KVP__SMALL_MAX_BYTES; b++)
+    ck_assert_msg(kvp__sc_index(b) == kvp__sc_index_slow(b), "bytes %llu", (unsigned long long)b);
+  ck_assert_uint_eq(kvp__sc_small_count, kvp__sc_index(KVP__SMALL_MAX_BYTES) + 1);
+}
+END_TEST
+
+/* ---- extents (pure metadata, no region memory needed) ------------------ */
+
+#define MB (1ull << 20)
+
+START_TEST(extents_split_and_coalesce) {
+  kvp__sc_init();
+  kvp__meta m = {0};
+  kvp__extents x;
+  ck_ok(kvp__extents_init(&x, 64 * MB, &m));
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent *e[8];
+  for (int i = 0; i < 8; i++) {
+    ck_ok(kvp__extent_alloc(&x, 4 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e[i]));
+    ck_ok(kvp__extents_check(&x));
+  }
+  for (int i = 0; i < 8; i++) /* no overlap: distinct, ordered ranges */
+    for (int j = i + 1; j < 8; j++)
+      ck_assert(e[i]->off + e[i]->bytes <= e[j]->off || e[j]->off + e[j]->bytes <= e[i]->off);
+  ck_assert_uint_eq(x.used_bytes, 32 * MB);
+  /* free every other, then the rest: coalescing leaves one free extent */
+  for (int i = 0; i < 8; i += 2) {
+    kvp__extent_free(&x, e[i]);
+    ck_ok(kvp__extents_check(&x));
+  }
+  ck_assert_uint_eq(x.nextents, 9); /* 4 free holes + 4 used + the tail */
+  for (int i = 1; i < 8; i += 2) {
+    kvp__extent_free(&x, e[i]);
+    ck_ok(kvp__extents_check(&x));
+  }
+  ck_assert_uint_eq(x.nextents, 1);
+  ck_assert_uint_eq(x.first->bytes, 64 * MB);
+  ck_assert_uint_eq(x.used_bytes, 0);
+  kvp__extents_fini(&x);
+  ck_assert_uint_eq(m.bytes, 0); /* every descriptor returned */
+}
+END_TEST
+
+START_TEST(extents_alignment_and_full) {
+  kvp__sc_init();
+  kvp__meta m = {0};
+  kvp__extents x;
+  ck_ok(kvp__extents_init(&x, 16 * MB, &m));
+  kvp__extent *small, *slab, *big;
+  ck_ok(kvp__extent_alloc(&x, KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &small));
+  ck_ok(kvp__extent_alloc(&x, KVP__SLAB_BYTES, KVP__SLAB_BYTES, KVP__EXT_SLAB, &slab));
+  ck_assert_uint_eq(slab->off % KVP__SLAB_BYTES, 0);
+  ck_assert_uint_eq(slab->off, 2 * MB); /* the hole before it stays free */
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_eq(kvp__extent_at(&x, slab->off + 12345), slab);
+  ck_assert_ptr_null(kvp__extent_at(&x, 1 * MB));
+  /* the rest: 12 MiB free after the slab plus the 1984 KiB hole */
+  ck_status(kvp__extent_alloc(&x, 13 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &big), KVP_ENOSPC);
+  ck_ok(kvp__extent_alloc(&x, 12 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &big));
+  ck_status(kvp__extent_alloc(&x, KVP__SLAB_BYTES, KVP__SLAB_BYTES, KVP__EXT_SLAB, &slab), KVP_ENOSPC);
+  ck_ok(kvp__extents_check(&x));
+  /* grow in place into the following hole */
+  ck_assert(kvp__extent_grow_in_place(&x, small, 2 * MB - KVP__EXTENT_UNIT));
+  ck_assert(!kvp__extent_grow_in_place(&x, small, 2 * MB + KVP__EXTENT_UNIT)); /* the slab follows */
+  ck_assert(kvp__extent_grow_in_place(&x, small, 2 * MB));
+  ck_ok(kvp__extents_check(&x));
+  kvp__extents_fini(&x);
+}
+END_TEST
+
+/* ---- pool-level fixtures ----------------------------------------------- */
+
+static kvp_pool *mkpool(uint64_t region, uint64_t budget, uint32_t layers, uint32_t heads) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.region_bytes = region;
+  c.budget_bytes = budget;
+  c.n_layers = layers;
+  c.n_kv_heads = heads;
+  kvp_pool *p = NULL;
+  ck_ok(kvp_pool_create(&c, &p));
+  return p;
+}
+
+static kvp_page_tag tag_of(uint64_t seq, uint32_t layer, uint32_t head, kvp_page_type t, uint32_t kv) {
+  return (kvp_page_tag){seq, layer, head, t, kv, 0};
+}
+
+START_TEST(slab_fill_and_drain) {
+  /* fill one slab of class _i completely, then a second one; drain both */
+  static const uint64_t sizes[] = {64, 192, 320, 4096, 72 * 128, 16 << 10};
+  uint64_t sz = sizes[_i];
+  kvp_pool *p = mkpool(32 * MB, 0, 1, 1);
+  uint32_t sc = kvp__sc_index(sz), nslots = (uint32_t)(KVP__SLAB_BYTES / kvp__sc_size(sc));
+  uint32_t n = nslots + 1;
+  kvp_page_id *ids = calloc(n, sizeof *ids);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
+  for (uint32_t i = 0; i < n; i++) ck_ok(kvp_page_alloc(p, sz, &t, &ids[i]));
+  ck_pool(p);
+  kvp__bin *b = &p->alloc.bins[sc];
+  ck_assert_uint_eq(b->nslabs, 2);
+  ck_assert_uint_eq(b->nused, n);
+  /* slots of the first slab are distinct and inside it */
+  kvp_page_desc d0, d;
+  ck_ok(kvp_page_describe(p, ids[0], &d0));
+  for (uint32_t i = 1; i < nslots; i++) {
+    ck_ok(kvp_page_describe(p, ids[i], &d));
+    ck_assert((char *)d.addr - (char *)d0.addr == (ptrdiff_t)(i * kvp__sc_size(sc)));
+  }
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_committed.current, 2 * KVP__SLAB_BYTES);
+  for (uint32_t i = 0; i < n; i++) {
+    ck_ok(kvp_page_free(p, ids[i]));
+    if (i % 97 == 0) ck_pool(p);
+  }
+  ck_pool(p);
+  ck_assert_uint_eq(b->nused, 0);
+  ck_assert_uint_le(b->nslabs, 1); /* at most one empty slab kept per class */
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_allocated.current, 0);
+  ck_assert_uint_eq(s.bytes_allocated.peak, (uint64_t)n * kvp__sc_size(sc));
+  free(ids);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(slab_bitmap_reuses_lowest) {
+  kvp_pool *p = mkpool(8 * MB, 0, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  kvp_page_id ids[200];
+  kvp_page_desc d[200];
+  for (int i = 0; i < 200; i++) {
+    ck_ok(kvp_page_alloc(p, 100, &t, &ids[i]));
+    ck_ok(kvp_page_describe(p, ids[i], &d[i]));
+  }
+  ck_ok(kvp_page_free(p, ids[7]));
+  ck_ok(kvp_page_free(p, ids[150]));
+  kvp_page_id a, b;
+  kvp_page_desc da, db;
+  ck_ok(kvp_page_alloc(p, 128, &t, &a));
+  ck_ok(kvp_page_alloc(p, 65, &t, &b));
+  ck_ok(kvp_page_describe(p, a, &da));
+  ck_ok(kvp_page_describe(p, b, &db));
+  ck_assert_ptr_eq(da.addr, d[7].addr);
+  ck_assert_ptr_eq(db.addr, d[150].addr);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(budget_exactly_reachable_never_passable) {
+  /* budget = 10 pages of 4 KiB plus 64 B: reachable exactly, never passed */
+  uint64_t budget = 10 * 4096 + 64;
+  kvp_pool *p = mkpool(16 * MB, budget, 1, 1);
+  kvp_page_tag t = tag_of(3, 0, 0, KVP_PAGE_RAW, 1);
+  kvp_page_id ids[11], last;
+  for (int i = 0; i < 10; i++) ck_ok(kvp_page_alloc(p, 4000, &t, &ids[i]));
+  kvp_stats s0 = {.struct_size = sizeof s0}, s1 = {.struct_size = sizeof s1};
+  ck_ok(kvp_stats_get(p, &s0));
+  ck_status(kvp_page_alloc(p, 4096, &t, &ids[10]), KVP_EBUDGET);
+  ck_assert(strstr(kvp_last_error(), "budget 41024") != NULL);
+  ck_status(kvp_page_alloc(p, 65, &t, &ids[10]), KVP_EBUDGET); /* class 128 > 64 left */
+  ck_ok(kvp_page_alloc(p, 64, &t, &last));                    /* exactly the budget */
+  ck_ok(kvp_stats_get(p, &s1));
+  ck_assert_uint_eq(s1.bytes_allocated.current, budget);
+  ck_assert_uint_eq(s1.bytes_allocated.peak, budget);
+  ck_assert_uint_eq(s1.budget_refusals, 2);
+  ck_status(kvp_page_alloc(p, 1, &t, &ids[10]), KVP_EBUDGET);
+  /* a refused call changed nothing but the refusal counter */
+  ck_ok(kvp_stats_get(p, &s1));
+  ck_assert_uint_eq(s1.pages.current, 11);
+  ck_assert_uint_eq(s1.bytes_requested.current, s0.bytes_requested.current + 64);
+  ck_pool(p);
+  /* a grow that would need both pages during the move is refused too */
+  ck_status(kvp_page_grow(p, ids[0], 8000), KVP_EBUDGET);
+  ck_ok(kvp_page_grow(p, ids[0], 4096)); /* same class: in place */
+  ck_pool(p);
+  ck_ok(kvp_page_free(p, last));
+  ck_ok(kvp_page_free(p, ids[1]));
+  ck_status(kvp_page_grow(p, ids[0], 8000), KVP_EBUDGET); /* 9 x 4096 + 8192 > budget */
+  ck_ok(kvp_page_free(p, ids[2]));
+  ck_ok(kvp_page_grow(p, ids[0], 8000)); /* 8 x 4096 + 8192 fit during the move */
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(region_full_is_enospc) {
+  kvp_pool *p = mkpool(4 * MB, 64 * MB, 1, 1); /* budget past the region: space binds first */
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  kvp_page_id a, b, c;
+  ck_ok(kvp_page_alloc(p, 3 * MB, &t, &a));
+  ck_status(kvp_page_alloc(p, 2 * MB, &t, &b), KVP_ENOSPC);
+  ck_assert(strstr(kvp_last_error(), "region") != NULL);
+  ck_status(kvp_page_alloc(p, 64, &t, &b), KVP_ENOSPC); /* no 2 MiB-aligned slab left */
+  ck_ok(kvp_page_alloc(p, 1 * MB, &t, &c));
+  ck_pool(p);
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_committed.current, 4 * MB);
+  ck_assert_uint_eq(s.nospc_refusals, 2);
+  ck_ok(kvp_page_free(p, a));
+  ck_ok(kvp_page_alloc(p, 64, &t, &b));
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(grow_moves_keep_payload) {
+  kvp_pool *p = mkpool(32 * MB, 0, 2, 2);
+  kvp_page_tag t = tag_of(9, 1, 1, KVP_PAGE_OUTLIERS, 1);
+  kvp_page_id id;
+  ck_ok(kvp_page_alloc(p, 100, &t, &id));
+  uint64_t want = 100;
+  unsigned char *ref = malloc(4 * MB);
+  for (uint64_t i = 0; i < 4 * MB; i++) ref[i] = (unsigned char)(i * 131 + 7);
+  kvp_page_desc d;
+  ck_ok(kvp_page_describe(p, id, &d));
+  memcpy(d.addr, ref, want);
+  /* through slab classes, into extents, in place and moved */
+  while (want < 3 * MB) {
+    want = want * 3 / 2 + 1;
+    ck_ok(kvp_page_grow(p, id, want));
+    ck_ok(kvp_page_describe(p, id, &d));
+    ck_assert_uint_eq(d.requested_bytes, want);
+    ck_assert_uint_ge(d.allocated_bytes, want);
+    uint64_t have = want * 2 / 3; /* bytes written before this grow */
+    ck_assert_int_eq(memcmp(d.addr, ref, have), 0);
+    memcpy(d.addr, ref, want);
+    ck_pool(p);
+  }
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_gt(s.grow_moves, 5);
+  ck_assert_uint_eq(s.pages.current, 1);
+  ck_ok(kvp_page_grow(p, id, 10)); /* shrink keeps the page and its first bytes */
+  ck_ok(kvp_page_describe(p, id, &d));
+  ck_assert_int_eq(memcmp(d.addr, ref, 10), 0);
+  ck_pool(p);
+  free(ref);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(large_grow_in_place) {
+  kvp_pool *p = mkpool(32 * MB, 0, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  kvp_page_id id;
+  ck_ok(kvp_page_alloc(p, 320 << 10, &t, &id)); /* an extent */
+  kvp_page_desc d0, d1;
+  ck_ok(kvp_page_describe(p, id, &d0));
+  ck_ok(kvp_page_grow(p, id, 1 * MB));
+  ck_ok(kvp_page_describe(p, id, &d1));
+  ck_assert_ptr_eq(d0.addr, d1.addr); /* the free space after it was taken */
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.grow_moves, 0);
+  ck_assert_uint_eq(s.bytes_committed.current, 1 * MB);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* ---- bad input --------------------------------------------------------- */
+
+START_TEST(bad_sizes_and_ids) {
+  kvp_pool *p = mkpool(8 * MB, 0, 2, 2);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  kvp_page_id id;
+  ck_status(kvp_page_alloc(p, 0, &t, &id), KVP_EINVAL);
+  ck_assert(strstr(kvp_last_error(), "page size 0") != NULL);
+  ck_status(kvp_page_alloc(p, 1ull << 40, &t, &id), KVP_EINVAL);
+  ck_status(kvp_page_alloc(p, 64, NULL, &id), KVP_EINVAL);
+  kvp_page_tag bad = t;
+  bad.layer = 2;
+  ck_status(kvp_page_alloc(p, 64, &bad, &id), KVP_EINVAL);
+  ck_assert(strstr(kvp_last_error(), "layer 2") != NULL);
+  bad = t;
+  bad.head = 5;
+  ck_status(kvp_page_alloc(p, 64, &bad, &id), KVP_EINVAL);
+  bad = t;
+  bad.kv = 2;
+  ck_status(kvp_page_alloc(p, 64, &bad, &id), KVP_EINVAL);
+  bad = t;
+  bad.type = KVP_PAGE_TYPE_COUNT;
+  ck_status(kvp_page_alloc(p, 64, &bad, &id), KVP_EINVAL);
+  ck_pool(p);
+  ck_ok(kvp_page_alloc(p, 64, &t, &id));
+  ck_ok(kvp_page_free(p, id));
+  ck_status(kvp_page_free(p, id), KVP_ENOENT); /* double free */
+  ck_assert(strstr(kvp_last_error(), "not live") != NULL);
+  ck_status(kvp_page_free(p, 0), KVP_ENOENT);
+  ck_status(kvp_page_free(p, 0xdeadbeef00000001ull), KVP_ENOENT);
+  ck_status(kvp_page_grow(p, id, 100), KVP_ENOENT);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(internal_free_rejects_foreign_and_double) {
+  kvp_pool *p = mkpool(8 * MB, 0, 1, 1);
+  kvp__tag t = {1, 0, 0, KVP_PAGE_RAW, 0, 0};
+  kvp__page a, b, big;
+  ck_ok(kvp__alloc_page(&p->alloc, 1000, &t, &a));
+  ck_ok(kvp__alloc_page(&p->alloc, 1000, &t, &b));
+  ck_ok(kvp__alloc_page(&p->alloc, 1 * MB, &t, &big));
+  kvp__page f = a;
+  f.off += 64; /* inside a slot, not at its start */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  f = a;
+  f.off = 7 * MB; /* unused part of the region */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  f = a;
+  f.off = 1ull << 40; /* outside the region */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  f = a;
+  f.sc += 1; /* wrong class */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  f = big;
+  f.off += KVP__EXTENT_UNIT; /* inside a large page */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  ck_ok(kvp__alloc_check(&p->alloc));
+  ck_ok(kvp__alloc_free(&p->alloc, &a));
+  ck_status(kvp__alloc_free(&p->alloc, &a), KVP_EINVAL);
+  ck_assert(strstr(kvp_last_error(), "double free") != NULL);
+  ck_ok(kvp__alloc_free(&p->alloc, &big));
+  ck_status(kvp__alloc_free(&p->alloc, &big), KVP_EINVAL);
+  ck_ok(kvp__alloc_free(&p->alloc, &b));
+  ck_ok(kvp__alloc_check(&p->alloc));
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(check_detects_corruption) {
+  kvp_pool *p = mkpool(8 * MB, 0, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  kvp_page_id id;
+  ck_ok(kvp_page_alloc(p, 1000, &t, &id));
+  ck_pool(p);
+  p->alloc.ledger.requested.current += 1;
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  p->alloc.ledger.requested.current -= 1;
+  p->alloc.ledger.allocated.current += 64;
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  p->alloc.ledger.allocated.current -= 64;
+  atomic_fetch_add(&p->stats.heads[0].requested_bytes, 1);
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  ck_assert(strstr(kvp_last_error(), "head 0") != NULL);
+  atomic_fetch_sub(&p->stats.heads[0].requested_bytes, 1);
+  p->alloc.bins[kvp__sc_index(1000)].cur->bitmap[0] ^= 1; /* flip a slot */
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  p->alloc.bins[kvp__sc_index(1000)].cur->bitmap[0] ^= 1;
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* ---- churn ------------------------------------------------------------- */
+
+/* Page sizes drawn from the codec table at D = 128 (DESIGN.md section 7):
+ * per-block pages of 16 tokens, per-segment metadata, and scale-sized pages. */
+static uint64_t churn_size(uint64_t *rng) {
+  static const uint64_t mix[] = {64,   128,  2048, 2112, 4096, 8192,  512,  1024, 1152,
+                                 3264, 9216, 4,    40,   72,   65536, 262144, 1 << 20};
+  uint64_t r = t_rand(rng);
+  uint64_t base = mix[r % KVP__ARRAY_LEN(mix)];
+  return base + ((r >> 20) % 3 == 0 ? (r >> 32) % (base / 2 + 1) : 0);
+}
+
+START_TEST(churn_100k_with_check) {
+  enum { NLIVE = 512, NOPS = 100000 };
+  kvp_pool *p = mkpool(256 * MB, 40 * MB, 4, 8); /* many classes: slabs need room */
+  kvp_page_id live[NLIVE] = {0};
+  uint64_t rng = 0x1234567 + (uint64_t)_i, nok[3] = {0}, nbudget = 0, nspace = 0;
+  for (int op = 0; op < NOPS; op++) {
+    uint64_t r = t_rand(&rng);
+    uint32_t slot = (uint32_t)(r % NLIVE);
+    int kind = (int)((r >> 16) % 10); /* 0-4 alloc, 5-7 free, 8-9 grow */
+    int rc;
+    if (!live[slot] || kind < 5) {
+      if (live[slot]) {
+        ck_ok(kvp_page_free(p, live[slot]));
+        live[slot] = 0;
+      }
+      kvp_page_tag t = tag_of(r >> 40 & 15, (uint32_t)(r >> 24) % 4, (uint32_t)(r >> 28) % 8,
+                              (kvp_page_type)((r >> 32) % KVP_PAGE_TYPE_COUNT), (uint32_t)(r >> 36) & 1);
+      t.codec = (uint32_t)(r >> 44) % 5;
+      rc = kvp_page_alloc(p, churn_size(&rng), &t, &live[slot]);
+      if (rc) live[slot] = 0;
+      nok[0] += rc == KVP_OK;
+    } else if (kind < 8) {
+      rc = kvp_page_free(p, live[slot]);
+      live[slot] = 0;
+      nok[1] += rc == KVP_OK;
+    } else {
+      kvp_page_desc d;
+      ck_ok(kvp_page_describe(p, live[slot], &d));
+      rc = kvp_page_grow(p, live[slot], d.requested_bytes + 1 + d.requested_bytes / 2);
+      nok[2] += rc == KVP_OK;
+    }
+    ck_assert_msg(rc == KVP_OK || rc == KVP_EBUDGET || rc == KVP_ENOSPC, "op %d: %s", op, kvp_last_error());
+    nbudget += rc == KVP_EBUDGET;
+    nspace += rc == KVP_ENOSPC;
+    int crc = kvp_check(p);
+    ck_assert_msg(crc == KVP_OK, "op %d: %s", op, kvp_last_error());
+  }
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  fprintf(stderr, "churn: %llu allocs, %llu frees, %llu grows ok; %llu budget, %llu space refusals; peak %llu, "
+          "committed peak %llu\n",
+          (unsigned long long)nok[0], (unsigned long long)nok[1], (unsigned long long)nok[2],
+          (unsigned long long)nbudget, (unsigned long long)nspace, (unsigned long long)s.bytes_allocated.peak,
+          (unsigned long long)s.bytes_committed.peak);
+  ck_assert_uint_le(s.bytes_allocated.peak, 40 * MB);
+  ck_assert_uint_gt(nok[0] + nok[1] + nok[2], NOPS / 2);
+  ck_assert_uint_gt(nbudget, 0); /* the budget really bound */
+  for (int i = 0; i < NLIVE; i++)
+    if (live[i]) ck_ok(kvp_page_free(p, live[i]));
+  ck_pool(p);
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_allocated.current, 0);
+  ck_assert_uint_eq(s.bytes_requested.current, 0);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+static Suite *suite(void) {
+  Suite *s = suite_create("alloc");
+  TCase *tc = tcase_create("sizeclass");
+  tcase_add_test(tc, sc_formula_every_boundary);
+  tcase_add_test(tc, sc_lut_matches_formula);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("extent");
+  tcase_add_test(tc, extents_split_and_coalesce);
+  tcase_add_test(tc, extents_alignment_and_full);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("slab");
+  tcase_add_loop_test(tc, slab_fill_and_drain, 0, 6);
+  tcase_add_test(tc, slab_bitmap_reuses_lowest);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("ledger");
+  tcase_add_test(tc, budget_exactly_reachable_never_passable);
+  tcase_add_test(tc, region_full_is_enospc);
+  tcase_add_test(tc, grow_moves_keep_payload);
+  tcase_add_test(tc, large_grow_in_place);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("bad_input");
+  tcase_add_test(tc, bad_sizes_and_ids);
+  tcase_add_test(tc, internal_free_rejects_foreign_and_double);
+  tcase_add_test(tc, check_detects_corruption);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("churn");
+  tcase_set_timeout(tc, 300);
+  tcase_add_loop_test(tc, churn_100k_with_check, 0, 1);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) { return t_run(suite()); }

@@ -1,0 +1,68 @@
+/*
+ * util/util.h - the base layer every module of kvpool may use: the
+ * thread-local error message, assertions, the host metadata allocator,
+ * small integer helpers. It depends on nothing of the pool.
+ */
+#ifndef KVP_UTIL_H
+#define KVP_UTIL_H
+
+#define KVP_BUILDING 1
+#include "kvpool.h"
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- errors ----------------------------------------------------------- */
+
+/* Record a message for kvp_last_error() and return status (so callers can
+ * write `return kvp__err(KVP_EINVAL, "layer %u >= %u", l, n);`). */
+int kvp__err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* ---- assertions --------------------------------------------------------
+ * KVP_DEBUG = 0: none; 1 (default): cheap invariants; 2: also the expensive
+ * tier (full checks after mutations). Bad input is never an assertion. */
+#ifndef KVP_DEBUG
+#define KVP_DEBUG 1
+#endif
+void kvp__assert_fail(const char *expr, const char *file, int line) __attribute__((noreturn));
+#if KVP_DEBUG >= 1
+#define kvp__assert(e) ((e) ? (void)0 : kvp__assert_fail(#e, __FILE__, __LINE__))
+#else
+#define kvp__assert(e) ((void)0)
+#endif
+#if KVP_DEBUG >= 2
+#define kvp__assert_expensive(e) kvp__assert(e)
+#else
+#define kvp__assert_expensive(e) ((void)0)
+#endif
+
+#define KVP__LIKELY(x) __builtin_expect(!!(x), 1)
+#define KVP__UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define KVP__NOINLINE __attribute__((noinline))
+#define KVP__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+
+/* ---- host metadata -----------------------------------------------------
+ * All host-side metadata of a pool comes from one dedicated jemalloc arena
+ * (no thread cache), so it never mixes with the engine's own heap, and each
+ * allocation's usable size is added to the owner's counter. Builds with
+ * KVP_META_LIBC (the sanitizer builds) use libc malloc so ASan/TSan/valgrind
+ * see every metadata byte. */
+typedef struct kvp__meta {
+  _Atomic uint64_t bytes; /* usable bytes currently held */
+  _Atomic uint64_t peak_bytes; /* highest value of bytes */
+  _Atomic uint64_t total_bytes; /* sum of all allocations */
+} kvp__meta;
+
+void *kvp__meta_alloc(kvp__meta *m, size_t bytes);  /* NULL on failure */
+void *kvp__meta_calloc(kvp__meta *m, size_t bytes); /* zeroed */
+void kvp__meta_free(kvp__meta *m, void *p, size_t bytes); /* bytes as asked */
+/* Resize; on failure returns NULL and leaves p intact. */
+void *kvp__meta_realloc(kvp__meta *m, void *p, size_t old_bytes, size_t new_bytes);
+
+/* ---- integers ---------------------------------------------------------- */
+static inline uint64_t kvp__align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }
+static inline unsigned kvp__lg_floor(uint64_t x) { return 63u - (unsigned)__builtin_clzll(x); }
+
+#endif /* KVP_UTIL_H */
