@@ -48,9 +48,11 @@ ifeq ($(VARIANT),valgrind)
 endif
 
 LIB_SRC := $(wildcard util/*.c alloc/*.c stats/*.c codecs/*.c pages/*.c)
+CUDA_CFLAGS := -DKVP_HAVE_CUDA -I$(CUDA_HOME)/include
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
 ifeq ($(HAVE_CUDA),1)
-  CFLAGS_BASE += -DKVP_HAVE_CUDA -I$(CUDA_HOME)/include
-  LIBS += -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+  CFLAGS_BASE += $(CUDA_CFLAGS)
+  LIBS += $(CUDA_LIBS)
 else
   LIB_SRC := $(filter-out %_cuda.c,$(LIB_SRC))
 endif
@@ -130,15 +132,18 @@ valgrind:
 bench: deps $(B)/kvpool-bench
 	$(B)/kvpool-bench
 
+ifeq ($(HAVE_CUDA),1)
 test-gpu: deps lib $(GPU_BIN)
-	@if [ "$(HAVE_CUDA)" != 1 ]; then echo "test-gpu: skipped, built without CUDA"; exit 0; fi; \
-	  CK_FORK=no tools/run-tests.sh $(GPU_BIN)
+	@CK_FORK=no tools/run-tests.sh $(GPU_BIN)
+else
+test-gpu:
+	@echo "test-gpu: skipped: built without CUDA (no nvcc; set CUDA=1 CUDA_HOME=...)"
+endif
 
 $(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO)
 	@mkdir -p $(dir $@)
-	$(CC) $(PUB_CFLAGS) $(if $(filter 1,$(HAVE_CUDA)),-DKVP_HAVE_CUDA -I$(CUDA_HOME)/include) -o $@ $< \
-	  -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -lpthread \
-	  $(if $(filter 1,$(HAVE_CUDA)),-L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart) $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) \
+	  -lpthread $(CUDA_LIBS) $(LDFLAGS)
 
 install: lib
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include

@@ -31,9 +31,11 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
   for (uint32_t i = 0; i < KVP__SC_COUNT; i++) a->bins[i].cur = &kvp__slab_empty;
   int rc = kvp__region_open(mem, device, region_bytes, &a->region);
   if (rc) return rc;
-  if ((rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
+  a->slab_map = kvp__meta_calloc(meta, (region_bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
+  if (!a->slab_map || (rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
+    kvp__meta_free(meta, a->slab_map, (region_bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
     kvp__region_close(&a->region);
-    return rc;
+    return rc ? rc : kvp__err(KVP_ENOMEM, "slab map of the region");
   }
   kvp__ledger_init(&a->ledger, region_bytes, budget_bytes);
   return KVP_OK;
@@ -41,6 +43,7 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
 
 void kvp__alloc_fini(kvp__alloc *a) {
   kvp__slabs_fini(a);
+  kvp__meta_free(a->meta, a->slab_map, (a->region.bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
   kvp__extents_fini(&a->ext);
   kvp__region_close(&a->region);
 }
@@ -90,7 +93,7 @@ static int check_tag(const kvp__alloc *a, const kvp__tag *tag) {
 
 static int refuse_budget(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
   kvp__ledger_begin(&a->ledger);
-  a->ledger.budget_refusals++;
+  kvp__count_add(&a->ledger.budget_refusals, 1);
   kvp__ledger_end(&a->ledger);
   return kvp__err(KVP_EBUDGET, "page of %llu bytes (class %llu): allocated %llu + %llu would pass budget %llu",
                   (unsigned long long)bytes, (unsigned long long)class_bytes,
@@ -100,7 +103,7 @@ static int refuse_budget(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
 
 static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
   kvp__ledger_begin(&a->ledger);
-  a->ledger.nospc_refusals++;
+  kvp__count_add(&a->ledger.nospc_refusals, 1);
   kvp__ledger_end(&a->ledger);
   return kvp__err(KVP_ENOSPC, "page of %llu bytes (class %llu): no room in the %llu-byte region (%llu committed)",
                   (unsigned long long)bytes, (unsigned long long)class_bytes,
@@ -136,7 +139,7 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
   out->sc = sc;
   out->tag = *tag;
   count(a, out, +1);
-  a->ledger.allocs++;
+  kvp__count_add(&a->ledger.allocs, 1);
   return KVP_OK;
 }
 
@@ -168,7 +171,7 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   int rc = put(a, p->off, p->sc);
   if (!rc) {
     count(a, p, -1);
-    a->ledger.frees++;
+    kvp__count_add(&a->ledger.frees, 1);
   }
   kvp__ledger_end(&a->ledger);
   return rc;
@@ -195,7 +198,7 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
   uint32_t sc = kvp__sc_index(bytes);
   int rc = KVP_OK;
   kvp__ledger_begin(&a->ledger);
-  a->ledger.grows++;
+  kvp__count_add(&a->ledger.grows, 1);
   if (sc <= p->sc) { /* the class still holds it: only the requested bytes move */
     count(a, p, -1);
     p->requested_bytes = (uint32_t)bytes;
@@ -212,14 +215,14 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
       kvp__assert(prc == KVP_OK);
       (void)prc;
       count(a, drop, -1);
-      a->ledger.allocs -= rc != 0; /* an undone move is no allocation */
+      kvp__count_add(&a->ledger.allocs, -(rc != 0)); /* an undone move is no allocation */
       if (!rc) {
         *p = np;
-        a->ledger.grow_moves++;
+        kvp__count_add(&a->ledger.grow_moves, 1);
       }
     }
   }
-  if (rc) a->ledger.grows--;
+  if (rc) kvp__count_add(&a->ledger.grows, -1);
   kvp__ledger_end(&a->ledger);
   return rc && rc != KVP_EDEVICE ? refuse(a, rc, bytes) : rc;
 }
@@ -233,7 +236,8 @@ int kvp__alloc_check(const kvp__alloc *a) {
     if (e->state == KVP__EXT_SLAB) {
       const kvp__slab *s = e->owner;
       uint64_t u = 0;
-      if (!s || s->ext != e) return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu has no slab", (unsigned long long)e->off);
+      if (!s || s->ext != e || a->slab_map[e->off / KVP__SLAB_BYTES] != s)
+        return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu: slab or slab map disagree", (unsigned long long)e->off);
       if ((rc = kvp__slab_check(a, s, &u))) return rc;
       allocated += u * s->slot_bytes;
       nused += u;

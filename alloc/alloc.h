@@ -70,7 +70,8 @@ extern const kvp__region_ops kvp__region_cuda_ops;
 #define KVP__EXTENT_UNIT_SHIFT 12u
 
 uint32_t kvp__sc_index_slow(uint64_t bytes); /* the formula; bytes in 1..MAX */
-uint64_t kvp__sc_size(uint32_t index);       /* the formula */
+uint64_t kvp__sc_size_slow(uint32_t index);  /* the formula */
+extern uint64_t kvp__sc_sizes[KVP__SC_COUNT]; /* the formula, tabulated */
 extern uint8_t kvp__sc_lut[(KVP__SMALL_MAX_BYTES >> 6) + 1]; /* (b+63)>>6 -> index */
 extern uint32_t kvp__sc_small_count;          /* classes <= KVP__SMALL_MAX_BYTES */
 void kvp__sc_init(void);                      /* fill the LUT; idempotent */
@@ -80,6 +81,7 @@ static inline uint32_t kvp__sc_index(uint64_t bytes) {
   if (KVP__LIKELY(bytes <= KVP__SMALL_MAX_BYTES)) return kvp__sc_lut[(bytes + 63) >> 6];
   return kvp__sc_index_slow(bytes);
 }
+static inline uint64_t kvp__sc_size(uint32_t index) { return kvp__sc_sizes[index]; }
 /* Largest class <= bytes (bytes >= 64). */
 uint32_t kvp__sc_index_floor(uint64_t bytes);
 
@@ -181,6 +183,7 @@ void kvp__ledger_begin(kvp__ledger *l);
 void kvp__ledger_end(kvp__ledger *l);
 void kvp__gauge_add(kvp_gauge *g, uint64_t n);
 void kvp__gauge_sub(kvp_gauge *g, uint64_t n);
+void kvp__count_add(uint64_t *c, int64_t n); /* a ledger counter, by the writer */
 /* Consistent copy of the ledger, from any thread. */
 void kvp__ledger_snapshot(const kvp__ledger *l, kvp__ledger *out);
 
@@ -200,6 +203,7 @@ typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
   kvp__bin bins[KVP__SC_COUNT]; /* slab bins, small classes only */
+  struct kvp__slab **slab_map; /* [region / 2 MiB]: the slab of each 2 MiB chunk, or NULL */
   kvp__ledger ledger;          /* byte truth */
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */

@@ -22,8 +22,9 @@
 
 uint8_t kvp__sc_lut[(KVP__SMALL_MAX_BYTES >> 6) + 1];
 uint32_t kvp__sc_small_count;
+uint64_t kvp__sc_sizes[KVP__SC_COUNT];
 
-uint64_t kvp__sc_size(uint32_t index) {
+uint64_t kvp__sc_size_slow(uint32_t index) {
   if (index < 4) return (uint64_t)(index + 1) * KVP__SC_GRANULE;
   uint32_t g = index / 4, r = index % 4;
   uint64_t b = 256ull << (g - 1);
@@ -40,10 +41,11 @@ uint32_t kvp__sc_index_slow(uint64_t bytes) {
 
 uint32_t kvp__sc_index_floor(uint64_t bytes) {
   uint32_t i = kvp__sc_index_slow(bytes);
-  return kvp__sc_size(i) > bytes ? i - 1 : i;
+  return kvp__sc_size_slow(i) > bytes ? i - 1 : i;
 }
 
 static void sc_init_once(void) {
+  for (uint32_t i = 0; i < KVP__SC_COUNT; i++) kvp__sc_sizes[i] = kvp__sc_size_slow(i);
   for (uint64_t q = 0; q <= (KVP__SMALL_MAX_BYTES >> 6); q++)
     kvp__sc_lut[q] = (uint8_t)kvp__sc_index_slow(q == 0 ? 1 : q * 64);
   kvp__sc_small_count = kvp__sc_index_slow(KVP__SMALL_MAX_BYTES) + 1;

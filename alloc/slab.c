@@ -13,6 +13,9 @@
  *   hysteresis only: when the extents run out of room, they are purged
  *   before any allocation answers ENOSPC.
  *
+ * Slabs are 2 MiB-aligned, so a 2 MiB chunk holds at most one: slab_map
+ * finds a slot's slab in one load on free.
+ *
  * Fast path (kvp__slab_take with a current slab that has room): the bin's
  * cur slab is never NULL (an empty sentinel with nfree = 0 stands in), so
  * taking a slot is a load, a ctz on the hint word, a bit clear and two
@@ -70,6 +73,7 @@ static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
     return rc;
   }
   e->owner = s;
+  a->slab_map[e->off / KVP__SLAB_BYTES] = s;
   s->ext = e;
   s->base = e->off;
   s->sc = sc;
@@ -90,6 +94,7 @@ static void slab_release(kvp__alloc *a, kvp__slab *s) {
   if (s->listed) avail_remove(b, s);
   if (b->cur == s) b->cur = &kvp__slab_empty;
   b->nslabs--;
+  a->slab_map[s->base / KVP__SLAB_BYTES] = NULL;
   kvp__extent_free(&a->ext, s->ext);
   kvp__gauge_sub(&a->ledger.committed, KVP__SLAB_BYTES);
   kvp__gauge_sub(&a->ledger.slabs, 1);
@@ -128,11 +133,10 @@ int kvp__slab_take(kvp__alloc *a, uint32_t sc, uint64_t *off) {
 }
 
 int kvp__slab_put(kvp__alloc *a, uint64_t off, uint32_t sc) {
-  kvp__extent *e = kvp__extent_at(&a->ext, off);
-  if (!e || e->state != KVP__EXT_SLAB)
+  kvp__slab *s = off < a->region.bytes ? a->slab_map[off / KVP__SLAB_BYTES] : NULL;
+  if (!s)
     return kvp__err(KVP_EINVAL, "page at offset %llu: not inside a slab (foreign or already freed)",
                     (unsigned long long)off);
-  kvp__slab *s = e->owner;
   uint64_t rel = off - s->base, slot = rel / s->slot_bytes;
   if (s->sc != sc || rel % s->slot_bytes || slot >= s->nslots)
     return kvp__err(KVP_EINVAL, "page at offset %llu (class %u): not a slot of the slab of class %u there",

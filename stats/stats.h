@@ -48,6 +48,7 @@ typedef struct kvp__stats {
   kvp__seq_usage *seqs;                      /* [seq_cap], writer lock for access */
   uint32_t seq_cap;                          /* power of two */
   uint32_t seq_used;                         /* used slots (live and tombstone) */
+  kvp__seq_usage *seq_last;                  /* slot of the last sequence counted, or NULL */
 } kvp__stats;
 
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);

@@ -8,6 +8,7 @@
 #include <check.h>
 #include <jansson.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -186,14 +187,14 @@ END_TEST
 
 typedef struct reader_arg {
   kvp_pool *pool;
-  volatile int *stop;
+  atomic_int *stop;
   uint64_t budget, snapshots;
   int bad;
 } reader_arg;
 
 static void *reader(void *arg) {
   reader_arg *r = arg;
-  while (!*r->stop) {
+  while (!atomic_load(r->stop)) {
     kvp_stats s = {.struct_size = sizeof s};
     if (kvp_stats_get(r->pool, &s) != KVP_OK) r->bad++;
     /* a snapshot never mixes states: the ledger's order holds in each */
@@ -208,7 +209,7 @@ static void *reader(void *arg) {
 START_TEST(stats_lock_free_beside_writer) {
   uint64_t budget = 24 << 20;
   kvp_pool *p = mkpool(64 << 20, budget);
-  volatile int stop = 0;
+  atomic_int stop = 0;
   reader_arg ra[2] = {{p, &stop, budget, 0, 0}, {p, &stop, budget, 0, 0}};
   pthread_t th[2];
   for (int i = 0; i < 2; i++) pthread_create(&th[i], NULL, reader, &ra[i]);
@@ -227,7 +228,7 @@ START_TEST(stats_lock_free_beside_writer) {
       if (rc) ids[i] = 0;
     }
   }
-  stop = 1;
+  atomic_store(&stop, 1);
   for (int i = 0; i < 2; i++) {
     pthread_join(th[i], NULL);
     ck_assert_int_eq(ra[i].bad, 0);

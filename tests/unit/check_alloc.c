@@ -21,6 +21,7 @@ START_TEST(sc_formula_every_boundary) {
   uint64_t prev = 0;
   for (uint32_t i = 0; i < KVP__SC_COUNT; i++) {
     uint64_t sz = kvp__sc_size(i);
+    ck_assert_uint_eq(sz, kvp__sc_size_slow(i)); /* the table is the formula */
     ck_assert_msg(sz > prev && sz % KVP__SC_GRANULE == 0, "class %u size %llu", i, (unsigned long long)sz);
     /* four classes per doubling: size(i + 4) = 2 size(i) past the first group */
     if (i >= 4 && i + 4 < KVP__SC_COUNT) ck_assert_uint_eq(kvp__sc_size(i + 4), 2 * sz);
