@@ -98,6 +98,15 @@ $(B)/tests/check_%: tests/unit/check_%.c $(A) tests/unit/*.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
 
+# CUDA cross-check of codecs/numeric.c: CUDA's host-callable conversions
+# (no GPU needed). C++, because cuda_bf16.h and cuda_fp16.h declare them only
+# for C++. Built and run by `make test` when CUDA is on.
+XCHECK_BIN := $(if $(filter 1,$(HAVE_CUDA)),$(B)/tests/xcheck_cuda_numeric)
+$(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeric.h $(A)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Iinclude -isystem $(CUDA_HOME)/include $(SAN) \
+	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+
 # Integration tests and tools see only include/ and link the shared library.
 PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
 $(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO)
@@ -114,8 +123,9 @@ $(B)/kvpool-bench: tools/kvpool-bench.c $(SO)
 run: deps $(B)/kvpool-demo
 	$(B)/kvpool-demo
 
-test: deps lib $(UNIT_BIN) $(INTEG_BIN) check-exports
-	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN)
+test: deps lib $(UNIT_BIN) $(INTEG_BIN) $(XCHECK_BIN) check-exports
+	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
+	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(XCHECK_BIN)
 
 check-exports: $(SO)
 	@tools/check-exports.sh $(SO)

@@ -1,0 +1,298 @@
+/*
+ * codecs/numeric.c - small float formats and packed integer codes; the
+ * formats, NaN rules and bit layouts are documented in codecs/numeric.h.
+ *
+ * Rounding. Every encoder works on the f32 bits with integers, so results
+ * do not depend on the FPU rounding mode or on flush-to-zero. For a finite
+ * |x| = sig 2^(e-23), sig the 24-bit significand (implicit bit set), and a
+ * target with m mantissa bits and bias B (emin = 1 - B):
+ *
+ *   normal    (e >= emin):  code = (e + B - 1) << m  +  sig >> (23 - m)
+ *   subnormal (e <  emin):  code = sig >> (23 - m + emin - e)
+ *
+ * then the dropped bits decide: above half -> code + 1; exactly half ->
+ * code + 1 if code is odd (ties to even). A carry out of the mantissa walks
+ * into the exponent field, which is the correctly rounded next binade (and
+ * from the top subnormal into the smallest normal). Saturation or overflow
+ * to infinity is applied to the resulting code, so a tie at the top is
+ * decided by the same rule as every other tie.
+ *
+ *   |x| f32 bits:  s eeeeeeee [1]mmmmmmmmmmmmmmmmmmmmmmm
+ *                              |<- kept m ->|<- dropped ->|
+ *                                           ^ half = top dropped bit
+ */
+#include "numeric.h"
+
+#include "../util/util.h"
+
+#include <string.h>
+
+static inline uint32_t f32_bits(float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+static inline float f32_from_bits(uint32_t u) {
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+/* The magnitude code (exponent field << m | mantissa) of |x|, given as f32
+ * bits a (finite), in a format with m mantissa bits and bias `bias`, rounded
+ * to nearest even, exponent unbounded above (the caller saturates). */
+static inline uint32_t round_small(uint32_t a, unsigned m, int bias) {
+  if (a < 0x00800000u) return 0; /* zero or f32 subnormal: < 2^-126, far below half our quanta */
+  int e = (int)(a >> 23) - 127;  /* unbiased exponent */
+  int emin = 1 - bias;           /* exponent of the smallest normal */
+  uint32_t sig = (a & 0x007FFFFFu) | 0x00800000u;
+  uint32_t code;
+  unsigned drop; /* bits of sig below the target's quantum */
+  if (e >= emin) {
+    drop = 23 - m;
+    code = ((uint32_t)(e + bias - 1) << m) + (sig >> drop);
+  } else {
+    drop = 23 - m + (unsigned)(emin - e);
+    if (drop > 25) drop = 25; /* sig < 2^24 = half of 2^25: rounds to 0 either way */
+    code = sig >> drop;
+  }
+  uint32_t rem = sig & ((1u << drop) - 1), half = 1u << (drop - 1);
+  if (rem > half || (rem == half && (code & 1u))) code++;
+  return code;
+}
+
+/* f32 bits of m 2^k for 0 < m < 2^23, integers only (exact). */
+static inline uint32_t f32_bits_scaled(uint32_t m, int k) {
+  int p = 31 - __builtin_clz(m); /* m = 2^p 1.f */
+  return (uint32_t)(p + k + 127) << 23 | ((m << (23 - p)) & 0x007FFFFFu);
+}
+
+/* ---- FP8 E4M3 ----------------------------------------------------------- */
+
+static inline uint8_t fp8_enc(float x) {
+  uint32_t u = f32_bits(x), a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return KVP__FP8_E4M3_NAN;
+  uint32_t code = a == 0x7F800000u ? 0x7Eu : round_small(a, 3, 7);
+  if (code > 0x7Eu) code = 0x7Eu; /* saturate: 0x7F is NaN, beyond is out of range */
+  return (uint8_t)((u >> 24 & 0x80u) | code);
+}
+
+static inline float fp8_dec(uint8_t c) {
+  uint32_t s = (uint32_t)(c & 0x80u) << 24, e = c >> 3 & 0xFu, m = c & 7u;
+  if (e == 0xFu && m == 7u) return f32_from_bits(s | 0x7FC00000u);
+  if (e) return f32_from_bits(s | (e + 127 - 7) << 23 | m << 20);
+  return f32_from_bits(m ? s | f32_bits_scaled(m, -9) : s); /* m 2^-9 */
+}
+
+uint8_t kvp__fp8_e4m3_from_f32(float x) { return fp8_enc(x); }
+float kvp__fp8_e4m3_to_f32(uint8_t code) { return fp8_dec(code); }
+
+/* ---- BF16 --------------------------------------------------------------- */
+
+/* Branch-free so row loops vectorize: the rounding add carries into the
+ * exponent on overflow (0x7F7F.. -> 0x7F80 = inf); NaN takes the quiet bit. */
+static inline uint16_t bf16_enc(float x) {
+  uint32_t u = f32_bits(x);
+  uint32_t rne = (u + 0x7FFFu + (u >> 16 & 1u)) >> 16;
+  uint32_t qnan = u >> 16 | 0x0040u;
+  return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? qnan : rne);
+}
+
+static inline float bf16_dec(uint16_t c) { return f32_from_bits((uint32_t)c << 16); }
+
+uint16_t kvp__bf16_from_f32(float x) { return bf16_enc(x); }
+float kvp__bf16_to_f32(uint16_t code) { return bf16_dec(code); }
+
+/* ---- FP16 --------------------------------------------------------------- */
+
+static inline uint16_t f16_enc(float x) {
+  uint32_t u = f32_bits(x), a = u & 0x7FFFFFFFu, s = u >> 16 & 0x8000u;
+  if (a > 0x7F800000u) return (uint16_t)(s | 0x7E00u | (a >> 13 & 0x03FFu));
+  uint32_t code = a == 0x7F800000u ? 0x7C00u : round_small(a, 10, 15);
+  if (code > 0x7C00u) code = 0x7C00u; /* overflow: infinity */
+  return (uint16_t)(s | code);
+}
+
+static inline float f16_dec(uint16_t c) {
+  uint32_t s = (uint32_t)(c & 0x8000u) << 16, e = c >> 10 & 0x1Fu, m = c & 0x03FFu;
+  if (e == 0x1Fu) return f32_from_bits(s | 0x7F800000u | m << 13);
+  if (e) return f32_from_bits(s | (e + 127 - 15) << 23 | m << 13);
+  return f32_from_bits(m ? s | f32_bits_scaled(m, -24) : s); /* m 2^-24 */
+}
+
+uint16_t kvp__f16_from_f32(float x) { return f16_enc(x); }
+float kvp__f16_to_f32(uint16_t code) { return f16_dec(code); }
+
+/* ---- FP4 E2M1 ----------------------------------------------------------- */
+
+uint8_t kvp__e2m1_from_f32(float x) {
+  uint32_t u = f32_bits(x), a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7u; /* NaN: +6, as CUDA */
+  uint32_t code = a == 0x7F800000u ? 0x7u : round_small(a, 1, 1);
+  if (code > 0x7u) code = 0x7u; /* saturate at 6 */
+  return (uint8_t)((u >> 28 & 0x8u) | code);
+}
+
+static const float e2m1_values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+float kvp__e2m1_to_f32(uint8_t code) { return e2m1_values[code & 0xFu]; }
+
+/* ---- rows ---------------------------------------------------------------
+ * Plain loops over the inline scalar code. The BF16 ones are branch-free and
+ * vectorize where the compiler vectorizes (gcc -O3); FP16 and FP8 take the
+ * per-element branches of round_small. */
+
+void kvp__bf16_to_f32_row(float *dst, const uint16_t *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = bf16_dec(src[i]);
+}
+
+void kvp__bf16_from_f32_row(uint16_t *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = bf16_enc(src[i]);
+}
+
+void kvp__f16_to_f32_row(float *dst, const uint16_t *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = f16_dec(src[i]);
+}
+
+void kvp__f16_from_f32_row(uint16_t *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = f16_enc(src[i]);
+}
+
+void kvp__fp8_e4m3_to_f32_row(float *dst, const uint8_t *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = fp8_dec(src[i]);
+}
+
+void kvp__fp8_e4m3_from_f32_row(uint8_t *dst, const float *src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = fp8_enc(src[i]);
+}
+
+size_t kvp__dtype_bytes(kvp_dtype dt) {
+  kvp__assert(dt == KVP_DTYPE_F32 || dt == KVP_DTYPE_BF16 || dt == KVP_DTYPE_F16);
+  return dt == KVP_DTYPE_F32 ? 4 : 2;
+}
+
+void kvp__row_to_f32(float *dst, const void *src, kvp_dtype dt, size_t n) {
+  switch (dt) {
+  case KVP_DTYPE_F32: memcpy(dst, src, n * sizeof *dst); break;
+  case KVP_DTYPE_BF16: kvp__bf16_to_f32_row(dst, src, n); break;
+  case KVP_DTYPE_F16: kvp__f16_to_f32_row(dst, src, n); break;
+  default: kvp__assert(!"bad dtype");
+  }
+}
+
+void kvp__row_from_f32(void *dst, kvp_dtype dt, const float *src, size_t n) {
+  switch (dt) {
+  case KVP_DTYPE_F32: memcpy(dst, src, n * sizeof *src); break;
+  case KVP_DTYPE_BF16: kvp__bf16_from_f32_row(dst, src, n); break;
+  case KVP_DTYPE_F16: kvp__f16_from_f32_row(dst, src, n); break;
+  default: kvp__assert(!"bad dtype");
+  }
+}
+
+/* The NaN test on bits: exponent all ones and mantissa non-zero. */
+size_t kvp__row_find_nan(const void *src, kvp_dtype dt, size_t n) {
+  const unsigned char *p = src;
+  size_t w = kvp__dtype_bytes(dt);
+  for (size_t i = 0; i < n; i++, p += w) {
+    if (w == 4) {
+      uint32_t u;
+      memcpy(&u, p, 4);
+      if ((u & 0x7FFFFFFFu) > 0x7F800000u) return i;
+    } else {
+      uint16_t h;
+      memcpy(&h, p, 2);
+      if ((h & 0x7FFFu) > (dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u)) return i;
+    }
+  }
+  return n;
+}
+
+/* ---- packed codes ------------------------------------------------------- *
+ * One bit accumulator each way: pack shifts a code in and flushes whole
+ * bytes, unpack pulls a byte when fewer than `bits` bits are left. Cost per
+ * code: a shift, an or, a mask; the accumulator never holds 12+ bits. */
+
+static inline void check_bits(unsigned bits) { kvp__assert(bits >= 2 && bits <= 4); }
+
+size_t kvp__lsb32_bytes(size_t n, unsigned bits) { return 4 * ((n * bits + 31) / 32); }
+
+void kvp__lsb32_pack(uint8_t *dst, const uint8_t *codes, size_t n, unsigned bits) {
+  check_bits(bits);
+  uint32_t mask = (1u << bits) - 1, acc = 0; /* acc: pending stream bits, oldest in bit 0 */
+  unsigned nacc = 0;                         /* bits pending in acc (< 8 between codes) */
+  size_t o = 0;
+  for (size_t i = 0; i < n; i++) {
+    acc |= (uint32_t)(codes[i] & mask) << nacc;
+    for (nacc += bits; nacc >= 8; nacc -= 8, acc >>= 8) dst[o++] = (uint8_t)acc;
+  }
+  if (nacc) dst[o++] = (uint8_t)acc;
+  memset(dst + o, 0, kvp__lsb32_bytes(n, bits) - o);
+}
+
+void kvp__lsb32_unpack(uint8_t *codes, const uint8_t *src, size_t n, unsigned bits) {
+  check_bits(bits);
+  uint32_t mask = (1u << bits) - 1, acc = 0;
+  unsigned nacc = 0;
+  size_t o = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (nacc < bits) {
+      acc |= (uint32_t)src[o++] << nacc;
+      nacc += 8;
+    }
+    codes[i] = (uint8_t)(acc & mask);
+    acc >>= bits;
+    nacc -= bits;
+  }
+}
+
+size_t kvp__msb8_bytes(size_t n, unsigned bits) { return (n * bits + 7) / 8; }
+
+void kvp__msb8_pack(uint8_t *dst, const uint8_t *codes, size_t n, unsigned bits) {
+  check_bits(bits);
+  uint32_t mask = (1u << bits) - 1, acc = 0; /* acc: pending stream bits, newest in bit 0 */
+  unsigned nacc = 0;
+  size_t o = 0;
+  for (size_t i = 0; i < n; i++) {
+    acc = acc << bits | (codes[i] & mask);
+    nacc += bits;
+    if (nacc >= 8) {
+      nacc -= 8;
+      dst[o++] = (uint8_t)(acc >> nacc);
+      acc &= (1u << nacc) - 1;
+    }
+  }
+  if (nacc) dst[o] = (uint8_t)(acc << (8 - nacc));
+}
+
+void kvp__msb8_unpack(uint8_t *codes, const uint8_t *src, size_t n, unsigned bits) {
+  check_bits(bits);
+  uint32_t mask = (1u << bits) - 1, acc = 0;
+  unsigned nacc = 0;
+  size_t o = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (nacc < bits) {
+      acc = acc << 8 | src[o++];
+      nacc += 8;
+    }
+    nacc -= bits;
+    codes[i] = (uint8_t)(acc >> nacc & mask);
+    acc &= (1u << nacc) - 1;
+  }
+}
+
+size_t kvp__nib_bytes(size_t n) { return (n + 1) / 2; }
+
+void kvp__nib_pack(uint8_t *dst, const uint8_t *codes, size_t n) {
+  for (size_t j = 0; j < n / 2; j++) dst[j] = (uint8_t)((codes[2 * j] & 0xFu) | (codes[2 * j + 1] & 0xFu) << 4);
+  if (n & 1) dst[n / 2] = codes[n - 1] & 0xFu;
+}
+
+void kvp__nib_unpack(uint8_t *codes, const uint8_t *src, size_t n) {
+  for (size_t j = 0; j < n / 2; j++) {
+    codes[2 * j] = src[j] & 0xFu;
+    codes[2 * j + 1] = src[j] >> 4;
+  }
+  if (n & 1) codes[n - 1] = src[n / 2] & 0xFu;
+}
