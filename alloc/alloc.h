@@ -32,6 +32,13 @@ typedef struct kvp__region_ops {
   /* Copy bytes inside the region, ordered on stream (NULL: default). Ranges
    * must not overlap. */
   int (*copy)(kvp__region *r, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream);
+  /* Copy height rows of width bytes from caller memory (src, src_pitch apart)
+   * into the region (dst_off, dst_pitch apart), ordered on stream. */
+  int (*write2d)(kvp__region *r, uint64_t dst_off, uint64_t dst_pitch, const void *src, uint64_t src_pitch,
+                 uint64_t width, uint64_t height, void *stream);
+  /* The reverse: region rows into caller memory. */
+  int (*read2d)(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t src_off, uint64_t src_pitch, uint64_t width,
+                uint64_t height, void *stream);
   /* Device-level bytes in use and capacity (resident bytes of the host range;
    * cudaMemGetInfo for CUDA). */
   int (*usage)(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes);
@@ -171,6 +178,8 @@ typedef struct kvp__ledger {
   _Atomic uint64_t seq; /* sequence lock: odd while the writer updates */
   kvp_gauge requested, allocated, committed, pages, slabs, extents; /* bytes or counts */
   uint64_t allocs, frees, grows, grow_moves, budget_refusals, nospc_refusals; /* counts */
+  kvp_gauge tokens_retained, bf16_equivalent, sequences; /* tokens, bytes, count (pages layer) */
+  uint64_t tokens_evicted; /* tokens */
   uint64_t reserved_bytes; /* region */
   uint64_t budget_bytes;   /* strict cap on allocated */
 } kvp__ledger;
@@ -227,6 +236,11 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
  * budget must hold both while the move lasts), the payload copied, the old
  * freed. On failure p is unchanged. */
 int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream);
+/* Do alloc_bytes more allocated bytes (class sizes, already summed) fit the
+ * budget now? */
+static inline bool kvp__alloc_fits_bytes(const kvp__alloc *a, uint64_t alloc_bytes) {
+  return kvp__ledger_fits(&a->ledger, alloc_bytes);
+}
 /* Would an allocation of bytes pass the budget now? (planning; no effect) */
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes);
 /* Verify the allocator's metadata and that the ledger's allocated and

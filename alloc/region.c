@@ -68,6 +68,22 @@ static int host_copy(kvp__region *r, uint64_t dst_off, uint64_t src_off, uint64_
   return KVP_OK;
 }
 
+static int host_write2d(kvp__region *r, uint64_t dst_off, uint64_t dst_pitch, const void *src, uint64_t src_pitch,
+                        uint64_t width, uint64_t height, void *stream) {
+  (void)stream;
+  for (uint64_t i = 0; i < height; i++)
+    memcpy(r->base + dst_off + i * dst_pitch, (const unsigned char *)src + i * src_pitch, width);
+  return KVP_OK;
+}
+
+static int host_read2d(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t src_off, uint64_t src_pitch,
+                       uint64_t width, uint64_t height, void *stream) {
+  (void)stream;
+  for (uint64_t i = 0; i < height; i++)
+    memcpy((unsigned char *)dst + i * dst_pitch, r->base + src_off + i * src_pitch, width);
+  return KVP_OK;
+}
+
 static int host_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
   long pg = sysconf(_SC_PAGESIZE);
   uint64_t page = pg > 0 ? (uint64_t)pg : 4096, resident = 0;
@@ -83,4 +99,5 @@ static int host_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_byte
   return KVP_OK;
 }
 
-const kvp__region_ops kvp__region_host_ops = {"host", host_reserve, host_release, host_copy, host_usage};
+const kvp__region_ops kvp__region_host_ops = {"host",       host_reserve, host_release, host_copy,
+                                              host_write2d, host_read2d,  host_usage};

@@ -47,6 +47,20 @@ static int cuda_copy(kvp__region *r, uint64_t dst_off, uint64_t src_off, uint64_
   return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaMemcpyAsync (page move)", r->device);
 }
 
+static int cuda_write2d(kvp__region *r, uint64_t dst_off, uint64_t dst_pitch, const void *src, uint64_t src_pitch,
+                        uint64_t width, uint64_t height, void *stream) {
+  cudaError_t e = cudaMemcpy2DAsync(r->base + dst_off, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault,
+                                    (cudaStream_t)stream);
+  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaMemcpy2DAsync (append)", r->device);
+}
+
+static int cuda_read2d(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t src_off, uint64_t src_pitch,
+                       uint64_t width, uint64_t height, void *stream) {
+  cudaError_t e = cudaMemcpy2DAsync(dst, dst_pitch, r->base + src_off, src_pitch, width, height, cudaMemcpyDefault,
+                                    (cudaStream_t)stream);
+  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaMemcpy2DAsync (read)", r->device);
+}
+
 static int cuda_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
   int prev = 0;
   cudaGetDevice(&prev);
@@ -60,4 +74,5 @@ static int cuda_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_byte
   return KVP_OK;
 }
 
-const kvp__region_ops kvp__region_cuda_ops = {"cuda", cuda_reserve, cuda_release, cuda_copy, cuda_usage};
+const kvp__region_ops kvp__region_cuda_ops = {"cuda",       cuda_reserve, cuda_release, cuda_copy,
+                                              cuda_write2d, cuda_read2d,  cuda_usage};

@@ -10,7 +10,8 @@
  *   1. Versions and status codes
  *   2. Pool configuration and lifetime
  *   3. Statistics and the ledger
- *   4. Experimental: raw pages (define KVP_EXPERIMENTAL_API to see it)
+ *   4. Sequences, steps, append, evict, read, views
+ *   5. Experimental: raw pages (define KVP_EXPERIMENTAL_API to see it)
  *
  * Conventions
  *   - Every call returns int: KVP_OK (0) or a negative KVP_E* status. On a
@@ -196,6 +197,10 @@ typedef struct kvp_usage {
   X(COUNTER, budget_refusals, "ops.budget_refusals", "allocations refused by the budget") \
   X(COUNTER, nospc_refusals, "ops.nospc_refusals", "allocations refused: region full") \
   X(GAUGE, metadata_bytes, "host.metadata_bytes", "host bytes of allocator and pool metadata") \
+  X(GAUGE, tokens_retained, "tokens.retained", "tokens retained over all (layer, head) streams") \
+  X(COUNTER, tokens_evicted, "tokens.evicted", "tokens evicted over all (layer, head) streams")  \
+  X(GAUGE, bf16_equivalent_bytes, "bytes.bf16_equivalent", "retained tokens x head_dim x 2 bytes, K and V: the uncompressed baseline") \
+  X(GAUGE, sequences, "sequences.live", "live sequences")                           \
   X(VALUE, device_used_bytes, "device.used_bytes", "device-level bytes in use (cudaMemGetInfo, or resident bytes of a host region)") \
   X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)")
 
@@ -250,7 +255,140 @@ KVP_API int kvp_stats_write(kvp_pool *pool, kvp_stats_format fmt, char *buf, siz
 KVP_API int kvp_check(kvp_pool *pool);
 
 /* ------------------------------------------------------------------------
- * 4. Experimental: raw pages
+ * 4. Sequences, steps, append, evict, read, views
+ *
+ * A sequence holds L x H streams, one per (layer, KV head). Tokens arrive in
+ * steps: kvp_step_begin(seq, n), then kvp_append once per layer in layer
+ * order with the step's n tokens, then kvp_step_end. Steps are numbered from
+ * 0 in the order they begin; a token's position is its index in the
+ * sequence. A (layer, head, step) unit can be evicted; in KVP_SEQ_STEP mode
+ * its bytes are freed exactly (blocks never straddle steps); in
+ * KVP_SEQ_STREAM mode blocks fill across steps and a block's bytes are
+ * freed once none of its tokens is retained and it is sealed.
+ *
+ * Readers (kvp_read, kvp_view_acquire, kvp_seq_info) are lock-free under RCU
+ * and may run on any thread concurrently with the writer; every other call
+ * here takes the writer lock.
+ * ---------------------------------------------------------------------- */
+
+#define KVP_MAX_STEP_TOKENS (1u << 24) /* tokens of one step */
+#define KVP_MAX_SEQ_TOKENS 0xFFFFFFF0u  /* positions of one sequence */
+
+typedef struct kvp_seq_config {
+  size_t struct_size;           /* bytes; set by kvp_seq_config_init */
+  kvp_seq_mode mode;            /* KVP_SEQ_STREAM (default) or KVP_SEQ_STEP */
+  const uint32_t *step_tokens;  /* planned tokens per step, when known (VAR scales); copied */
+  uint32_t n_steps;             /* entries of step_tokens (0 = no plan) */
+  double budget_fraction;       /* per-sequence policy budget, 0 = none (policies) */
+} kvp_seq_config;
+
+/* Defaults: stream mode, no plan, no budget fraction. */
+KVP_API void kvp_seq_config_init(kvp_seq_config *sc);
+
+/* Add a sequence with the caller's 64-bit id (any value). sc NULL = stream
+ * mode. KVP_EEXIST if the id is live; KVP_EINVAL for a bad config. */
+KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc);
+/* Free a sequence and every page only it holds (shared blocks stay with
+ * their other owners; pinned blocks go when their last view is released).
+ * Allowed inside a step (the step is dropped). KVP_ENOENT if unknown. */
+KVP_API int kvp_seq_free(kvp_pool *pool, uint64_t seq);
+/* Fork parent into a new sequence child: sealed blocks are shared by
+ * reference count, the OPEN block of each stream is copied. Not inside a
+ * step of the parent (KVP_EBUSY). All or nothing: KVP_EBUDGET/KVP_ENOSPC if
+ * the copies do not fit, KVP_EEXIST if child is live, KVP_ENOENT if the
+ * parent is not. */
+KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child);
+
+#define KVP_STEP_SCENE_CUT 1u /* flag for policies (multishot): a new shot begins */
+
+/* Begin a step of n_tokens (1..KVP_MAX_STEP_TOKENS) for seq. With a planned
+ * schedule, n_tokens must match the plan for the step's index. KVP_EBUSY if
+ * a step is already open. */
+KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint32_t flags);
+
+typedef struct kvp_kv {
+  const void *k, *v; /* [n_tokens][n_kv_heads][head_dim], contiguous, config dtypes, pool memory */
+  void *stream;      /* cudaStream_t for KVP_MEM_CUDA, else NULL */
+} kvp_kv;
+
+/* Append layer's K and V for the open step (n tokens of the step). Layers
+ * must come in order 0, 1, ..., L-1, each once. All or nothing: on any
+ * failure (budget, region, bad input) the pool is as before and the same
+ * layer may be appended again. Buffers must be aligned to their dtype.
+ * With a CUDA region the copies are ordered on kv->stream. */
+KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv);
+/* End the open step; every layer must have been appended. */
+KVP_API int kvp_step_end(kvp_pool *pool, uint64_t seq);
+/* Evict the tokens of one step from one (layer, head). KVP_ENOENT if that
+ * unit is not retained (never appended, or evicted already). Freed bytes
+ * leave the ledger before the call returns (it waits for an RCU grace
+ * period: readers in flight finish first). */
+KVP_API int kvp_evict(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t step);
+
+typedef struct kvp_read_req {
+  size_t struct_size;      /* sizeof(kvp_read_req) */
+  uint32_t head;           /* KV head to read */
+  kvp_dtype out_dtype;     /* dtype of k_out/v_out */
+  void *k_out, *v_out;     /* [capacity_tokens][head_dim], pool memory space; either may be NULL */
+  uint32_t *positions_out; /* host, [capacity_tokens]: positions of the tokens read; may be NULL */
+  uint32_t capacity_tokens; /* rows the buffers hold */
+  uint32_t n_tokens;       /* out: tokens written (or needed, on KVP_ENOSPC) */
+  void *stream;            /* cudaStream_t for KVP_MEM_CUDA, else NULL */
+} kvp_read_req;
+
+/* Read (dequantize) the retained tokens of one head of (seq, layer) in
+ * position order. Lock-free. If capacity_tokens is too small, returns
+ * KVP_ENOSPC with req->n_tokens = tokens needed and writes nothing. */
+KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req *req);
+
+/* One retained token range of one block, for kernels that read pages
+ * directly. page[kv][type] is the page's first byte (NULL if the block has
+ * no page of that type); token i of the block is at a layout-defined offset
+ * (raw: i x row bytes). */
+typedef struct kvp_view_block {
+  uint32_t head;              /* KV head */
+  uint32_t block_pos0;        /* position of the block's token 0 */
+  uint32_t first;             /* first retained token (index within the block) */
+  uint32_t n_tokens;          /* retained tokens from first on */
+  uint32_t codec[2];          /* codec id of K and V pages */
+  const void *page[2][KVP_PAGE_TYPE_COUNT];     /* [0 = K, 1 = V][page type] */
+  uint64_t page_bytes[2][KVP_PAGE_TYPE_COUNT];  /* requested bytes of each page */
+} kvp_view_block;
+
+typedef struct kvp_view {
+  uint64_t seq;                   /* sequence */
+  uint32_t layer;                 /* layer */
+  uint32_t n_blocks;              /* entries in blocks */
+  const kvp_view_block *blocks;   /* by head, then position */
+} kvp_view;
+
+/* Pin the blocks of (seq, layer) and describe them. Lock-free. Pinned
+ * blocks stay valid after eviction (new reads no longer see them) and
+ * return their bytes when the last pin is released. */
+KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_view **out);
+/* Release a view (NULL is fine). */
+KVP_API void kvp_view_release(kvp_pool *pool, kvp_view *view);
+
+typedef struct kvp_seq_desc {
+  size_t struct_size;          /* sizeof(kvp_seq_desc) */
+  kvp_seq_mode mode;           /* out: mode */
+  uint32_t n_steps;            /* out: steps begun */
+  uint32_t n_positions;        /* out: tokens appended (positions used) */
+  int in_step;                 /* out: a step is open */
+  uint64_t tokens_retained;    /* out: sum over streams */
+  uint64_t tokens_evicted;     /* out: sum over streams */
+  uint32_t *retained_tokens;   /* in, optional: [n_layers * n_kv_heads] per (layer, head) */
+  uint32_t *evicted_tokens;    /* in, optional: [n_layers * n_kv_heads] */
+  kvp_usage page_types[KVP_PAGE_TYPE_COUNT]; /* out: pages this sequence references */
+} kvp_seq_desc;
+
+/* Describe a sequence. Lock-free. Shared blocks count in every sequence
+ * that references them (the ledger and the per-sequence stats count them
+ * once, under the sequence that allocated them). */
+KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info);
+
+/* ------------------------------------------------------------------------
+ * 5. Experimental: raw pages
  *
  * Engines that lay out their own pages can use the pool as a byte allocator
  * directly: allocate a tagged page, learn its address, grow it, free it. The

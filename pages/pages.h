@@ -1,11 +1,27 @@
 /*
- * pages/pages.h - meaning: the pool object and what lives in its pages.
- * pages uses alloc, codecs and stats; nothing uses pages.
+ * pages/pages.h - meaning: the pool object, sequences, runs, blocks and what
+ * lives in their pages. pages uses alloc, codecs and stats; nothing uses
+ * pages.
+ *
+ *   pool --lfht--> seq --layers[L]--> runs: [s0,s1) x [p0,p1), head mask
+ *                     \--streams[L*H]--> brefs --> block (shared on fork)
+ *                                                   pages[K|V][codec page]
+ *
+ * A run says which heads of a layer retain the steps [s0, s1) (positions
+ * [p0, p1)); a decode step extends the layer's last run, an eviction splits
+ * one. A stream (layer, head) holds its blocks in position order; a block
+ * holds up to cap_tokens contiguous positions. Readers walk runs and blocks
+ * under RCU; the writer publishes with release stores and frees after a
+ * grace period (runs and brefs through call_rcu; blocks, which own pages,
+ * through the limbo the writer drains after kvp__rcu_synchronize, so the
+ * ledger is only ever touched by the writer).
  */
 #ifndef KVP_PAGES_H
 #define KVP_PAGES_H
 
 #include "../alloc/alloc.h"
+#include "../codecs/codec.h"
+#include "../util/rcu.h"
 
 #include <pthread.h>
 
@@ -27,6 +43,71 @@ typedef struct kvp__rawpages {
   uint32_t free_head;  /* first free slot (index + 1; 0 = none) */
 } kvp__rawpages;
 
+/* Up to cap_tokens tokens of one stream at positions [pos0, pos0 + cap). */
+typedef struct kvp__block {
+  uint32_t pos0;          /* position of token 0 */
+  uint32_t cap_tokens;    /* capacity: the pages hold this many tokens */
+  uint32_t n_tokens;      /* tokens written (writer only) */
+  uint32_t owners;        /* streams referencing it (writer only) */
+  _Atomic uint32_t refs;  /* owners + view pins; freed when 0 */
+  bool sealed;            /* full or closed: takes no more tokens */
+  bool orphan;            /* no owner left, kept by pins (on pool->orphans) */
+  uint32_t check_epoch;   /* kvp_check visit mark */
+  uint32_t owners_seen;   /* kvp_check: brefs found this check */
+  struct kvp__block *oprev, *onext; /* pool->orphans list, or limbo chain (onext) */
+  kvp__page pages[2][KVP__CODEC_MAX_PAGES]; /* [K, V][codec page] */
+} kvp__block;
+
+/* A stream's reference to a block (blocks are shared across forks). */
+typedef struct kvp__bref {
+  struct kvp__bref *next; /* RCU list in position order */
+  kvp__block *blk;        /* the block */
+  kvp__rcu_head rcu;      /* deferred free */
+} kvp__bref;
+
+/* Steps [s0, s1) of a layer at positions [p0, p1), retained by mask's heads. */
+typedef struct kvp__run {
+  struct kvp__run *next;  /* RCU list in step order */
+  uint32_t s0, p0;        /* first step, its first position */
+  _Atomic uint32_t s1, p1; /* end step and position; p1 is stored (release) after the data */
+  kvp__rcu_head rcu;      /* deferred free */
+  uint32_t nwords;        /* words of mask */
+  uint64_t mask[];        /* bit h: head h retains these steps */
+} kvp__run;
+
+typedef struct kvp__stream {
+  kvp__bref *blocks;              /* RCU list, position order */
+  kvp__bref *tail;                /* last bref (writer only) */
+  _Atomic uint32_t retained_tokens; /* tokens retained */
+  _Atomic uint32_t evicted_tokens;  /* tokens evicted */
+} kvp__stream;
+
+typedef struct kvp__layer {
+  kvp__run *runs; /* RCU list, step order */
+  kvp__run *last; /* last run (writer only) */
+} kvp__layer;
+
+typedef struct kvp__seq {
+  struct cds_lfht_node node; /* in pool->seqs */
+  uint64_t id;               /* the caller's id */
+  kvp_seq_mode mode;         /* stream or step */
+  uint32_t *plan;            /* planned tokens per step, or NULL */
+  uint32_t n_plan;           /* entries of plan */
+  double budget_fraction;    /* for policies */
+  _Atomic uint32_t n_steps;  /* steps begun */
+  _Atomic uint32_t n_positions; /* positions of ended steps (+ open step's, after its end) */
+  uint32_t *step_pos;        /* [n_steps + 1]: first position of each step (writer only) */
+  uint32_t step_pos_cap;     /* entries allocated */
+  _Atomic int in_step;       /* a step is open */
+  uint32_t cur_tokens;       /* tokens of the open step */
+  uint32_t cur_flags;        /* flags of the open step */
+  uint32_t next_layer;       /* next layer to append in the open step */
+  kvp__layer *layers;        /* [L] */
+  kvp__stream *streams;      /* [L * H], stream (l, h) at l * H + h */
+  size_t layers_bytes, streams_bytes; /* sizes of the two arrays */
+  kvp__rcu_head rcu;         /* deferred free */
+} kvp__seq;
+
 struct kvp_pool {
   kvp_config cfg;        /* copy of the configuration (strings not kept) */
   pthread_mutex_t lock;  /* the writer lock: one mutator at a time */
@@ -34,7 +115,18 @@ struct kvp_pool {
   kvp__stats stats;      /* per-tag counters */
   kvp__alloc alloc;      /* region, extents, slabs, ledger */
   kvp__rawpages raw;     /* pages handed out through kvp_page_* */
+  struct cds_lfht *seqs; /* live sequences by id */
+  kvp__codec_ctx codec[2]; /* K and V codec bindings (per layer later) */
+  kvp__block *limbo;     /* blocks waiting for a grace period (onext chain) */
+  uint64_t limbo_bytes;  /* their allocated bytes */
+  kvp__block *orphans;   /* evicted blocks kept alive by view pins */
+  uint32_t check_epoch;  /* for kvp_check's visit marks */
 };
+
+static inline kvp__stream *kvp__seq_stream(const kvp_pool *p, kvp__seq *s, uint32_t layer, uint32_t head) {
+  return &s->streams[(size_t)layer * p->cfg.n_kv_heads + head];
+}
+static inline bool kvp__run_has(const kvp__run *r, uint32_t head) { return (r->mask[head / 64] >> (head % 64)) & 1; }
 
 /* Visit every live page of the pool (for kvp_check). */
 typedef void (*kvp__page_visit)(void *ctx, const kvp__page *pg);
@@ -43,5 +135,41 @@ void kvp__rawpages_fini(kvp_pool *pool);
 
 static inline void kvp__lock(kvp_pool *p) { pthread_mutex_lock(&p->lock); }
 static inline void kvp__unlock(kvp_pool *p) { pthread_mutex_unlock(&p->lock); }
+
+/* pages/seq.c */
+int kvp__seqs_init(kvp_pool *pool);
+void kvp__seqs_fini(kvp_pool *pool); /* frees every sequence (destroy) */
+kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id); /* under rcu_read_lock */
+/* Drop one owner reference of a block (writer): to the limbo at zero refs,
+ * to the orphans if only pins remain. */
+void kvp__block_unown(kvp_pool *pool, kvp__block *b);
+/* Free a block's pages and struct now (writer; no reader may hold it). */
+void kvp__block_destroy(kvp_pool *pool, kvp__block *b);
+/* Wait for a grace period and free everything in the limbo (writer). */
+void kvp__reclaim(kvp_pool *pool);
+/* Walk every block and page of every sequence, the limbo and the orphans;
+ * verify runs and streams. KVP_OK or KVP_ECORRUPT (writer lock held). */
+int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx);
+
+int kvp__seq_fork_locked(kvp_pool *pool, kvp__seq *parent, kvp__seq *child); /* pages/fork.c */
+kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint32_t n_plan);
+void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
+
+/* pages/stream.c */
+int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv);
+int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
+kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);
+void kvp__run_free_now(kvp_pool *pool, kvp__run *r);
+void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);
+/* Retire (call_rcu) a run or bref: freed after a grace period. */
+void kvp__run_retire(kvp_pool *pool, kvp__run *r);
+void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
+/* Allocate a block with pages for cap tokens of (seq, layer, head); writer. */
+int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                   kvp__block **out);
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t cap); /* allocated bytes of one block, K + V */
+
+/* Tokens counters of the ledger (writer). */
+void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted);
 
 #endif /* KVP_PAGES_H */

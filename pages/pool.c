@@ -7,6 +7,7 @@
  *   live pages walked = ledger.pages
  *   every breakdown (page type, K/V, codec, layer, head, sequence) equals
  *   the sum over live pages of that slice
+ *   the page tables hold (runs, streams, blocks, owners: kvp__seqs_check)
  *   plus everything kvp__alloc_check verifies (allocated, committed, budget)
  */
 #include "pages.h"
@@ -83,6 +84,13 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
     kvp__stats_fini(&p->stats);
     goto fail;
   }
+  if ((rc = kvp__seqs_init(p))) {
+    kvp__alloc_fini(&p->alloc);
+    kvp__stats_fini(&p->stats);
+    goto fail;
+  }
+  p->codec[0] = (kvp__codec_ctx){&kvp__codec_raw, c.k_dtype, c.k_dtype, c.head_dim};
+  p->codec[1] = (kvp__codec_ctx){&kvp__codec_raw, c.v_dtype, c.v_dtype, c.head_dim};
   *out = p;
   return KVP_OK;
 fail:
@@ -93,6 +101,7 @@ fail:
 
 KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   if (!pool) return;
+  kvp__seqs_fini(pool);
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
   kvp__stats_fini(&pool->stats);
@@ -130,6 +139,10 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->grow_moves = l.grow_moves;
   out->budget_refusals = l.budget_refusals;
   out->nospc_refusals = l.nospc_refusals;
+  out->tokens_retained = l.tokens_retained;
+  out->tokens_evicted = l.tokens_evicted;
+  out->bf16_equivalent_bytes = l.bf16_equivalent;
+  out->sequences = l.sequences;
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
   if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
@@ -206,6 +219,10 @@ static int check_locked(kvp_pool *pool) {
   walk_sum w = {.st = &pool->stats};
   if ((rc = kvp__stats_sum_init(&pool->stats, &w.sum))) return rc;
   kvp__rawpages_walk(&pool->raw, visit, &w);
+  if ((rc = kvp__seqs_check(pool, visit, &w))) {
+    kvp__stats_sum_fini(&pool->stats, &w.sum);
+    return rc;
+  }
   const kvp__ledger *l = &pool->alloc.ledger;
   if (w.bad)
     rc = kvp__err(KVP_ECORRUPT, "page at offset %llu requests more bytes than its class", (unsigned long long)w.bad_off);

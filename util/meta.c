@@ -81,6 +81,10 @@ void kvp__meta_free(kvp__meta *m, void *p, size_t bytes) {
   raw_free(p, bytes);
 }
 
+void kvp__meta_uncount(kvp__meta *m, void *p, size_t bytes) {
+  if (p) count_sub(m, size_of(p, bytes));
+}
+
 void *kvp__meta_realloc(kvp__meta *m, void *p, size_t old_bytes, size_t new_bytes) {
   if (!p) return kvp__meta_alloc(m, new_bytes);
   size_t before = size_of(p, old_bytes);

@@ -6,7 +6,9 @@
 #ifndef KVP_UTIL_H
 #define KVP_UTIL_H
 
+#ifndef KVP_BUILDING
 #define KVP_BUILDING 1
+#endif
 #include "kvpool.h"
 
 #include <stdatomic.h>
@@ -58,6 +60,8 @@ typedef struct kvp__meta {
 void *kvp__meta_alloc(kvp__meta *m, size_t bytes);  /* NULL on failure */
 void *kvp__meta_calloc(kvp__meta *m, size_t bytes); /* zeroed */
 void kvp__meta_free(kvp__meta *m, void *p, size_t bytes); /* bytes as asked */
+/* Stop counting p against m (it will be freed later with a NULL counter). */
+void kvp__meta_uncount(kvp__meta *m, void *p, size_t bytes);
 /* Resize; on failure returns NULL and leaves p intact. */
 void *kvp__meta_realloc(kvp__meta *m, void *p, size_t old_bytes, size_t new_bytes);
 

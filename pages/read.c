@@ -1,0 +1,274 @@
+/*
+ * pages/read.c - the lock-free readers: kvp_read (copy or dequantize the
+ * retained tokens of one head), views (pin blocks, hand out page
+ * addresses), kvp_seq_info.
+ *
+ * Every reader runs under kvp__rcu_read_lock and never takes the writer
+ * lock (a view release does, only to free the last pin of an evicted
+ * block). Runs and brefs are both in position order, so a read is one merge
+ * walk: for each run retaining the head, the blocks overlapping its
+ * positions [p0, p1). p1 is loaded with acquire, so the payload of every
+ * position below it is visible. A reader racing the writer sees each run and
+ * bref either before or after each change; the counting pass bounds the
+ * copy pass, so buffers are never overrun.
+ */
+#include "../codecs/numeric.h"
+#include "pages.h"
+
+#include <string.h>
+
+static uint32_t run_end(const kvp__run *r) { return atomic_load_explicit(&r->p1, memory_order_acquire); }
+
+/* Retained tokens of head in the layer's runs. */
+static uint64_t count_retained(const kvp__layer *L, uint32_t head) {
+  uint64_t n = 0;
+  for (const kvp__run *r = kvp__rcu_deref(L->runs); r; r = kvp__rcu_deref(r->next))
+    if (kvp__run_has(r, head)) n += run_end(r) - r->p0;
+  return n;
+}
+
+/* Visit each (block, token range) retained by head, in position order, at
+ * most limit tokens. fn returns nonzero to stop. */
+typedef int (*range_fn)(void *ctx, kvp__block *b, uint32_t a, uint32_t e);
+
+static uint64_t walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
+                            range_fn fn, void *ctx) {
+  const kvp__layer *L = &s->layers[layer];
+  kvp__bref *cur = kvp__rcu_deref(kvp__seq_stream(pool, s, layer, head)->blocks);
+  uint64_t done = 0;
+  for (const kvp__run *r = kvp__rcu_deref(L->runs); r && done < limit; r = kvp__rcu_deref(r->next)) {
+    if (!kvp__run_has(r, head)) continue;
+    uint32_t ra = r->p0, rb = run_end(r);
+    if (rb - ra > limit - done) rb = ra + (uint32_t)(limit - done);
+    while (cur && cur->blk->pos0 + cur->blk->cap_tokens <= ra) cur = kvp__rcu_deref(cur->next);
+    for (kvp__bref *c = cur; c && c->blk->pos0 < rb; c = kvp__rcu_deref(c->next)) {
+      kvp__block *b = c->blk;
+      uint32_t a = ra > b->pos0 ? ra : b->pos0, e = rb < b->pos0 + b->cap_tokens ? rb : b->pos0 + b->cap_tokens;
+      if (fn(ctx, b, a, e)) return done;
+      done += e - a;
+      cur = c;
+    }
+  }
+  return done;
+}
+
+/* ---- kvp_read ------------------------------------------------------------ */
+
+typedef struct read_ctx {
+  kvp_pool *pool;
+  kvp_read_req *req;
+  uint64_t out_tokens; /* rows written so far */
+  int rc;              /* first failure */
+} read_ctx;
+
+static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
+  read_ctx *c = vctx;
+  kvp_pool *pool = c->pool;
+  kvp_read_req *q = c->req;
+  uint32_t t0 = a - b->pos0, m = e - a, D = pool->cfg.head_dim;
+  void *outs[2] = {q->k_out, q->v_out};
+  for (int kv = 0; kv < 2; kv++) {
+    if (!outs[kv]) continue;
+    const kvp__codec_ctx *cc = &pool->codec[kv];
+    size_t orow = (size_t)D * kvp__dtype_bytes(q->out_dtype);
+    unsigned char *dst = (unsigned char *)outs[kv] + c->out_tokens * orow;
+    int rc;
+    if (pool->cfg.memory == KVP_MEM_CUDA) {
+      uint64_t row = (uint64_t)D * kvp__dtype_bytes(cc->store_dtype);
+      rc = pool->alloc.region.ops->read2d(&pool->alloc.region, dst, orow, b->pages[kv][0].off + t0 * row, row, row, m,
+                                          q->stream);
+    } else {
+      const unsigned char *pages[KVP__CODEC_MAX_PAGES];
+      for (unsigned i = 0; i < cc->codec->npages; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+      rc = cc->codec->decode(cc, pages, t0, m, dst, q->out_dtype);
+    }
+    if (rc) {
+      c->rc = rc;
+      return 1;
+    }
+  }
+  if (q->positions_out)
+    for (uint32_t i = 0; i < m; i++) q->positions_out[c->out_tokens + i] = a + i;
+  c->out_tokens += m;
+  return 0;
+}
+
+static int read_check(kvp_pool *pool, uint32_t layer, const kvp_read_req *q) {
+  if (!pool || !q) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "read request" : "pool");
+  if (q->struct_size < sizeof *q)
+    return kvp__err(KVP_EINVAL, "read_req.struct_size %zu < %zu", q->struct_size, sizeof *q);
+  if (layer >= pool->cfg.n_layers) return kvp__err(KVP_EINVAL, "read: layer %u >= n_layers %u", layer, pool->cfg.n_layers);
+  if (q->head >= pool->cfg.n_kv_heads)
+    return kvp__err(KVP_EINVAL, "read: head %u >= n_kv_heads %u", q->head, pool->cfg.n_kv_heads);
+  if (q->out_dtype != KVP_DTYPE_F32 && q->out_dtype != KVP_DTYPE_BF16 && q->out_dtype != KVP_DTYPE_F16)
+    return kvp__err(KVP_EINVAL, "read: out_dtype %d is not a kvp_dtype", (int)q->out_dtype);
+  size_t align = kvp__dtype_bytes(q->out_dtype);
+  if ((uintptr_t)q->k_out % align || (uintptr_t)q->v_out % align)
+    return kvp__err(KVP_EINVAL, "read: k_out/v_out not aligned to the out dtype (%zu bytes)", align);
+  if (pool->cfg.memory == KVP_MEM_CUDA)
+    for (int kv = 0; kv < 2; kv++)
+      if ((kv ? q->v_out : q->k_out) && pool->codec[kv].store_dtype != q->out_dtype)
+        return kvp__err(KVP_ENOTSUP, "read: a CUDA region returns the stored dtype; out_dtype %d differs from %c's %d",
+                        (int)q->out_dtype, "KV"[kv], (int)pool->codec[kv].store_dtype);
+  return KVP_OK;
+}
+
+KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req *req) {
+  int rc = read_check(pool, layer, req);
+  if (rc) return rc;
+  kvp__rcu_read_lock();
+  kvp__seq *s = kvp__seq_find(pool, seq);
+  if (!s) {
+    kvp__rcu_read_unlock();
+    return kvp__err(KVP_ENOENT, "read: sequence %llu does not exist", (unsigned long long)seq);
+  }
+  uint64_t need = count_retained(&s->layers[layer], req->head);
+  if (need > req->capacity_tokens) {
+    kvp__rcu_read_unlock();
+    req->n_tokens = (uint32_t)need;
+    return kvp__err(KVP_ENOSPC, "read seq %llu layer %u head %u: needs %llu tokens, capacity_tokens is %u",
+                    (unsigned long long)seq, layer, req->head, (unsigned long long)need, req->capacity_tokens);
+  }
+  read_ctx c = {pool, req, 0, KVP_OK};
+  walk_ranges(s, pool, layer, req->head, need, read_range, &c);
+  kvp__rcu_read_unlock();
+  req->n_tokens = (uint32_t)c.out_tokens;
+  return c.rc;
+}
+
+/* ---- views --------------------------------------------------------------- */
+
+typedef struct view_impl {
+  kvp_view pub;        /* what the caller sees */
+  size_t bytes;        /* allocation size */
+  uint32_t cap;        /* entries allocated */
+  kvp__block **pinned; /* [cap]: the block of each entry */
+  kvp_view_block entries[]; /* [cap] */
+} view_impl;
+
+typedef struct view_ctx {
+  kvp_pool *pool;
+  view_impl *v;     /* NULL in the counting pass */
+  uint32_t head;    /* head being walked */
+  uint64_t n;       /* entries counted or filled */
+} view_ctx;
+
+static int view_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
+  view_ctx *c = vctx;
+  if (!c->v) {
+    c->n++;
+    return 0;
+  }
+  if (c->n == c->v->cap) return 1;
+  uint32_t r = atomic_load_explicit(&b->refs, memory_order_relaxed);
+  do {
+    if (!r) return 0; /* being freed: evicted under us, skip it */
+  } while (!atomic_compare_exchange_weak_explicit(&b->refs, &r, r + 1, memory_order_acq_rel, memory_order_relaxed));
+  kvp_view_block *vb = &c->v->entries[c->n];
+  memset(vb, 0, sizeof *vb);
+  vb->head = c->head;
+  vb->block_pos0 = b->pos0;
+  vb->first = a - b->pos0;
+  vb->n_tokens = e - a;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__codec *cd = c->pool->codec[kv].codec;
+    vb->codec[kv] = cd->id;
+    for (unsigned i = 0; i < cd->npages; i++) {
+      vb->page[kv][cd->types[i]] = kvp__page_addr(&c->pool->alloc, &b->pages[kv][i]);
+      vb->page_bytes[kv][cd->types[i]] = b->pages[kv][i].requested_bytes;
+    }
+  }
+  c->v->pinned[c->n++] = b;
+  return 0;
+}
+
+KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_view **out) {
+  if (!pool || !out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "out" : "pool");
+  *out = NULL;
+  if (layer >= pool->cfg.n_layers) return kvp__err(KVP_EINVAL, "view: layer %u >= n_layers %u", layer, pool->cfg.n_layers);
+  kvp__rcu_read_lock();
+  kvp__seq *s = kvp__seq_find(pool, seq);
+  if (!s) {
+    kvp__rcu_read_unlock();
+    return kvp__err(KVP_ENOENT, "view: sequence %llu does not exist", (unsigned long long)seq);
+  }
+  view_ctx c = {pool, NULL, 0, 0};
+  for (c.head = 0; c.head < pool->cfg.n_kv_heads; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+  uint32_t cap = (uint32_t)c.n;
+  size_t bytes = sizeof(view_impl) + cap * (sizeof(kvp_view_block) + sizeof(kvp__block *));
+  view_impl *v = kvp__meta_alloc(&pool->meta, bytes);
+  if (!v) {
+    kvp__rcu_read_unlock();
+    return kvp__err(KVP_ENOMEM, "view of %u blocks", cap);
+  }
+  v->bytes = bytes;
+  v->cap = cap;
+  v->pinned = (kvp__block **)(v->entries + cap);
+  c.v = v;
+  c.n = 0;
+  for (c.head = 0; c.head < pool->cfg.n_kv_heads; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+  kvp__rcu_read_unlock();
+  v->pub = (kvp_view){seq, layer, (uint32_t)c.n, v->entries};
+  *out = &v->pub;
+  return KVP_OK;
+}
+
+KVP_API void kvp_view_release(kvp_pool *pool, kvp_view *view) {
+  if (!view || !pool) return;
+  view_impl *v = caa_container_of(view, view_impl, pub);
+  bool locked = false;
+  for (uint32_t i = 0; i < v->pub.n_blocks; i++) {
+    kvp__block *b = v->pinned[i];
+    if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) { /* the last pin of an evicted block */
+      if (!locked) kvp__lock(pool);
+      locked = true;
+      kvp__block_unpinned(pool, b);
+    }
+  }
+  if (locked) {
+    kvp__reclaim(pool);
+    kvp__unlock(pool);
+  }
+  kvp__meta_free(&pool->meta, v, v->bytes);
+}
+
+/* ---- kvp_seq_info -------------------------------------------------------- */
+
+KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info) {
+  if (!pool || !info) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "info" : "pool");
+  if (info->struct_size < sizeof *info)
+    return kvp__err(KVP_EINVAL, "seq_info.struct_size %zu < %zu", info->struct_size, sizeof *info);
+  kvp__rcu_read_lock();
+  kvp__seq *s = kvp__seq_find(pool, seq);
+  if (!s) {
+    kvp__rcu_read_unlock();
+    return kvp__err(KVP_ENOENT, "seq_info: sequence %llu does not exist", (unsigned long long)seq);
+  }
+  info->mode = s->mode;
+  info->n_steps = atomic_load_explicit(&s->n_steps, memory_order_acquire);
+  info->n_positions = atomic_load_explicit(&s->n_positions, memory_order_acquire);
+  info->in_step = atomic_load_explicit(&s->in_step, memory_order_acquire);
+  info->tokens_retained = info->tokens_evicted = 0;
+  memset(info->page_types, 0, sizeof info->page_types);
+  uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  for (uint32_t i = 0; i < L * H; i++) {
+    kvp__stream *st = &s->streams[i];
+    uint32_t ret = atomic_load_explicit(&st->retained_tokens, memory_order_relaxed);
+    uint32_t ev = atomic_load_explicit(&st->evicted_tokens, memory_order_relaxed);
+    info->tokens_retained += ret;
+    info->tokens_evicted += ev;
+    if (info->retained_tokens) info->retained_tokens[i] = ret;
+    if (info->evicted_tokens) info->evicted_tokens[i] = ev;
+    for (kvp__bref *b = kvp__rcu_deref(st->blocks); b; b = kvp__rcu_deref(b->next))
+      for (int kv = 0; kv < 2; kv++)
+        for (unsigned p = 0; p < pool->codec[kv].codec->npages; p++) {
+          const kvp__page *pg = &b->blk->pages[kv][p];
+          kvp_usage *u = &info->page_types[pg->tag.type];
+          u->requested_bytes += pg->requested_bytes;
+          u->allocated_bytes += kvp__page_alloc_bytes(pg);
+          u->npages++;
+        }
+  }
+  kvp__rcu_read_unlock();
+  return KVP_OK;
+}

@@ -1,0 +1,446 @@
+/*
+ * pages/seq.c - sequences: the RCU hash table of live sequences, the step
+ * protocol (begin, append per layer in order, end), fork, free, eviction
+ * entry points, block lifetime (owners, pins, limbo) and the walk that
+ * kvp_check does over every sequence.
+ *
+ * Step protocol, per sequence:
+ *   idle --step_begin(n)--> open(next_layer = 0) --append(l = next_layer)-->
+ *   ... --append(L-1)--> open(next_layer = L) --step_end--> idle
+ *   step_pos[k] = first position of step k; n_positions advances at step_end.
+ *
+ * Block lifetime: refs = owners (streams holding a bref) + pins (views).
+ *   owners -> 0 with pins left: the block joins pool->orphans;
+ *   refs -> 0: the block joins the limbo; kvp__reclaim waits for a grace
+ *   period and frees its pages (the writer updates the ledger) and struct.
+ */
+#include "pages.h"
+
+#include <string.h>
+
+#define LFHT_INIT 64
+
+static int seq_match(struct cds_lfht_node *node, const void *key) {
+  return caa_container_of(node, kvp__seq, node)->id == *(const uint64_t *)key;
+}
+
+static unsigned long seq_hash(uint64_t id) {
+  id ^= id >> 33;
+  id *= 0xff51afd7ed558ccdull;
+  id ^= id >> 33;
+  return (unsigned long)id;
+}
+
+int kvp__seqs_init(kvp_pool *pool) {
+  pool->seqs = cds_lfht_new(LFHT_INIT, LFHT_INIT, 0, CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, NULL);
+  return pool->seqs ? KVP_OK : kvp__err(KVP_ENOMEM, "sequence hash table");
+}
+
+kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id) {
+  struct cds_lfht_iter it;
+  cds_lfht_lookup(pool->seqs, seq_hash(id), seq_match, &id, &it);
+  struct cds_lfht_node *n = cds_lfht_iter_get_node(&it);
+  return n ? caa_container_of(n, kvp__seq, node) : NULL;
+}
+
+/* The writer's lookup (under the writer lock; RCU read side for the table). */
+static kvp__seq *find_w(kvp_pool *pool, uint64_t id) {
+  kvp__rcu_read_lock();
+  kvp__seq *s = kvp__seq_find(pool, id);
+  kvp__rcu_read_unlock();
+  return s;
+}
+
+void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted) {
+  kvp__ledger *l = &pool->alloc.ledger;
+  uint64_t per_token = 2ull * pool->cfg.head_dim * 2; /* bf16 K + bf16 V */
+  kvp__ledger_begin(l);
+  if (retained >= 0) {
+    kvp__gauge_add(&l->tokens_retained, (uint64_t)retained);
+    kvp__gauge_add(&l->bf16_equivalent, (uint64_t)retained * per_token);
+  } else {
+    kvp__gauge_sub(&l->tokens_retained, (uint64_t)-retained);
+    kvp__gauge_sub(&l->bf16_equivalent, (uint64_t)-retained * per_token);
+  }
+  kvp__count_add(&l->tokens_evicted, (int64_t)evicted);
+  kvp__ledger_end(l);
+}
+
+/* ---- block lifetime ----------------------------------------------------- */
+
+void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < pool->codec[kv].codec->npages; i++) {
+      int rc = kvp__alloc_free(&pool->alloc, &b->pages[kv][i]);
+      kvp__assert(rc == KVP_OK);
+      (void)rc;
+    }
+  kvp__meta_free(&pool->meta, b, sizeof *b);
+}
+
+static void limbo_push(kvp_pool *pool, kvp__block *b) {
+  b->onext = pool->limbo;
+  pool->limbo = b;
+  pool->limbo_bytes += kvp__block_class_bytes(pool, b->cap_tokens);
+}
+
+static void orphan_remove(kvp_pool *pool, kvp__block *b) {
+  if (b->oprev) b->oprev->onext = b->onext;
+  else pool->orphans = b->onext;
+  if (b->onext) b->onext->oprev = b->oprev;
+  b->oprev = b->onext = NULL;
+  b->orphan = false;
+}
+
+void kvp__block_unown(kvp_pool *pool, kvp__block *b) {
+  kvp__assert(b->owners > 0);
+  b->owners--;
+  if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) {
+    limbo_push(pool, b);
+  } else if (!b->owners) { /* pinned by views: kept until the last release */
+    b->orphan = true;
+    b->oprev = NULL;
+    b->onext = pool->orphans;
+    if (pool->orphans) pool->orphans->oprev = b;
+    pool->orphans = b;
+  }
+}
+
+void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
+  kvp__assert(b->orphan && atomic_load(&b->refs) == 0);
+  orphan_remove(pool, b);
+  limbo_push(pool, b);
+}
+
+void kvp__reclaim(kvp_pool *pool) {
+  if (!pool->limbo) return;
+  kvp__rcu_synchronize();
+  for (kvp__block *b = pool->limbo, *n; b; b = n) {
+    n = b->onext;
+    kvp__block_destroy(pool, b);
+  }
+  pool->limbo = NULL;
+  pool->limbo_bytes = 0;
+}
+
+/* ---- sequence objects --------------------------------------------------- */
+
+static void seq_free_struct(kvp__meta *m, kvp__seq *s) {
+  kvp__meta_free(m, s->layers, s->layers_bytes);
+  kvp__meta_free(m, s->streams, s->streams_bytes);
+  kvp__meta_free(m, s->plan, s->n_plan * sizeof *s->plan);
+  kvp__meta_free(m, s->step_pos, s->step_pos_cap * sizeof *s->step_pos);
+  kvp__meta_free(m, s, sizeof *s);
+}
+
+kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint32_t n_plan) {
+  kvp__seq *s = kvp__meta_calloc(&pool->meta, sizeof *s);
+  if (!s) return NULL;
+  s->id = id;
+  s->layers_bytes = pool->cfg.n_layers * sizeof(kvp__layer);
+  s->streams_bytes = (size_t)pool->cfg.n_layers * pool->cfg.n_kv_heads * sizeof(kvp__stream);
+  s->layers = kvp__meta_calloc(&pool->meta, s->layers_bytes);
+  s->streams = kvp__meta_calloc(&pool->meta, s->streams_bytes);
+  s->step_pos_cap = 16;
+  s->step_pos = kvp__meta_calloc(&pool->meta, s->step_pos_cap * sizeof *s->step_pos);
+  if (n_plan) {
+    s->plan = kvp__meta_alloc(&pool->meta, n_plan * sizeof *plan);
+    if (s->plan) memcpy(s->plan, plan, n_plan * sizeof *plan);
+    s->n_plan = n_plan;
+  }
+  cds_lfht_node_init(&s->node);
+  if (s->layers && s->streams && s->step_pos && (!n_plan || s->plan)) return s;
+  seq_free_struct(&pool->meta, s);
+  return NULL;
+}
+
+static void seq_free_cb(kvp__rcu_head *h) {
+  seq_free_struct(NULL, caa_container_of(h, kvp__seq, rcu));
+}
+
+/* Unlink every run and bref of s (they and s go after a grace period) and
+ * drop its block ownerships. */
+static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
+  uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  int64_t retained = 0;
+  for (uint32_t l = 0; l < L; l++) {
+    for (kvp__run *r = s->layers[l].runs, *n; r; r = n) {
+      n = r->next;
+      if (readers_may_hold) kvp__run_retire(pool, r);
+      else kvp__run_free_now(pool, r);
+    }
+    for (uint32_t h = 0; h < H; h++) {
+      kvp__stream *st = kvp__seq_stream(pool, s, l, h);
+      retained += atomic_load_explicit(&st->retained_tokens, memory_order_relaxed);
+      for (kvp__bref *b = st->blocks, *n; b; b = n) {
+        n = b->next;
+        kvp__block_unown(pool, b->blk);
+        if (readers_may_hold) kvp__bref_retire(pool, b);
+        else kvp__bref_free_now(pool, b);
+      }
+    }
+  }
+  kvp__count_tokens(pool, -retained, 0);
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__gauge_sub(&pool->alloc.ledger.sequences, 1);
+  kvp__ledger_end(&pool->alloc.ledger);
+  if (readers_may_hold) {
+    kvp__meta_uncount(&pool->meta, s->layers, s->layers_bytes);
+    kvp__meta_uncount(&pool->meta, s->streams, s->streams_bytes);
+    kvp__meta_uncount(&pool->meta, s->plan, s->n_plan * sizeof *s->plan);
+    kvp__meta_uncount(&pool->meta, s->step_pos, s->step_pos_cap * sizeof *s->step_pos);
+    kvp__meta_uncount(&pool->meta, s, sizeof *s);
+    kvp__rcu_call(&s->rcu, seq_free_cb);
+  } else {
+    seq_free_struct(&pool->meta, s);
+  }
+}
+
+void kvp__seqs_fini(kvp_pool *pool) {
+  if (!pool->seqs) return;
+  struct cds_lfht_iter it;
+  struct cds_lfht_node *n;
+  kvp__rcu_read_lock();
+  cds_lfht_for_each(pool->seqs, &it, n) {
+    kvp__seq *s = caa_container_of(n, kvp__seq, node);
+    cds_lfht_del(pool->seqs, n);
+    seq_release(pool, s, false);
+  }
+  kvp__rcu_read_unlock();
+  for (kvp__block *b = pool->orphans, *nb; b; b = nb) { /* views not released: the pool goes anyway */
+    nb = b->onext;
+    kvp__block_destroy(pool, b);
+  }
+  pool->orphans = NULL;
+  for (kvp__block *b = pool->limbo, *nb; b; b = nb) {
+    nb = b->onext;
+    kvp__block_destroy(pool, b);
+  }
+  pool->limbo = NULL;
+  kvp__rcu_barrier(); /* queued frees of runs, brefs and sequences */
+  cds_lfht_destroy(pool->seqs, NULL);
+  pool->seqs = NULL;
+}
+
+/* ---- public: sequences -------------------------------------------------- */
+
+KVP_API void kvp_seq_config_init(kvp_seq_config *sc) {
+  if (!sc) return;
+  memset(sc, 0, sizeof *sc);
+  sc->struct_size = sizeof *sc;
+  sc->mode = KVP_SEQ_STREAM;
+}
+
+static int seq_config_check(const kvp_seq_config *in, kvp_seq_config *c) {
+  kvp_seq_config_init(c);
+  if (!in) return KVP_OK;
+  if (in->struct_size == 0 || in->struct_size > sizeof *c)
+    return kvp__err(KVP_EINVAL, "seq_config.struct_size %zu: call kvp_seq_config_init (this library knows %zu)",
+                    in->struct_size, sizeof *c);
+  memcpy(c, in, in->struct_size);
+  if (c->mode != KVP_SEQ_STREAM && c->mode != KVP_SEQ_STEP)
+    return kvp__err(KVP_EINVAL, "seq_config.mode = %d is neither KVP_SEQ_STREAM nor KVP_SEQ_STEP", (int)c->mode);
+  if (c->n_steps && !c->step_tokens) return kvp__err(KVP_EINVAL, "seq_config.step_tokens is NULL with n_steps %u", c->n_steps);
+  uint64_t total = 0;
+  for (uint32_t k = 0; k < c->n_steps; k++) {
+    if (!c->step_tokens[k] || c->step_tokens[k] > KVP_MAX_STEP_TOKENS)
+      return kvp__err(KVP_EINVAL, "seq_config.step_tokens[%u] = %u: must be 1..%u", k, c->step_tokens[k],
+                      KVP_MAX_STEP_TOKENS);
+    total += c->step_tokens[k];
+  }
+  if (total > KVP_MAX_SEQ_TOKENS) return kvp__err(KVP_EINVAL, "seq_config plans %llu tokens, more than %u",
+                                                  (unsigned long long)total, KVP_MAX_SEQ_TOKENS);
+  if (!(c->budget_fraction >= 0 && c->budget_fraction <= 1))
+    return kvp__err(KVP_EINVAL, "seq_config.budget_fraction = %g: must be in [0, 1]", c->budget_fraction);
+  return KVP_OK;
+}
+
+KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc) {
+  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
+  kvp_seq_config c;
+  int rc = seq_config_check(sc, &c);
+  if (rc) return rc;
+  kvp__lock(pool);
+  if (find_w(pool, seq)) {
+    kvp__unlock(pool);
+    return kvp__err(KVP_EEXIST, "sequence %llu already exists", (unsigned long long)seq);
+  }
+  kvp__seq *s = kvp__seq_alloc(pool, seq, c.step_tokens, c.n_steps);
+  if (!s) {
+    kvp__unlock(pool);
+    return kvp__err(KVP_ENOMEM, "metadata of sequence %llu", (unsigned long long)seq);
+  }
+  s->mode = c.mode;
+  s->budget_fraction = c.budget_fraction;
+  kvp__rcu_read_lock();
+  cds_lfht_add(pool->seqs, seq_hash(seq), &s->node);
+  kvp__rcu_read_unlock();
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__gauge_add(&pool->alloc.ledger.sequences, 1);
+  kvp__ledger_end(&pool->alloc.ledger);
+  kvp__unlock(pool);
+  return KVP_OK;
+}
+
+/* Look up seq for a mutation; on failure the lock is released. */
+static int lock_seq(kvp_pool *pool, uint64_t seq, kvp__seq **out) {
+  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
+  kvp__lock(pool);
+  if ((*out = find_w(pool, seq))) return KVP_OK;
+  kvp__unlock(pool);
+  return kvp__err(KVP_ENOENT, "sequence %llu does not exist", (unsigned long long)seq);
+}
+
+KVP_API int kvp_seq_free(kvp_pool *pool, uint64_t seq) {
+  kvp__seq *s;
+  int rc = lock_seq(pool, seq, &s);
+  if (rc) return rc;
+  kvp__rcu_read_lock();
+  cds_lfht_del(pool->seqs, &s->node);
+  kvp__rcu_read_unlock();
+  seq_release(pool, s, true);
+  kvp__reclaim(pool);
+  kvp__unlock(pool);
+  return KVP_OK;
+}
+
+KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
+  kvp__seq *p;
+  int rc = lock_seq(pool, parent, &p);
+  if (rc) return rc;
+  kvp__seq *c = NULL;
+  if (find_w(pool, child))
+    rc = kvp__err(KVP_EEXIST, "fork of %llu: sequence %llu already exists", (unsigned long long)parent,
+                  (unsigned long long)child);
+  else if (atomic_load_explicit(&p->in_step, memory_order_relaxed))
+    rc = kvp__err(KVP_EBUSY, "fork of %llu: a step is open (fork between steps)", (unsigned long long)parent);
+  else if (!(c = kvp__seq_alloc(pool, child, p->plan, p->n_plan)))
+    rc = kvp__err(KVP_ENOMEM, "metadata of sequence %llu", (unsigned long long)child);
+  else if ((rc = kvp__seq_fork_locked(pool, p, c)))
+    seq_free_struct(&pool->meta, c);
+  else {
+    kvp__rcu_read_lock();
+    cds_lfht_add(pool->seqs, seq_hash(child), &c->node);
+    kvp__rcu_read_unlock();
+    kvp__ledger_begin(&pool->alloc.ledger);
+    kvp__gauge_add(&pool->alloc.ledger.sequences, 1);
+    kvp__ledger_end(&pool->alloc.ledger);
+  }
+  kvp__unlock(pool);
+  return rc;
+}
+
+/* ---- public: steps ------------------------------------------------------ */
+
+KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint32_t flags) {
+  kvp__seq *s;
+  int rc = lock_seq(pool, seq, &s);
+  if (rc) return rc;
+  uint32_t k = atomic_load_explicit(&s->n_steps, memory_order_relaxed);
+  uint32_t pos = atomic_load_explicit(&s->n_positions, memory_order_relaxed);
+  if (atomic_load_explicit(&s->in_step, memory_order_relaxed))
+    rc = kvp__err(KVP_EBUSY, "sequence %llu: step %u is still open (call kvp_step_end first)", (unsigned long long)seq,
+                  k - 1);
+  else if (n_tokens == 0 || n_tokens > KVP_MAX_STEP_TOKENS)
+    rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: n_tokens = %u must be 1..%u", (unsigned long long)seq, k, n_tokens,
+                  KVP_MAX_STEP_TOKENS);
+  else if (k < s->n_plan && s->plan[k] != n_tokens)
+    rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: n_tokens = %u but the plan says %u", (unsigned long long)seq, k,
+                  n_tokens, s->plan[k]);
+  else if ((uint64_t)pos + n_tokens > KVP_MAX_SEQ_TOKENS)
+    rc = kvp__err(KVP_EINVAL, "sequence %llu: %u more tokens pass the limit of %u positions", (unsigned long long)seq,
+                  n_tokens, KVP_MAX_SEQ_TOKENS);
+  else if (k + 2 > s->step_pos_cap) {
+    uint32_t ncap = s->step_pos_cap * 2;
+    uint32_t *np = kvp__meta_realloc(&pool->meta, s->step_pos, s->step_pos_cap * sizeof *np, ncap * sizeof *np);
+    if (!np) rc = kvp__err(KVP_ENOMEM, "step table of sequence %llu", (unsigned long long)seq);
+    else {
+      s->step_pos = np;
+      s->step_pos_cap = ncap;
+    }
+  }
+  if (!rc) {
+    s->step_pos[k] = pos;
+    s->step_pos[k + 1] = pos + n_tokens;
+    s->cur_tokens = n_tokens;
+    s->cur_flags = flags;
+    s->next_layer = 0;
+    atomic_store_explicit(&s->in_step, 1, memory_order_relaxed);
+    atomic_store_explicit(&s->n_steps, k + 1, memory_order_release);
+  }
+  kvp__unlock(pool);
+  return rc;
+}
+
+static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
+  if (!kv) return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv is NULL", (unsigned long long)seq, layer);
+  const void *p[2] = {kv->k, kv->v};
+  kvp_dtype dt[2] = {pool->cfg.k_dtype, pool->cfg.v_dtype};
+  for (int i = 0; i < 2; i++) {
+    size_t align = dt[i] == KVP_DTYPE_F32 ? 4 : 2;
+    if (!p[i]) return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv->%c is NULL", (unsigned long long)seq, layer, "kv"[i]);
+    if ((uintptr_t)p[i] % align)
+      return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv->%c = %p is not aligned to its dtype (%zu bytes)",
+                      (unsigned long long)seq, layer, "kv"[i], p[i], align);
+  }
+  return KVP_OK;
+}
+
+KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
+  kvp__seq *s;
+  int rc = lock_seq(pool, seq, &s);
+  if (rc) return rc;
+  uint32_t L = pool->cfg.n_layers;
+  if (!atomic_load_explicit(&s->in_step, memory_order_relaxed))
+    rc = kvp__err(KVP_EINVAL, "seq %llu layer %u: append outside a step (call kvp_step_begin)", (unsigned long long)seq,
+                  layer);
+  else if (layer >= L)
+    rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u >= n_layers %u", (unsigned long long)seq, layer, L);
+  else if (layer < s->next_layer)
+    rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u appended twice in step %u", (unsigned long long)seq, layer,
+                  atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
+  else if (layer > s->next_layer)
+    rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
+                  (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
+  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = kvp__append_layer(pool, s, layer, kv)))
+    s->next_layer++;
+  kvp__unlock(pool);
+  return rc;
+}
+
+KVP_API int kvp_step_end(kvp_pool *pool, uint64_t seq) {
+  kvp__seq *s;
+  int rc = lock_seq(pool, seq, &s);
+  if (rc) return rc;
+  if (!atomic_load_explicit(&s->in_step, memory_order_relaxed))
+    rc = kvp__err(KVP_EINVAL, "sequence %llu: no step is open", (unsigned long long)seq);
+  else if (s->next_layer != pool->cfg.n_layers)
+    rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: ended after %u of %u layers", (unsigned long long)seq,
+                  atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, s->next_layer, pool->cfg.n_layers);
+  else {
+    atomic_store_explicit(&s->n_positions, atomic_load_explicit(&s->n_positions, memory_order_relaxed) + s->cur_tokens,
+                          memory_order_release);
+    atomic_store_explicit(&s->in_step, 0, memory_order_release);
+  }
+  kvp__unlock(pool);
+  return rc;
+}
+
+KVP_API int kvp_evict(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t step) {
+  kvp__seq *s;
+  int rc = lock_seq(pool, seq, &s);
+  if (rc) return rc;
+  if (layer >= pool->cfg.n_layers)
+    rc = kvp__err(KVP_EINVAL, "evict seq %llu: layer %u >= n_layers %u", (unsigned long long)seq, layer,
+                  pool->cfg.n_layers);
+  else if (head >= pool->cfg.n_kv_heads)
+    rc = kvp__err(KVP_EINVAL, "evict seq %llu: head %u >= n_kv_heads %u", (unsigned long long)seq, head,
+                  pool->cfg.n_kv_heads);
+  else if (step >= atomic_load_explicit(&s->n_steps, memory_order_relaxed))
+    rc = kvp__err(KVP_ENOENT, "evict seq %llu: step %u was never begun (%u steps)", (unsigned long long)seq, step,
+                  atomic_load_explicit(&s->n_steps, memory_order_relaxed));
+  else if (!(rc = kvp__evict_unit(pool, s, layer, head, step)))
+    kvp__reclaim(pool);
+  kvp__unlock(pool);
+  return rc;
+}

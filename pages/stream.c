@@ -1,0 +1,391 @@
+/*
+ * pages/stream.c - streams: blocks, runs and brefs, the append of one layer
+ * and the eviction of one (layer, head, step) unit.
+ *
+ * Invariants (checked by kvp__seqs_check):
+ *   a layer's runs are in step order, disjoint, s0 < s1, p0 < p1, and
+ *   p0 = step_pos[s0], p1 = step_pos[s1] (or the open step's end)
+ *   retained_tokens(l, h) = sum over runs with bit h of (p1 - p0)
+ *   a stream's blocks are in position order and disjoint; every retained
+ *   position of the stream lies in one of them
+ *   step mode: each block lies inside one step, and the blocks of a step
+ *   cover it exactly
+ *
+ * Append (all or nothing): plan the new blocks of every head, check the
+ * budget for all of them at once, allocate metadata and pages, write the
+ * payload, and only then publish (brefs, then the run's end position). A
+ * failure before publishing frees what was taken; readers never see it.
+ *
+ * OPEN blocks (stream mode) get pages for their full capacity, as paged
+ * engines do: a decode token is a row copy, with no ledger traffic until a
+ * block fills. The bytes of unfilled slots show as requested bytes above
+ * the bf16-equivalent figure.
+ */
+#include "../codecs/numeric.h"
+#include "pages.h"
+
+#include <string.h>
+
+/* ---- runs and brefs ---------------------------------------------------- */
+
+kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask) {
+  uint32_t nwords = (pool->cfg.n_kv_heads + 63) / 64;
+  kvp__run *r = kvp__meta_alloc(&pool->meta, sizeof *r + nwords * sizeof(uint64_t));
+  if (!r) return NULL;
+  r->next = NULL;
+  r->s0 = s0;
+  r->p0 = p0;
+  atomic_init(&r->s1, s1);
+  atomic_init(&r->p1, p1);
+  r->nwords = nwords;
+  memcpy(r->mask, mask, nwords * sizeof(uint64_t));
+  return r;
+}
+
+void kvp__run_free_now(kvp_pool *pool, kvp__run *r) {
+  kvp__meta_free(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
+}
+
+void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) { kvp__meta_free(&pool->meta, b, sizeof *b); }
+
+static void run_free_cb(kvp__rcu_head *h) {
+  kvp__run *r = caa_container_of(h, kvp__run, rcu);
+  kvp__meta_free(NULL, r, sizeof *r + r->nwords * sizeof(uint64_t));
+}
+
+static void bref_free_cb(kvp__rcu_head *h) { kvp__meta_free(NULL, caa_container_of(h, kvp__bref, rcu), sizeof(kvp__bref)); }
+
+/* The pool's counter drops at retire; the memory goes after the grace period
+ * (callbacks run on urcu's thread and count against no pool). */
+void kvp__run_retire(kvp_pool *pool, kvp__run *r) {
+  kvp__meta_uncount(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
+  kvp__rcu_call(&r->rcu, run_free_cb);
+}
+
+void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
+  kvp__meta_uncount(&pool->meta, b, sizeof *b);
+  kvp__rcu_call(&b->rcu, bref_free_cb);
+}
+
+/* ---- blocks ------------------------------------------------------------ */
+
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t cap) {
+  uint64_t sum = 0;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__codec_ctx *c = &pool->codec[kv];
+    for (unsigned i = 0; i < c->codec->npages; i++) sum += kvp__sc_size(kvp__sc_index(c->codec->page_bytes(c, i, cap)));
+  }
+  return sum;
+}
+
+int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                   kvp__block **out) {
+  kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
+  if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
+  b->pos0 = pos0;
+  b->cap_tokens = cap;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__codec_ctx *c = &pool->codec[kv];
+    for (unsigned i = 0; i < c->codec->npages; i++) {
+      kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, c->codec->types[i], (uint8_t)kv, c->codec->id};
+      int rc = kvp__alloc_page(&pool->alloc, c->codec->page_bytes(c, i, cap), &t, &b->pages[kv][i]);
+      if (rc) { /* give back the pages taken so far: all of K if at V, then this side's first i */
+        for (unsigned j = 0; kv == 1 && j < pool->codec[0].codec->npages; j++)
+          kvp__alloc_free(&pool->alloc, &b->pages[0][j]);
+        for (unsigned j = 0; j < i; j++) kvp__alloc_free(&pool->alloc, &b->pages[kv][j]);
+        kvp__meta_free(&pool->meta, b, sizeof *b);
+        return rc;
+      }
+    }
+  }
+  *out = b;
+  return KVP_OK;
+}
+
+static unsigned char *page_ptr(kvp_pool *pool, const kvp__block *b, int kv, unsigned i) {
+  return kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+}
+
+/* ---- append ------------------------------------------------------------ */
+
+/* Per head: the open tail takes `fill` tokens, then nnew blocks follow. */
+typedef struct append_plan {
+  uint32_t fill;          /* tokens into the existing OPEN tail */
+  uint32_t nnew;          /* new blocks per head */
+  uint32_t first_cap;     /* capacity of new blocks (all but maybe the last in step mode) */
+  uint32_t last_cap;      /* capacity of the last new block */
+  uint64_t bytes;         /* allocated bytes of all new pages, every head */
+  kvp__block **blocks;    /* [H * nnew] */
+  kvp__bref **brefs;      /* [H * nnew] */
+  kvp__run *run;          /* new run, or NULL to extend the last */
+} append_plan;
+
+static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_plan *pl) {
+  uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens;
+  kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
+  pl->fill = 0;
+  if (s->mode == KVP_SEQ_STREAM && tail && !tail->blk->sealed) {
+    uint32_t room = tail->blk->cap_tokens - tail->blk->n_tokens;
+    pl->fill = n < room ? n : room;
+  }
+  uint32_t rest = n - pl->fill;
+  pl->nnew = (rest + bt - 1) / bt;
+  pl->first_cap = bt;
+  pl->last_cap = s->mode == KVP_SEQ_STEP && rest % bt ? rest % bt : bt;
+  if (pl->nnew == 1) pl->first_cap = pl->last_cap;
+  pl->bytes = 0;
+  if (pl->nnew)
+    pl->bytes = (uint64_t)pool->cfg.n_kv_heads *
+                ((pl->nnew - 1) * kvp__block_class_bytes(pool, pl->first_cap) + kvp__block_class_bytes(pool, pl->last_cap));
+}
+
+static bool run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step) {
+  const kvp__run *r = L->last;
+  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
+  for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++)
+    if (!kvp__run_has(r, h)) return false;
+  return true;
+}
+
+static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  for (uint32_t i = 0; i < nblocks; i++) kvp__block_destroy(pool, pl->blocks[i]);
+  for (uint32_t i = 0; i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
+  if (pl->run) kvp__run_free_now(pool, pl->run);
+  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nnew * sizeof *pl->blocks);
+  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
+}
+
+/* Metadata and pages for the plan; on failure nothing is left taken. */
+static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, nb = H * pl->nnew;
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
+  pl->blocks = kvp__meta_calloc(&pool->meta, (size_t)nb * sizeof *pl->blocks + 1);
+  pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)nb * sizeof *pl->brefs + 1);
+  pl->run = NULL;
+  bool ok = pl->blocks && pl->brefs;
+  if (ok && !run_extends(pool, &s->layers[layer], step)) {
+    uint64_t full[KVP_MAX_KV_HEADS / 64];
+    memset(full, 0, sizeof full);
+    for (uint32_t h = 0; h < H; h++) full[h / 64] |= 1ull << (h % 64);
+    ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, full)) != NULL;
+  }
+  for (uint32_t i = 0; ok && i < nb; i++) ok = (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref))) != NULL;
+  if (!ok) {
+    plan_undo(pool, pl, 0);
+    return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
+  }
+  uint32_t start = pos + pl->fill;
+  for (uint32_t h = 0; h < H; h++)
+    for (uint32_t j = 0; j < pl->nnew; j++) {
+      uint32_t cap = j + 1 == pl->nnew ? pl->last_cap : pl->first_cap;
+      int rc = kvp__block_new(pool, s->id, layer, h, start + j * pl->first_cap, cap, &pl->blocks[h * pl->nnew + j]);
+      if (rc) {
+        plan_undo(pool, pl, h * pl->nnew + j);
+        return rc;
+      }
+    }
+  return KVP_OK;
+}
+
+/* Write n tokens of one side (kv) of head h into block b at token t0. */
+static int write_tokens(kvp_pool *pool, kvp__block *b, int kv, uint32_t t0, const unsigned char *src, size_t stride,
+                        uint32_t n, void *stream) {
+  const kvp__codec_ctx *c = &pool->codec[kv];
+  if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw, same dtype: checked at create */
+    uint64_t row = (uint64_t)c->head_dim * kvp__dtype_bytes(c->store_dtype);
+    return pool->alloc.region.ops->write2d(&pool->alloc.region, b->pages[kv][0].off + t0 * row, row, src, stride, row,
+                                           n, stream);
+  }
+  unsigned char *pages[KVP__CODEC_MAX_PAGES];
+  for (unsigned i = 0; i < c->codec->npages; i++) pages[i] = page_ptr(pool, b, kv, i);
+  return c->codec->encode(c, pages, t0, src, stride, n);
+}
+
+/* NaN in host input is bad input (kvp_last_error names layer, head, token). */
+static int check_finite(kvp_pool *pool, uint32_t layer, const kvp_kv *kv, uint32_t n) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  for (int side = 0; side < 2; side++) {
+    kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
+    size_t count = (size_t)n * H * D, at = kvp__row_find_nan(side ? kv->v : kv->k, dt, count);
+    if (at < count)
+      return kvp__err(KVP_EINVAL, "%c of layer %u has NaN at head %u, token %u (of the step), channel %u",
+                      side ? 'V' : 'K', layer, (uint32_t)(at / D % H), (uint32_t)(at / D / H), (uint32_t)(at % D));
+  }
+  return KVP_OK;
+}
+
+static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, n = s->cur_tokens;
+  for (int side = 0; side < 2; side++) {
+    kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
+    size_t esz = kvp__dtype_bytes(dt), stride = (size_t)H * D * esz;
+    const unsigned char *base = side ? kv->v : kv->k;
+    for (uint32_t h = 0; h < H; h++) {
+      const unsigned char *src = base + (size_t)h * D * esz;
+      int rc = KVP_OK;
+      if (pl->fill) {
+        kvp__block *tail = kvp__seq_stream(pool, s, layer, h)->tail->blk;
+        rc = write_tokens(pool, tail, side, tail->n_tokens, src, stride, pl->fill, kv->stream);
+      }
+      uint32_t done = pl->fill;
+      for (uint32_t j = 0; !rc && j < pl->nnew; j++) {
+        kvp__block *b = pl->blocks[h * pl->nnew + j];
+        uint32_t m = n - done < b->cap_tokens ? n - done : b->cap_tokens;
+        rc = write_tokens(pool, b, side, 0, src + done * stride, stride, m, kv->stream);
+        done += m;
+      }
+      if (rc) return rc;
+    }
+  }
+  return KVP_OK;
+}
+
+/* Make the append visible: brefs, block counts, then the run's end. */
+static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens, bt = pool->cfg.block_tokens;
+  for (uint32_t h = 0; h < H; h++) {
+    kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
+    if (pl->fill) {
+      kvp__block *tail = st->tail->blk;
+      tail->n_tokens += pl->fill;
+      tail->sealed = tail->n_tokens == tail->cap_tokens;
+    }
+    uint32_t done = pl->fill;
+    for (uint32_t j = 0; j < pl->nnew; j++) {
+      kvp__block *b = pl->blocks[h * pl->nnew + j];
+      kvp__bref *r = pl->brefs[h * pl->nnew + j];
+      b->n_tokens = n - done < b->cap_tokens ? n - done : b->cap_tokens;
+      b->sealed = s->mode == KVP_SEQ_STEP || b->n_tokens == bt;
+      b->owners = 1;
+      atomic_init(&b->refs, 1);
+      done += b->n_tokens;
+      r->blk = b;
+      if (st->tail) kvp__rcu_assign(st->tail->next, r);
+      else kvp__rcu_assign(st->blocks, r);
+      st->tail = r;
+    }
+    atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+  }
+  kvp__layer *L = &s->layers[layer];
+  if (pl->run) {
+    if (L->last) kvp__rcu_assign(L->last->next, pl->run);
+    else kvp__rcu_assign(L->runs, pl->run);
+    L->last = pl->run;
+  } else {
+    atomic_store_explicit(&L->last->s1, atomic_load_explicit(&L->last->s1, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&L->last->p1, pos + n, memory_order_release);
+  }
+  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nnew * sizeof *pl->blocks + 1);
+  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  kvp__count_tokens(pool, (int64_t)n * H, 0);
+}
+
+int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv) {
+  int rc;
+  if (pool->cfg.memory == KVP_MEM_HOST && (rc = check_finite(pool, layer, kv, s->cur_tokens))) return rc;
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
+  append_plan pl;
+  plan_shape(pool, s, layer, &pl);
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes))
+    return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
+                                 "the budget (%llu of %llu in use)",
+                    (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
+                    (unsigned long long)pool->alloc.ledger.allocated.current,
+                    (unsigned long long)pool->alloc.ledger.budget_bytes);
+  rc = plan_take(pool, s, layer, pos, &pl);
+  if (rc == KVP_ENOSPC && pool->limbo) {
+    kvp__reclaim(pool);
+    rc = plan_take(pool, s, layer, pos, &pl);
+  }
+  if (rc) return rc;
+  if ((rc = fill_data(pool, s, layer, kv, &pl))) {
+    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nnew);
+    return rc;
+  }
+  publish(pool, s, layer, pos, &pl);
+  return KVP_OK;
+}
+
+/* ---- evict ------------------------------------------------------------- */
+
+/* Is any position of [a, b) retained by head h in the layer's runs? */
+static bool retained_in(const kvp__layer *L, uint32_t h, uint32_t a, uint32_t b) {
+  for (const kvp__run *r = L->runs; r; r = r->next)
+    if (kvp__run_has(r, h) && r->p0 < b && atomic_load_explicit(&r->p1, memory_order_relaxed) > a) return true;
+  return false;
+}
+
+/* Drop the blocks of stream (l, h) overlapping [a, b) that hold no retained
+ * position and take no more tokens. */
+static void drop_blocks(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t a, uint32_t b) {
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
+  kvp__bref *prev = NULL, *cur = st->blocks;
+  while (cur) {
+    kvp__block *blk = cur->blk;
+    kvp__bref *next = cur->next;
+    uint32_t lo = blk->pos0, hi = blk->pos0 + blk->n_tokens;
+    if (lo < b && hi > a && blk->sealed && !retained_in(&s->layers[layer], head, lo, hi)) {
+      if (prev) kvp__rcu_assign(prev->next, next);
+      else kvp__rcu_assign(st->blocks, next);
+      if (st->tail == cur) st->tail = prev;
+      kvp__bref_retire(pool, cur);
+      kvp__block_unown(pool, blk);
+    } else {
+      prev = cur;
+    }
+    if (lo >= b) break;
+    cur = next;
+  }
+}
+
+int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
+  kvp__layer *L = &s->layers[layer];
+  kvp__run *prev = NULL, *r = L->runs;
+  for (; r; prev = r, r = r->next)
+    if (r->s0 <= step && step < atomic_load_explicit(&r->s1, memory_order_relaxed)) break;
+  if (!r || !kvp__run_has(r, head))
+    return kvp__err(KVP_ENOENT, "seq %llu layer %u head %u step %u is not retained (evicted already, or not appended)",
+                    (unsigned long long)s->id, layer, head, step);
+  uint32_t s1 = atomic_load_explicit(&r->s1, memory_order_relaxed), p1 = atomic_load_explicit(&r->p1, memory_order_relaxed);
+  uint32_t a = s->step_pos[step];
+  uint32_t b = step + 1 == s1 ? p1 : s->step_pos[step + 1];
+  /* the replacement: [s0, step) | [step, step+1) without head | [step+1, s1) */
+  uint64_t without[KVP_MAX_KV_HEADS / 64];
+  memcpy(without, r->mask, r->nwords * sizeof(uint64_t));
+  without[head / 64] &= ~(1ull << (head % 64));
+  bool any = false;
+  for (uint32_t w = 0; w < r->nwords; w++) any |= without[w] != 0;
+  kvp__run *x = step > r->s0 ? kvp__run_new(pool, r->s0, r->p0, step, a, r->mask) : NULL;
+  kvp__run *y = any ? kvp__run_new(pool, step, a, step + 1, b, without) : NULL;
+  kvp__run *z = step + 1 < s1 ? kvp__run_new(pool, step + 1, b, s1, p1, r->mask) : NULL;
+  if ((step > r->s0 && !x) || (any && !y) || (step + 1 < s1 && !z)) {
+    if (x) kvp__run_free_now(pool, x);
+    if (y) kvp__run_free_now(pool, y);
+    if (z) kvp__run_free_now(pool, z);
+    return kvp__err(KVP_ENOMEM, "run metadata for an eviction");
+  }
+  /* chain x -> y -> z -> r->next, then swing one pointer */
+  kvp__run *chain[3] = {x, y, z}, *first = r->next, *last = NULL;
+  for (int i = 2; i >= 0; i--)
+    if (chain[i]) {
+      chain[i]->next = first;
+      first = chain[i];
+      if (!last) last = chain[i];
+    }
+  if (prev) kvp__rcu_assign(prev->next, first);
+  else kvp__rcu_assign(L->runs, first);
+  if (L->last == r) L->last = last ? last : prev;
+  kvp__run_retire(pool, r);
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
+  atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) - (b - a),
+                        memory_order_relaxed);
+  atomic_store_explicit(&st->evicted_tokens, atomic_load_explicit(&st->evicted_tokens, memory_order_relaxed) + (b - a),
+                        memory_order_relaxed);
+  kvp__count_tokens(pool, -(int64_t)(b - a), b - a);
+  drop_blocks(pool, s, layer, head, a, b);
+  return KVP_OK;
+}
