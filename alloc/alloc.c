@@ -23,13 +23,13 @@
 #include <string.h>
 
 int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes, uint64_t budget_bytes,
-                    kvp__stats *stats, kvp__meta *meta) {
+                    uint32_t flags, kvp__stats *stats, kvp__meta *meta) {
   memset(a, 0, sizeof *a);
   kvp__sc_init();
   a->stats = stats;
   a->meta = meta;
   for (uint32_t i = 0; i < KVP__SC_COUNT; i++) a->bins[i].cur = &kvp__slab_empty;
-  int rc = kvp__region_open(mem, device, region_bytes, &a->region);
+  int rc = kvp__region_open(mem, device, region_bytes, flags, &a->region);
   if (rc) return rc;
   a->slab_map = kvp__meta_calloc(meta, (region_bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
   if (!a->slab_map || (rc = kvp__extents_init(&a->ext, region_bytes, meta))) {

@@ -48,13 +48,14 @@ struct kvp__region {
   const kvp__region_ops *ops; /* backend */
   kvp_mem mem;                /* KVP_MEM_HOST or KVP_MEM_CUDA */
   int device;                 /* CUDA ordinal */
+  uint32_t flags;             /* KVP_POOL_* of the config */
   uint64_t bytes;             /* reserved bytes (multiple of KVP__EXTENT_UNIT) */
   unsigned char *base;        /* first byte (host or device address) */
   uint64_t map_bytes;         /* host backend: bytes actually mapped */
   void *map_base;             /* host backend: start of the mapping */
 };
 
-int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, kvp__region *out);
+int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, uint32_t flags, kvp__region *out);
 void kvp__region_close(kvp__region *r);
 extern const kvp__region_ops kvp__region_host_ops;
 #ifdef KVP_HAVE_CUDA
@@ -219,7 +220,7 @@ typedef struct kvp__alloc {
 } kvp__alloc;
 
 int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes,
-                    uint64_t budget_bytes, kvp__stats *stats, kvp__meta *meta);
+                    uint64_t budget_bytes, uint32_t flags, kvp__stats *stats, kvp__meta *meta);
 void kvp__alloc_fini(kvp__alloc *a);
 static inline uint64_t kvp__page_alloc_bytes(const kvp__page *p) { return kvp__sc_size(p->sc); }
 static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {

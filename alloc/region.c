@@ -4,9 +4,10 @@
  *
  * Host backend: one anonymous private mapping of the region, 2 MiB aligned
  * (over-map by 2 MiB, unmap the ragged ends), with MADV_HUGEPAGE asked for.
- * Pages are faulted in lazily by whoever writes payload; device-level usage
- * reports the resident bytes of the range (mincore), which is what the
- * process really spends on the region.
+ * Pages are faulted in lazily by whoever writes payload, or all at create
+ * with KVP_POOL_PREFAULT (MAP_POPULATE), as a device allocation is backed
+ * at once; device-level usage reports the resident bytes of the range
+ * (mincore), which is what the process really spends on the region.
  *
  *   map_base          base = align_up(map_base, 2 MiB)      base + bytes
  *   |--- unmapped ---|========== region ===================|--- unmapped ---|
@@ -18,8 +19,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, kvp__region *out) {
+int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, uint32_t flags, kvp__region *out) {
   memset(out, 0, sizeof *out);
+  out->flags = flags;
   out->mem = mem;
   out->device = device;
   out->bytes = bytes;
@@ -43,7 +45,8 @@ void kvp__region_close(kvp__region *r) {
 
 static int host_reserve(kvp__region *r) {
   uint64_t want = r->bytes + KVP__SLAB_BYTES;
-  void *p = mmap(NULL, want, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  int how = MAP_PRIVATE | MAP_ANONYMOUS | (r->flags & KVP_POOL_PREFAULT ? MAP_POPULATE : MAP_NORESERVE);
+  void *p = mmap(NULL, want, PROT_READ | PROT_WRITE, how, -1, 0);
   if (p == MAP_FAILED)
     return kvp__err(KVP_ENOMEM, "config.region_bytes = %llu: mmap of the host region failed: %s",
                     (unsigned long long)r->bytes, strerror(errno));

@@ -118,7 +118,12 @@ typedef struct kvp_config {
   uint32_t block_tokens;   /* tokens per block; 0 = default (16) */
   const char *codecs;      /* codec spec; NULL = raw */
   const char *policy;      /* policy spec; NULL = none */
+  uint32_t flags;          /* KVP_POOL_* */
 } kvp_config;
+
+/* kvp_config.flags */
+#define KVP_POOL_PREFAULT 1u /* host region: fault every page in at create, as a device
+                                allocation is backed at once (no first-touch cost later) */
 
 /* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
  * memory, 64 MiB region, budget = region. */

@@ -57,6 +57,7 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens == 0) c->block_tokens = KVP__DEFAULT_BLOCK_TOKENS;
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
+  if (c->flags & ~KVP_POOL_PREFAULT) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
   if (c->codecs && *c->codecs && strcmp(c->codecs, "raw") != 0)
     return kvp__err(KVP_ENOTSUP, "config.codecs = \"%s\": this version stores pages raw only (use NULL or \"raw\")",
                     c->codecs);
@@ -80,7 +81,7 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   p->cfg = c;
   pthread_mutex_init(&p->lock, NULL);
   if ((rc = kvp__stats_init(&p->stats, c.n_layers, c.n_kv_heads, &p->meta))) goto fail;
-  if ((rc = kvp__alloc_init(&p->alloc, c.memory, c.device, c.region_bytes, c.budget_bytes, &p->stats, &p->meta))) {
+  if ((rc = kvp__alloc_init(&p->alloc, c.memory, c.device, c.region_bytes, c.budget_bytes, c.flags, &p->stats, &p->meta))) {
     kvp__stats_fini(&p->stats);
     goto fail;
   }

@@ -11,6 +11,14 @@
  *                       jemalloc mallocx/sdallocx replaying the same sequence.
  *   metadata_per_byte   host metadata bytes per managed (region) byte, and per
  *                       allocated byte at the peak of the run.
+ *   decode_append_ns    host cost of one decode-step append of one (seq,
+ *                       layer), H = 8, D = 128, raw bf16, 64 sequences of 512
+ *                       tokens, step_begin/end amortized over 32 layers;
+ *                       baseline: memcpy of the same K and V bytes.
+ *   var_append_ns       host cost of appending one 4096-token VAR scale to one
+ *                       (seq, layer) in step mode; baseline: memcpy.
+ *   read_ns_per_token   kvp_read of every head of a (seq, layer), per retained
+ *                       token; baseline: memcpy of the same bytes.
  * Each figure is the median of R rounds; rounds alternate kvpool and the
  * baseline so drift hits both alike. Public header only.
  */
@@ -101,6 +109,141 @@ static double run_jemalloc(const workload *w, void **ptrs, uint64_t *sizes) {
   return dt / w->nops;
 }
 
+/* ---- sequences: decode append, VAR append, read ------------------------- */
+
+enum { BL = 32, BH = 8, BD = 128, NSEQ = 8, PREFILL = 512 };
+
+static kvp_pool *seq_pool(uint32_t block_tokens, uint64_t region) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = BL;
+  c.n_kv_heads = BH;
+  c.head_dim = BD;
+  c.region_bytes = region;
+  c.block_tokens = block_tokens;
+  c.flags = KVP_POOL_PREFAULT; /* as an engine's pre-backed KV region: no first-touch faults in the timings */
+  kvp_pool *p;
+  int rc = kvp_pool_create(&c, &p);
+  if (rc) die("kvp_pool_create", rc);
+  return p;
+}
+
+static void fill_bf16(uint16_t *x, size_t n, uint64_t seed) {
+  for (size_t i = 0; i < n; i++) x[i] = (uint16_t)(0x3c00 + (pagemix_rand(&seed) & 0x1ff)); /* finite values */
+}
+
+static void one_step(kvp_pool *p, uint64_t seq, uint32_t n, const uint16_t *k, const uint16_t *v) {
+  int rc = kvp_step_begin(p, seq, n, 0);
+  if (rc) die("kvp_step_begin", rc);
+  kvp_kv kv = {k, v, NULL};
+  for (uint32_t l = 0; l < BL; l++)
+    if ((rc = kvp_append(p, seq, l, &kv))) die("kvp_append", rc);
+  if ((rc = kvp_step_end(p, seq))) die("kvp_step_end", rc);
+}
+
+/* The baseline of a K and V move: memcpy of each, bytes apiece. */
+static double memcpy2_ns(void *dk, const void *sk, void *dv, const void *sv, size_t bytes, int reps) {
+  double t0 = now_ns();
+  for (int i = 0; i < reps; i++) {
+    memcpy(dk, sk, bytes);
+    memcpy(dv, sv, bytes);
+    __asm__ volatile("" : : "r"(dk), "r"(dv) : "memory");
+  }
+  return (now_ns() - t0) / reps;
+}
+
+typedef struct seq_figs {
+  double decode, decode_base, decode_paged, var, var_base, read, read_base; /* ns */
+} seq_figs;
+
+/* The floor of a decode append in a paged layout: the same 2 x H rows
+ * copied into one page per (seq, layer, head, K|V) of 16-token pages spread
+ * over a buffer as large as the pool's payload, no bookkeeping at all. */
+static double paged_memcpy_ns(const uint16_t *k, const uint16_t *v, int steps) {
+  size_t row = (size_t)BD * 2, page = 16 * row, npages = (size_t)NSEQ * BL * BH * 2 * 64;
+  unsigned char *buf = malloc(npages * page);
+  memset(buf, 0, npages * page); /* faulted in, as the pool's prefaulted region */
+  double t0 = now_ns();
+  for (int st = 0; st < steps; st++)
+    for (uint32_t s = 0; s < NSEQ; s++)
+      for (uint32_t l = 0; l < BL; l++)
+        for (uint32_t h = 0; h < BH; h++)
+          for (int kv = 0; kv < 2; kv++) {
+            size_t pg = ((((size_t)s * BL + l) * BH + h) * 2 + (size_t)kv) * 64 + (size_t)(st / 16) % 64;
+            memcpy(buf + pg * page + (size_t)(st % 16) * row, (kv ? v : k) + (size_t)h * BD, row);
+          }
+  double dt = (now_ns() - t0) / ((double)steps * NSEQ * BL);
+  __asm__ volatile("" : : "r"(buf) : "memory");
+  free(buf);
+  return dt;
+}
+
+static seq_figs bench_seqs(int rounds, int steps) {
+  seq_figs f;
+  double a[32], b[32];
+  size_t tok_bytes = (size_t)BH * BD * 2;
+  uint16_t *k = malloc(4096 * tok_bytes), *v = malloc(4096 * tok_bytes), *sink = malloc(2 * 4096 * tok_bytes);
+  uint16_t *sink_v = sink + 4096 * BH * BD;
+  fill_bf16(k, 4096 * BH * BD, 1);
+  fill_bf16(v, 4096 * BH * BD, 2);
+  /* decode */
+  kvp_pool *p = seq_pool(16, 2ull << 30); /* 128 KiB per token over all layers */
+  for (uint64_t s = 0; s < NSEQ; s++) {
+    if (kvp_seq_add(p, s, NULL)) die("kvp_seq_add", -1);
+    one_step(p, s, PREFILL, k, v);
+  }
+  for (int r = 0; r < rounds; r++) {
+    double t0 = now_ns();
+    for (int st = 0; st < steps; st++)
+      for (uint64_t s = 0; s < NSEQ; s++) one_step(p, s, 1, k + st % 64 * BH * BD, v + st % 64 * BH * BD);
+    a[r] = (now_ns() - t0) / ((double)steps * NSEQ * BL);
+    b[r] = memcpy2_ns(sink, k, sink_v, v, tok_bytes, 20000);
+  }
+  f.decode = median(a, rounds);
+  f.decode_base = median(b, rounds);
+  for (int r = 0; r < rounds; r++) b[r] = paged_memcpy_ns(k, v, steps);
+  f.decode_paged = median(b, rounds);
+  /* read: every head of one (seq, layer), per token */
+  uint32_t cap = PREFILL + (uint32_t)(rounds * steps) + 16;
+  uint32_t *pos = malloc(cap * sizeof *pos);
+  uint16_t *ko = malloc((size_t)cap * BD * 2), *vo = malloc((size_t)cap * BD * 2);
+  for (int r = 0; r < rounds; r++) {
+    uint64_t toks = 0;
+    double t0 = now_ns();
+    for (uint64_t s = 0; s < 8; s++)
+      for (uint32_t h = 0; h < BH; h++) {
+        kvp_read_req q = {sizeof q, h, KVP_DTYPE_BF16, ko, vo, pos, cap, 0, NULL};
+        int rc = kvp_read(p, s, (uint32_t)(s * 5) % BL, &q);
+        if (rc) die("kvp_read", rc);
+        toks += q.n_tokens;
+      }
+    a[r] = (now_ns() - t0) / (double)toks;
+    b[r] = memcpy2_ns(ko, k, vo, v, (size_t)BD * 2 * PREFILL, 200) / PREFILL;
+  }
+  f.read = median(a, rounds);
+  f.read_base = median(b, rounds);
+  free(pos), free(ko), free(vo);
+  kvp_pool_destroy(p);
+  /* VAR scale: 4096 tokens per (seq, layer), step mode, 4096-token blocks */
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  p = seq_pool(4096, 1ull << 30);
+  for (int r = 0; r < rounds; r++) {
+    if (kvp_seq_add(p, 1, &sc)) die("kvp_seq_add", -1);
+    double t0 = now_ns();
+    one_step(p, 1, 4096, k, v);
+    a[r] = (now_ns() - t0) / BL;
+    b[r] = memcpy2_ns(sink, k, sink_v, v, 4096 * tok_bytes, 3); /* one layer: all heads, K and V */
+    if (kvp_seq_free(p, 1)) die("kvp_seq_free", -1);
+  }
+  kvp_pool_destroy(p);
+  f.var = median(a, rounds);
+  f.var_base = median(b, rounds);
+  free(k), free(v), free(sink);
+  return f;
+}
+
 int main(int argc, char **argv) {
   int quick = 0, json_only = 0;
   for (int i = 1; i < argc; i++) {
@@ -158,5 +301,29 @@ int main(int argc, char **argv) {
   free(ptrs);
   free(sizes);
   kvp_pool_destroy(p);
+
+  seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
+  if (!json_only) {
+    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (per (seq, layer), H=%d D=%d bf16, %d seqs; memcpy of the same bytes)\n",
+           "decode append", f.decode, f.decode_base, f.decode / f.decode_base, BH, BD, NSEQ);
+    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (the same rows into one 16-token page per (seq, layer, head, side))\n",
+           "decode append vs paged memcpy", f.decode, f.decode_paged, f.decode / f.decode_paged);
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (4096-token scale, per (seq, layer), step mode)\n", "VAR scale append",
+           f.var / 1e3, f.var_base / 1e3, f.var / f.var_base);
+    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (per retained token, K and V of one head)\n", "kvp_read", f.read,
+           f.read_base, f.read / f.read_base);
+  }
+  printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
+         "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
+         f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
+  printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
+         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+         f.decode, f.decode_paged, f.decode / f.decode_paged);
+  printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
+         "\"ratio\":%.3f,\"tokens\":4096}\n",
+         f.var, f.var_base, f.var / f.var_base);
+  printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
+         "\"ratio\":%.3f}\n",
+         f.read, f.read_base, f.read / f.read_base);
   return 0;
 }

@@ -1,0 +1,304 @@
+/*
+ * tests/integration/check_seq.c - sequences through the public header: bad
+ * input (each error with its status, a message naming the culprit, and no
+ * change to the pool), views pinned across evictions and frees, fork
+ * sharing sealed blocks and copying open ones, NaN input.
+ */
+#include <check.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvgen.h"
+#include "kvpool.h"
+
+#define ck_status(expr, want)                                                                         \
+  do {                                                                                                \
+    int rc_ = (expr);                                                                                 \
+    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
+                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
+  } while (0)
+#define ck_ok(expr) ck_status(expr, KVP_OK)
+#define ck_msg(part) ck_assert_msg(strstr(kvp_last_error(), part) != NULL, "message lacks \"%s\": %s", part, kvp_last_error())
+
+enum { L = 3, H = 2, D = 16, BT = 8 };
+
+static kvgen G;
+static uint16_t K[1024 * H * D], V[1024 * H * D];
+
+static kvp_pool *mkpool(uint64_t budget) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.region_bytes = 16ull << 20;
+  c.budget_bytes = budget;
+  c.block_tokens = BT;
+  kvp_pool *p;
+  ck_ok(kvp_pool_create(&c, &p));
+  kvgen_init(&G);
+  return p;
+}
+
+static void step(kvp_pool *p, uint64_t seq, uint32_t pos0, uint32_t n) {
+  ck_ok(kvp_step_begin(p, seq, n, 0));
+  for (uint32_t l = 0; l < L; l++) {
+    kvgen_fill(&G, seq, l, pos0, n, H, D, K, V);
+    kvp_kv kv = {K, V, NULL};
+    ck_ok(kvp_append(p, seq, l, &kv));
+  }
+  ck_ok(kvp_step_end(p, seq));
+  ck_ok(kvp_check(p));
+}
+
+/* A fingerprint of the ledger: bad calls must leave it as it was. */
+typedef struct fp {
+  uint64_t req, alloc, pages, tokens, seqs;
+} fp;
+
+static fp fingerprint(kvp_pool *p) {
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  return (fp){s.bytes_requested.current, s.bytes_allocated.current, s.pages.current, s.tokens_retained.current,
+              s.sequences.current};
+}
+
+#define UNCHANGED(p, before)                                                                    \
+  do {                                                                                          \
+    fp now_ = fingerprint(p);                                                                   \
+    ck_assert_msg(memcmp(&now_, &(before), sizeof now_) == 0, "a failed call changed the pool"); \
+    ck_ok(kvp_check(p));                                                                        \
+  } while (0)
+
+START_TEST(bad_input_changes_nothing) {
+  kvp_pool *p = mkpool(0);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  step(p, 1, 0, 20);
+  fp f = fingerprint(p);
+  kvp_kv kv = {K, V, NULL};
+
+  ck_status(kvp_seq_add(p, 1, NULL), KVP_EEXIST); ck_msg("sequence 1");
+  ck_status(kvp_step_begin(p, 9, 1, 0), KVP_ENOENT); ck_msg("sequence 9");
+  ck_status(kvp_append(p, 9, 0, &kv), KVP_ENOENT);
+  ck_status(kvp_seq_free(p, 9), KVP_ENOENT);
+  ck_status(kvp_seq_fork(p, 9, 10), KVP_ENOENT);
+  ck_status(kvp_seq_fork(p, 1, 1), KVP_EEXIST); ck_msg("already exists");
+  ck_status(kvp_append(p, 1, 0, &kv), KVP_EINVAL); ck_msg("outside a step");
+  ck_status(kvp_step_end(p, 1), KVP_EINVAL); ck_msg("no step is open");
+  ck_status(kvp_step_begin(p, 1, 0, 0), KVP_EINVAL); ck_msg("n_tokens = 0");
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = (kvp_seq_mode)5;
+  ck_status(kvp_seq_add(p, 2, &sc), KVP_EINVAL); ck_msg("mode");
+  kvp_seq_config_init(&sc);
+  sc.n_steps = 2;
+  ck_status(kvp_seq_add(p, 2, &sc), KVP_EINVAL); ck_msg("step_tokens");
+  UNCHANGED(p, f);
+
+  /* inside a step */
+  ck_ok(kvp_step_begin(p, 1, 4, 0));
+  f = fingerprint(p);
+  kvgen_fill(&G, 1, 0, 20, 4, H, D, K, V);
+  ck_status(kvp_step_begin(p, 1, 4, 0), KVP_EBUSY); ck_msg("still open");
+  ck_status(kvp_seq_fork(p, 1, 3), KVP_EBUSY);
+  ck_status(kvp_append(p, 1, L, &kv), KVP_EINVAL); ck_msg("layer 3 >= n_layers 3");
+  ck_status(kvp_append(p, 1, 1, &kv), KVP_EINVAL); ck_msg("out of order");
+  ck_status(kvp_append(p, 1, 0, NULL), KVP_EINVAL); ck_msg("kv is NULL");
+  kvp_kv nul = {NULL, V, NULL};
+  ck_status(kvp_append(p, 1, 0, &nul), KVP_EINVAL); ck_msg("kv->k is NULL");
+  kvp_kv mis = {(const char *)K + 1, V, NULL};
+  ck_status(kvp_append(p, 1, 0, &mis), KVP_EINVAL); ck_msg("not aligned");
+  ck_status(kvp_step_end(p, 1), KVP_EINVAL); ck_msg("after 0 of 3 layers");
+  UNCHANGED(p, f);
+  ck_ok(kvp_append(p, 1, 0, &kv));
+  f = fingerprint(p);
+  ck_status(kvp_append(p, 1, 0, &kv), KVP_EINVAL); ck_msg("appended twice");
+  UNCHANGED(p, f);
+  for (uint32_t l = 1; l < L; l++) {
+    kvgen_fill(&G, 1, l, 20, 4, H, D, K, V);
+    ck_ok(kvp_append(p, 1, l, &kv));
+  }
+  ck_ok(kvp_step_end(p, 1));
+  f = fingerprint(p);
+
+  /* evict and read */
+  ck_status(kvp_evict(p, 1, L, 0, 0), KVP_EINVAL); ck_msg("layer 3");
+  ck_status(kvp_evict(p, 1, 0, H, 0), KVP_EINVAL); ck_msg("head 2");
+  ck_status(kvp_evict(p, 1, 0, 0, 2), KVP_ENOENT); ck_msg("step 2 was never begun");
+  UNCHANGED(p, f);
+  ck_ok(kvp_evict(p, 1, 0, 1, 0));
+  f = fingerprint(p);
+  ck_status(kvp_evict(p, 1, 0, 1, 0), KVP_ENOENT); ck_msg("not retained");
+  UNCHANGED(p, f);
+  uint16_t out[64 * D];
+  uint32_t pos[64];
+  kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, out, out, pos, 10, 0, NULL};
+  ck_status(kvp_read(p, 1, 0, &q), KVP_ENOSPC); ck_msg("needs 24 tokens");
+  ck_assert_uint_eq(q.n_tokens, 24);
+  q.capacity_tokens = 64;
+  q.head = H;
+  ck_status(kvp_read(p, 1, 0, &q), KVP_EINVAL); ck_msg("head 2");
+  q.head = 0;
+  ck_status(kvp_read(p, 1, L, &q), KVP_EINVAL);
+  ck_status(kvp_read(p, 5, 0, &q), KVP_ENOENT);
+  q.k_out = (char *)out + 1;
+  ck_status(kvp_read(p, 1, 0, &q), KVP_EINVAL); ck_msg("aligned");
+  q.struct_size = 4;
+  ck_status(kvp_read(p, 1, 0, &q), KVP_EINVAL);
+  UNCHANGED(p, f);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(nan_input_is_refused) {
+  kvp_pool *p = mkpool(0);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  ck_ok(kvp_step_begin(p, 1, 5, 0));
+  kvgen_fill(&G, 1, 0, 0, 5, H, D, K, V);
+  fp f = fingerprint(p);
+  V[(3 * H + 1) * D + 7] = 0x7fc0; /* a bf16 NaN at token 3, head 1, channel 7 */
+  kvp_kv kv = {K, V, NULL};
+  ck_status(kvp_append(p, 1, 0, &kv), KVP_EINVAL);
+  ck_msg("V of layer 0 has NaN at head 1, token 3");
+  UNCHANGED(p, f);
+  V[(3 * H + 1) * D + 7] = 0;
+  ck_ok(kvp_append(p, 1, 0, &kv));
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(views_survive_eviction) {
+  kvp_pool *p = mkpool(0);
+  ck_ok(kvp_seq_add(p, 4, NULL));
+  step(p, 4, 0, 20); /* blocks of 8: [0,8) [8,16) [16,20 open) */
+  step(p, 4, 20, 4);
+  kvp_view *v;
+  ck_ok(kvp_view_acquire(p, 4, 1, &v));
+  ck_assert_uint_eq(v->layer, 1);
+  ck_assert_uint_eq(v->n_blocks, H * 3);
+  uint32_t seen = 0;
+  for (uint32_t i = 0; i < v->n_blocks; i++) {
+    const kvp_view_block *b = &v->blocks[i];
+    const uint16_t *k = b->page[0][KVP_PAGE_RAW], *vv = b->page[1][KVP_PAGE_RAW];
+    ck_assert_ptr_nonnull(k);
+    ck_assert_ptr_null(b->page[0][KVP_PAGE_CODES]);
+    ck_assert_uint_eq(b->page_bytes[0][KVP_PAGE_RAW], BT * D * 2);
+    for (uint32_t t = b->first; t < b->first + b->n_tokens; t++)
+      for (uint32_t d = 0; d < D; d++) {
+        if (k[t * D + d] != kvgen_value(&G, 4, 1, b->head, b->block_pos0 + t, d, 0) ||
+            vv[t * D + d] != kvgen_value(&G, 4, 1, b->head, b->block_pos0 + t, d, 1))
+          ck_abort_msg("view block %u token %u differs", i, t);
+      }
+    seen += b->n_tokens;
+  }
+  ck_assert_uint_eq(seen, H * 24);
+  /* evict step 0 of head 0: its two full blocks leave new reads but stay
+   * pinned (and counted) until the view goes */
+  kvp_stats a = {.struct_size = sizeof a}, b = {.struct_size = sizeof b};
+  ck_ok(kvp_stats_get(p, &a));
+  ck_ok(kvp_evict(p, 4, 1, 0, 0));
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_stats_get(p, &b));
+  ck_assert_uint_eq(b.bytes_allocated.current, a.bytes_allocated.current); /* pinned */
+  ck_assert_uint_eq(b.tokens_retained.current, a.tokens_retained.current - 20);
+  uint16_t out[64 * D];
+  uint32_t pos[64];
+  kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, out, NULL, pos, 64, 0, NULL};
+  ck_ok(kvp_read(p, 4, 1, &q));
+  ck_assert_uint_eq(q.n_tokens, 4);
+  ck_assert_uint_eq(pos[0], 20);
+  /* even freeing the whole sequence keeps pinned blocks readable */
+  ck_ok(kvp_seq_free(p, 4));
+  ck_ok(kvp_check(p));
+  const kvp_view_block *b0 = &v->blocks[0];
+  const uint16_t *k0 = b0->page[0][KVP_PAGE_RAW];
+  ck_assert_uint_eq(k0[0], kvgen_value(&G, 4, 1, b0->head, b0->block_pos0, 0, 0));
+  kvp_view_release(p, v);
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_stats_get(p, &b));
+  ck_assert_uint_eq(b.bytes_allocated.current, 0);
+  kvp_view_release(p, NULL);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(fork_shares_sealed_copies_open) {
+  kvp_pool *p = mkpool(0);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  step(p, 1, 0, 19); /* per stream: 2 sealed blocks + 1 open (3 tokens) */
+  kvp_stats a = {.struct_size = sizeof a}, b = {.struct_size = sizeof b};
+  ck_ok(kvp_stats_get(p, &a));
+  ck_ok(kvp_seq_fork(p, 1, 2));
+  kvgen_fork(&G, 1, 2, 19);
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_stats_get(p, &b));
+  /* only the open blocks were copied: L x H x (K + V) pages of BT x D x 2 bytes */
+  ck_assert_uint_eq(b.pages.current - a.pages.current, L * H * 2);
+  ck_assert_uint_eq(b.bytes_allocated.current - a.bytes_allocated.current, (uint64_t)L * H * 2 * BT * D * 2);
+  ck_assert_uint_eq(b.tokens_retained.current, 2 * a.tokens_retained.current);
+  ck_assert_uint_eq(b.sequences.current, 2);
+  /* the child diverges; the parent does not see it */
+  step(p, 2, 19, 7);
+  step(p, 1, 19, 2);
+  uint16_t out[64 * D];
+  uint32_t pos[64];
+  for (uint64_t s = 1; s <= 2; s++) {
+    kvp_read_req q = {sizeof q, 1, KVP_DTYPE_BF16, out, NULL, pos, 64, 0, NULL};
+    ck_ok(kvp_read(p, s, 2, &q));
+    ck_assert_uint_eq(q.n_tokens, s == 1 ? 21 : 26);
+    for (uint32_t i = 0; i < q.n_tokens; i++)
+      if (pos[i] != i || out[i * D + 5] != kvgen_value(&G, s, 2, 1, i, 5, 0)) ck_abort_msg("seq %llu row %u", (unsigned long long)s, i);
+  }
+  kvp_seq_desc d = {.struct_size = sizeof d};
+  ck_ok(kvp_seq_info(p, 2, &d));
+  ck_assert_uint_eq(d.n_positions, 26);
+  ck_assert_uint_eq(d.tokens_retained, 26 * L * H);
+  /* freeing the parent keeps the shared blocks for the child */
+  ck_ok(kvp_seq_free(p, 1));
+  ck_ok(kvp_check(p));
+  kvp_read_req q = {sizeof q, 0, KVP_DTYPE_F32, NULL, NULL, pos, 64, 0, NULL};
+  float f32[64 * D];
+  q.k_out = f32;
+  ck_ok(kvp_read(p, 2, 0, &q)); /* and reads convert to f32 */
+  ck_assert_uint_eq(q.n_tokens, 26);
+  uint16_t want = kvgen_value(&G, 2, 0, 0, 3, 2, 0);
+  uint32_t bits = (uint32_t)want << 16;
+  float wf;
+  memcpy(&wf, &bits, 4);
+  ck_assert(f32[3 * D + 2] == wf);
+  ck_ok(kvp_seq_free(p, 2));
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_stats_get(p, &b));
+  ck_assert_uint_eq(b.bytes_allocated.current, 0);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(fork_refused_by_budget_changes_nothing) {
+  kvp_pool *p = mkpool(L * H * 2 * 3 * BT * D * 2); /* room for 3 blocks per stream */
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  step(p, 1, 0, 19);
+  fp f = fingerprint(p);
+  ck_status(kvp_seq_fork(p, 1, 2), KVP_EBUDGET); ck_msg("fork of seq 1 into 2");
+  UNCHANGED(p, f);
+  ck_status(kvp_seq_info(p, 2, &(kvp_seq_desc){.struct_size = sizeof(kvp_seq_desc)}), KVP_ENOENT);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("seq");
+  TCase *tc = tcase_create("seq");
+  tcase_add_test(tc, bad_input_changes_nothing);
+  tcase_add_test(tc, nan_input_is_refused);
+  tcase_add_test(tc, views_survive_eviction);
+  tcase_add_test(tc, fork_shares_sealed_copies_open);
+  tcase_add_test(tc, fork_refused_by_budget_changes_nothing);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int nf = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return nf ? 1 : 0;
+}
