@@ -39,6 +39,9 @@ typedef struct kvp__region_ops {
   /* The reverse: region rows into caller memory. */
   int (*read2d)(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t src_off, uint64_t src_pitch, uint64_t width,
                 uint64_t height, void *stream);
+  /* Wait until no enqueued copy can still touch the region (before freed
+   * pages are handed out again). Host: nothing to wait for. */
+  int (*quiesce)(kvp__region *r);
   /* Device-level bytes in use and capacity (resident bytes of the host range;
    * cudaMemGetInfo for CUDA). */
   int (*usage)(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes);

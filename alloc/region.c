@@ -87,6 +87,11 @@ static int host_read2d(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t s
   return KVP_OK;
 }
 
+static int host_quiesce(kvp__region *r) {
+  (void)r;
+  return KVP_OK;
+}
+
 static int host_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
   long pg = sysconf(_SC_PAGESIZE);
   uint64_t page = pg > 0 ? (uint64_t)pg : 4096, resident = 0;
@@ -103,4 +108,4 @@ static int host_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_byte
 }
 
 const kvp__region_ops kvp__region_host_ops = {"host",       host_reserve, host_release, host_copy,
-                                              host_write2d, host_read2d,  host_usage};
+                                              host_write2d, host_read2d,  host_quiesce, host_usage};

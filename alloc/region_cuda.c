@@ -1,7 +1,8 @@
 /*
  * alloc/region_cuda.c - the CUDA region backend: one cudaMalloc at create,
  * like an engine's pre-reserved KV tensor. Host code never dereferences it;
- * payload moves with cudaMemcpyAsync on the caller's stream. cudaError_t
+ * payload moves with cudaMemcpyAsync on the caller's stream. Freed pages are
+ * reused only after the device drained (quiesce). cudaError_t
  * never leaves this file: it becomes KVP_EDEVICE with CUDA's message.
  */
 #include "alloc.h"
@@ -61,6 +62,17 @@ static int cuda_read2d(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t s
   return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaMemcpy2DAsync (read)", r->device);
 }
 
+/* Conservative: every stream of the device drains before freed pages are
+ * reused (a stream-ordered reuse with per-stream events would wait less). */
+static int cuda_quiesce(kvp__region *r) {
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaSetDevice(r->device);
+  cudaError_t e = cudaDeviceSynchronize();
+  cudaSetDevice(prev);
+  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaDeviceSynchronize (page reuse)", r->device);
+}
+
 static int cuda_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
   int prev = 0;
   cudaGetDevice(&prev);
@@ -75,4 +87,4 @@ static int cuda_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_byte
 }
 
 const kvp__region_ops kvp__region_cuda_ops = {"cuda",       cuda_reserve, cuda_release, cuda_copy,
-                                              cuda_write2d, cuda_read2d,  cuda_usage};
+                                              cuda_write2d, cuda_read2d,  cuda_quiesce, cuda_usage};

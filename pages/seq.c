@@ -115,6 +115,10 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
 void kvp__reclaim(kvp_pool *pool) {
   if (!pool->limbo) return;
   kvp__rcu_synchronize();
+  /* copies already enqueued on device streams may still touch these pages;
+   * a failure here is reported by the region and the pages are freed anyway
+   * (the device is then unusable for the pool's work) */
+  pool->alloc.region.ops->quiesce(&pool->alloc.region);
   for (kvp__block *b = pool->limbo, *n; b; b = n) {
     n = b->onext;
     kvp__block_destroy(pool, b);
