@@ -1,0 +1,95 @@
+/*
+ * kvpool_codec.h - the codec plug-in ABI of kvpool.
+ *
+ * A codec turns the tokens of one block of one head (one of K or V) into
+ * pages and back. kvpool binds one codec instance per (layer, K or V), as a
+ * codec spec string says (kvp_config.codecs), and calls it:
+ *
+ *   create   once per binding, with the spec's parameters ("bits=2:group=32")
+ *   layout   exact requested bytes of each page for a block of cap tokens
+ *            (deterministic: the ledger trusts it)
+ *   encode   a whole block: n rows in the appended dtype -> the pages
+ *   decode   m rows starting at row t0 of a block -> rows of the out dtype
+ *
+ * When it encodes. In KVP_SEQ_STEP mode a block is encoded as it is
+ * appended. In KVP_SEQ_STREAM mode the OPEN block holds its tokens RAW (in
+ * the appended dtype) and is encoded once, when it is sealed (full); until
+ * then readers see the raw tokens. A codec that quantizes along the token
+ * axis sets group_tokens: block_tokens must be a multiple of it, and encode
+ * may receive a last group shorter than group_tokens only in step mode.
+ *
+ * Page bit layouts are the codec's own and must be written in its header
+ * comment. A codec knows nothing of the pool: tensors in, bytes out. Host
+ * pointers only in this version (device ops come with kernels/).
+ *
+ * Threads: create/destroy/encode are called under the pool's writer lock;
+ * decode may be called from any reader thread concurrently, so it must not
+ * write to the instance.
+ *
+ * Since: 0.1.0.
+ */
+#ifndef KVPOOL_CODEC_H
+#define KVPOOL_CODEC_H
+
+#include "kvpool.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVP_CODEC_ABI_VERSION 1u
+#define KVP_CODEC_MAX_PAGES 4u /* page types one block side may use */
+
+/* What a codec instance is bound to. */
+typedef struct kvp_codec_geom {
+  uint32_t head_dim;  /* elements per token */
+  kvp_dtype in_dtype; /* dtype of appended tokens */
+  uint32_t layer;     /* the layer of the binding */
+  uint32_t kv;        /* 0 = K, 1 = V */
+} kvp_codec_geom;
+
+/* Pages of one block side for cap tokens. */
+typedef struct kvp_codec_layout {
+  uint32_t npages;                          /* 1..KVP_CODEC_MAX_PAGES */
+  kvp_page_type types[KVP_CODEC_MAX_PAGES]; /* distinct page types */
+  uint64_t bytes[KVP_CODEC_MAX_PAGES];      /* exact requested bytes of each */
+} kvp_codec_layout;
+
+typedef struct kvp_codec_vtable {
+  uint32_t abi_version; /* KVP_CODEC_ABI_VERSION */
+  const char *name;     /* spec name, [a-z0-9_-]+, unique in the registry */
+  /* Parse params (the text after "name:" in the spec, "" if none) and make
+   * an instance. On bad params return KVP_EINVAL and write a message naming
+   * the parameter into err (errcap bytes); *err_at may be set to the byte
+   * offset in params where the problem starts. */
+  int (*create)(const char *params, const kvp_codec_geom *geom, void **inst, char *err, size_t errcap,
+                size_t *err_at);
+  void (*destroy)(void *inst);
+  /* Tokens quantized together along the token axis (1 = per token). */
+  uint32_t (*group_tokens)(const void *inst);
+  /* Exact layout of a block of cap_tokens (1..65536). */
+  void (*layout)(const void *inst, uint32_t cap_tokens, kvp_codec_layout *out);
+  /* Encode n rows (src, rows src_stride bytes apart, geom.in_dtype; finite)
+   * of a block of cap_tokens into pages (one per layout entry, of the
+   * layout's sizes). Returns KVP_OK or KVP_ECODEC. */
+  int (*encode)(const void *inst, const void *src, size_t src_stride, uint32_t n, uint32_t cap_tokens,
+                void *const *pages);
+  /* Decode rows [t0, t0 + m) of a block holding n tokens of cap_tokens into
+   * dst (rows dst_stride bytes apart) as out dtype. */
+  int (*decode)(const void *inst, const void *const *pages, uint32_t n, uint32_t cap_tokens, uint32_t t0,
+                uint32_t m, void *dst, size_t dst_stride, kvp_dtype out);
+} kvp_codec_vtable;
+
+/* Register a codec under vt->name for every pool created afterwards
+ * (process-wide; vt must stay valid). Returns its id (> 0) through *id.
+ * KVP_EEXIST for a taken name, KVP_EINVAL for a bad vtable or ABI version,
+ * KVP_ENOSPC when the registry is full. Thread-safe. */
+KVP_API int kvp_codec_register(const kvp_codec_vtable *vt, uint32_t *id);
+
+/* Look up a registered codec by name: its id, or KVP_ENOENT. */
+KVP_API int kvp_codec_find(const char *name, uint32_t *id);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVPOOL_CODEC_H */
