@@ -206,6 +206,7 @@ typedef struct kvp_usage {
   X(COUNTER, tokens_evicted, "tokens.evicted", "tokens evicted over all (layer, head) streams")  \
   X(GAUGE, bf16_equivalent_bytes, "bytes.bf16_equivalent", "retained tokens x head_dim x 2 bytes, K and V: the uncompressed baseline") \
   X(GAUGE, sequences, "sequences.live", "live sequences")                           \
+  X(GAUGE, bytes_retired, "bytes.retired", "allocated bytes of unlinked blocks waiting for readers (RCU grace period)") \
   X(VALUE, device_used_bytes, "device.used_bytes", "device-level bytes in use (cudaMemGetInfo, or resident bytes of a host region)") \
   X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)")
 
@@ -386,6 +387,13 @@ typedef struct kvp_seq_desc {
   uint32_t *evicted_tokens;    /* in, optional: [n_layers * n_kv_heads] */
   kvp_usage page_types[KVP_PAGE_TYPE_COUNT]; /* out: pages this sequence references */
 } kvp_seq_desc;
+
+/* Wait for an RCU grace period and return every retired block (evicted,
+ * freed, or replaced when an OPEN block was sealed and encoded) to the
+ * allocator. Retired bytes stay allocated (bytes.retired) until then; the
+ * pool reclaims by itself when an allocation would not fit, at evict and
+ * free, and at step end once they pass max(1 MiB, budget / 256). */
+KVP_API int kvp_reclaim(kvp_pool *pool);
 
 /* Describe a sequence. Lock-free. Shared blocks count in every sequence
  * that references them (the ledger and the per-sequence stats count them

@@ -39,12 +39,12 @@ static void child_undo(kvp_pool *pool, kvp__seq *c) {
 /* Copy the OPEN block b of (layer, head) for the child. */
 static int copy_open(kvp_pool *pool, uint64_t child, uint32_t layer, uint32_t head, const kvp__block *b,
                      kvp__block **out) {
-  int rc = kvp__block_new(pool, child, layer, head, b->pos0, b->cap_tokens, out);
+  int rc = kvp__block_new(pool, child, layer, head, b->pos0, b->cap_tokens, b->raw, out);
   if (rc) return rc;
   kvp__block *nb = *out;
   nb->n_tokens = b->n_tokens;
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < pool->codec[kv].codec->npages && !rc; i++)
+    for (unsigned i = 0; i < b->npages[kv] && !rc; i++)
       rc = pool->alloc.region.ops->copy(&pool->alloc.region, nb->pages[kv][i].off, b->pages[kv][i].off,
                                         b->pages[kv][i].requested_bytes, NULL);
   if (rc) kvp__block_destroy(pool, nb);
@@ -104,7 +104,7 @@ static uint64_t open_copy_bytes(kvp_pool *pool, const kvp__seq *p) {
   uint64_t sum = 0;
   for (uint32_t i = 0; i < pool->cfg.n_layers * pool->cfg.n_kv_heads; i++)
     for (const kvp__bref *b = p->streams[i].blocks; b; b = b->next)
-      if (!b->blk->sealed) sum += kvp__block_class_bytes(pool, b->blk->cap_tokens);
+      if (!b->blk->sealed) sum += kvp__block_class_bytes(pool, i / pool->cfg.n_kv_heads, b->blk->raw, b->blk->cap_tokens);
   return sum;
 }
 
@@ -153,7 +153,7 @@ typedef struct check_ctx {
 
 static void visit_block(kvp_pool *pool, kvp__block *b, check_ctx *cc) {
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < pool->codec[kv].codec->npages; i++) cc->fn(cc->ctx, &b->pages[kv][i]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) cc->fn(cc->ctx, &b->pages[kv][i]);
 }
 
 static int check_runs(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t *retained) {
@@ -259,7 +259,15 @@ int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
       return CORRUPT("orphan block at position %u has %u owners, %u refs", b->pos0, b->owners, atomic_load(&b->refs));
     visit_block(pool, b, &cc);
   }
-  for (kvp__block *b = pool->limbo; b; b = b->onext) visit_block(pool, b, &cc);
+  uint64_t retired = 0;
+  for (kvp__block *b = pool->limbo; b; b = b->onext) {
+    visit_block(pool, b, &cc);
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned i = 0; i < b->npages[kv]; i++) retired += kvp__page_alloc_bytes(&b->pages[kv][i]);
+  }
+  if (retired != pool->alloc.ledger.retired.current)
+    return CORRUPT("limbo holds %llu bytes, ledger says %llu retired", (unsigned long long)retired,
+                   (unsigned long long)pool->alloc.ledger.retired.current);
   const kvp__ledger *l = &pool->alloc.ledger;
   if (cc.retained != l->tokens_retained.current || cc.nseqs != l->sequences.current ||
       l->bf16_equivalent.current != cc.retained * 4ull * pool->cfg.head_dim)

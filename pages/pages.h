@@ -20,7 +20,7 @@
 #define KVP_PAGES_H
 
 #include "../alloc/alloc.h"
-#include "../codecs/codec.h"
+#include "../codecs/codecs.h"
 #include "../util/rcu.h"
 
 #include <pthread.h>
@@ -43,11 +43,25 @@ typedef struct kvp__rawpages {
   uint32_t free_head;  /* first free slot (index + 1; 0 = none) */
 } kvp__rawpages;
 
-/* Up to cap_tokens tokens of one stream at positions [pos0, pos0 + cap). */
+/* A codec bound to one (layer, K or V), or the RAW tail of one side. */
+typedef struct kvp__binding {
+  const kvp_codec_vtable *vt; /* the codec */
+  void *inst;                 /* its instance */
+  uint32_t id;                /* registry id (stats tag) */
+  uint32_t group;             /* group_tokens */
+  bool passthrough;           /* raw in the appended dtype: an OPEN block seals as is */
+} kvp__binding;
+
+/* Up to cap_tokens tokens of one stream at positions [pos0, pos0 + cap).
+ * raw: the pages are the side's RAW tail (appended dtype), as in an OPEN
+ * block of a stream; else they are the layer's codec's. raw, pos0,
+ * cap_tokens and, once published sealed, n_tokens never change. */
 typedef struct kvp__block {
   uint32_t pos0;          /* position of token 0 */
   uint32_t cap_tokens;    /* capacity: the pages hold this many tokens */
-  uint32_t n_tokens;      /* tokens written (writer only) */
+  uint32_t n_tokens;      /* tokens written (writer only while OPEN) */
+  bool raw;               /* pages of the RAW tail binding */
+  uint8_t npages[2];      /* pages per side */
   uint32_t owners;        /* streams referencing it (writer only) */
   _Atomic uint32_t refs;  /* owners + view pins; freed when 0 */
   bool sealed;            /* full or closed: takes no more tokens */
@@ -55,13 +69,13 @@ typedef struct kvp__block {
   uint32_t check_epoch;   /* kvp_check visit mark */
   uint32_t owners_seen;   /* kvp_check: brefs found this check */
   struct kvp__block *oprev, *onext; /* pool->orphans list, or limbo chain (onext) */
-  kvp__page pages[2][KVP__CODEC_MAX_PAGES]; /* [K, V][codec page] */
+  kvp__page pages[2][KVP_CODEC_MAX_PAGES]; /* [K, V][codec page] */
 } kvp__block;
 
 /* A stream's reference to a block (blocks are shared across forks). */
 typedef struct kvp__bref {
   struct kvp__bref *next; /* RCU list in position order */
-  kvp__block *blk;        /* the block */
+  kvp__block *blk;        /* the block (RCU: replaced when an OPEN block is sealed and encoded) */
   kvp__rcu_head rcu;      /* deferred free */
 } kvp__bref;
 
@@ -116,15 +130,19 @@ struct kvp_pool {
   kvp__alloc alloc;      /* region, extents, slabs, ledger */
   kvp__rawpages raw;     /* pages handed out through kvp_page_* */
   struct cds_lfht *seqs; /* live sequences by id */
-  kvp__codec_ctx codec[2]; /* K and V codec bindings (per layer later) */
-  kvp__block *limbo;     /* blocks waiting for a grace period (onext chain) */
-  uint64_t limbo_bytes;  /* their allocated bytes */
+  kvp__binding *bind;    /* [2 * L]: codec of (layer, K|V) at 2 * layer + kv */
+  kvp__binding tail[2];  /* raw in the appended dtype: OPEN blocks of K and V */
+  kvp__block *limbo;     /* blocks waiting for a grace period (onext chain); bytes in ledger.retired */
   kvp__block *orphans;   /* evicted blocks kept alive by view pins */
   uint32_t check_epoch;  /* for kvp_check's visit marks */
 };
 
 static inline kvp__stream *kvp__seq_stream(const kvp_pool *p, kvp__seq *s, uint32_t layer, uint32_t head) {
   return &s->streams[(size_t)layer * p->cfg.n_kv_heads + head];
+}
+static inline const kvp__binding *kvp__block_binding(const kvp_pool *p, uint32_t layer, int kv,
+                                                      const kvp__block *b) {
+  return b->raw ? &p->tail[kv] : &p->bind[2 * layer + kv];
 }
 static inline bool kvp__run_has(const kvp__run *r, uint32_t head) { return (r->mask[head / 64] >> (head % 64)) & 1; }
 
@@ -164,10 +182,16 @@ void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);
 /* Retire (call_rcu) a run or bref: freed after a grace period. */
 void kvp__run_retire(kvp_pool *pool, kvp__run *r);
 void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
-/* Allocate a block with pages for cap tokens of (seq, layer, head); writer. */
-int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+/* Allocate a block with pages for cap tokens of (seq, layer, head), raw
+ * (the tail binding) or the layer's codec; writer. */
+int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
                    kvp__block **out);
-uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t cap); /* allocated bytes of one block, K + V */
+/* Allocated bytes of one block, K + V. */
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t cap);
+
+/* pages/pool.c: codec bindings from the spec. */
+int kvp__bindings_init(kvp_pool *pool, const char *spec);
+void kvp__bindings_fini(kvp_pool *pool);
 
 /* Tokens counters of the ledger (writer). */
 void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted);

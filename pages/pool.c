@@ -58,15 +58,87 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
   if (c->flags & ~KVP_POOL_PREFAULT) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
-  if (c->codecs && *c->codecs && strcmp(c->codecs, "raw") != 0)
-    return kvp__err(KVP_ENOTSUP, "config.codecs = \"%s\": this version stores pages raw only (use NULL or \"raw\")",
-                    c->codecs);
   if (c->policy && *c->policy && strcmp(c->policy, "none") != 0)
     return kvp__err(KVP_ENOTSUP, "config.policy = \"%s\": this version has no eviction policies (use NULL or \"none\")",
                     c->policy);
-  c->codecs = c->policy = NULL; /* strings are not kept */
+  c->policy = NULL; /* strings are not kept (codecs is parsed at create) */
   return KVP_OK;
 }
+
+/* ---- codec bindings ------------------------------------------------------ */
+
+static void binding_drop(kvp__binding *b) {
+  if (b->vt && b->inst) b->vt->destroy(b->inst);
+  b->inst = NULL;
+}
+
+void kvp__bindings_fini(kvp_pool *pool) {
+  uint32_t n = 2 * pool->cfg.n_layers;
+  for (uint32_t i = 0; pool->bind && i < n; i++) binding_drop(&pool->bind[i]);
+  for (int kv = 0; kv < 2; kv++) binding_drop(&pool->tail[kv]);
+  kvp__meta_free(&pool->meta, pool->bind, n * sizeof *pool->bind);
+  pool->bind = NULL;
+}
+
+static int layout_ok(const kvp__binding *b, uint32_t cap) {
+  kvp_codec_layout lay = {0};
+  b->vt->layout(b->inst, cap, &lay);
+  if (lay.npages < 1 || lay.npages > KVP_CODEC_MAX_PAGES) return 0;
+  for (unsigned i = 0; i < lay.npages; i++) {
+    if ((unsigned)lay.types[i] >= KVP_PAGE_TYPE_COUNT || !lay.bytes[i] || lay.bytes[i] > KVP_MAX_PAGE_BYTES) return 0;
+    for (unsigned j = 0; j < i; j++)
+      if (lay.types[j] == lay.types[i]) return 0;
+  }
+  return 1;
+}
+
+/* Instantiate e's codec for (layer, kv) into b; messages name the binding. */
+static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer, int kv, kvp__binding *b) {
+  const kvp_config *c = &pool->cfg;
+  kvp_codec_geom g = {c->head_dim, kv ? c->v_dtype : c->k_dtype, layer, (uint32_t)kv};
+  char err[256] = "";
+  size_t at = 0;
+  b->vt = kvp__codec_get(e->id);
+  b->id = e->id;
+  int rc = b->vt->create(e->params ? e->params : "", &g, &b->inst, err, sizeof err, &at);
+  if (rc == KVP_ENOMEM) return kvp__err(KVP_ENOMEM, "codec %s instance", b->vt->name);
+  if (rc) return kvp__err(KVP_EINVAL, "config.codecs: %s for layer %u %c (parameters \"%s\", at offset %zu): %s",
+                          b->vt->name, layer, "KV"[kv], e->params ? e->params : "", at, err);
+  b->group = b->vt->group_tokens(b->inst);
+  b->passthrough = e->id == KVP__CODEC_RAW && kvp__raw_store_dtype(b->inst) == g.in_dtype;
+  if (!b->group || c->block_tokens % b->group)
+    return kvp__err(KVP_EINVAL, "config.block_tokens = %u is not a multiple of %s's group of %u tokens (layer %u %c)",
+                    c->block_tokens, b->vt->name, b->group, layer, "KV"[kv]);
+  if (!layout_ok(b, c->block_tokens))
+    return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c", b->vt->name,
+                    layer, "KV"[kv]);
+  if (c->memory == KVP_MEM_CUDA && !b->passthrough)
+    return kvp__err(KVP_ENOTSUP, "config.codecs: a CUDA region stores raw tokens in the appended dtype until device "
+                                 "codecs exist (layer %u %c asks for %s)", layer, "KV"[kv], b->vt->name);
+  return KVP_OK;
+}
+
+int kvp__bindings_init(kvp_pool *pool, const char *spec) {
+  uint32_t L = pool->cfg.n_layers;
+  kvp__spec_entry *e = kvp__meta_calloc(NULL, 2 * L * sizeof *e);
+  if (!e) return kvp__err(KVP_ENOMEM, "codec spec scratch");
+  int rc = kvp__codec_spec_parse(spec, L, e);
+  if (rc) {
+    kvp__meta_free(NULL, e, 2 * L * sizeof *e);
+    return rc;
+  }
+  pool->bind = kvp__meta_calloc(&pool->meta, 2 * L * sizeof *pool->bind);
+  if (!pool->bind) rc = kvp__err(KVP_ENOMEM, "codec bindings");
+  for (uint32_t i = 0; !rc && i < 2 * L; i++) rc = binding_make(pool, &e[i], i / 2, (int)(i % 2), &pool->bind[i]);
+  kvp__spec_entry raw = {KVP__CODEC_RAW, NULL};
+  for (int kv = 0; !rc && kv < 2; kv++) rc = binding_make(pool, &raw, 0, kv, &pool->tail[kv]);
+  kvp__codec_spec_free(e, 2 * L);
+  kvp__meta_free(NULL, e, 2 * L * sizeof *e);
+  if (rc) kvp__bindings_fini(pool);
+  return rc;
+}
+
+/* ---- pool ---------------------------------------------------------------- */
 
 KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   if (!out) return kvp__err(KVP_EINVAL, "out pointer is NULL");
@@ -90,8 +162,13 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
     kvp__stats_fini(&p->stats);
     goto fail;
   }
-  p->codec[0] = (kvp__codec_ctx){&kvp__codec_raw, c.k_dtype, c.k_dtype, c.head_dim};
-  p->codec[1] = (kvp__codec_ctx){&kvp__codec_raw, c.v_dtype, c.v_dtype, c.head_dim};
+  if ((rc = kvp__bindings_init(p, c.codecs))) {
+    kvp__seqs_fini(p);
+    kvp__alloc_fini(&p->alloc);
+    kvp__stats_fini(&p->stats);
+    goto fail;
+  }
+  p->cfg.codecs = NULL;
   *out = p;
   return KVP_OK;
 fail:
@@ -103,6 +180,7 @@ fail:
 KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   if (!pool) return;
   kvp__seqs_fini(pool);
+  kvp__bindings_fini(pool);
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
   kvp__stats_fini(&pool->stats);
@@ -144,6 +222,7 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->tokens_evicted = l.tokens_evicted;
   out->bf16_equivalent_bytes = l.bf16_equivalent;
   out->sequences = l.sequences;
+  out->bytes_retired = l.retired;
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
   if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)

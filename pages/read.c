@@ -42,7 +42,7 @@ static uint64_t walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, u
     if (rb - ra > limit - done) rb = ra + (uint32_t)(limit - done);
     while (cur && cur->blk->pos0 + cur->blk->cap_tokens <= ra) cur = kvp__rcu_deref(cur->next);
     for (kvp__bref *c = cur; c && c->blk->pos0 < rb; c = kvp__rcu_deref(c->next)) {
-      kvp__block *b = c->blk;
+      kvp__block *b = kvp__rcu_deref(c->blk); /* pos0 and cap are the same in an encoded replacement */
       uint32_t a = ra > b->pos0 ? ra : b->pos0, e = rb < b->pos0 + b->cap_tokens ? rb : b->pos0 + b->cap_tokens;
       if (fn(ctx, b, a, e)) return done;
       done += e - a;
@@ -56,6 +56,7 @@ static uint64_t walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, u
 
 typedef struct read_ctx {
   kvp_pool *pool;
+  uint32_t layer;
   kvp_read_req *req;
   uint64_t out_tokens; /* rows written so far */
   int rc;              /* first failure */
@@ -69,18 +70,22 @@ static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   void *outs[2] = {q->k_out, q->v_out};
   for (int kv = 0; kv < 2; kv++) {
     if (!outs[kv]) continue;
-    const kvp__codec_ctx *cc = &pool->codec[kv];
+    const kvp__binding *bd = kvp__block_binding(pool, c->layer, kv, b);
     size_t orow = (size_t)D * kvp__dtype_bytes(q->out_dtype);
     unsigned char *dst = (unsigned char *)outs[kv] + c->out_tokens * orow;
     int rc;
-    if (pool->cfg.memory == KVP_MEM_CUDA) {
-      uint64_t row = (uint64_t)D * kvp__dtype_bytes(cc->store_dtype);
+    if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw in the stored dtype only */
+      uint64_t row = (uint64_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
       rc = pool->alloc.region.ops->read2d(&pool->alloc.region, dst, orow, b->pages[kv][0].off + t0 * row, row, row, m,
                                           q->stream);
     } else {
-      const unsigned char *pages[KVP__CODEC_MAX_PAGES];
-      for (unsigned i = 0; i < cc->codec->npages; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
-      rc = cc->codec->decode(cc, pages, t0, m, dst, q->out_dtype);
+      const void *pages[KVP_CODEC_MAX_PAGES];
+      for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+      /* an encoded block is immutable; a raw OPEN block's count is not needed by raw decode */
+      uint32_t n = b->raw ? b->cap_tokens : b->n_tokens;
+      rc = bd->vt->decode(bd->inst, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
+      if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to decode layer %u %c (status %d)", bd->vt->name, c->layer,
+                            "KV"[kv], rc);
     }
     if (rc) {
       c->rc = rc;
@@ -106,10 +111,12 @@ static int read_check(kvp_pool *pool, uint32_t layer, const kvp_read_req *q) {
   if ((uintptr_t)q->k_out % align || (uintptr_t)q->v_out % align)
     return kvp__err(KVP_EINVAL, "read: k_out/v_out not aligned to the out dtype (%zu bytes)", align);
   if (pool->cfg.memory == KVP_MEM_CUDA)
-    for (int kv = 0; kv < 2; kv++)
-      if ((kv ? q->v_out : q->k_out) && pool->codec[kv].store_dtype != q->out_dtype)
+    for (int kv = 0; kv < 2; kv++) {
+      kvp_dtype st = kvp__raw_store_dtype(pool->bind[2 * layer + kv].inst);
+      if ((kv ? q->v_out : q->k_out) && st != q->out_dtype)
         return kvp__err(KVP_ENOTSUP, "read: a CUDA region returns the stored dtype; out_dtype %d differs from %c's %d",
-                        (int)q->out_dtype, "KV"[kv], (int)pool->codec[kv].store_dtype);
+                        (int)q->out_dtype, "KV"[kv], (int)st);
+    }
   return KVP_OK;
 }
 
@@ -129,7 +136,7 @@ KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req 
     return kvp__err(KVP_ENOSPC, "read seq %llu layer %u head %u: needs %llu tokens, capacity_tokens is %u",
                     (unsigned long long)seq, layer, req->head, (unsigned long long)need, req->capacity_tokens);
   }
-  read_ctx c = {pool, req, 0, KVP_OK};
+  read_ctx c = {pool, layer, req, 0, KVP_OK};
   walk_ranges(s, pool, layer, req->head, need, read_range, &c);
   kvp__rcu_read_unlock();
   req->n_tokens = (uint32_t)c.out_tokens;
@@ -148,6 +155,7 @@ typedef struct view_impl {
 
 typedef struct view_ctx {
   kvp_pool *pool;
+  uint32_t layer;   /* layer viewed */
   view_impl *v;     /* NULL in the counting pass */
   uint32_t head;    /* head being walked */
   uint64_t n;       /* entries counted or filled */
@@ -171,11 +179,11 @@ static int view_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   vb->first = a - b->pos0;
   vb->n_tokens = e - a;
   for (int kv = 0; kv < 2; kv++) {
-    const kvp__codec *cd = c->pool->codec[kv].codec;
-    vb->codec[kv] = cd->id;
-    for (unsigned i = 0; i < cd->npages; i++) {
-      vb->page[kv][cd->types[i]] = kvp__page_addr(&c->pool->alloc, &b->pages[kv][i]);
-      vb->page_bytes[kv][cd->types[i]] = b->pages[kv][i].requested_bytes;
+    vb->codec[kv] = kvp__block_binding(c->pool, c->layer, kv, b)->id;
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
+      const kvp__page *pg = &b->pages[kv][i];
+      vb->page[kv][pg->tag.type] = kvp__page_addr(&c->pool->alloc, pg);
+      vb->page_bytes[kv][pg->tag.type] = pg->requested_bytes;
     }
   }
   c->v->pinned[c->n++] = b;
@@ -192,7 +200,7 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
     kvp__rcu_read_unlock();
     return kvp__err(KVP_ENOENT, "view: sequence %llu does not exist", (unsigned long long)seq);
   }
-  view_ctx c = {pool, NULL, 0, 0};
+  view_ctx c = {pool, layer, NULL, 0, 0};
   for (c.head = 0; c.head < pool->cfg.n_kv_heads; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
   uint32_t cap = (uint32_t)c.n;
   size_t bytes = sizeof(view_impl) + cap * (sizeof(kvp_view_block) + sizeof(kvp__block *));
@@ -259,15 +267,17 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info) {
     info->tokens_evicted += ev;
     if (info->retained_tokens) info->retained_tokens[i] = ret;
     if (info->evicted_tokens) info->evicted_tokens[i] = ev;
-    for (kvp__bref *b = kvp__rcu_deref(st->blocks); b; b = kvp__rcu_deref(b->next))
+    for (kvp__bref *b = kvp__rcu_deref(st->blocks); b; b = kvp__rcu_deref(b->next)) {
+      const kvp__block *blk = kvp__rcu_deref(b->blk);
       for (int kv = 0; kv < 2; kv++)
-        for (unsigned p = 0; p < pool->codec[kv].codec->npages; p++) {
-          const kvp__page *pg = &b->blk->pages[kv][p];
+        for (unsigned p = 0; p < blk->npages[kv]; p++) {
+          const kvp__page *pg = &blk->pages[kv][p];
           kvp_usage *u = &info->page_types[pg->tag.type];
           u->requested_bytes += pg->requested_bytes;
           u->allocated_bytes += kvp__page_alloc_bytes(pg);
           u->npages++;
         }
+    }
   }
   kvp__rcu_read_unlock();
   return KVP_OK;

@@ -70,7 +70,7 @@ void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted) {
 
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < pool->codec[kv].codec->npages; i++) {
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
       int rc = kvp__alloc_free(&pool->alloc, &b->pages[kv][i]);
       kvp__assert(rc == KVP_OK);
       (void)rc;
@@ -78,10 +78,19 @@ void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
   kvp__meta_free(&pool->meta, b, sizeof *b);
 }
 
+static uint64_t block_bytes(const kvp__block *b) {
+  uint64_t n = 0;
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pages[kv][i]);
+  return n;
+}
+
 static void limbo_push(kvp_pool *pool, kvp__block *b) {
   b->onext = pool->limbo;
   pool->limbo = b;
-  pool->limbo_bytes += kvp__block_class_bytes(pool, b->cap_tokens);
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__gauge_add(&pool->alloc.ledger.retired, block_bytes(b));
+  kvp__ledger_end(&pool->alloc.ledger);
 }
 
 static void orphan_remove(kvp_pool *pool, kvp__block *b) {
@@ -119,12 +128,24 @@ void kvp__reclaim(kvp_pool *pool) {
    * a failure here is reported by the region and the pages are freed anyway
    * (the device is then unusable for the pool's work) */
   pool->alloc.region.ops->quiesce(&pool->alloc.region);
+  uint64_t bytes = 0;
   for (kvp__block *b = pool->limbo, *n; b; b = n) {
     n = b->onext;
+    bytes += block_bytes(b);
     kvp__block_destroy(pool, b);
   }
   pool->limbo = NULL;
-  pool->limbo_bytes = 0;
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__gauge_sub(&pool->alloc.ledger.retired, bytes);
+  kvp__ledger_end(&pool->alloc.ledger);
+}
+
+KVP_API int kvp_reclaim(kvp_pool *pool) {
+  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
+  kvp__lock(pool);
+  kvp__reclaim(pool);
+  kvp__unlock(pool);
+  return KVP_OK;
 }
 
 /* ---- sequence objects --------------------------------------------------- */
@@ -425,6 +446,8 @@ KVP_API int kvp_step_end(kvp_pool *pool, uint64_t seq) {
     atomic_store_explicit(&s->n_positions, atomic_load_explicit(&s->n_positions, memory_order_relaxed) + s->cur_tokens,
                           memory_order_release);
     atomic_store_explicit(&s->in_step, 0, memory_order_release);
+    uint64_t limit = pool->alloc.ledger.budget_bytes / 256;
+    if (pool->alloc.ledger.retired.current >= (limit > (1u << 20) ? limit : (1u << 20))) kvp__reclaim(pool);
   }
   kvp__unlock(pool);
   return rc;

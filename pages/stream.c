@@ -69,74 +69,95 @@ void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
 
 /* ---- blocks ------------------------------------------------------------ */
 
-uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t cap) {
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t cap) {
   uint64_t sum = 0;
   for (int kv = 0; kv < 2; kv++) {
-    const kvp__codec_ctx *c = &pool->codec[kv];
-    for (unsigned i = 0; i < c->codec->npages; i++) sum += kvp__sc_size(kvp__sc_index(c->codec->page_bytes(c, i, cap)));
+    const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
+    kvp_codec_layout lay;
+    bd->vt->layout(bd->inst, cap, &lay);
+    for (unsigned i = 0; i < lay.npages; i++) sum += kvp__sc_size(kvp__sc_index(lay.bytes[i]));
   }
   return sum;
 }
 
-int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+static void free_pages(kvp_pool *pool, kvp__block *b) {
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
+      int rc = kvp__alloc_free(&pool->alloc, &b->pages[kv][i]);
+      kvp__assert(rc == KVP_OK);
+      (void)rc;
+    }
+}
+
+int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
                    kvp__block **out) {
   kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
   if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
   b->pos0 = pos0;
   b->cap_tokens = cap;
+  b->raw = raw;
   for (int kv = 0; kv < 2; kv++) {
-    const kvp__codec_ctx *c = &pool->codec[kv];
-    for (unsigned i = 0; i < c->codec->npages; i++) {
-      kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, c->codec->types[i], (uint8_t)kv, c->codec->id};
-      int rc = kvp__alloc_page(&pool->alloc, c->codec->page_bytes(c, i, cap), &t, &b->pages[kv][i]);
-      if (rc) { /* give back the pages taken so far: all of K if at V, then this side's first i */
-        for (unsigned j = 0; kv == 1 && j < pool->codec[0].codec->npages; j++)
-          kvp__alloc_free(&pool->alloc, &b->pages[0][j]);
-        for (unsigned j = 0; j < i; j++) kvp__alloc_free(&pool->alloc, &b->pages[kv][j]);
+    const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
+    kvp_codec_layout lay;
+    bd->vt->layout(bd->inst, cap, &lay);
+    for (unsigned i = 0; i < lay.npages; i++) {
+      kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
+      int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pages[kv][i]);
+      if (rc) { /* give back the pages taken so far */
+        free_pages(pool, b);
         kvp__meta_free(&pool->meta, b, sizeof *b);
         return rc;
       }
+      b->npages[kv] = (uint8_t)(i + 1);
     }
   }
   *out = b;
   return KVP_OK;
 }
 
-static unsigned char *page_ptr(kvp_pool *pool, const kvp__block *b, int kv, unsigned i) {
-  return kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
-}
-
 /* ---- append ------------------------------------------------------------ */
 
-/* Per head: the open tail takes `fill` tokens, then nnew blocks follow. */
+/* The shape of an append, the same for every head of the layer:
+ *   fill     tokens into the existing OPEN tail block;
+ *   reseal   the tail fills up and its codec is not the tail's raw format:
+ *            an encoded copy replaces it;
+ *   nnew     new blocks: full ones encoded with the layer's codec, the last
+ *            one (stream mode, partial) an OPEN raw block. */
 typedef struct append_plan {
-  uint32_t fill;          /* tokens into the existing OPEN tail */
+  uint32_t fill;          /* tokens into the OPEN tail */
+  bool reseal;            /* the tail is sealed into an encoded block */
   uint32_t nnew;          /* new blocks per head */
-  uint32_t first_cap;     /* capacity of new blocks (all but maybe the last in step mode) */
   uint32_t last_cap;      /* capacity of the last new block */
+  bool last_raw;          /* the last new block stays OPEN (raw) */
   uint64_t bytes;         /* allocated bytes of all new pages, every head */
-  kvp__block **blocks;    /* [H * nnew] */
+  uint32_t nb;            /* blocks per head to take: nnew + reseal */
+  kvp__block **blocks;    /* [H * nb]: per head the new blocks, then the resealed tail */
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
 } append_plan;
 
 static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_plan *pl) {
-  uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens;
+  uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens, H = pool->cfg.n_kv_heads;
   kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
-  pl->fill = 0;
-  if (s->mode == KVP_SEQ_STREAM && tail && !tail->blk->sealed) {
+  bool stream = s->mode == KVP_SEQ_STREAM;
+  bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough;
+  memset(pl, 0, sizeof *pl);
+  if (stream && tail && !tail->blk->sealed) {
     uint32_t room = tail->blk->cap_tokens - tail->blk->n_tokens;
     pl->fill = n < room ? n : room;
+    pl->reseal = pl->fill == room && !pass;
   }
   uint32_t rest = n - pl->fill;
   pl->nnew = (rest + bt - 1) / bt;
-  pl->first_cap = bt;
-  pl->last_cap = s->mode == KVP_SEQ_STEP && rest % bt ? rest % bt : bt;
-  if (pl->nnew == 1) pl->first_cap = pl->last_cap;
-  pl->bytes = 0;
+  pl->last_cap = rest % bt ? (stream ? bt : rest % bt) : bt;
+  pl->last_raw = stream && rest % bt != 0;
+  pl->nb = pl->nnew + pl->reseal;
+  uint64_t per_head = 0;
   if (pl->nnew)
-    pl->bytes = (uint64_t)pool->cfg.n_kv_heads *
-                ((pl->nnew - 1) * kvp__block_class_bytes(pool, pl->first_cap) + kvp__block_class_bytes(pool, pl->last_cap));
+    per_head = (uint64_t)(pl->nnew - 1) * kvp__block_class_bytes(pool, layer, false, bt) +
+               kvp__block_class_bytes(pool, layer, pl->last_raw, pl->last_cap);
+  if (pl->reseal) per_head += kvp__block_class_bytes(pool, layer, false, tail->blk->cap_tokens);
+  pl->bytes = (uint64_t)H * per_head;
 }
 
 static bool run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step) {
@@ -152,16 +173,16 @@ static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
   for (uint32_t i = 0; i < nblocks; i++) kvp__block_destroy(pool, pl->blocks[i]);
   for (uint32_t i = 0; i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
   if (pl->run) kvp__run_free_now(pool, pl->run);
-  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nnew * sizeof *pl->blocks);
-  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
+  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
+  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
 }
 
 /* Metadata and pages for the plan; on failure nothing is left taken. */
 static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
-  uint32_t H = pool->cfg.n_kv_heads, nb = H * pl->nnew;
+  uint32_t H = pool->cfg.n_kv_heads, bt = pool->cfg.block_tokens;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
-  pl->blocks = kvp__meta_calloc(&pool->meta, (size_t)nb * sizeof *pl->blocks + 1);
-  pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)nb * sizeof *pl->brefs + 1);
+  pl->blocks = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
+  pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   pl->run = NULL;
   bool ok = pl->blocks && pl->brefs;
   if (ok && !run_extends(pool, &s->layers[layer], step)) {
@@ -170,36 +191,57 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
     for (uint32_t h = 0; h < H; h++) full[h / 64] |= 1ull << (h % 64);
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, full)) != NULL;
   }
-  for (uint32_t i = 0; ok && i < nb; i++) ok = (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref))) != NULL;
+  for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
+    ok = (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref))) != NULL;
   if (!ok) {
     plan_undo(pool, pl, 0);
     return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
   }
   uint32_t start = pos + pl->fill;
   for (uint32_t h = 0; h < H; h++)
-    for (uint32_t j = 0; j < pl->nnew; j++) {
-      uint32_t cap = j + 1 == pl->nnew ? pl->last_cap : pl->first_cap;
-      int rc = kvp__block_new(pool, s->id, layer, h, start + j * pl->first_cap, cap, &pl->blocks[h * pl->nnew + j]);
+    for (uint32_t j = 0; j < pl->nb; j++) {
+      int rc;
+      kvp__block **slot = &pl->blocks[h * pl->nb + j];
+      if (j < pl->nnew) {
+        bool last = j + 1 == pl->nnew;
+        rc = kvp__block_new(pool, s->id, layer, h, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw, slot);
+      } else { /* the encoded copy of the tail */
+        const kvp__block *t = kvp__seq_stream(pool, s, layer, h)->tail->blk;
+        rc = kvp__block_new(pool, s->id, layer, h, t->pos0, t->cap_tokens, false, slot);
+      }
       if (rc) {
-        plan_undo(pool, pl, h * pl->nnew + j);
+        plan_undo(pool, pl, h * pl->nb + j);
         return rc;
       }
     }
   return KVP_OK;
 }
 
-/* Write n tokens of one side (kv) of head h into block b at token t0. */
-static int write_tokens(kvp_pool *pool, kvp__block *b, int kv, uint32_t t0, const unsigned char *src, size_t stride,
-                        uint32_t n, void *stream) {
-  const kvp__codec_ctx *c = &pool->codec[kv];
-  if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw, same dtype: checked at create */
-    uint64_t row = (uint64_t)c->head_dim * kvp__dtype_bytes(c->store_dtype);
+static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
+  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+}
+
+/* Write n rows of one side into block b from token t0 (t0 > 0 only for a
+ * raw OPEN block); rows src_stride bytes apart. */
+static int write_rows(kvp_pool *pool, uint32_t layer, kvp__block *b, int kv, uint32_t t0, const unsigned char *src,
+                      size_t stride, uint32_t n, void *stream) {
+  const kvp__binding *bd = kvp__block_binding(pool, layer, kv, b);
+  if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw in the appended dtype only: checked at create */
+    uint64_t row = (uint64_t)pool->cfg.head_dim * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
     return pool->alloc.region.ops->write2d(&pool->alloc.region, b->pages[kv][0].off + t0 * row, row, src, stride, row,
                                            n, stream);
   }
-  unsigned char *pages[KVP__CODEC_MAX_PAGES];
-  for (unsigned i = 0; i < c->codec->npages; i++) pages[i] = page_ptr(pool, b, kv, i);
-  return c->codec->encode(c, pages, t0, src, stride, n);
+  void *pages[KVP_CODEC_MAX_PAGES];
+  page_ptrs(pool, b, kv, pages);
+  if (t0) { /* raw: one page, rows at t0 x row bytes */
+    kvp__assert(b->raw);
+    pages[0] = (unsigned char *)pages[0] + (size_t)t0 * pool->cfg.head_dim * kvp__dtype_bytes(
+                                               kvp__raw_store_dtype(bd->inst));
+  }
+  int rc = bd->vt->encode(bd->inst, src, stride, n, b->cap_tokens, pages);
+  return rc ? kvp__err(KVP_ECODEC, "codec %s failed to encode layer %u %c (status %d)", bd->vt->name, layer, "KV"[kv],
+                       rc)
+            : KVP_OK;
 }
 
 /* NaN in host input is bad input (kvp_last_error names layer, head, token). */
@@ -215,59 +257,84 @@ static int check_finite(kvp_pool *pool, uint32_t layer, const kvp_kv *kv, uint32
   return KVP_OK;
 }
 
+/* All payload of one head and side: tail fill, its reseal, the new blocks. */
+static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, int side, const unsigned char *src,
+                     size_t stride, const append_plan *pl, void *stream) {
+  int rc = KVP_OK;
+  if (pl->fill) {
+    kvp__block *tail = kvp__seq_stream(pool, s, layer, h)->tail->blk;
+    rc = write_rows(pool, layer, tail, side, tail->n_tokens, src, stride, pl->fill, stream);
+    if (!rc && pl->reseal) { /* encode the whole tail from its raw rows */
+      kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
+      size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
+      rc = write_rows(pool, layer, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pages[side][0]), row,
+                      tail->cap_tokens, stream);
+    }
+  }
+  uint32_t done = pl->fill;
+  for (uint32_t j = 0; !rc && j < pl->nnew; j++) {
+    kvp__block *b = pl->blocks[h * pl->nb + j];
+    uint32_t m = s->cur_tokens - done < b->cap_tokens ? s->cur_tokens - done : b->cap_tokens;
+    rc = write_rows(pool, layer, b, side, 0, src + done * stride, stride, m, stream);
+    done += m;
+  }
+  return rc;
+}
+
 static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const append_plan *pl) {
-  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, n = s->cur_tokens;
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
   for (int side = 0; side < 2; side++) {
     kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
     size_t esz = kvp__dtype_bytes(dt), stride = (size_t)H * D * esz;
     const unsigned char *base = side ? kv->v : kv->k;
     for (uint32_t h = 0; h < H; h++) {
-      const unsigned char *src = base + (size_t)h * D * esz;
-      int rc = KVP_OK;
-      if (pl->fill) {
-        kvp__block *tail = kvp__seq_stream(pool, s, layer, h)->tail->blk;
-        rc = write_tokens(pool, tail, side, tail->n_tokens, src, stride, pl->fill, kv->stream);
-      }
-      uint32_t done = pl->fill;
-      for (uint32_t j = 0; !rc && j < pl->nnew; j++) {
-        kvp__block *b = pl->blocks[h * pl->nnew + j];
-        uint32_t m = n - done < b->cap_tokens ? n - done : b->cap_tokens;
-        rc = write_tokens(pool, b, side, 0, src + done * stride, stride, m, kv->stream);
-        done += m;
-      }
+      int rc = fill_head(pool, s, layer, h, side, base + (size_t)h * D * esz, stride, pl, kv->stream);
       if (rc) return rc;
     }
   }
   return KVP_OK;
 }
 
-/* Make the append visible: brefs, block counts, then the run's end. */
-static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
-  uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens, bt = pool->cfg.block_tokens;
-  for (uint32_t h = 0; h < H; h++) {
-    kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
-    if (pl->fill) {
-      kvp__block *tail = st->tail->blk;
-      tail->n_tokens += pl->fill;
-      tail->sealed = tail->n_tokens == tail->cap_tokens;
+/* Make one head's part visible: tail, its encoded copy, the new brefs. */
+static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, append_plan *pl) {
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
+  uint32_t n = s->cur_tokens;
+  if (pl->fill) {
+    kvp__block *tail = st->tail->blk;
+    tail->n_tokens += pl->fill;
+    tail->sealed = tail->n_tokens == tail->cap_tokens;
+    if (pl->reseal) {
+      kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
+      enc->n_tokens = enc->cap_tokens;
+      enc->sealed = true;
+      enc->owners = 1;
+      atomic_init(&enc->refs, 1);
+      kvp__rcu_assign(st->tail->blk, enc);
+      kvp__block_unown(pool, tail); /* readers in flight finish on the raw copy */
     }
-    uint32_t done = pl->fill;
-    for (uint32_t j = 0; j < pl->nnew; j++) {
-      kvp__block *b = pl->blocks[h * pl->nnew + j];
-      kvp__bref *r = pl->brefs[h * pl->nnew + j];
-      b->n_tokens = n - done < b->cap_tokens ? n - done : b->cap_tokens;
-      b->sealed = s->mode == KVP_SEQ_STEP || b->n_tokens == bt;
-      b->owners = 1;
-      atomic_init(&b->refs, 1);
-      done += b->n_tokens;
-      r->blk = b;
-      if (st->tail) kvp__rcu_assign(st->tail->next, r);
-      else kvp__rcu_assign(st->blocks, r);
-      st->tail = r;
-    }
-    atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) + n,
-                          memory_order_relaxed);
   }
+  uint32_t done = pl->fill;
+  for (uint32_t j = 0; j < pl->nnew; j++) {
+    kvp__block *b = pl->blocks[h * pl->nb + j];
+    kvp__bref *r = pl->brefs[h * pl->nnew + j];
+    b->n_tokens = n - done < b->cap_tokens ? n - done : b->cap_tokens;
+    b->sealed = !b->raw || b->n_tokens == b->cap_tokens;
+    b->owners = 1;
+    atomic_init(&b->refs, 1);
+    done += b->n_tokens;
+    r->blk = b;
+    if (st->tail) kvp__rcu_assign(st->tail->next, r);
+    else kvp__rcu_assign(st->blocks, r);
+    st->tail = r;
+  }
+  atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) + n,
+                        memory_order_relaxed);
+}
+
+/* Make the append visible: every head, then the run's end. */
+static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
+  for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
   kvp__layer *L = &s->layers[layer];
   if (pl->run) {
     if (L->last) kvp__rcu_assign(L->last->next, pl->run);
@@ -278,7 +345,7 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
                           memory_order_relaxed);
     atomic_store_explicit(&L->last->p1, pos + n, memory_order_release);
   }
-  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nnew * sizeof *pl->blocks + 1);
+  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   kvp__count_tokens(pool, (int64_t)n * H, 0);
 }
@@ -303,7 +370,7 @@ int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv 
   }
   if (rc) return rc;
   if ((rc = fill_data(pool, s, layer, kv, &pl))) {
-    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nnew);
+    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;
   }
   publish(pool, s, layer, pos, &pl);
