@@ -174,6 +174,25 @@ static int check_runs(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t *retaine
   return KVP_OK;
 }
 
+/* A block's pages are exactly its binding's layout for its capacity. */
+static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l) {
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__binding *bd = kvp__block_binding(pool, l, kv, b);
+    kvp_codec_layout lay;
+    bd->vt->layout(bd->inst, b->cap_tokens, &lay);
+    if (lay.npages != b->npages[kv])
+      return CORRUPT("block at position %u of layer %u: %u %c pages, codec %s lays out %u", b->pos0, l, b->npages[kv],
+                     "KV"[kv], bd->vt->name, lay.npages);
+    for (unsigned i = 0; i < lay.npages; i++)
+      if (b->pages[kv][i].requested_bytes != lay.bytes[i] || b->pages[kv][i].tag.type != lay.types[i] ||
+          b->pages[kv][i].tag.codec != bd->id)
+        return CORRUPT("block at position %u of layer %u: %c page %u holds %u bytes of type %u, codec %s lays out %llu "
+                       "of type %u", b->pos0, l, "KV"[kv], i, b->pages[kv][i].requested_bytes, b->pages[kv][i].tag.type,
+                       bd->vt->name, (unsigned long long)lay.bytes[i], (unsigned)lay.types[i]);
+  }
+  return KVP_OK;
+}
+
 static int check_stream(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t h, uint32_t want, check_ctx *cc) {
   kvp__stream *st = kvp__seq_stream(pool, s, l, h);
   if (atomic_load(&st->retained_tokens) != want)
@@ -188,6 +207,10 @@ static int check_stream(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t h, uin
                      (unsigned long long)s->id, l, h, blk->pos0, blk->n_tokens, blk->cap_tokens);
     if (s->mode == KVP_SEQ_STEP && !blk->sealed)
       return CORRUPT("seq %llu layer %u head %u: an OPEN block in step mode", (unsigned long long)s->id, l, h);
+    if (!blk->raw && !blk->sealed)
+      return CORRUPT("seq %llu layer %u head %u: an encoded block that is not sealed", (unsigned long long)s->id, l, h);
+    int lrc = check_layout(pool, blk, l);
+    if (lrc) return lrc;
     end = blk->pos0 + blk->n_tokens;
     if (blk->check_epoch != cc->epoch) {
       blk->check_epoch = cc->epoch;
