@@ -109,15 +109,16 @@ $(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeri
 
 # Integration tests and tools see only include/ and link the shared library.
 PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
-$(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO)
+PUB_HDRS := $(wildcard include/*.h)
+$(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -ljansson -lpthread $(LDFLAGS)
 
-$(B)/kvpool-demo: tools/kvpool-demo.c $(SO)
+$(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
 
 # The bench links jemalloc directly for its baseline.
-$(B)/kvpool-bench: tools/kvpool-bench.c $(SO)
+$(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljemalloc -lm $(LDFLAGS)
 
 run: deps $(B)/kvpool-demo
@@ -150,7 +151,7 @@ test-gpu:
 	@echo "test-gpu: skipped: built without CUDA (no nvcc; set CUDA=1 CUDA_HOME=...)"
 endif
 
-$(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO)
+$(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) \
 	  -lpthread $(CUDA_LIBS) $(LDFLAGS)

@@ -278,7 +278,7 @@ int main(int argc, char **argv) {
   double mk = median(kv, rounds), mj = median(je, rounds);
   if ((rc = kvp_check(p))) die("kvp_check", rc);
   kvp_stats s = {.struct_size = sizeof s};
-  kvp_stats_get(p, &s);
+  if ((rc = kvp_stats_get(p, &s))) die("kvp_stats_get", rc);
   double meta_region = (double)s.metadata_bytes.peak / (double)s.bytes_reserved;
   double meta_alloc = (double)s.metadata_bytes.peak / (double)s.bytes_allocated.peak;
   if (!json_only) {
