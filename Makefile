@@ -42,6 +42,7 @@ ifeq ($(VARIANT),asan)
 endif
 ifeq ($(VARIANT),tsan)
   SAN := -fsanitize=thread -fno-omit-frame-pointer -DKVP_META_LIBC
+  export TSAN_OPTIONS := suppressions=$(CURDIR)/tools/tsan.supp $(TSAN_OPTIONS)
 endif
 ifeq ($(VARIANT),valgrind)
   SAN := -DKVP_META_LIBC
