@@ -38,7 +38,8 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -fPIC -fvisibility=hidden 
 LIBS := -ljemalloc -lurcu-bp -lurcu-cds -lpthread -lm
 SAN :=
 ifeq ($(VARIANT),asan)
-  SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC
+  SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC \
+    -DKVP_RCU_OUTLINE
 endif
 ifeq ($(VARIANT),tsan)
   SAN := -fsanitize=thread -fno-omit-frame-pointer -DKVP_META_LIBC
