@@ -3,8 +3,9 @@
 #   make               libraries (build/libkvpool.so, build/libkvpool.a) and tools
 #   make deps          install missing Debian packages (tools/deps.sh)
 #   make run           the main job on embedded defaults
-#   make test          every Check suite (unit + integration)
+#   make test          every Check suite (unit + integration + a 2 s stress run)
 #   make asan | tsan   the suites under ASan+UBSan | TSan
+#   make stress        the reader/writer stress test for 30 s (stress-tsan: under TSan)
 #   make valgrind      the suites under valgrind memcheck
 #   make bench         benchmarks: table + one JSON line per figure
 #   make test-gpu      tests/gpu (needs CUDA and a GPU)
@@ -38,10 +39,12 @@ CFLAGS_BASE := -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -fPIC -fvisibility=hidden 
 LIBS := -ljemalloc -lurcu-bp -lurcu-cds -lpthread -lm
 SAN :=
 ifeq ($(VARIANT),asan)
-  SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC
+  SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC \
+    -DKVP_RCU_OUTLINE
 endif
 ifeq ($(VARIANT),tsan)
   SAN := -fsanitize=thread -fno-omit-frame-pointer -DKVP_META_LIBC
+  export TSAN_OPTIONS := suppressions=$(CURDIR)/tools/tsan.supp $(TSAN_OPTIONS)
 endif
 ifeq ($(VARIANT),valgrind)
   SAN := -DKVP_META_LIBC
@@ -65,14 +68,16 @@ A := $(B)/libkvpool.a
 
 UNIT_SRC := $(wildcard tests/unit/check_*.c)
 INTEG_SRC := $(wildcard tests/integration/check_*.c)
+STRESS_SRC := $(wildcard tests/stress/check_*.c)
 GPU_SRC := $(wildcard tests/gpu/check_*.c)
 UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
+STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
 TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
 
-.PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports
+.PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports stress stress-tsan
 all: deps lib $(TOOLS)
 lib: $(SO) $(A)
 
@@ -114,6 +119,12 @@ $(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO) $(PUB_HDRS) $(wildcard t
 	@mkdir -p $(dir $@)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -ljansson -lpthread $(LDFLAGS)
 
+# Stress tests: public header only, like integration tests; `make test` runs
+# their short version (KVP_STRESS_SECONDS unset: 2 s).
+$(STRESS_BIN): $(B)/tests/%: tests/stress/%.c tests/integration/kvgen.h $(SO) $(PUB_HDRS)
+	@mkdir -p $(dir $@)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -lpthread $(LDFLAGS)
+
 $(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
 
@@ -124,9 +135,9 @@ $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
 run: deps $(B)/kvpool-demo
 	$(B)/kvpool-demo
 
-test: deps lib $(UNIT_BIN) $(INTEG_BIN) $(XCHECK_BIN) check-exports
+test: deps lib $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
 	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
-	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(XCHECK_BIN)
+	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN)
 
 check-exports: $(SO)
 	@tools/check-exports.sh $(SO)
@@ -135,6 +146,13 @@ asan:
 	$(MAKE) VARIANT=asan test
 tsan:
 	$(MAKE) VARIANT=tsan test
+
+# The long stress run prints its counters.
+stress: deps lib $(STRESS_BIN)
+	@for t in $(STRESS_BIN); do KVP_STRESS_SECONDS=$${KVP_STRESS_SECONDS:-30} $$t || exit 1; done
+stress-tsan:
+	$(MAKE) VARIANT=tsan stress
+
 valgrind:
 	$(MAKE) VARIANT=valgrind lib $(patsubst build/%,build/valgrind/%,$(UNIT_BIN) $(INTEG_BIN))
 	@KVP_TEST_WRAP="valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite" \

@@ -356,6 +356,8 @@ typedef struct kvp_view_block {
   uint32_t block_pos0;        /* position of the block's token 0 */
   uint32_t first;             /* first retained token (index within the block) */
   uint32_t n_tokens;          /* retained tokens from first on */
+  uint32_t cap_tokens;        /* the block's capacity: a page's bytes per token = page_bytes / cap_tokens
+                                 for per-token layouts (raw: row bytes, so the stored dtype follows) */
   uint32_t codec[2];          /* codec id of K and V pages */
   const void *page[2][KVP_PAGE_TYPE_COUNT];     /* [0 = K, 1 = V][page type] */
   uint64_t page_bytes[2][KVP_PAGE_TYPE_COUNT];  /* requested bytes of each page */

@@ -277,8 +277,10 @@ int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
   }
   kvp__rcu_read_unlock();
   if (rc) return rc;
+  /* An orphan may show 0 refs: the view release that dropped its last pin
+   * waits for the writer lock (held here) to move it to the limbo. */
   for (kvp__block *b = pool->orphans; b; b = b->onext) {
-    if (b->owners || !b->orphan || !atomic_load(&b->refs))
+    if (b->owners || !b->orphan)
       return CORRUPT("orphan block at position %u has %u owners, %u refs", b->pos0, b->owners, atomic_load(&b->refs));
     visit_block(pool, b, &cc);
   }

@@ -27,6 +27,14 @@ static uint64_t count_retained(const kvp__layer *L, uint32_t head) {
   return n;
 }
 
+/* The block of a bref: replaced (same pos0 and cap) when an OPEN block is
+ * sealed into its codec, so it is loaded as an RCU pointer. */
+static kvp__block *bref_block(const kvp__bref *r) { return kvp__rcu_deref(r->blk); }
+static uint32_t bref_end(const kvp__bref *r) {
+  const kvp__block *b = bref_block(r);
+  return b->pos0 + b->cap_tokens;
+}
+
 /* Visit each (block, token range) retained by head, in position order, at
  * most limit tokens. fn returns nonzero to stop. */
 typedef int (*range_fn)(void *ctx, kvp__block *b, uint32_t a, uint32_t e);
@@ -40,9 +48,9 @@ static uint64_t walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, u
     if (!kvp__run_has(r, head)) continue;
     uint32_t ra = r->p0, rb = run_end(r);
     if (rb - ra > limit - done) rb = ra + (uint32_t)(limit - done);
-    while (cur && cur->blk->pos0 + cur->blk->cap_tokens <= ra) cur = kvp__rcu_deref(cur->next);
-    for (kvp__bref *c = cur; c && c->blk->pos0 < rb; c = kvp__rcu_deref(c->next)) {
-      kvp__block *b = kvp__rcu_deref(c->blk); /* pos0 and cap are the same in an encoded replacement */
+    while (cur && bref_end(cur) <= ra) cur = kvp__rcu_deref(cur->next);
+    for (kvp__bref *c = cur; c && bref_block(c)->pos0 < rb; c = kvp__rcu_deref(c->next)) {
+      kvp__block *b = bref_block(c);
       uint32_t a = ra > b->pos0 ? ra : b->pos0, e = rb < b->pos0 + b->cap_tokens ? rb : b->pos0 + b->cap_tokens;
       if (fn(ctx, b, a, e)) return done;
       done += e - a;
@@ -155,19 +163,24 @@ typedef struct view_impl {
 
 typedef struct view_ctx {
   kvp_pool *pool;
-  uint32_t layer;   /* layer viewed */
-  view_impl *v;     /* NULL in the counting pass */
-  uint32_t head;    /* head being walked */
-  uint64_t n;       /* entries counted or filled */
+  uint32_t layer;     /* layer viewed */
+  view_impl *v;       /* NULL in the counting pass */
+  uint32_t head;      /* head being walked */
+  uint64_t n;         /* entries counted or filled */
+  uint32_t *per_head; /* entries of each head in the counting pass: the fill pass's cap per head */
+  uint32_t head_n;    /* entries filled for the current head */
 } view_ctx;
 
+/* Counting pass: entries per head. Fill pass: at most that many per head, so
+ * blocks appended between the passes never crowd a later head out. */
 static int view_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   view_ctx *c = vctx;
   if (!c->v) {
     c->n++;
+    c->per_head[c->head]++;
     return 0;
   }
-  if (c->n == c->v->cap) return 1;
+  if (c->head_n == c->per_head[c->head]) return 1;
   uint32_t r = atomic_load_explicit(&b->refs, memory_order_relaxed);
   do {
     if (!r) return 0; /* being freed: evicted under us, skip it */
@@ -178,6 +191,7 @@ static int view_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   vb->block_pos0 = b->pos0;
   vb->first = a - b->pos0;
   vb->n_tokens = e - a;
+  vb->cap_tokens = b->cap_tokens;
   for (int kv = 0; kv < 2; kv++) {
     vb->codec[kv] = kvp__block_binding(c->pool, c->layer, kv, b)->id;
     for (unsigned i = 0; i < b->npages[kv]; i++) {
@@ -187,6 +201,7 @@ static int view_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
     }
   }
   c->v->pinned[c->n++] = b;
+  c->head_n++;
   return 0;
 }
 
@@ -200,13 +215,19 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
     kvp__rcu_read_unlock();
     return kvp__err(KVP_ENOENT, "view: sequence %llu does not exist", (unsigned long long)seq);
   }
-  view_ctx c = {pool, layer, NULL, 0, 0};
-  for (c.head = 0; c.head < pool->cfg.n_kv_heads; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+  uint32_t H = pool->cfg.n_kv_heads;
+  view_ctx c = {pool, layer, NULL, 0, 0, kvp__meta_calloc(NULL, H * sizeof(uint32_t)), 0};
+  if (!c.per_head) {
+    kvp__rcu_read_unlock();
+    return kvp__err(KVP_ENOMEM, "view scratch");
+  }
+  for (c.head = 0; c.head < H; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
   uint32_t cap = (uint32_t)c.n;
   size_t bytes = sizeof(view_impl) + cap * (sizeof(kvp_view_block) + sizeof(kvp__block *));
   view_impl *v = kvp__meta_alloc(&pool->meta, bytes);
   if (!v) {
     kvp__rcu_read_unlock();
+    kvp__meta_free(NULL, c.per_head, H * sizeof(uint32_t));
     return kvp__err(KVP_ENOMEM, "view of %u blocks", cap);
   }
   v->bytes = bytes;
@@ -214,8 +235,12 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
   v->pinned = (kvp__block **)(v->entries + cap);
   c.v = v;
   c.n = 0;
-  for (c.head = 0; c.head < pool->cfg.n_kv_heads; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+  for (c.head = 0; c.head < H; c.head++) {
+    c.head_n = 0;
+    walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+  }
   kvp__rcu_read_unlock();
+  kvp__meta_free(NULL, c.per_head, H * sizeof(uint32_t));
   v->pub = (kvp_view){seq, layer, (uint32_t)c.n, v->entries};
   *out = &v->pub;
   return KVP_OK;

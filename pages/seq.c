@@ -21,6 +21,7 @@
 #define LFHT_INIT 64
 
 static int seq_match(struct cds_lfht_node *node, const void *key) {
+  kvp__rcu_subscribe(node);
   return caa_container_of(node, kvp__seq, node)->id == *(const uint64_t *)key;
 }
 
@@ -180,6 +181,7 @@ kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint
 }
 
 static void seq_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
   seq_free_struct(NULL, caa_container_of(h, kvp__seq, rcu));
 }
 
@@ -297,6 +299,7 @@ KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc) 
   }
   s->mode = c.mode;
   s->budget_fraction = c.budget_fraction;
+  kvp__rcu_publish(&s->node);
   kvp__rcu_read_lock();
   cds_lfht_add(pool->seqs, seq_hash(seq), &s->node);
   kvp__rcu_read_unlock();
@@ -344,6 +347,7 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
   else if ((rc = kvp__seq_fork_locked(pool, p, c)))
     seq_free_struct(&pool->meta, c);
   else {
+    kvp__rcu_publish(&c->node);
     kvp__rcu_read_lock();
     cds_lfht_add(pool->seqs, seq_hash(child), &c->node);
     kvp__rcu_read_unlock();

@@ -49,11 +49,15 @@ void kvp__run_free_now(kvp_pool *pool, kvp__run *r) {
 void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) { kvp__meta_free(&pool->meta, b, sizeof *b); }
 
 static void run_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
   kvp__run *r = caa_container_of(h, kvp__run, rcu);
   kvp__meta_free(NULL, r, sizeof *r + r->nwords * sizeof(uint64_t));
 }
 
-static void bref_free_cb(kvp__rcu_head *h) { kvp__meta_free(NULL, caa_container_of(h, kvp__bref, rcu), sizeof(kvp__bref)); }
+static void bref_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
+  kvp__meta_free(NULL, caa_container_of(h, kvp__bref, rcu), sizeof(kvp__bref));
+}
 
 /* The pool's counter drops at retire; the memory goes after the grace period
  * (callbacks run on urcu's thread and count against no pool). */
