@@ -42,7 +42,7 @@ static int copy_open(kvp_pool *pool, uint64_t child, uint32_t layer, uint32_t he
   int rc = kvp__block_new(pool, child, layer, head, b->pos0, b->cap_tokens, b->raw, out);
   if (rc) return rc;
   kvp__block *nb = *out;
-  nb->n_tokens = b->n_tokens;
+  kvp__block_set_n(nb, b->n_tokens);
   for (int kv = 0; kv < 2; kv++)
     for (unsigned i = 0; i < b->npages[kv] && !rc; i++)
       rc = pool->alloc.region.ops->copy(&pool->alloc.region, nb->pages[kv][i].off, b->pages[kv][i].off,

@@ -144,6 +144,10 @@ static inline const kvp__binding *kvp__block_binding(const kvp_pool *p, uint32_t
                                                       const kvp__block *b) {
   return b->raw ? &p->tail[kv] : &p->bind[2 * layer + kv];
 }
+/* n_tokens of a raw OPEN block grows under readers: the writer stores it
+ * with relaxed atomics, readers that look at it load it so. */
+static inline void kvp__block_set_n(kvp__block *b, uint32_t n) { __atomic_store_n(&b->n_tokens, n, __ATOMIC_RELAXED); }
+static inline uint32_t kvp__block_n(const kvp__block *b) { return __atomic_load_n(&b->n_tokens, __ATOMIC_RELAXED); }
 static inline bool kvp__run_has(const kvp__run *r, uint32_t head) { return (r->mask[head / 64] >> (head % 64)) & 1; }
 
 /* Visit every live page of the pool (for kvp_check). */

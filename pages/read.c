@@ -89,8 +89,8 @@ static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
     } else {
       const void *pages[KVP_CODEC_MAX_PAGES];
       for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
-      /* an encoded block is immutable; a raw OPEN block's count is not needed by raw decode */
-      uint32_t n = b->raw ? b->cap_tokens : b->n_tokens;
+      /* an encoded block's count is fixed; a raw OPEN block's still grows (raw decode ignores it) */
+      uint32_t n = kvp__block_n(b);
       rc = bd->vt->decode(bd->inst, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
       if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to decode layer %u %c (status %d)", bd->vt->name, c->layer,
                             "KV"[kv], rc);

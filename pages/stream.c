@@ -305,11 +305,11 @@ static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h
   uint32_t n = s->cur_tokens;
   if (pl->fill) {
     kvp__block *tail = st->tail->blk;
-    tail->n_tokens += pl->fill;
+    kvp__block_set_n(tail, tail->n_tokens + pl->fill);
     tail->sealed = tail->n_tokens == tail->cap_tokens;
     if (pl->reseal) {
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
-      enc->n_tokens = enc->cap_tokens;
+      kvp__block_set_n(enc, enc->cap_tokens);
       enc->sealed = true;
       enc->owners = 1;
       atomic_init(&enc->refs, 1);
@@ -321,7 +321,7 @@ static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h
   for (uint32_t j = 0; j < pl->nnew; j++) {
     kvp__block *b = pl->blocks[h * pl->nb + j];
     kvp__bref *r = pl->brefs[h * pl->nnew + j];
-    b->n_tokens = n - done < b->cap_tokens ? n - done : b->cap_tokens;
+    kvp__block_set_n(b, n - done < b->cap_tokens ? n - done : b->cap_tokens);
     b->sealed = !b->raw || b->n_tokens == b->cap_tokens;
     b->owners = 1;
     atomic_init(&b->refs, 1);
