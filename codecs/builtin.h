@@ -1,0 +1,169 @@
+/*
+ * codecs/builtin.h - the quantizing codecs built into kvpool, as
+ * kvp_codec_vtable instances (include/kvpool_codec.h), and the few helpers
+ * they share: the parameter scanner, little-endian scalar stores, rounding
+ * to the nearest integer (ties to even), and the geometry check.
+ *
+ *   fp8    codecs/fp8.c    E4M3 codes, per token-head fp32 scale or static
+ *   int8   codecs/int8.c   symmetric int8 per token-head, bf16 scale
+ *   kivi   codecs/kivi.c   2/4-bit asymmetric, K per channel, V per token
+ *   nvfp4  codecs/nvfp4.c  E2M1 + E4M3 per 16 + fp32 per block-head
+ *
+ * Parameters: the text after "name:" in a codec spec, fields "key=value"
+ * separated by ':' ("bits=2:group=32"). Keys are exact and lower case; a
+ * key may appear once. Multi-byte scalars in pages are little-endian,
+ * whatever the host (the helpers below write them byte by byte).
+ */
+#ifndef KVP_CODECS_BUILTIN_H
+#define KVP_CODECS_BUILTIN_H
+
+#include "../util/util.h"
+#include "kvpool_codec.h"
+
+#include <math.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern const kvp_codec_vtable kvp__codec_fp8, kvp__codec_int8, kvp__codec_kivi, kvp__codec_nvfp4;
+
+/* ---- little-endian scalars in pages ------------------------------------ */
+
+static inline void kvp__st_le16(uint8_t *p, uint16_t v) {
+  p[0] = (uint8_t)v;
+  p[1] = (uint8_t)(v >> 8);
+}
+static inline uint16_t kvp__ld_le16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static inline void kvp__st_le32(uint8_t *p, uint32_t v) {
+  for (unsigned i = 0; i < 4; i++) p[i] = (uint8_t)(v >> 8 * i);
+}
+static inline uint32_t kvp__ld_le32(const uint8_t *p) {
+  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline void kvp__st_lef32(uint8_t *p, float x) {
+  uint32_t u;
+  memcpy(&u, &x, sizeof u);
+  kvp__st_le32(p, u);
+}
+static inline float kvp__ld_lef32(const uint8_t *p) {
+  uint32_t u = kvp__ld_le32(p);
+  float x;
+  memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+/* ---- rounding ------------------------------------------------------------ */
+
+/* x rounded to the nearest integer, ties to even, whatever the FPU rounding
+ * mode. On |x|: floor and |x| - floor are exact (same binade, or floor 0). */
+static inline float kvp__round_even(float x) {
+  float a = fabsf(x), f = floorf(a), d = a - f;
+  if (d > 0.5f || (d == 0.5f && fmodf(f, 2.0f) != 0.0f)) f += 1.0f;
+  return copysignf(f, x);
+}
+
+/* ---- parameters ---------------------------------------------------------- */
+
+/* One "key=value" field of a params string. */
+typedef struct kvp__param {
+  const char *val; /* the value, val_len bytes, not NUL-terminated */
+  size_t val_len;  /* bytes of the value */
+  size_t at;       /* byte offset of the field in params */
+  int key;         /* index of the key in the codec's key list */
+} kvp__param;
+
+/* Write "codec: message" into err (errcap bytes), the offset into *err_at
+ * (when err_at is not NULL), and return KVP_EINVAL. */
+static inline int kvp__param_fail(char *err, size_t errcap, size_t *err_at, size_t at, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static inline int kvp__param_fail(char *err, size_t errcap, size_t *err_at, size_t at, const char *fmt, ...) {
+  if (err && errcap) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errcap, fmt, ap);
+    va_end(ap);
+  }
+  if (err_at) *err_at = at;
+  return KVP_EINVAL;
+}
+
+/* The next field of params at *pos (0 to start). Returns 1 with *p filled
+ * (its key one of keys[0..nkeys)), 0 at the end, or KVP_EINVAL with a
+ * message naming the field: empty, without '=', unknown key, or a key
+ * already in *seen (a bit per key index, updated). */
+static inline int kvp__param_next(const char *codec, const char *params, size_t *pos, const char *const *keys,
+                                  unsigned nkeys, unsigned *seen, kvp__param *p, char *err, size_t errcap,
+                                  size_t *err_at) {
+  *p = (kvp__param){.key = -1};
+  if (!params || !params[*pos]) return 0;
+  size_t at = *pos, len = strcspn(params + at, ":"), klen = strcspn(params + at, ":=");
+  *pos = at + len + (params[at + len] == ':');
+  if (len == 0 || klen == len)
+    return kvp__param_fail(err, errcap, err_at, at, "%s: parameter '%.*s' at byte %zu: want key=value", codec, (int)len,
+                           params + at, at);
+  for (unsigned k = 0; k < nkeys; k++) {
+    if (strlen(keys[k]) != klen || memcmp(keys[k], params + at, klen) != 0) continue;
+    if (*seen & 1u << k)
+      return kvp__param_fail(err, errcap, err_at, at, "%s: parameter %s given twice", codec, keys[k]);
+    *seen |= 1u << k;
+    *p = (kvp__param){.val = params + at + klen + 1, .val_len = len - klen - 1, .at = at, .key = (int)k};
+    return 1;
+  }
+  return kvp__param_fail(err, errcap, err_at, at, "%s: unknown parameter '%.*s'", codec, (int)klen, params + at);
+}
+
+/* The value equals s. */
+static inline int kvp__param_is(const kvp__param *p, const char *s) {
+  return strlen(s) == p->val_len && memcmp(s, p->val, p->val_len) == 0;
+}
+
+/* The value as a decimal unsigned integer below 2^32 (digits only). */
+static inline int kvp__param_u32(const kvp__param *p, uint32_t *out) {
+  uint64_t v = 0;
+  if (p->val_len == 0 || p->val_len > 10) return 0;
+  for (size_t i = 0; i < p->val_len; i++) {
+    if (p->val[i] < '0' || p->val[i] > '9') return 0;
+    v = v * 10 + (uint64_t)(p->val[i] - '0');
+  }
+  if (v > UINT32_MAX) return 0;
+  *out = (uint32_t)v;
+  return 1;
+}
+
+/* The value as a finite float (strtof syntax, the whole value). */
+static inline int kvp__param_f32(const kvp__param *p, float *out) {
+  char buf[64], *end;
+  if (p->val_len == 0 || p->val_len >= sizeof buf) return 0;
+  memcpy(buf, p->val, p->val_len);
+  buf[p->val_len] = '\0';
+  float v = strtof(buf, &end);
+  if (*end != '\0' || !isfinite(v)) return 0;
+  *out = v;
+  return 1;
+}
+
+/* ---- geometry ------------------------------------------------------------ */
+
+/* head_dim in 1..KVP_MAX_HEAD_DIM, a known in_dtype, kv 0 or 1. */
+static inline int kvp__codec_geom_ok(const char *codec, const kvp_codec_geom *g, char *err, size_t errcap) {
+  if (!g) return kvp__param_fail(err, errcap, NULL, 0, "%s: no geometry", codec);
+  if (g->head_dim < 1 || g->head_dim > KVP_MAX_HEAD_DIM)
+    return kvp__param_fail(err, errcap, NULL, 0, "%s: head_dim %u not in 1..%u", codec, g->head_dim, KVP_MAX_HEAD_DIM);
+  if (g->in_dtype != KVP_DTYPE_F32 && g->in_dtype != KVP_DTYPE_BF16 && g->in_dtype != KVP_DTYPE_F16)
+    return kvp__param_fail(err, errcap, NULL, 0, "%s: in_dtype %d unknown", codec, (int)g->in_dtype);
+  if (g->kv > 1) return kvp__param_fail(err, errcap, NULL, 0, "%s: kv %u not 0 (K) or 1 (V)", codec, g->kv);
+  return KVP_OK;
+}
+
+/* The block arguments every encode/decode checks: 1 <= cap <= 65536,
+ * n <= cap, and for decode t0 + m <= n. KVP_EINVAL (message set) if not. */
+static inline int kvp__codec_rows_ok(const char *codec, uint32_t n, uint32_t cap, uint32_t t0, uint32_t m) {
+  if (cap < 1 || cap > 65536 || n > cap || (uint64_t)t0 + m > n)
+    return kvp__err(KVP_EINVAL, "%s: rows [%u, %u) of a block of %u tokens holding %u", codec, t0,
+                    (unsigned)((uint64_t)t0 + m), cap, n);
+  return KVP_OK;
+}
+
+#endif /* KVP_CODECS_BUILTIN_H */

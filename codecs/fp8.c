@@ -1,0 +1,159 @@
+/*
+ * codecs/fp8.c - the fp8 codec: every element an FP8 E4M3 code ("fn": max
+ * 448, no infinities; codecs/numeric.h), scaled either per token-head by a
+ * dynamic fp32 scale, or by one static per-tensor scale.
+ *
+ * Params (spec "fp8", "fp8:scale=dynamic", "fp8:scale=0.05"):
+ *   scale=dynamic  (default) s_t = absmax_t / 448 per token-head, stored
+ *   scale=<float>  static s (finite, > 0) for every token; nothing stored
+ *
+ * Pages of a block of cap tokens, head dim D (token t = row t of the block):
+ *
+ *   CODES   cap x D bytes          | t0: c0 c1 .. c(D-1) | t1: ... |
+ *           byte t*D + i = E4M3 code of element i of token t
+ *   SCALES  cap x 4 bytes          | s_0 | s_1 | ... | s_(cap-1) |
+ *           (dynamic only)         s_t: IEEE fp32, little-endian
+ *
+ *   layout: dynamic  CODES = cap*D, SCALES = 4*cap  (D + 4 per token-head)
+ *           static   CODES = cap*D                  (D per token-head)
+ *   At D = 128: 132 B (dynamic) or 128 B (static) per token-head.
+ *
+ * Encode (all f32): y_i = x_i / s, code_i = E4M3(y_i), round to nearest
+ * even, saturating at +-448. Decode: x^_i = E4M3value(code_i) * s.
+ *
+ * Invariants:
+ *   dynamic: |y_i| <= 448 (s from absmax), so |x_i - x^_i| <= ulp(y_i)/2 * s
+ *            up to f32 rounding, where ulp(y) is the E4M3 step at |y|
+ *            (2^(e-3) for |y| in [2^e, 2^(e+1)), e >= -6; 2^-9 below 2^-6).
+ *            Scaling a token by 2^k scales s by 2^k and leaves the codes:
+ *            the output scales by exactly 2^k (while s stays normal).
+ *   static:  values beyond 448 s saturate to +-448 s.
+ *   A token of zeros (dynamic) has s = 0 and codes 0: it decodes to zeros.
+ *   Scale underflow: when absmax / 448 is below FLT_MIN (2^-126), s is
+ *   FLT_MIN; the codes then stay below 448 and lose relative precision,
+ *   never becoming inf or NaN.
+ *   Rows n..cap-1 of a block are written as zeros (codes and scales).
+ */
+#include "builtin.h"
+#include "numeric.h"
+
+#include <float.h>
+
+/* A binding of fp8. */
+typedef struct fp8_inst {
+  uint32_t head_dim;  /* D, elements per token */
+  kvp_dtype in_dtype; /* dtype of appended rows */
+  int dynamic;        /* 1: per token-head scale in SCALES; 0: static */
+  float static_scale; /* static: the divisor of every value */
+} fp8_inst;
+
+static const char *const fp8_keys[] = {"scale"};
+
+static int fp8_parse(fp8_inst *f, const char *params, char *err, size_t errcap, size_t *err_at) {
+  size_t pos = 0;
+  unsigned seen = 0;
+  kvp__param p;
+  int r;
+  while ((r = kvp__param_next("fp8", params, &pos, fp8_keys, 1, &seen, &p, err, errcap, err_at)) == 1) {
+    if (kvp__param_is(&p, "dynamic")) continue;
+    if (!kvp__param_f32(&p, &f->static_scale) || !(f->static_scale > 0.0f))
+      return kvp__param_fail(err, errcap, err_at, p.at, "fp8: scale=%.*s: want 'dynamic' or a finite float > 0",
+                             (int)p.val_len, p.val);
+    f->dynamic = 0;
+  }
+  return r;
+}
+
+static int fp8_create(const char *params, const kvp_codec_geom *geom, void **inst, char *err, size_t errcap,
+                      size_t *err_at) {
+  int rc = kvp__codec_geom_ok("fp8", geom, err, errcap);
+  if (rc) return rc;
+  fp8_inst f = {.head_dim = geom->head_dim, .in_dtype = geom->in_dtype, .dynamic = 1, .static_scale = 1.0f};
+  if ((rc = fp8_parse(&f, params, err, errcap, err_at))) return rc;
+  fp8_inst *out = malloc(sizeof *out);
+  if (!out) return kvp__param_fail(err, errcap, NULL, 0, "fp8: out of memory");
+  *out = f;
+  *inst = out;
+  return KVP_OK;
+}
+
+static void fp8_destroy(void *inst) { free(inst); }
+
+static uint32_t fp8_group_tokens(const void *inst) {
+  (void)inst;
+  return 1;
+}
+
+static void fp8_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout *out) {
+  const fp8_inst *f = inst;
+  memset(out, 0, sizeof *out);
+  out->npages = f->dynamic ? 2 : 1;
+  out->types[0] = KVP_PAGE_CODES;
+  out->bytes[0] = (uint64_t)cap_tokens * f->head_dim;
+  if (f->dynamic) {
+    out->types[1] = KVP_PAGE_SCALES;
+    out->bytes[1] = (uint64_t)cap_tokens * 4;
+  }
+}
+
+/* The dynamic scale of a token: absmax / 448, at least FLT_MIN, 0 for a
+ * token of zeros. */
+static float fp8_token_scale(const float *x, uint32_t d) {
+  float amax = 0.0f;
+  for (uint32_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+  if (amax == 0.0f) return 0.0f;
+  return fmaxf(amax / KVP__FP8_E4M3_MAX, FLT_MIN);
+}
+
+static int fp8_encode(const void *inst, const void *src, size_t src_stride, uint32_t n, uint32_t cap_tokens,
+                      void *const *pages) {
+  const fp8_inst *f = inst;
+  int rc = kvp__codec_rows_ok("fp8", n, cap_tokens, 0, n);
+  if (rc) return rc;
+  uint32_t d = f->head_dim;
+  uint8_t *codes = pages[0], *scales = f->dynamic ? pages[1] : NULL;
+  float x[KVP_MAX_HEAD_DIM];
+  for (uint32_t t = 0; t < n; t++) {
+    kvp__row_to_f32(x, (const unsigned char *)src + (size_t)t * src_stride, f->in_dtype, d);
+    float s = f->dynamic ? fp8_token_scale(x, d) : f->static_scale;
+    if (scales) kvp__st_lef32(scales + (size_t)t * 4, s);
+    if (s == 0.0f) {
+      memset(codes + (size_t)t * d, 0, d);
+      continue;
+    }
+    for (uint32_t i = 0; i < d; i++) x[i] /= s;
+    kvp__fp8_e4m3_from_f32_row(codes + (size_t)t * d, x, d);
+  }
+  memset(codes + (size_t)n * d, 0, (size_t)(cap_tokens - n) * d);
+  if (scales) memset(scales + (size_t)n * 4, 0, (size_t)(cap_tokens - n) * 4);
+  return KVP_OK;
+}
+
+static int fp8_decode(const void *inst, const void *const *pages, uint32_t n, uint32_t cap_tokens, uint32_t t0,
+                      uint32_t m, void *dst, size_t dst_stride, kvp_dtype out) {
+  const fp8_inst *f = inst;
+  int rc = kvp__codec_rows_ok("fp8", n, cap_tokens, t0, m);
+  if (rc) return rc;
+  uint32_t d = f->head_dim;
+  const uint8_t *codes = pages[0], *scales = f->dynamic ? pages[1] : NULL;
+  float x[KVP_MAX_HEAD_DIM];
+  for (uint32_t r = 0; r < m; r++) {
+    uint32_t t = t0 + r;
+    float s = scales ? kvp__ld_lef32(scales + (size_t)t * 4) : f->static_scale;
+    kvp__fp8_e4m3_to_f32_row(x, codes + (size_t)t * d, d);
+    for (uint32_t i = 0; i < d; i++) x[i] *= s;
+    kvp__row_from_f32((unsigned char *)dst + (size_t)r * dst_stride, out, x, d);
+  }
+  return KVP_OK;
+}
+
+const kvp_codec_vtable kvp__codec_fp8 = {
+    .abi_version = KVP_CODEC_ABI_VERSION,
+    .name = "fp8",
+    .create = fp8_create,
+    .destroy = fp8_destroy,
+    .group_tokens = fp8_group_tokens,
+    .layout = fp8_layout,
+    .encode = fp8_encode,
+    .decode = fp8_decode,
+};
