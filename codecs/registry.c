@@ -6,6 +6,7 @@
  * are lock-free; names are unique. Built-ins are registered once, on first
  * use, in a fixed order so their ids are stable across runs.
  */
+#include "builtin.h"
 #include "codecs.h"
 
 #include <pthread.h>
@@ -54,7 +55,8 @@ static int add(const kvp_codec_vtable *vt, uint32_t *id) {
 
 /* Built-ins, in id order. Later issues append here (never reorder). */
 static void register_builtins(void) {
-  static const kvp_codec_vtable *const builtin[] = {&kvp__codec_raw};
+  static const kvp_codec_vtable *const builtin[] = {&kvp__codec_raw, &kvp__codec_fp8, &kvp__codec_int8,
+                                                     &kvp__codec_kivi, &kvp__codec_nvfp4};
   for (size_t i = 0; i < KVP__ARRAY_LEN(builtin); i++) {
     int rc = add(builtin[i], NULL);
     kvp__assert(rc == KVP_OK);
