@@ -84,3 +84,5 @@ KVP_API int kvp_codec_find(const char *name, uint32_t *id) {
   *id = (uint32_t)i;
   return KVP_OK;
 }
+
+KVP_API const kvp_codec_vtable *kvp_codec_get(uint32_t id) { return kvp__codec_get(id); }

@@ -89,6 +89,10 @@ KVP_API int kvp_codec_register(const kvp_codec_vtable *vt, uint32_t *id);
 /* Look up a registered codec by name: its id, or KVP_ENOENT. */
 KVP_API int kvp_codec_find(const char *name, uint32_t *id);
 
+/* The vtable of a registered id (e.g. a view's kvp_view_block.codec, to
+ * decode pages on the host), or NULL. Lock-free. */
+KVP_API const kvp_codec_vtable *kvp_codec_get(uint32_t id);
+
 #ifdef __cplusplus
 }
 #endif

@@ -19,6 +19,9 @@
  *                       (seq, layer) in step mode; baseline: memcpy.
  *   read_ns_per_token   kvp_read of every head of a (seq, layer), per retained
  *                       token; baseline: memcpy of the same bytes.
+ *   codec_encode_gbs    host encode and decode throughput per codec, one core, in
+ *   codec_decode_gbs    GB/s of bf16-equivalent bytes (D = 128, bf16 in and out,
+ *                       4096-token blocks); baseline: memcpy of those bytes.
  * Each figure is the median of R rounds; rounds alternate kvpool and the
  * baseline so drift hits both alike. Public header only.
  */
@@ -28,7 +31,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "pagemix.h"
+#include "pagemix.h" /* first: it opts in to the experimental page API */
+#include "kvpool_codec.h"
 
 static double now_ns(void) {
   struct timespec ts;
@@ -244,6 +248,64 @@ static seq_figs bench_seqs(int rounds, int steps) {
   return f;
 }
 
+/* ---- codecs: host encode/decode throughput --------------------------------- */
+
+typedef struct codec_fig {
+  const char *spec;  /* name:params */
+  double enc, dec;   /* GB/s of bf16-equivalent bytes */
+} codec_fig;
+
+/* NB blocks of CAP tokens rotate so the working set (NB MiB of bf16) is far
+ * beyond the caches, as decoding a real KV cache is: memcpy is measured on
+ * the same rotation. */
+static codec_fig bench_codec(const char *name, const char *params, int rounds, double *memcpy_gbs) {
+  enum { CAP = 4096, CD = 128, NB = 32 };
+  codec_fig f = {name, 0, 0};
+  uint32_t id;
+  if (kvp_codec_find(name, &id)) die("kvp_codec_find", KVP_ENOENT);
+  const kvp_codec_vtable *vt = kvp_codec_get(id);
+  kvp_codec_geom g = {CD, KVP_DTYPE_BF16, 0, 0};
+  void *inst;
+  char err[256];
+  size_t at;
+  if (vt->create(params, &g, &inst, err, sizeof err, &at)) die(err, KVP_EINVAL);
+  kvp_codec_layout lay;
+  vt->layout(inst, CAP, &lay);
+  void *pages[NB][KVP_CODEC_MAX_PAGES];
+  size_t bytes = (size_t)CAP * CD * 2;
+  uint16_t *src = malloc(bytes * NB), *dst = malloc(bytes * NB);
+  fill_bf16(src, (size_t)CAP * CD * NB, 7);
+  memset(dst, 0, bytes * NB);
+  for (int b = 0; b < NB; b++)
+    for (unsigned i = 0; i < lay.npages; i++) pages[b][i] = calloc(1, lay.bytes[i]);
+  double e[32], d[32], m[32];
+  for (int r = 0; r < rounds; r++) {
+    double t0 = now_ns();
+    for (int b = 0; b < NB; b++)
+      if (vt->encode(inst, src + (size_t)b * CAP * CD, CD * 2, CAP, CAP, pages[b])) die("encode", KVP_ECODEC);
+    double t1 = now_ns();
+    for (int b = 0; b < NB; b++)
+      if (vt->decode(inst, (const void *const *)pages[b], CAP, CAP, 0, CAP, dst + (size_t)b * CAP * CD, CD * 2,
+                     KVP_DTYPE_BF16))
+        die("decode", KVP_ECODEC);
+    double t2 = now_ns();
+    memcpy(dst, src, bytes * NB);
+    __asm__ volatile("" : : "r"(dst) : "memory");
+    double t3 = now_ns();
+    e[r] = (double)bytes * NB / (t1 - t0);
+    d[r] = (double)bytes * NB / (t2 - t1);
+    m[r] = (double)bytes * NB / (t3 - t2);
+  }
+  f.enc = median(e, rounds);
+  f.dec = median(d, rounds);
+  *memcpy_gbs = median(m, rounds);
+  for (int b = 0; b < NB; b++)
+    for (unsigned i = 0; i < lay.npages; i++) free(pages[b][i]);
+  free(src), free(dst);
+  vt->destroy(inst);
+  return f;
+}
+
 int main(int argc, char **argv) {
   int quick = 0, json_only = 0;
   for (int i = 1; i < argc; i++) {
@@ -322,6 +384,21 @@ int main(int argc, char **argv) {
   printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
          "\"ratio\":%.3f,\"tokens\":4096}\n",
          f.var, f.var_base, f.var / f.var_base);
+  static const struct {
+    const char *name, *params, *label;
+  } codecs[] = {{"raw", "", "bf16 (raw)"},          {"fp8", "", "fp8 dynamic"},
+                {"int8", "", "int8"},               {"kivi", "bits=2:group=32", "kivi b2 g32 (K)"},
+                {"nvfp4", "", "nvfp4 rule 6"},      {"nvfp4", "rule=4/6:ksmooth=store", "nvfp4 4/6 + ksmooth"}};
+  for (size_t i = 0; i < sizeof codecs / sizeof codecs[0]; i++) {
+    double mc;
+    codec_fig cf = bench_codec(codecs[i].name, codecs[i].params, quick ? 3 : 9, &mc);
+    if (!json_only)
+      printf("%-34s enc %6.2f GB/s (%.2fx)  dec %6.2f GB/s (%.2fx)  memcpy %6.2f GB/s\n", codecs[i].label, cf.enc,
+             cf.enc / mc, cf.dec, cf.dec / mc, mc);
+    printf("{\"figure\":\"codec_gbs\",\"codec\":\"%s\",\"encode_gbs\":%.3f,\"decode_gbs\":%.3f,"
+           "\"baseline\":\"memcpy\",\"baseline_gbs\":%.3f,\"encode_ratio\":%.3f,\"decode_ratio\":%.3f}\n",
+           codecs[i].label, cf.enc, cf.dec, mc, cf.enc / mc, cf.dec / mc);
+  }
   printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
          "\"ratio\":%.3f}\n",
          f.read, f.read_base, f.read / f.read_base);
