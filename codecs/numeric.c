@@ -332,3 +332,50 @@ void kvp__nib_unpack(uint8_t *codes, const uint8_t *src, size_t n) {
   }
   if (n & 1) codes[n - 1] = src[n / 2] & 0xFu;
 }
+
+/* ---- non-finite screen ----------------------------------------------------
+ * Like kvp__row_find_nan, for NaN and +-Inf: magnitude bits >= the infinity
+ * pattern. Whole chunks take the branch-free max. */
+size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n) {
+  const unsigned char *p = src;
+  size_t w = kvp__dtype_bytes(dt), i0 = 0;
+  uint32_t inf = dt == KVP_DTYPE_F32 ? 0x7F800000u : dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+  for (; i0 + NAN_CHUNK <= n; i0 += NAN_CHUNK)
+    if ((w == 4 ? chunk_max32(p + i0 * 4) : chunk_max16(p + i0 * 2)) >= inf) break;
+  for (size_t i = i0; i < n; i++) {
+    uint32_t mag;
+    if (w == 4) {
+      memcpy(&mag, p + i * 4, 4);
+      mag &= 0x7FFFFFFFu;
+    } else {
+      uint16_t h;
+      memcpy(&h, p + i * 2, 2);
+      mag = h & 0x7FFFu;
+    }
+    if (mag >= inf) return i;
+  }
+  return n;
+}
+
+void kvp__row_sanitize(void *dst, const void *src, kvp_dtype dt, size_t n) {
+  unsigned char *d = dst;
+  const unsigned char *s = src;
+  if (dt == KVP_DTYPE_F32) {
+    for (size_t i = 0; i < n; i++) {
+      uint32_t u;
+      memcpy(&u, s + i * 4, 4);
+      if ((u & 0x7FFFFFFFu) > 0x7F800000u) u = 0;                           /* NaN -> 0 */
+      else if ((u & 0x7FFFFFFFu) == 0x7F800000u) u = (u & 0x80000000u) | 0x7F7FFFFFu; /* Inf -> max */
+      memcpy(d + i * 4, &u, 4);
+    }
+    return;
+  }
+  uint16_t inf = dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u, max = dt == KVP_DTYPE_BF16 ? 0x7F7Fu : 0x7BFFu;
+  for (size_t i = 0; i < n; i++) {
+    uint16_t h;
+    memcpy(&h, s + i * 2, 2);
+    if ((h & 0x7FFFu) > inf) h = 0;
+    else if ((h & 0x7FFFu) == inf) h = (uint16_t)((h & 0x8000u) | max);
+    memcpy(d + i * 2, &h, 2);
+  }
+}

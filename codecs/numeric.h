@@ -104,6 +104,10 @@ void kvp__row_to_f32(float *dst, const void *src, kvp_dtype dt, size_t n);
 void kvp__row_from_f32(void *dst, kvp_dtype dt, const float *src, size_t n);
 /* Index of the first NaN among the n elements of src (dt), or n if none. */
 size_t kvp__row_find_nan(const void *src, kvp_dtype dt, size_t n);
+/* Index of the first NaN or +-Inf in n elements, or n. */
+size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n);
+/* Copy n elements, NaN -> +0 and +-Inf -> +-largest finite of the dtype. */
+void kvp__row_sanitize(void *dst, const void *src, kvp_dtype dt, size_t n);
 
 void kvp__bf16_to_f32_row(float *dst, const uint16_t *src, size_t n);
 void kvp__bf16_from_f32_row(uint16_t *dst, const float *src, size_t n);

@@ -124,6 +124,8 @@ typedef struct kvp_config {
 /* kvp_config.flags */
 #define KVP_POOL_PREFAULT 1u /* host region: fault every page in at create, as a device
                                 allocation is backed at once (no first-touch cost later) */
+#define KVP_POOL_SANITIZE 2u /* NaN in appended K/V becomes 0 and +-Inf the dtype's largest finite value;
+                                without it such an append fails with KVP_EINVAL naming layer, head, token */
 
 /* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
  * memory, 64 MiB region, budget = region. */

@@ -57,7 +57,7 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens == 0) c->block_tokens = KVP__DEFAULT_BLOCK_TOKENS;
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
-  if (c->flags & ~KVP_POOL_PREFAULT) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
+  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE)) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
   if (c->policy && *c->policy && strcmp(c->policy, "none") != 0)
     return kvp__err(KVP_ENOTSUP, "config.policy = \"%s\": this version has no eviction policies (use NULL or \"none\")",
                     c->policy);

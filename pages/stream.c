@@ -248,15 +248,32 @@ static int write_rows(kvp_pool *pool, uint32_t layer, kvp__block *b, int kv, uin
             : KVP_OK;
 }
 
-/* NaN in host input is bad input (kvp_last_error names layer, head, token). */
-static int check_finite(kvp_pool *pool, uint32_t layer, const kvp_kv *kv, uint32_t n) {
+/* NaN or Inf in host input is bad input (kvp_last_error names layer, head,
+ * token), unless the pool sanitizes: then the side is copied into scratch
+ * with NaN -> 0, +-Inf -> +-max, and *use points at the copy. */
+static int screen_input(kvp_pool *pool, uint32_t layer, const kvp_kv *kv, uint32_t n, kvp_kv *use, void **scratch,
+                        size_t *scratch_bytes) {
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  *use = *kv;
   for (int side = 0; side < 2; side++) {
     kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
-    size_t count = (size_t)n * H * D, at = kvp__row_find_nan(side ? kv->v : kv->k, dt, count);
-    if (at < count)
-      return kvp__err(KVP_EINVAL, "%c of layer %u has NaN at head %u, token %u (of the step), channel %u",
-                      side ? 'V' : 'K', layer, (uint32_t)(at / D % H), (uint32_t)(at / D / H), (uint32_t)(at % D));
+    const void *src = side ? kv->v : kv->k;
+    size_t count = (size_t)n * H * D, at = kvp__row_find_nonfinite(src, dt, count);
+    if (at == count) continue;
+    if (!(pool->cfg.flags & KVP_POOL_SANITIZE)) {
+      float x;
+      kvp__row_to_f32(&x, (const unsigned char *)src + at * kvp__dtype_bytes(dt), dt, 1);
+      return kvp__err(KVP_EINVAL, "%c of layer %u has %s at head %u, token %u (of the step), channel %u "
+                                  "(create the pool with KVP_POOL_SANITIZE to replace such values)",
+                      side ? 'V' : 'K', layer, x != x ? "NaN" : x > 0 ? "+Inf" : "-Inf", (uint32_t)(at / D % H),
+                      (uint32_t)(at / D / H), (uint32_t)(at % D));
+    }
+    scratch_bytes[side] = count * kvp__dtype_bytes(dt);
+    if (!(scratch[side] = kvp__meta_alloc(&pool->meta, scratch_bytes[side])))
+      return kvp__err(KVP_ENOMEM, "scratch to sanitize layer %u %c", layer, "KV"[side]);
+    kvp__row_sanitize(scratch[side], src, dt, count);
+    if (side) use->v = scratch[side];
+    else use->k = scratch[side];
   }
   return KVP_OK;
 }
@@ -354,9 +371,21 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
   kvp__count_tokens(pool, (int64_t)n * H, 0);
 }
 
+static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv);
+
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv) {
+  if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv); /* device input is not screened */
+  kvp_kv use;
+  void *scratch[2] = {NULL, NULL};
+  size_t scratch_bytes[2] = {0, 0};
+  int rc = screen_input(pool, layer, kv, s->cur_tokens, &use, scratch, scratch_bytes);
+  if (!rc) rc = append_layer(pool, s, layer, &use);
+  for (int side = 0; side < 2; side++) kvp__meta_free(&pool->meta, scratch[side], scratch_bytes[side]);
+  return rc;
+}
+
+static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv) {
   int rc;
-  if (pool->cfg.memory == KVP_MEM_HOST && (rc = check_finite(pool, layer, kv, s->cur_tokens))) return rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;
   plan_shape(pool, s, layer, &pl);

@@ -163,7 +163,46 @@ START_TEST(nan_input_is_refused) {
   ck_msg("V of layer 0 has NaN at head 1, token 3");
   UNCHANGED(p, f);
   V[(3 * H + 1) * D + 7] = 0;
+  K[(4 * H + 0) * D + 2] = 0xff80; /* -Inf at token 4, head 0, channel 2 */
+  ck_status(kvp_append(p, 1, 0, &kv), KVP_EINVAL);
+  ck_msg("K of layer 0 has -Inf at head 0, token 4 (of the step), channel 2");
+  UNCHANGED(p, f);
+  K[(4 * H + 0) * D + 2] = 0;
   ck_ok(kvp_append(p, 1, 0, &kv));
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(sanitize_replaces_non_finite) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 1;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.region_bytes = 16ull << 20;
+  c.flags = KVP_POOL_SANITIZE;
+  kvp_pool *p;
+  ck_ok(kvp_pool_create(&c, &p));
+  kvgen_init(&G);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  ck_ok(kvp_step_begin(p, 1, 2, 0));
+  kvgen_fill(&G, 1, 0, 0, 2, H, D, K, V);
+  K[0] = 0x7fc1;              /* NaN */
+  K[1] = 0x7f80;              /* +Inf */
+  V[(1 * H + 1) * D] = 0xff80; /* -Inf at token 1, head 1 */
+  kvp_kv kv = {K, V, NULL};
+  ck_ok(kvp_append(p, 1, 0, &kv));
+  ck_ok(kvp_step_end(p, 1));
+  uint16_t k[2 * D], v[2 * D];
+  kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, k, v, NULL, 2, 0, NULL};
+  ck_ok(kvp_read(p, 1, 0, &q));
+  ck_assert_uint_eq(k[0], 0);       /* NaN became 0 */
+  ck_assert_uint_eq(k[1], 0x7f7f);  /* +Inf became the largest bf16 */
+  ck_assert_uint_eq(k[2], K[2]);    /* the rest as given */
+  q.head = 1;
+  ck_ok(kvp_read(p, 1, 0, &q));
+  ck_assert_uint_eq(v[D], 0xff7f);  /* -Inf became the most negative bf16 */
+  ck_ok(kvp_check(p));
   kvp_pool_destroy(p);
 }
 END_TEST
@@ -292,6 +331,7 @@ int main(void) {
   TCase *tc = tcase_create("seq");
   tcase_add_test(tc, bad_input_changes_nothing);
   tcase_add_test(tc, nan_input_is_refused);
+  tcase_add_test(tc, sanitize_replaces_non_finite);
   tcase_add_test(tc, views_survive_eviction);
   tcase_add_test(tc, fork_shares_sealed_copies_open);
   tcase_add_test(tc, fork_refused_by_budget_changes_nothing);
