@@ -182,7 +182,8 @@ typedef struct kvp__ledger {
   _Atomic uint64_t seq; /* sequence lock: odd while the writer updates */
   kvp_gauge requested, allocated, committed, pages, slabs, extents; /* bytes or counts */
   uint64_t allocs, frees, grows, grow_moves, budget_refusals, nospc_refusals; /* counts */
-  kvp_gauge tokens_retained, bf16_equivalent, sequences, retired; /* tokens, bytes, count, bytes (pages layer) */
+  kvp_gauge tokens_retained, bf16_equivalent, sequences, retired, codec_state; /* pages layer: tokens, bytes,
+                                                                                  count, bytes, bytes */
   uint64_t tokens_evicted; /* tokens */
   uint64_t reserved_bytes; /* region */
   uint64_t budget_bytes;   /* strict cap on allocated */

@@ -39,6 +39,8 @@ static int add(const kvp_codec_vtable *vt, uint32_t *id) {
   if (!name_ok(vt->name)) return kvp__err(KVP_EINVAL, "codec name must be 1..31 of [a-z0-9_-]");
   if (!vt->create || !vt->destroy || !vt->group_tokens || !vt->layout || !vt->encode || !vt->decode)
     return kvp__err(KVP_EINVAL, "codec \"%s\": every vtable function is required", vt->name);
+  if (vt->state_bytes && !vt->encode_stateful)
+    return kvp__err(KVP_EINVAL, "codec \"%s\": state_bytes needs encode_stateful", vt->name);
   pthread_mutex_lock(&reg_lock);
   int rc = KVP_OK;
   uint32_t i = 0;

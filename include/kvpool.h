@@ -208,6 +208,7 @@ typedef struct kvp_usage {
   X(COUNTER, tokens_evicted, "tokens.evicted", "tokens evicted over all (layer, head) streams")  \
   X(GAUGE, bf16_equivalent_bytes, "bytes.bf16_equivalent", "retained tokens x head_dim x 2 bytes, K and V: the uncompressed baseline") \
   X(GAUGE, sequences, "sequences.live", "live sequences")                           \
+  X(GAUGE, codec_state_bytes, "bytes.codec_state", "per-stream codec state (warm starts), host memory") \
   X(GAUGE, bytes_retired, "bytes.retired", "allocated bytes of unlinked blocks waiting for readers (RCU grace period)") \
   X(VALUE, device_used_bytes, "device.used_bytes", "device-level bytes in use (cudaMemGetInfo, or resident bytes of a host region)") \
   X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)")

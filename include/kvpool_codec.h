@@ -78,6 +78,18 @@ typedef struct kvp_codec_vtable {
    * dst (rows dst_stride bytes apart) as out dtype. */
   int (*decode)(const void *inst, const void *const *pages, uint32_t n, uint32_t cap_tokens, uint32_t t0,
                 uint32_t m, void *dst, size_t dst_stride, kvp_dtype out);
+
+  /* Optional (NULL: stateless). Bytes of state kept per stream (sequence,
+   * layer, head) for this binding, e.g. warm-start centroids: zeroed when the
+   * stream first encodes, carried from block to block, kept when old blocks
+   * are evicted, copied when the sequence is forked, freed with it, counted
+   * in the stats as bytes.codec_state. */
+  size_t (*state_bytes)(const void *inst);
+  /* Required with state_bytes: encode (as above) reading and updating the
+   * stream's state; the pool calls it instead of encode. A failed append may
+   * leave the state advanced (pages and ledger are unchanged). */
+  int (*encode_stateful)(const void *inst, void *state, const void *src, size_t src_stride, uint32_t n,
+                         uint32_t cap_tokens, void *const *pages);
 } kvp_codec_vtable;
 
 /* Register a codec under vt->name for every pool created afterwards

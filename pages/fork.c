@@ -23,6 +23,7 @@ static void child_undo(kvp_pool *pool, kvp__seq *c) {
       n = r->next;
       kvp__run_free_now(pool, r);
     }
+    for (uint32_t h = 0; h < H; h++) kvp__cstate_free(pool, kvp__seq_stream(pool, c, l, h), l);
     for (uint32_t h = 0; h < H; h++)
       for (kvp__bref *b = kvp__seq_stream(pool, c, l, h)->blocks, *n; b; b = n) {
         n = b->next;
@@ -65,6 +66,8 @@ static int fork_layer(kvp_pool *pool, const kvp__seq *p, kvp__seq *c, uint32_t l
     kvp__stream *cs = kvp__seq_stream(pool, c, l, h);
     atomic_init(&cs->retained_tokens, atomic_load(&ps->retained_tokens));
     atomic_init(&cs->evicted_tokens, atomic_load(&ps->evicted_tokens));
+    int src = kvp__cstate_copy(pool, ps, cs, l);
+    if (src) return src;
     kvp__bref **btail = &cs->blocks;
     for (const kvp__bref *b = ps->blocks; b; b = b->next) {
       kvp__bref *nb = kvp__meta_calloc(&pool->meta, sizeof *nb);
@@ -149,6 +152,7 @@ typedef struct check_ctx {
   uint32_t epoch;      /* visit mark of this check */
   uint64_t retained;   /* tokens over all streams */
   uint64_t nseqs;      /* sequences walked */
+  uint64_t state_bytes; /* codec state over all streams */
 } check_ctx;
 
 static void visit_block(kvp_pool *pool, kvp__block *b, check_ctx *cc) {
@@ -237,6 +241,10 @@ static int check_stream(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t h, uin
 
 static int check_seq(kvp_pool *pool, kvp__seq *s, check_ctx *cc) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++)
+      for (int kv = 0; kv < 2; kv++)
+        if (kvp__seq_stream(pool, s, l, h)->cstate[kv]) cc->state_bytes += kvp__cstate_bytes(pool, l, kv);
   uint32_t *retained = kvp__meta_calloc(NULL, H * sizeof *retained);
   if (!retained) return kvp__err(KVP_ENOMEM, "check scratch");
   int rc = KVP_OK;
@@ -263,7 +271,7 @@ static int check_owners(kvp_pool *pool, kvp__seq *s) {
 }
 
 int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
-  check_ctx cc = {fn, ctx, ++pool->check_epoch, 0, 0};
+  check_ctx cc = {fn, ctx, ++pool->check_epoch, 0, 0, 0};
   struct cds_lfht_iter it;
   struct cds_lfht_node *n;
   int rc = KVP_OK;
@@ -294,6 +302,9 @@ int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
     return CORRUPT("limbo holds %llu bytes, ledger says %llu retired", (unsigned long long)retired,
                    (unsigned long long)pool->alloc.ledger.retired.current);
   const kvp__ledger *l = &pool->alloc.ledger;
+  if (cc.state_bytes != l->codec_state.current)
+    return CORRUPT("streams hold %llu bytes of codec state, ledger says %llu", (unsigned long long)cc.state_bytes,
+                   (unsigned long long)l->codec_state.current);
   if (cc.retained != l->tokens_retained.current || cc.nseqs != l->sequences.current ||
       l->bf16_equivalent.current != cc.retained * 4ull * pool->cfg.head_dim)
     return CORRUPT("ledger counts %llu tokens retained in %llu sequences (%llu bf16 bytes); streams hold %llu in %llu",

@@ -94,6 +94,7 @@ typedef struct kvp__stream {
   kvp__bref *tail;                /* last bref (writer only) */
   _Atomic uint32_t retained_tokens; /* tokens retained */
   _Atomic uint32_t evicted_tokens;  /* tokens evicted */
+  void *cstate[2];                  /* K, V codec state (writer only), or NULL */
 } kvp__stream;
 
 typedef struct kvp__layer {
@@ -196,6 +197,13 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
 /* pages/pool.c: codec bindings from the spec. */
 int kvp__bindings_init(kvp_pool *pool, const char *spec);
 void kvp__bindings_fini(kvp_pool *pool);
+
+/* Codec state of stream (layer, head), side kv: allocated zeroed on first
+ * use when the layer's codec keeps state; NULL if it keeps none. ENOMEM. */
+int kvp__cstate_get(kvp_pool *pool, kvp__stream *st, uint32_t layer, int kv, void **out);
+size_t kvp__cstate_bytes(const kvp_pool *pool, uint32_t layer, int kv);
+void kvp__cstate_free(kvp_pool *pool, kvp__stream *st, uint32_t layer);
+int kvp__cstate_copy(kvp_pool *pool, const kvp__stream *from, kvp__stream *to, uint32_t layer);
 
 /* Tokens counters of the ledger (writer). */
 void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted);

@@ -223,6 +223,7 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->bf16_equivalent_bytes = l.bf16_equivalent;
   out->sequences = l.sequences;
   out->bytes_retired = l.retired;
+  out->codec_state_bytes = l.codec_state;
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
   if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)

@@ -199,6 +199,7 @@ static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
     for (uint32_t h = 0; h < H; h++) {
       kvp__stream *st = kvp__seq_stream(pool, s, l, h);
       retained += atomic_load_explicit(&st->retained_tokens, memory_order_relaxed);
+      kvp__cstate_free(pool, st, l); /* the writer's alone: no grace period */
       for (kvp__bref *b = st->blocks, *n; b; b = n) {
         n = b->next;
         kvp__block_unown(pool, b->blk);

@@ -119,6 +119,52 @@ int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, 
   return KVP_OK;
 }
 
+/* ---- codec state ---------------------------------------------------------- */
+
+size_t kvp__cstate_bytes(const kvp_pool *pool, uint32_t layer, int kv) {
+  const kvp__binding *bd = &pool->bind[2 * layer + kv];
+  return bd->vt->state_bytes ? bd->vt->state_bytes(bd->inst) : 0;
+}
+
+static void count_state(kvp_pool *pool, size_t bytes, int sign) {
+  kvp__ledger_begin(&pool->alloc.ledger);
+  if (sign > 0) kvp__gauge_add(&pool->alloc.ledger.codec_state, bytes);
+  else kvp__gauge_sub(&pool->alloc.ledger.codec_state, bytes);
+  kvp__ledger_end(&pool->alloc.ledger);
+}
+
+int kvp__cstate_get(kvp_pool *pool, kvp__stream *st, uint32_t layer, int kv, void **out) {
+  size_t bytes = kvp__cstate_bytes(pool, layer, kv);
+  if (bytes && !st->cstate[kv]) {
+    if (!(st->cstate[kv] = kvp__meta_calloc(&pool->meta, bytes)))
+      return kvp__err(KVP_ENOMEM, "codec state of %zu bytes (layer %u %c)", bytes, layer, "KV"[kv]);
+    count_state(pool, bytes, +1);
+  }
+  *out = st->cstate[kv];
+  return KVP_OK;
+}
+
+void kvp__cstate_free(kvp_pool *pool, kvp__stream *st, uint32_t layer) {
+  for (int kv = 0; kv < 2; kv++)
+    if (st->cstate[kv]) {
+      size_t bytes = kvp__cstate_bytes(pool, layer, kv);
+      kvp__meta_free(&pool->meta, st->cstate[kv], bytes);
+      count_state(pool, bytes, -1);
+      st->cstate[kv] = NULL;
+    }
+}
+
+int kvp__cstate_copy(kvp_pool *pool, const kvp__stream *from, kvp__stream *to, uint32_t layer) {
+  for (int kv = 0; kv < 2; kv++) {
+    if (!from->cstate[kv]) continue;
+    void *st;
+    int rc = kvp__cstate_get(pool, to, layer, kv, &st);
+    if (rc) return rc;
+    memcpy(st, from->cstate[kv], kvp__cstate_bytes(pool, layer, kv));
+  }
+  return KVP_OK;
+}
+
 /* ---- append ------------------------------------------------------------ */
 
 /* The shape of an append, the same for every head of the layer:
@@ -201,6 +247,15 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
     plan_undo(pool, pl, 0);
     return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
   }
+  for (uint32_t h = 0; h < H && (pl->nnew || pl->reseal); h++)
+    for (int kv = 0; kv < 2; kv++) {
+      void *st;
+      int rc = kvp__cstate_get(pool, kvp__seq_stream(pool, s, layer, h), layer, kv, &st);
+      if (rc) { /* states taken stay with their streams: they are zeroed, unused */
+        plan_undo(pool, pl, 0);
+        return rc;
+      }
+    }
   uint32_t start = pos + pl->fill;
   for (uint32_t h = 0; h < H; h++)
     for (uint32_t j = 0; j < pl->nb; j++) {
@@ -228,7 +283,7 @@ static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
 /* Write n rows of one side into block b from token t0 (t0 > 0 only for a
  * raw OPEN block); rows src_stride bytes apart. */
 static int write_rows(kvp_pool *pool, uint32_t layer, kvp__block *b, int kv, uint32_t t0, const unsigned char *src,
-                      size_t stride, uint32_t n, void *stream) {
+                      size_t stride, uint32_t n, void *stream, void *state) {
   const kvp__binding *bd = kvp__block_binding(pool, layer, kv, b);
   if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw in the appended dtype only: checked at create */
     uint64_t row = (uint64_t)pool->cfg.head_dim * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
@@ -242,7 +297,8 @@ static int write_rows(kvp_pool *pool, uint32_t layer, kvp__block *b, int kv, uin
     pages[0] = (unsigned char *)pages[0] + (size_t)t0 * pool->cfg.head_dim * kvp__dtype_bytes(
                                                kvp__raw_store_dtype(bd->inst));
   }
-  int rc = bd->vt->encode(bd->inst, src, stride, n, b->cap_tokens, pages);
+  int rc = state && !b->raw ? bd->vt->encode_stateful(bd->inst, state, src, stride, n, b->cap_tokens, pages)
+                            : bd->vt->encode(bd->inst, src, stride, n, b->cap_tokens, pages);
   return rc ? kvp__err(KVP_ECODEC, "codec %s failed to encode layer %u %c (status %d)", bd->vt->name, layer, "KV"[kv],
                        rc)
             : KVP_OK;
@@ -281,22 +337,24 @@ static int screen_input(kvp_pool *pool, uint32_t layer, const kvp_kv *kv, uint32
 /* All payload of one head and side: tail fill, its reseal, the new blocks. */
 static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, int side, const unsigned char *src,
                      size_t stride, const append_plan *pl, void *stream) {
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
+  void *state = st->cstate[side]; /* allocated by plan_take when the codec keeps state */
   int rc = KVP_OK;
   if (pl->fill) {
-    kvp__block *tail = kvp__seq_stream(pool, s, layer, h)->tail->blk;
-    rc = write_rows(pool, layer, tail, side, tail->n_tokens, src, stride, pl->fill, stream);
+    kvp__block *tail = st->tail->blk;
+    rc = write_rows(pool, layer, tail, side, tail->n_tokens, src, stride, pl->fill, stream, NULL);
     if (!rc && pl->reseal) { /* encode the whole tail from its raw rows */
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
       size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
       rc = write_rows(pool, layer, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pages[side][0]), row,
-                      tail->cap_tokens, stream);
+                      tail->cap_tokens, stream, state);
     }
   }
   uint32_t done = pl->fill;
   for (uint32_t j = 0; !rc && j < pl->nnew; j++) {
     kvp__block *b = pl->blocks[h * pl->nb + j];
     uint32_t m = s->cur_tokens - done < b->cap_tokens ? s->cur_tokens - done : b->cap_tokens;
-    rc = write_rows(pool, layer, b, side, 0, src + done * stride, stride, m, stream);
+    rc = write_rows(pool, layer, b, side, 0, src + done * stride, stride, m, stream, state);
     done += m;
   }
   return rc;

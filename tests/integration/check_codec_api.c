@@ -98,9 +98,58 @@ static int q16_decode(const void *inst, const void *const *pages, uint32_t n, ui
   return KVP_OK;
 }
 
-static const kvp_codec_vtable Q16 = {KVP_CODEC_ABI_VERSION, "q16",      q16_create, q16_destroy,
-                                     q16_group,             q16_layout, q16_encode, q16_decode};
+static const kvp_codec_vtable Q16 = {.abi_version = KVP_CODEC_ABI_VERSION, .name = "q16", .create = q16_create,
+                                     .destroy = q16_destroy, .group_tokens = q16_group, .layout = q16_layout,
+                                     .encode = q16_encode, .decode = q16_decode};
 static uint32_t Q16_ID;
+
+/* "stamp": a stateful codec. RAW holds the bf16 rows; META (4 bytes) holds
+ * the number of blocks the stream encoded before this one, from its state. */
+static uint32_t stamp_n(const void *inst) { return (uint32_t)(uintptr_t)inst; }
+static int stamp_create(const char *params, const kvp_codec_geom *g, void **inst, char *err, size_t cap, size_t *at) {
+  (void)params, (void)err, (void)cap, (void)at;
+  *inst = (void *)(uintptr_t)g->head_dim;
+  return g->in_dtype == KVP_DTYPE_BF16 ? KVP_OK : KVP_EINVAL;
+}
+static void stamp_destroy(void *inst) { (void)inst; }
+static void stamp_layout(const void *inst, uint32_t cap, kvp_codec_layout *o) {
+  o->npages = 2;
+  o->types[0] = KVP_PAGE_RAW;
+  o->bytes[0] = (uint64_t)cap * stamp_n(inst) * 2;
+  o->types[1] = KVP_PAGE_META;
+  o->bytes[1] = 4;
+}
+static int stamp_encode_state(const void *inst, void *state, const void *src, size_t stride, uint32_t n, uint32_t cap,
+                              void *const *pages) {
+  (void)cap;
+  size_t row = stamp_n(inst) * 2;
+  for (uint32_t t = 0; t < n; t++) memcpy((char *)pages[0] + t * row, (const char *)src + t * stride, row);
+  uint32_t *count = state;
+  memcpy(pages[1], count, 4);
+  (*count)++;
+  return KVP_OK;
+}
+static int stamp_encode(const void *inst, const void *src, size_t stride, uint32_t n, uint32_t cap,
+                        void *const *pages) {
+  uint32_t zero = 0;
+  return stamp_encode_state(inst, &zero, src, stride, n, cap, pages);
+}
+static size_t stamp_state_bytes(const void *inst) {
+  (void)inst;
+  return 4;
+}
+static int stamp_decode(const void *inst, const void *const *pages, uint32_t n, uint32_t cap, uint32_t t0, uint32_t m,
+                        void *dst, size_t dst_stride, kvp_dtype out) {
+  (void)n, (void)cap;
+  size_t row = stamp_n(inst) * 2;
+  if (out != KVP_DTYPE_BF16) return KVP_ENOTSUP;
+  for (uint32_t t = 0; t < m; t++) memcpy((char *)dst + t * dst_stride, (const char *)pages[0] + (t0 + t) * row, row);
+  return KVP_OK;
+}
+static const kvp_codec_vtable STAMP = {.abi_version = KVP_CODEC_ABI_VERSION, .name = "stamp", .create = stamp_create,
+                                       .destroy = stamp_destroy, .group_tokens = q16_group, .layout = stamp_layout,
+                                       .encode = stamp_encode, .decode = stamp_decode,
+                                       .state_bytes = stamp_state_bytes, .encode_stateful = stamp_encode_state};
 
 /* ---- the pool ------------------------------------------------------------- */
 
@@ -111,6 +160,7 @@ static kvp_pool *mkpool(const char *codecs, uint32_t block_tokens, int *rc) {
   static int registered;
   if (!registered) {
     ck_ok(kvp_codec_register(&Q16, &Q16_ID));
+    ck_ok(kvp_codec_register(&STAMP, NULL));
     registered = 1;
   }
   kvp_config c;
@@ -226,6 +276,50 @@ START_TEST(user_codec_step_mode_and_fork) {
 }
 END_TEST
 
+/* META stamps of the blocks of (seq, layer 0, head 0), in order. */
+static int stamps(kvp_pool *p, uint64_t seq, uint32_t *out) {
+  kvp_view *v;
+  ck_ok(kvp_view_acquire(p, seq, 0, &v));
+  int n = 0;
+  for (uint32_t i = 0; i < v->n_blocks; i++)
+    if (v->blocks[i].head == 0 && v->blocks[i].page[0][KVP_PAGE_META]) memcpy(&out[n++], v->blocks[i].page[0][KVP_PAGE_META], 4);
+  kvp_view_release(p, v);
+  return n;
+}
+
+START_TEST(stateful_codec_state_is_per_stream) {
+  int rc;
+  kvp_pool *p = mkpool("kv=stamp", BT, &rc);
+  ck_ok(rc);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  step(p, 1, 0, 40); /* two sealed blocks, stamps 0 and 1; the open tail is raw */
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.codec_state_bytes.current, L * H * 2 * 4); /* one counter per stream and side */
+  uint32_t st[8];
+  ck_assert_int_eq(stamps(p, 1, st), 2);
+  ck_assert_uint_eq(st[0], 0);
+  ck_assert_uint_eq(st[1], 1);
+  ck_ok(kvp_evict(p, 1, 1, 1, 0)); /* evicting old blocks keeps the state (layer 1, head 1) */
+  ck_ok(kvp_seq_fork(p, 1, 2));    /* and a fork copies it */
+  kvgen_fork(&G, 1, 2, 40);
+  for (uint32_t t = 40; t < 48; t++) step(p, 2, t, 1); /* the child's tail seals: stamp 2 */
+  step(p, 1, 40, 24);                                  /* the parent's too, and one more: stamps 2, 3 */
+  ck_assert_int_eq(stamps(p, 2, st), 3);
+  ck_assert_uint_eq(st[2], 2);
+  ck_assert_int_eq(stamps(p, 1, st), 4);
+  for (uint32_t i = 0; i < 4; i++) ck_assert_uint_eq(st[i], i);
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.codec_state_bytes.current, 2 * L * H * 2 * 4);
+  ck_ok(kvp_seq_free(p, 1));
+  ck_ok(kvp_seq_free(p, 2));
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.codec_state_bytes.current, 0);
+  ck_ok(kvp_check(p));
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 START_TEST(user_codec_bad_config) {
   int rc;
   kvp_pool *p = mkpool("k=q16:x=1", BT, &rc);
@@ -244,6 +338,7 @@ int main(void) {
   TCase *tc = tcase_create("codec_api");
   tcase_add_test(tc, user_codec_stream_mode_seals_from_raw_tail);
   tcase_add_test(tc, user_codec_step_mode_and_fork);
+  tcase_add_test(tc, stateful_codec_state_is_per_stream);
   tcase_add_test(tc, user_codec_bad_config);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);

@@ -99,9 +99,15 @@ static int nop_decode(const void *i, const void *const *p, uint32_t n, uint32_t 
   return KVP_OK;
 }
 
+static size_t nop_state_bytes(const void *i) {
+  (void)i;
+  return 8;
+}
+
 START_TEST(registry_rules) {
-  kvp_codec_vtable vt = {KVP_CODEC_ABI_VERSION, "unit-nop", nop_create, nop_destroy, nop_group,
-                         nop_layout,            nop_encode, nop_decode};
+  kvp_codec_vtable vt = {.abi_version = KVP_CODEC_ABI_VERSION, .name = "unit-nop", .create = nop_create,
+                         .destroy = nop_destroy, .group_tokens = nop_group, .layout = nop_layout,
+                         .encode = nop_encode, .decode = nop_decode};
   uint32_t id = 0;
   ck_ok(kvp_codec_register(&vt, &id));
   ck_assert_uint_gt(id, 0);
@@ -119,6 +125,10 @@ START_TEST(registry_rules) {
   no_fn.decode = NULL;
   ck_status(kvp_codec_register(&no_fn, &id), KVP_EINVAL);
   ck_status(kvp_codec_register(NULL, &id), KVP_EINVAL);
+  kvp_codec_vtable half_state = vt;
+  half_state.name = "unit-state";
+  half_state.state_bytes = nop_state_bytes; /* encode_stateful is missing */
+  ck_status(kvp_codec_register(&half_state, &id), KVP_EINVAL);
   ck_status(kvp_codec_find("unit-missing", &id), KVP_ENOENT);
   parse_ok("layers=0-1:v=unit-nop:anything=goes");
   ck_assert_ptr_eq(kvp__codec_get(E[1].id), &vt);
