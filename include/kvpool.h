@@ -117,7 +117,7 @@ typedef struct kvp_config {
   uint64_t budget_bytes;   /* strict cap on allocated page bytes; 0 = region */
   uint32_t block_tokens;   /* tokens per block; 0 = default (16) */
   const char *codecs;      /* codec spec; NULL = raw */
-  const char *policy;      /* policy spec; NULL = none */
+  const char *policy;      /* policy spec; NULL = none: "window:sink=4:recent=1024" */
   uint32_t flags;          /* KVP_POOL_* */
 } kvp_config;
 
@@ -289,6 +289,7 @@ typedef struct kvp_seq_config {
   const uint32_t *step_tokens;  /* planned tokens per step, when known (VAR scales); copied */
   uint32_t n_steps;             /* entries of step_tokens (0 = no plan) */
   double budget_fraction;       /* per-sequence policy budget, 0 = none (policies) */
+  const char *policy;           /* policy spec for this sequence; NULL = the pool's (copied) */
 } kvp_seq_config;
 
 /* Defaults: stream mode, no plan, no budget fraction. */

@@ -117,6 +117,10 @@ typedef struct kvp__seq {
   uint32_t cur_tokens;       /* tokens of the open step */
   uint32_t cur_flags;        /* flags of the open step */
   uint32_t next_layer;       /* next layer to append in the open step */
+  struct kvp__policy *pol_own;     /* the sequence's own policy (spec override), or NULL */
+  char *pol_spec;                  /* its spec (for forks), or NULL */
+  const struct kvp__policy *pol;   /* the policy in force (own or the pool's) */
+  void *pol_state;                 /* its per-sequence state */
   kvp__layer *layers;        /* [L] */
   kvp__stream *streams;      /* [L * H], stream (l, h) at l * H + h */
   size_t layers_bytes, streams_bytes; /* sizes of the two arrays */
@@ -135,6 +139,7 @@ struct kvp_pool {
   kvp__binding tail[2];  /* raw in the appended dtype: OPEN blocks of K and V */
   kvp__block *limbo;     /* blocks waiting for a grace period (onext chain); bytes in ledger.retired */
   kvp__block *orphans;   /* evicted blocks kept alive by view pins */
+  struct kvp__policy *policy; /* the pool's policy (config.policy) */
   uint32_t check_epoch;  /* for kvp_check's visit marks */
 };
 
@@ -181,6 +186,7 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orpha
 /* pages/stream.c */
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv);
 int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
+bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
 kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);
 void kvp__run_free_now(kvp_pool *pool, kvp__run *r);
 void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);

@@ -10,7 +10,7 @@
  *   the page tables hold (runs, streams, blocks, owners: kvp__seqs_check)
  *   plus everything kvp__alloc_check verifies (allocated, committed, budget)
  */
-#include "pages.h"
+#include "policy.h"
 
 #include <stdlib.h>
 #include <string.h>
@@ -58,10 +58,7 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
   if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE)) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
-  if (c->policy && *c->policy && strcmp(c->policy, "none") != 0)
-    return kvp__err(KVP_ENOTSUP, "config.policy = \"%s\": this version has no eviction policies (use NULL or \"none\")",
-                    c->policy);
-  c->policy = NULL; /* strings are not kept (codecs is parsed at create) */
+  /* codecs and policy are parsed at create; the strings are not kept */
   return KVP_OK;
 }
 
@@ -169,6 +166,16 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
     goto fail;
   }
   p->cfg.codecs = NULL;
+  if (!(p->policy = kvp__meta_calloc(&p->meta, sizeof *p->policy)) || (rc = kvp__policy_parse(c.policy, p->policy))) {
+    if (!p->policy) rc = kvp__err(KVP_ENOMEM, "policy");
+    kvp__meta_free(&p->meta, p->policy, sizeof *p->policy);
+    kvp__seqs_fini(p);
+    kvp__bindings_fini(p);
+    kvp__alloc_fini(&p->alloc);
+    kvp__stats_fini(&p->stats);
+    goto fail;
+  }
+  p->cfg.policy = NULL;
   *out = p;
   return KVP_OK;
 fail:
@@ -180,6 +187,8 @@ fail:
 KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   if (!pool) return;
   kvp__seqs_fini(pool);
+  kvp__policy_free(pool->policy);
+  kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);

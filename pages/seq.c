@@ -14,7 +14,7 @@
  *   refs -> 0: the block joins the limbo; kvp__reclaim waits for a grace
  *   period and frees its pages (the writer updates the ledger) and struct.
  */
-#include "pages.h"
+#include "policy.h"
 
 #include <string.h>
 
@@ -151,6 +151,8 @@ KVP_API int kvp_reclaim(kvp_pool *pool) {
 
 /* ---- sequence objects --------------------------------------------------- */
 
+static void policy_detach(kvp_pool *pool, kvp__seq *s);
+
 static void seq_free_struct(kvp__meta *m, kvp__seq *s) {
   kvp__meta_free(m, s->layers, s->layers_bytes);
   kvp__meta_free(m, s->streams, s->streams_bytes);
@@ -189,6 +191,7 @@ static void seq_free_cb(kvp__rcu_head *h) {
  * drop its block ownerships. */
 static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  policy_detach(pool, s); /* the writer's alone */
   int64_t retained = 0;
   for (uint32_t l = 0; l < L; l++) {
     for (kvp__run *r = s->layers[l].runs, *n; r; r = n) {
@@ -250,6 +253,39 @@ void kvp__seqs_fini(kvp_pool *pool) {
   pool->seqs = NULL;
 }
 
+/* ---- policies --------------------------------------------------------------- */
+
+static void policy_detach(kvp_pool *pool, kvp__seq *s) {
+  if (s->pol && s->pol->vt && s->pol->vt->seq_free) s->pol->vt->seq_free(s->pol_state);
+  if (s->pol_own) {
+    kvp__policy_free(s->pol_own);
+    kvp__meta_free(&pool->meta, s->pol_own, sizeof *s->pol_own);
+  }
+  if (s->pol_spec) kvp__meta_free(&pool->meta, s->pol_spec, strlen(s->pol_spec) + 1);
+  s->pol = s->pol_own = NULL;
+  s->pol_spec = NULL;
+  s->pol_state = NULL;
+}
+
+/* The sequence's policy: its own spec (when given) or the pool's. */
+static int policy_attach(kvp_pool *pool, kvp__seq *s, const char *spec, const kvp_seq_config *sc) {
+  int rc = KVP_OK;
+  s->pol = pool->policy;
+  if (spec) {
+    size_t n = strlen(spec) + 1;
+    if (!(s->pol_own = kvp__meta_calloc(&pool->meta, sizeof *s->pol_own)) || !(s->pol_spec = kvp__meta_alloc(&pool->meta, n)))
+      rc = kvp__err(KVP_ENOMEM, "policy of sequence %llu", (unsigned long long)s->id);
+    else {
+      memcpy(s->pol_spec, spec, n);
+      rc = kvp__policy_parse(spec, s->pol_own);
+    }
+    s->pol = s->pol_own;
+  }
+  if (!rc && s->pol && s->pol->vt && s->pol->vt->seq_add) rc = s->pol->vt->seq_add(pool, s->pol->cfg, s, sc, &s->pol_state);
+  if (rc) policy_detach(pool, s);
+  return rc;
+}
+
 /* ---- public: sequences -------------------------------------------------- */
 
 KVP_API void kvp_seq_config_init(kvp_seq_config *sc) {
@@ -300,6 +336,11 @@ KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc) 
   }
   s->mode = c.mode;
   s->budget_fraction = c.budget_fraction;
+  if ((rc = policy_attach(pool, s, c.policy, &c))) {
+    seq_free_struct(&pool->meta, s);
+    kvp__unlock(pool);
+    return rc;
+  }
   kvp__rcu_publish(&s->node);
   kvp__rcu_read_lock();
   cds_lfht_add(pool->seqs, seq_hash(seq), &s->node);
@@ -345,9 +386,15 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
     rc = kvp__err(KVP_EBUSY, "fork of %llu: a step is open (fork between steps)", (unsigned long long)parent);
   else if (!(c = kvp__seq_alloc(pool, child, p->plan, p->n_plan)))
     rc = kvp__err(KVP_ENOMEM, "metadata of sequence %llu", (unsigned long long)child);
-  else if ((rc = kvp__seq_fork_locked(pool, p, c)))
+  else if ((rc = policy_attach(pool, c, p->pol_spec, &(kvp_seq_config){.struct_size = sizeof(kvp_seq_config),
+                                                                          .mode = p->mode, .step_tokens = p->plan,
+                                                                          .n_steps = p->n_plan,
+                                                                          .budget_fraction = p->budget_fraction})))
     seq_free_struct(&pool->meta, c);
-  else {
+  else if ((rc = kvp__seq_fork_locked(pool, p, c))) {
+    policy_detach(pool, c);
+    seq_free_struct(&pool->meta, c);
+  } else {
     kvp__rcu_publish(&c->node);
     kvp__rcu_read_lock();
     cds_lfht_add(pool->seqs, seq_hash(child), &c->node);
@@ -388,6 +435,10 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
       s->step_pos = np;
       s->step_pos_cap = ncap;
     }
+  }
+  if (!rc && s->pol && s->pol->vt && s->pol->vt->step_begin) {
+    s->step_pos[k] = pos; /* the policy may look at the step's position */
+    rc = s->pol->vt->step_begin(pool, s->pol->cfg, s, s->pol_state, k, flags);
   }
   if (!rc) {
     s->step_pos[k] = pos;
@@ -432,8 +483,12 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
   else if (layer > s->next_layer)
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
-  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = kvp__append_layer(pool, s, layer, kv)))
+  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = kvp__append_layer(pool, s, layer, kv))) {
     s->next_layer++;
+    if (s->pol && s->pol->vt && s->pol->vt->after_append) /* the layer is stored even if this fails */
+      rc = s->pol->vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer,
+                                    atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
+  }
   kvp__unlock(pool);
   return rc;
 }

@@ -500,6 +500,12 @@ static void drop_blocks(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t he
   }
 }
 
+bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
+  for (const kvp__run *r = s->layers[layer].runs; r; r = r->next)
+    if (r->s0 <= step && step < atomic_load_explicit(&r->s1, memory_order_relaxed)) return kvp__run_has(r, head);
+  return false;
+}
+
 int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
   kvp__layer *L = &s->layers[layer];
   kvp__run *prev = NULL, *r = L->runs;

@@ -72,7 +72,8 @@ START_TEST(config_errors_name_the_field) {
   BAD(c.region_bytes = 1 << 20, KVP_EINVAL, "region_bytes");
   BAD(c.block_tokens = 1u << 20, KVP_EINVAL, "block_tokens");
   BAD(c.codecs = "k=zstd", KVP_EINVAL, "unknown codec \"zstd\" at column 3");
-  BAD(c.policy = "heatkv:b=0.1", KVP_ENOTSUP, "heatkv");
+  BAD(c.policy = "lru:size=9", KVP_EINVAL, "unknown policy \"lru\"");
+  BAD(c.policy = "window:sink=4:recnt=8", KVP_EINVAL, "unknown field \"recnt=8\"");
 #undef BAD
   kvp_pool_destroy(NULL); /* fine */
 }

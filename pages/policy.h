@@ -1,0 +1,50 @@
+/*
+ * pages/policy.h - eviction policies: what to evict and when.
+ *
+ * A policy is configured by a spec string (kvp_config.policy, overridable
+ * per sequence by kvp_seq_config.policy) and is told about every step:
+ *
+ *   step_begin(seq, step)          before the step runs (all layers)
+ *   after_append(seq, layer, step) after that layer of the step was stored
+ *   step_end(seq, step)
+ *
+ * It evicts through kvp__evict_unit, the path kvp_evict takes, so the
+ * accounting and the RCU discipline are shared. Evicted blocks go to the
+ * limbo; the pool reclaims them when an allocation needs the bytes, at step
+ * end past a threshold, or on kvp_reclaim, so a decode step does not wait
+ * for a grace period per layer.
+ */
+#ifndef KVP_POLICY_H
+#define KVP_POLICY_H
+
+#include "pages.h"
+
+typedef struct kvp__policy_vt {
+  const char *name; /* spec name */
+  /* Parse the text after "name:" into a config (owned by the policy). */
+  int (*parse)(const char *params, void **cfg, char *err, size_t errcap);
+  void (*free_cfg)(void *cfg);
+  /* Per-sequence state (may stay NULL); KVP_EINVAL for an infeasible
+   * configuration, with a message. */
+  int (*seq_add)(kvp_pool *pool, const void *cfg, kvp__seq *s, const kvp_seq_config *sc, void **state);
+  void (*seq_free)(void *state);
+  int (*step_begin)(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t step, uint32_t flags);
+  int (*after_append)(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t layer, uint32_t step);
+} kvp__policy_vt;
+
+/* A parsed policy spec. */
+typedef struct kvp__policy {
+  const kvp__policy_vt *vt; /* NULL: none */
+  void *cfg;                /* its config */
+} kvp__policy;
+
+/* Parse spec (NULL or "" or "none": no policy). KVP_EINVAL names the field. */
+int kvp__policy_parse(const char *spec, kvp__policy *out);
+void kvp__policy_free(kvp__policy *p);
+
+/* Evict (layer, head, step) if it is retained; no-op otherwise. For policies. */
+int kvp__policy_evict(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
+
+extern const kvp__policy_vt kvp__policy_window;
+
+#endif /* KVP_POLICY_H */
