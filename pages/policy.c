@@ -120,9 +120,104 @@ const kvp__policy_vt kvp__policy_window = {
     .after_append = window_after_append,
 };
 
+/* ---- multishot --------------------------------------------------------------
+ * multishot:global=G:shot=S:window=W (steps; LongLive-2.0 section 4.2): keep
+ * the first G steps of the sequence (global sink), the first S steps of the
+ * current shot (shot sink; a step flagged KVP_STEP_SCENE_CUT starts a new
+ * shot, and the old shot's sink becomes evictable), and the last W steps
+ * (window, the current one included). After layer l of step k, every step
+ * j < k of layer l that none of the three keeps is evicted for every head.
+ * Steps are scanned from the first one past the global sink that is still
+ * retained, so the cost is the window plus the shot sink per layer. */
+
+typedef struct multishot_cfg {
+  uint32_t global_steps; /* global sink */
+  uint32_t shot_steps;   /* shot sink */
+  uint32_t window_steps; /* sliding window */
+} multishot_cfg;
+
+typedef struct multishot_state {
+  uint32_t shot_start;   /* first step of the current shot */
+  uint32_t lo[];         /* per layer: no retained evictable step below this */
+} multishot_state;
+
+static int multishot_field(void *vcfg, const char *key, size_t klen, const char *val, size_t vlen) {
+  multishot_cfg *c = vcfg;
+  if (klen == 6 && !memcmp(key, "global", 6)) return field_u32(val, vlen, &c->global_steps);
+  if (klen == 4 && !memcmp(key, "shot", 4)) return field_u32(val, vlen, &c->shot_steps);
+  if (klen == 6 && !memcmp(key, "window", 6)) return field_u32(val, vlen, &c->window_steps);
+  return -1;
+}
+
+static int multishot_parse(const char *params, void **cfg, char *err, size_t errcap) {
+  multishot_cfg c = {4, 4, 8};
+  int rc = scan_fields(params, &c, multishot_field, "multishot", err, errcap);
+  if (rc) return rc;
+  if (!c.window_steps) {
+    snprintf(err, errcap, "multishot: window must be at least 1 step");
+    return KVP_EINVAL;
+  }
+  multishot_cfg *out = malloc(sizeof *out);
+  if (!out) return KVP_ENOMEM;
+  *out = c;
+  *cfg = out;
+  return KVP_OK;
+}
+
+static int multishot_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, const kvp_seq_config *sc, void **state) {
+  const multishot_cfg *c = vcfg;
+  (void)s, (void)sc;
+  multishot_state *st = calloc(1, sizeof *st + pool->cfg.n_layers * sizeof(uint32_t));
+  if (!st) return kvp__err(KVP_ENOMEM, "multishot policy state");
+  for (uint32_t l = 0; l < pool->cfg.n_layers; l++) st->lo[l] = c->global_steps;
+  *state = st;
+  return KVP_OK;
+}
+
+static int multishot_step_begin(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t step,
+                                uint32_t flags) {
+  (void)pool, (void)cfg, (void)s;
+  if (flags & KVP_STEP_SCENE_CUT) ((multishot_state *)state)->shot_start = step;
+  return KVP_OK;
+}
+
+static bool multishot_keeps(const multishot_cfg *c, const multishot_state *st, uint32_t j, uint32_t k) {
+  return j < c->global_steps || (j >= st->shot_start && j - st->shot_start < c->shot_steps) ||
+         j + c->window_steps > k;
+}
+
+static int multishot_after_append(kvp_pool *pool, const void *vcfg, kvp__seq *s, void *vstate, uint32_t layer,
+                                  uint32_t step) {
+  const multishot_cfg *c = vcfg;
+  multishot_state *st = vstate;
+  bool all_gone = true; /* every step below j is evicted or in the global sink */
+  for (uint32_t j = st->lo[layer]; j < step; j++) {
+    if (multishot_keeps(c, st, j, step)) {
+      all_gone = false;
+      continue;
+    }
+    for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++) {
+      int rc = kvp__policy_evict(pool, s, layer, h, j);
+      if (rc) return rc;
+    }
+    if (all_gone) st->lo[layer] = j + 1;
+  }
+  return KVP_OK;
+}
+
+const kvp__policy_vt kvp__policy_multishot = {
+    .name = "multishot",
+    .parse = multishot_parse,
+    .free_cfg = free_plain,
+    .seq_add = multishot_seq_add,
+    .seq_free = free_plain,
+    .step_begin = multishot_step_begin,
+    .after_append = multishot_after_append,
+};
+
 /* ---- registry and parser ----------------------------------------------------- */
 
-static const kvp__policy_vt *const policies[] = {&kvp__policy_window};
+static const kvp__policy_vt *const policies[] = {&kvp__policy_window, &kvp__policy_multishot};
 
 int kvp__policy_parse(const char *spec, kvp__policy *out) {
   memset(out, 0, sizeof *out);
@@ -138,7 +233,7 @@ int kvp__policy_parse(const char *spec, kvp__policy *out) {
     out->vt = policies[i];
     return KVP_OK;
   }
-  return kvp__err(KVP_EINVAL, "policy \"%s\": unknown policy \"%.*s\" (none, window)", spec, (int)n, spec);
+  return kvp__err(KVP_EINVAL, "policy \"%s\": unknown policy \"%.*s\" (none, window, multishot)", spec, (int)n, spec);
 }
 
 void kvp__policy_free(kvp__policy *p) {

@@ -142,6 +142,32 @@ START_TEST(sequence_overrides_and_fork_inherits) {
 }
 END_TEST
 
+/* multishot, steps of 3 tokens: global sink 2 steps, shot sink 1, window 3. */
+START_TEST(multishot_rebinds_the_shot_sink) {
+  kvp_pool *p = mkpool("multishot:global=2:shot=1:window=3");
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  uint32_t cuts[] = {5, 9}; /* steps 5 and 9 start new shots */
+  for (uint32_t k = 0; k < 12; k++) {
+    uint32_t flags = (k == cuts[0] || k == cuts[1]) ? KVP_STEP_SCENE_CUT : 0;
+    ck_ok(kvp_step_begin(p, 1, 3, flags));
+    for (uint32_t l = 0; l < L; l++) {
+      kvgen_fill(&G, 1, l, 3 * k, 3, H, D, K, V);
+      kvp_kv kv = {K, V, NULL};
+      ck_ok(kvp_append(p, 1, l, &kv));
+    }
+    ck_ok(kvp_step_end(p, 1));
+    ck_ok(kvp_check(p));
+    /* kept: steps 0-1 (global), the current shot's first step, the last 3 */
+    uint32_t shot = k >= 9 ? 9 : k >= 5 ? 5 : 0, want[64], n = 0;
+    for (uint32_t j = 0; j <= k; j++)
+      if (j < 2 || j == shot || j + 3 > k)
+        for (uint32_t t = 0; t < 3; t++) want[n++] = 3 * j + t;
+    expect_positions(p, 1, want, n);
+  }
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("policy");
   TCase *tc = tcase_create("window");
@@ -149,6 +175,7 @@ int main(void) {
   tcase_add_test(tc, window_keeps_sink_and_recent);
   tcase_add_test(tc, window_keeps_steps_whole);
   tcase_add_test(tc, sequence_overrides_and_fork_inherits);
+  tcase_add_test(tc, multishot_rebinds_the_shot_sink);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);
