@@ -184,7 +184,9 @@ kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint
 void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
 
 /* pages/stream.c */
-int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv);
+/* Append layer's tokens of the open step; skip (H bits, or NULL) names heads
+ * not to store (step mode only: a policy drops the step there at once). */
+int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
 int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
 bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
 kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);

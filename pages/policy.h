@@ -5,6 +5,7 @@
  * per sequence by kvp_seq_config.policy) and is told about every step:
  *
  *   step_begin(seq, step)          before the step runs (all layers)
+ *   before_append(seq, layer, step) before that layer is stored (may skip heads)
  *   after_append(seq, layer, step) after that layer of the step was stored
  *   step_end(seq, step)
  *
@@ -29,6 +30,10 @@ typedef struct kvp__policy_vt {
   int (*seq_add)(kvp_pool *pool, const void *cfg, kvp__seq *s, const kvp_seq_config *sc, void **state);
   void (*seq_free)(void *state);
   int (*step_begin)(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t step, uint32_t flags);
+  /* Before layer's append of step: may evict, and may set bits in skip (H
+   * bits, zeroed) for heads that must not store this step (step mode). */
+  int (*before_append)(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t layer, uint32_t step,
+                       uint64_t *skip);
   int (*after_append)(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t layer, uint32_t step);
 } kvp__policy_vt;
 

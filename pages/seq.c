@@ -467,7 +467,16 @@ static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kv
   return KVP_OK;
 }
 
+/* The policy's before_append: its evictions, and the heads to skip. */
+static int policy_before(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip) {
+  memset(skip, 0, KVP_MAX_KV_HEADS / 8);
+  if (!s->pol || !s->pol->vt || !s->pol->vt->before_append) return KVP_OK;
+  return s->pol->vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer,
+                                   atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, skip);
+}
+
 KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
+  uint64_t skip[KVP_MAX_KV_HEADS / 64];
   kvp__seq *s;
   int rc = lock_seq(pool, seq, &s);
   if (rc) return rc;
@@ -483,7 +492,8 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
   else if (layer > s->next_layer)
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
-  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = kvp__append_layer(pool, s, layer, kv))) {
+  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = policy_before(pool, s, layer, skip)) &&
+           !(rc = kvp__append_layer(pool, s, layer, kv, skip))) {
     s->next_layer++;
     if (s->pol && s->pol->vt && s->pol->vt->after_append) /* the layer is stored even if this fails */
       rc = s->pol->vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer,

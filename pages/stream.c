@@ -181,17 +181,23 @@ typedef struct append_plan {
   bool last_raw;          /* the last new block stays OPEN (raw) */
   uint64_t bytes;         /* allocated bytes of all new pages, every head */
   uint32_t nb;            /* blocks per head to take: nnew + reseal */
-  kvp__block **blocks;    /* [H * nb]: per head the new blocks, then the resealed tail */
+  const uint64_t *skip;   /* heads not stored (step mode, a policy's choice), or NULL */
+  uint32_t nskip;         /* how many */
+  kvp__block **blocks;    /* [H * nb]: per head the new blocks, then the resealed tail (NULL: skipped) */
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
 } append_plan;
 
-static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_plan *pl) {
+static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
+
+static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, const uint64_t *skip, append_plan *pl) {
   uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens, H = pool->cfg.n_kv_heads;
   kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
   bool stream = s->mode == KVP_SEQ_STREAM;
   bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough;
   memset(pl, 0, sizeof *pl);
+  pl->skip = stream ? NULL : skip; /* stream-mode tails stay the same across heads */
+  for (uint32_t h = 0; pl->skip && h < H; h++) pl->nskip += skipped(pl, h);
   if (stream && tail && !tail->blk->sealed) {
     uint32_t room = tail->blk->cap_tokens - tail->blk->n_tokens;
     pl->fill = n < room ? n : room;
@@ -207,20 +213,27 @@ static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_plan 
     per_head = (uint64_t)(pl->nnew - 1) * kvp__block_class_bytes(pool, layer, false, bt) +
                kvp__block_class_bytes(pool, layer, pl->last_raw, pl->last_cap);
   if (pl->reseal) per_head += kvp__block_class_bytes(pool, layer, false, tail->blk->cap_tokens);
-  pl->bytes = (uint64_t)H * per_head;
+  pl->bytes = (uint64_t)(H - pl->nskip) * per_head;
 }
 
-static bool run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step) {
+/* The heads the append stores. */
+static void stored_mask(const kvp_pool *pool, const append_plan *pl, uint64_t *mask) {
+  memset(mask, 0, KVP_MAX_KV_HEADS / 8);
+  for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++)
+    if (!skipped(pl, h)) mask[h / 64] |= 1ull << (h % 64);
+}
+
+/* The last run ends at this step and retains exactly the stored heads. */
+static bool run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
   const kvp__run *r = L->last;
   if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
-  for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++)
-    if (!kvp__run_has(r, h)) return false;
-  return true;
+  return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
 }
 
 static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
   uint32_t H = pool->cfg.n_kv_heads;
-  for (uint32_t i = 0; i < nblocks; i++) kvp__block_destroy(pool, pl->blocks[i]);
+  for (uint32_t i = 0; i < nblocks; i++)
+    if (pl->blocks[i]) kvp__block_destroy(pool, pl->blocks[i]);
   for (uint32_t i = 0; i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
   if (pl->run) kvp__run_free_now(pool, pl->run);
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
@@ -235,14 +248,12 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   pl->run = NULL;
   bool ok = pl->blocks && pl->brefs;
-  if (ok && !run_extends(pool, &s->layers[layer], step)) {
-    uint64_t full[KVP_MAX_KV_HEADS / 64];
-    memset(full, 0, sizeof full);
-    for (uint32_t h = 0; h < H; h++) full[h / 64] |= 1ull << (h % 64);
-    ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, full)) != NULL;
-  }
+  uint64_t mask[KVP_MAX_KV_HEADS / 64];
+  stored_mask(pool, pl, mask);
+  if (ok && pl->nskip < H && !run_extends(pool, &s->layers[layer], step, mask))
+    ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
-    ok = (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref))) != NULL;
+    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
   if (!ok) {
     plan_undo(pool, pl, 0);
     return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
@@ -258,7 +269,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
     }
   uint32_t start = pos + pl->fill;
   for (uint32_t h = 0; h < H; h++)
-    for (uint32_t j = 0; j < pl->nb; j++) {
+    for (uint32_t j = 0; j < pl->nb && !skipped(pl, h); j++) {
       int rc;
       kvp__block **slot = &pl->blocks[h * pl->nb + j];
       if (j < pl->nnew) {
@@ -367,6 +378,7 @@ static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *
     size_t esz = kvp__dtype_bytes(dt), stride = (size_t)H * D * esz;
     const unsigned char *base = side ? kv->v : kv->k;
     for (uint32_t h = 0; h < H; h++) {
+      if (skipped(pl, h)) continue;
       int rc = fill_head(pool, s, layer, h, side, base + (size_t)h * D * esz, stride, pl, kv->stream);
       if (rc) return rc;
     }
@@ -378,6 +390,11 @@ static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *
 static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, append_plan *pl) {
   kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
   uint32_t n = s->cur_tokens;
+  if (skipped(pl, h)) { /* not stored: its tokens are evicted as they arrive */
+    atomic_store_explicit(&st->evicted_tokens, atomic_load_explicit(&st->evicted_tokens, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+    return;
+  }
   if (pl->fill) {
     kvp__block *tail = st->tail->blk;
     kvp__block_set_n(tail, tail->n_tokens + pl->fill);
@@ -415,7 +432,8 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
   kvp__layer *L = &s->layers[layer];
-  if (pl->run) {
+  if (pl->nskip == H) {
+  } else if (pl->run) {
     if (L->last) kvp__rcu_assign(L->last->next, pl->run);
     else kvp__rcu_assign(L->runs, pl->run);
     L->last = pl->run;
@@ -426,27 +444,27 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
   }
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
-  kvp__count_tokens(pool, (int64_t)n * H, 0);
+  kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
 }
 
-static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv);
+static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
 
-int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv) {
-  if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv); /* device input is not screened */
+int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
+  if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv, skip); /* device input: not screened */
   kvp_kv use;
   void *scratch[2] = {NULL, NULL};
   size_t scratch_bytes[2] = {0, 0};
   int rc = screen_input(pool, layer, kv, s->cur_tokens, &use, scratch, scratch_bytes);
-  if (!rc) rc = append_layer(pool, s, layer, &use);
+  if (!rc) rc = append_layer(pool, s, layer, &use, skip);
   for (int side = 0; side < 2; side++) kvp__meta_free(&pool->meta, scratch[side], scratch_bytes[side]);
   return rc;
 }
 
-static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv) {
+static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;
-  plan_shape(pool, s, layer, &pl);
+  plan_shape(pool, s, layer, skip, &pl);
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes))
     return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
