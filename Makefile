@@ -142,10 +142,11 @@ test: deps lib $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-export
 check-exports: $(SO)
 	@tools/check-exports.sh $(SO)
 
+# Sanitizers run 2-20x slower: Check's per-test timeouts scale with them.
 asan:
-	$(MAKE) VARIANT=asan test
+	CK_TIMEOUT_MULTIPLIER=10 $(MAKE) VARIANT=asan test
 tsan:
-	$(MAKE) VARIANT=tsan test
+	CK_TIMEOUT_MULTIPLIER=10 $(MAKE) VARIANT=tsan test
 
 # The long stress run prints its counters.
 stress: deps lib $(STRESS_BIN)
@@ -155,7 +156,7 @@ stress-tsan:
 
 valgrind:
 	$(MAKE) VARIANT=valgrind lib $(patsubst build/%,build/valgrind/%,$(UNIT_BIN) $(INTEG_BIN))
-	@KVP_TEST_WRAP="valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite" \
+	@CK_TIMEOUT_MULTIPLIER=20 KVP_TEST_WRAP="valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite" \
 	  CK_FORK=no tools/run-tests.sh $(patsubst build/%,build/valgrind/%,$(UNIT_BIN) $(INTEG_BIN))
 
 bench: deps $(B)/kvpool-bench
