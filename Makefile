@@ -36,7 +36,7 @@ VERSION := 0.1.0
 
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -fPIC -fvisibility=hidden -DKVP_BUILDING -DKVP_DEBUG=$(DEBUG) -Iinclude
-LIBS := -ljemalloc -lurcu-bp -lurcu-cds -lpthread -lm
+LIBS := -ljemalloc -lurcu-bp -lurcu-cds -ljansson -lpthread -lm
 SAN :=
 ifeq ($(VARIANT),asan)
   SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC \
