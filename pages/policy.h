@@ -50,6 +50,6 @@ void kvp__policy_free(kvp__policy *p);
 /* Evict (layer, head, step) if it is retained; no-op otherwise. For policies. */
 int kvp__policy_evict(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
 
-extern const kvp__policy_vt kvp__policy_window, kvp__policy_multishot;
+extern const kvp__policy_vt kvp__policy_window, kvp__policy_multishot, kvp__policy_heatkv;
 
 #endif /* KVP_POLICY_H */

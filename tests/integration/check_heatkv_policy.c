@@ -1,0 +1,199 @@
+/*
+ * tests/integration/check_heatkv_policy.c - the heatkv policy executing its
+ * plan through kvp_append, public header only: the pool itself measures the
+ * cache after every layer of every scale and it never passes the budget, in
+ * head-token slots and, for a byte-true plan with mixed codecs, in ledger
+ * bytes under a pool budget set to exactly B (any overshoot would be an
+ * allocator refusal). The shipped Infinity-2B orders are used when
+ * ../shared is present (a visible skip otherwise).
+ */
+#include <check.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kvpool.h"
+
+#define ck_status(expr, want)                                                                         \
+  do {                                                                                                \
+    int rc_ = (expr);                                                                                 \
+    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
+                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
+  } while (0)
+#define ck_ok(expr) ck_status(expr, KVP_OK)
+
+static const uint32_t SCHED[13] = {1, 4, 16, 36, 64, 144, 256, 400, 576, 1024, 1600, 2304, 4096};
+#define SHARED_2B "../shared/calib/heatkv/infinity-2b.orders.json"
+
+static uint16_t *KV; /* [4096][H][D] of small finite bf16 values, reused by every append */
+
+static kvp_pool *mkpool(uint32_t L, uint32_t H, uint32_t D, const char *codecs, const char *policy, uint64_t budget) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.block_tokens = 4096; /* a scale per block and head: an atom frees exactly */
+  c.region_bytes = 1ull << 30;
+  c.budget_bytes = budget;
+  c.codecs = codecs;
+  c.policy = policy;
+  kvp_pool *p = NULL;
+  ck_ok(kvp_pool_create(&c, &p));
+  return p;
+}
+
+static void add_var_seq(kvp_pool *p, uint64_t id, double b) {
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  sc.step_tokens = SCHED;
+  sc.n_steps = 13;
+  sc.budget_fraction = b;
+  ck_ok(kvp_seq_add(p, id, &sc));
+}
+
+typedef struct run_out {
+  uint64_t max_tokens;    /* largest tokens retained after any layer */
+  uint64_t max_bytes;     /* largest ledger allocated after any layer */
+  uint64_t full_bytes;    /* allocated bytes after scale K-2 (no policy: the full cache) */
+} run_out;
+
+/* Generate one image: 13 scales, every layer; measure after each layer. */
+static run_out run_image(kvp_pool *p, uint64_t id, uint32_t L, int check_every_scale) {
+  run_out o = {0, 0, 0};
+  for (uint32_t k = 0; k < 13; k++) {
+    ck_ok(kvp_step_begin(p, id, SCHED[k], 0));
+    for (uint32_t l = 0; l < L; l++) {
+      kvp_kv kv = {KV, KV, NULL};
+      ck_ok(kvp_append(p, id, l, &kv));
+      kvp_stats s = {.struct_size = sizeof s};
+      ck_ok(kvp_stats_get(p, &s));
+      if (s.tokens_retained.current > o.max_tokens) o.max_tokens = s.tokens_retained.current;
+      if (s.bytes_allocated.current > o.max_bytes) o.max_bytes = s.bytes_allocated.current;
+    }
+    ck_ok(kvp_step_end(p, id));
+    if (check_every_scale) ck_ok(kvp_check(p));
+    if (k == 11) {
+      kvp_stats s = {.struct_size = sizeof s};
+      ck_ok(kvp_stats_get(p, &s));
+      o.full_bytes = s.bytes_allocated.current;
+    }
+  }
+  return o;
+}
+
+static void fill_kv(uint32_t H, uint32_t D) {
+  free(KV);
+  KV = malloc((size_t)4096 * H * D * 2);
+  for (size_t i = 0; i < (size_t)4096 * H * D; i++) KV[i] = (uint16_t)(0x3c00 + (i * 2654435761u >> 24) % 200);
+}
+
+static const double BS[] = {0.2, 0.1, 0.04};
+
+/* Slots: retained head-token slots never pass b x T x c_{K-1}. */
+START_TEST(slots_budget_holds_synthetic) {
+  enum { L = 8, H = 4, D = 16 };
+  fill_kv(H, D);
+  double b = BS[_i];
+  char policy[96];
+  snprintf(policy, sizeof policy, "heatkv:b=%g:s=3:orders=synthetic", b);
+  kvp_pool *p = mkpool(L, H, D, NULL, policy, 0);
+  add_var_seq(p, 1, 0);
+  run_out o = run_image(p, 1, L, 1);
+  double B = b * L * H * 6425.0; /* c_{K-1}: tokens of scales 0..11 */
+  printf("heatkv slots b=%.2f: peak %llu head-token slots of budget %.1f (%.1f%% used)\n", b,
+         (unsigned long long)o.max_tokens, B, 100.0 * (double)o.max_tokens / B);
+  ck_assert_msg((double)o.max_tokens <= B, "peak %llu slots > budget %.1f", (unsigned long long)o.max_tokens, B);
+  ck_assert_msg((double)o.max_tokens > 0.5 * B, "budget barely used: %llu of %.1f", (unsigned long long)o.max_tokens, B);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* Bytes: mixed codecs; the pool's own budget is B, so an overshoot would be
+ * an allocator refusal; the peak is reported against B. */
+START_TEST(bytes_budget_holds_mixed_codecs) {
+  enum { L = 8, H = 4, D = 32 };
+  fill_kv(H, D);
+  const char *codecs = "kv=nvfp4;layers=0-2:kv=bf16";
+  kvp_pool *full = mkpool(L, H, D, codecs, NULL, 0);
+  add_var_seq(full, 1, 0);
+  run_out f = run_image(full, 1, L, 0);
+  kvp_pool_destroy(full);
+  double b = BS[_i];
+  uint64_t B = (uint64_t)floor(b * (double)f.full_bytes);
+  char policy[96];
+  snprintf(policy, sizeof policy, "heatkv:b=%g:s=3:orders=synthetic:unit=bytes", b);
+  kvp_pool *p = mkpool(L, H, D, codecs, policy, B);
+  add_var_seq(p, 1, 0);
+  run_out o = run_image(p, 1, L, 1);
+  printf("heatkv bytes b=%.2f: full cache %llu bytes, budget %llu, peak %llu (%.1f%% used)\n", b,
+         (unsigned long long)f.full_bytes, (unsigned long long)B, (unsigned long long)o.max_bytes,
+         100.0 * (double)o.max_bytes / (double)B);
+  ck_assert_uint_le(o.max_bytes, B);
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_le(s.bytes_allocated.peak, B);
+  ck_assert_uint_eq(s.budget_refusals, 0);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+START_TEST(infeasible_budget_refused) {
+  kvp_pool *p = mkpool(4, 2, 16, NULL, "heatkv:b=0.001:s=3:orders=synthetic", 0);
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  sc.step_tokens = SCHED;
+  sc.n_steps = 13;
+  ck_status(kvp_seq_add(p, 1, &sc), KVP_EINVAL);
+  printf("infeasible: %s\n", kvp_last_error());
+  sc.mode = KVP_SEQ_STREAM;
+  sc.budget_fraction = 0.1;
+  ck_status(kvp_seq_add(p, 1, &sc), KVP_EINVAL);
+  ck_assert(strstr(kvp_last_error(), "KVP_SEQ_STEP") != NULL);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* The shipped Infinity-2B orders (L=32, H=16), D=16 to keep it small. */
+START_TEST(shipped_infinity_2b_orders) {
+  if (access(SHARED_2B, R_OK) != 0) {
+    printf("check_heatkv_policy: skipped shipped orders: %s not found\n", SHARED_2B);
+    return;
+  }
+  enum { L = 32, H = 16, D = 16 };
+  fill_kv(H, D);
+  double b = BS[_i];
+  char policy[160];
+  snprintf(policy, sizeof policy, "heatkv:b=%g:s=3:orders=%s", b, SHARED_2B);
+  kvp_pool *p = mkpool(L, H, D, NULL, policy, 0);
+  add_var_seq(p, 1, 0);
+  run_out o = run_image(p, 1, L, 0);
+  ck_ok(kvp_check(p));
+  double B = b * L * H * 6425.0;
+  printf("infinity-2b b=%.2f: peak %llu head-token slots of budget %.1f (%.1f%% used)\n", b,
+         (unsigned long long)o.max_tokens, B, 100.0 * (double)o.max_tokens / B);
+  ck_assert((double)o.max_tokens <= B);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("heatkv_policy");
+  TCase *tc = tcase_create("heatkv");
+  tcase_set_timeout(tc, 300);
+  tcase_add_loop_test(tc, slots_budget_holds_synthetic, 0, 3);
+  tcase_add_loop_test(tc, bytes_budget_holds_mixed_codecs, 0, 3);
+  tcase_add_test(tc, infeasible_budget_refused);
+  tcase_add_loop_test(tc, shipped_infinity_2b_orders, 0, 3);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int nf = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  free(KV);
+  return nf ? 1 : 0;
+}
