@@ -16,14 +16,8 @@
 
 #include "kvgen.h"
 #include "kvpool_codec.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 
 enum { L = 2, H = 2, D = 32, BT = 16 };
 
@@ -341,9 +335,5 @@ int main(void) {
   tcase_add_test(tc, stateful_codec_state_is_per_stream);
   tcase_add_test(tc, user_codec_bad_config);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }

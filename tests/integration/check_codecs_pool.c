@@ -13,14 +13,8 @@
 #include <string.h>
 
 #include "kvpool_codec.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 
 enum { L = 3, H = 2, D = 128, BT = 32, NTOK = 256 };
 
@@ -194,9 +188,5 @@ int main(void) {
   tcase_add_loop_test(tc, codec_through_pool, 0, (int)(sizeof cases / sizeof cases[0]));
   tcase_add_test(tc, specs_refused_with_reasons);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }

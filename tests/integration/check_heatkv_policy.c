@@ -15,14 +15,8 @@
 #include <unistd.h>
 
 #include "kvpool.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 
 static const uint32_t SCHED[13] = {1, 4, 16, 36, 64, 144, 256, 400, 576, 1024, 1600, 2304, 4096};
 #define SHARED_2B "../shared/calib/heatkv/infinity-2b.orders.json"
@@ -190,10 +184,7 @@ int main(void) {
   tcase_add_test(tc, infeasible_budget_refused);
   tcase_add_loop_test(tc, shipped_infinity_2b_orders, 0, 3);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
+  int rc = it_run(s);
   free(KV);
-  return nf ? 1 : 0;
+  return rc;
 }

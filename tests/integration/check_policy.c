@@ -10,14 +10,8 @@
 
 #include "kvgen.h"
 #include "kvpool.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 
 enum { L = 2, H = 2, D = 16, BT = 8, SINK = 4, RECENT = 32 };
 
@@ -177,9 +171,5 @@ int main(void) {
   tcase_add_test(tc, sequence_overrides_and_fork_inherits);
   tcase_add_test(tc, multishot_rebinds_the_shot_sink);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }

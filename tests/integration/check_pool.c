@@ -13,14 +13,8 @@
 #include <string.h>
 
 #include "kvpool.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 
 static kvp_pool *mkpool(uint64_t region, uint64_t budget) {
   kvp_config c;
@@ -252,9 +246,5 @@ int main(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, stats_lock_free_beside_writer);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }

@@ -17,14 +17,8 @@
 
 #include "kvgen.h"
 #include "kvpool.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 #define ck_pool(p) ck_ok(kvp_check(p))
 
 enum { L = 4, H = 2, D = 32 };
@@ -282,9 +276,5 @@ int main(void) {
   tcase_add_test(tc, scheduler_loop);
   tcase_add_test(tc, var_step_mode_exact_eviction);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }

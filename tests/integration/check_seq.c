@@ -11,14 +11,8 @@
 
 #include "kvgen.h"
 #include "kvpool.h"
+#include "itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 #define ck_msg(part) ck_assert_msg(strstr(kvp_last_error(), part) != NULL, "message lacks \"%s\": %s", part, kvp_last_error())
 
 enum { L = 3, H = 2, D = 16, BT = 8 };
@@ -336,9 +330,5 @@ int main(void) {
   tcase_add_test(tc, fork_shares_sealed_copies_open);
   tcase_add_test(tc, fork_refused_by_budget_changes_nothing);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }

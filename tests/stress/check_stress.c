@@ -35,14 +35,8 @@
 
 #include "../integration/kvgen.h"
 #include "kvpool.h"
+#include "../integration/itest.h"
 
-#define ck_status(expr, want)                                                                         \
-  do {                                                                                                \
-    int rc_ = (expr);                                                                                 \
-    ck_assert_msg(rc_ == (want), "%s returned %s, expected %s; last error: %s", #expr,                 \
-                  kvp_err_name(rc_), kvp_err_name(want), kvp_last_error());                           \
-  } while (0)
-#define ck_ok(expr) ck_status(expr, KVP_OK)
 
 enum {
   L = 4, H = 4, D = 32, BT = 16, /* geometry: bf16 K and V, 16-token blocks */
@@ -851,9 +845,5 @@ int main(void) {
   tcase_set_timeout(tc, seconds * 4 + 120); /* the writer's last read-back and checks come after the run */
   tcase_add_test(tc, readers_beside_writer);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return it_run(s);
 }
