@@ -282,21 +282,39 @@ static double video_err(const float *out, uint32_t c0, uint32_t n) {
   return sqrt(num / den);
 }
 
-START_TEST(qvg_video_chunks) {
-  static float out1[L * H * 2 * NCH * CH * D], out2[L * H * 2 * NCH * CH * D];
-  kvp_pool *p = mkpool("kv=qvg:k=32", CH);
-  gen_video(VK, NCH * CH, 21);
-  gen_video(VV, NCH * CH, 22);
+/* Per-stream state bytes of a codec binding, from its vtable. */
+static uint64_t codec_state_bytes(const char *name, const char *params) {
   uint32_t id;
-  ck_ok(kvp_codec_find("qvg", &id));
+  ck_ok(kvp_codec_find(name, &id));
   const kvp_codec_vtable *vt = kvp_codec_get(id);
   kvp_codec_geom g = {D, KVP_DTYPE_BF16, 0, 0};
   void *inst;
   char err[128];
   size_t at;
-  ck_ok(vt->create("k=32", &g, &inst, err, sizeof err, &at));
-  uint64_t per_seq = (uint64_t)L * H * 2 * vt->state_bytes(inst);
+  ck_ok(vt->create(params, &g, &inst, err, sizeof err, &at));
+  uint64_t b = vt->state_bytes(inst);
   vt->destroy(inst);
+  return b;
+}
+
+static void print_video(kvp_pool *p, double e, double e_warm, double e_cold) {
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_reclaim(p));
+  ck_ok(kvp_stats_get(p, &s));
+  printf("qvg:k=32 on video chunks of %u tokens: rel. error %.4f (3 chunks), last chunk %.4f warm, %.4f cold; "
+         "bf16 %llu / allocated %llu = %.2fx; codec state %llu B\n",
+         CH, e, e_warm, e_cold, (unsigned long long)s.bf16_equivalent_bytes.current,
+         (unsigned long long)s.bytes_allocated.current,
+         (double)s.bf16_equivalent_bytes.current / (double)s.bytes_allocated.current,
+         (unsigned long long)s.codec_state_bytes.current);
+}
+
+START_TEST(qvg_video_chunks) {
+  static float out1[L * H * 2 * NCH * CH * D], out2[L * H * 2 * NCH * CH * D];
+  kvp_pool *p = mkpool("kv=qvg:k=32", CH);
+  gen_video(VK, NCH * CH, 21);
+  gen_video(VV, NCH * CH, 22);
+  uint64_t per_seq = (uint64_t)L * H * 2 * codec_state_bytes("qvg", "k=32");
   kvp_seq_config sc;
   kvp_seq_config_init(&sc);
   sc.mode = KVP_SEQ_STEP;
@@ -328,15 +346,7 @@ START_TEST(qvg_video_chunks) {
   for (uint32_t lh = 0; lh < L * H * 2 && !differ; lh++)
     differ = memcmp(out1 + ((size_t)lh * NCH + NCH - 2) * CH * D, out2 + (size_t)lh * NCH * CH * D, CH * D * 4) != 0;
   ck_assert_msg(differ, "warm and cold encodes of a chunk are equal");
-  kvp_reclaim(p);
-  kvp_stats s = {.struct_size = sizeof s};
-  ck_ok(kvp_stats_get(p, &s));
-  printf("qvg:k=32 on video chunks of %u tokens: rel. error %.4f (3 chunks), last chunk %.4f warm, %.4f cold; "
-         "bf16 %llu / allocated %llu = %.2fx; codec state %llu B\n",
-         CH, e, e_warm, e_cold, (unsigned long long)s.bf16_equivalent_bytes.current,
-         (unsigned long long)s.bytes_allocated.current,
-         (double)s.bf16_equivalent_bytes.current / (double)s.bytes_allocated.current,
-         (unsigned long long)s.codec_state_bytes.current);
+  print_video(p, e, e_warm, e_cold);
   ck_assert_msg(e < 0.02 && e_warm < 0.02 && e_cold < 0.02, "errors %g %g %g", e, e_warm, e_cold);
   for (uint64_t q = 1; q <= 3; q++) ck_ok(kvp_seq_free(p, q));
   ck_assert_uint_eq(state_bytes_now(p), 0);
