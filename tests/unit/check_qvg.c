@@ -697,9 +697,19 @@ END_TEST
 
 /* ---- speed (printed, not asserted) -------------------------------------------------------------- */
 
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define SANITIZED 1 /* timings would mean nothing: the speed tests skip */
+#else
+#define SANITIZED 0
+#endif
+
 START_TEST(encode_decode_speed) {
   enum { N = 4096, D = 128, REPS = 4 };
   const kvp_codec_vtable *vt = _i ? &kvp__codec_qvg_pro : &kvp__codec_qvg;
+  if (SANITIZED) {
+    printf("%s speed: skipped under a sanitizer\n", vt->name);
+    return;
+  }
   float *x = malloc((size_t)N * D * 4);
   uint16_t *out = malloc((size_t)N * D * 2);
   gen_video(x, N, D, 64, 0, 81);
