@@ -399,8 +399,8 @@ int main(int argc, char **argv) {
                 {"qvg-pro", "", "qvg-pro s4 g16 b2 K256", 1}};
   for (size_t i = 0; i < sizeof codecs / sizeof codecs[0]; i++) {
     double mc;
-    int rounds = codecs[i].rounds ? codecs[i].rounds : quick ? 3 : 9;
-    codec_fig cf = bench_codec(codecs[i].name, codecs[i].params, rounds, &mc);
+    int crounds = codecs[i].rounds ? codecs[i].rounds : quick ? 3 : 9;
+    codec_fig cf = bench_codec(codecs[i].name, codecs[i].params, crounds, &mc);
     if (!json_only)
       printf("%-34s enc %7.3f GB/s (%.3fx)  dec %6.2f GB/s (%.2fx)  memcpy %6.2f GB/s\n", codecs[i].label, cf.enc,
              cf.enc / mc, cf.dec, cf.dec / mc, mc);
