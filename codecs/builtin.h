@@ -8,6 +8,8 @@
  *   int8   codecs/int8.c   symmetric int8 per token-head, bf16 scale
  *   kivi   codecs/kivi.c   2/4-bit asymmetric, K per channel, V per token
  *   nvfp4  codecs/nvfp4.c  E2M1 + E4M3 per 16 + fp32 per block-head
+ *   qvg    codecs/qvg.c    k-means smoothing stages + INT2/INT4, E4M3 per
+ *                          group (qvg-pro: the same with 4 stages, g=16)
  *
  * Parameters: the text after "name:" in a codec spec, fields "key=value"
  * separated by ':' ("bits=2:group=32"). Keys are exact and lower case; a
@@ -27,7 +29,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-extern const kvp_codec_vtable kvp__codec_fp8, kvp__codec_int8, kvp__codec_kivi, kvp__codec_nvfp4;
+extern const kvp_codec_vtable kvp__codec_fp8, kvp__codec_int8, kvp__codec_kivi, kvp__codec_nvfp4, kvp__codec_qvg,
+    kvp__codec_qvg_pro;
 
 /* ---- little-endian scalars in pages ------------------------------------ */
 

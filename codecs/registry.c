@@ -57,8 +57,9 @@ static int add(const kvp_codec_vtable *vt, uint32_t *id) {
 
 /* Built-ins, in id order. Later issues append here (never reorder). */
 static void register_builtins(void) {
-  static const kvp_codec_vtable *const builtin[] = {&kvp__codec_raw, &kvp__codec_fp8, &kvp__codec_int8,
-                                                     &kvp__codec_kivi, &kvp__codec_nvfp4};
+  static const kvp_codec_vtable *const builtin[] = {&kvp__codec_raw,    &kvp__codec_fp8,   &kvp__codec_int8,
+                                                    &kvp__codec_kivi,   &kvp__codec_nvfp4, &kvp__codec_qvg,
+                                                    &kvp__codec_qvg_pro};
   for (size_t i = 0; i < KVP__ARRAY_LEN(builtin); i++) {
     int rc = add(builtin[i], NULL);
     kvp__assert(rc == KVP_OK);

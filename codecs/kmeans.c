@@ -1,0 +1,228 @@
+/*
+ * codecs/kmeans.c - Lloyd's k-means over the rows of a block, seeded by
+ * k-means++ or warm-started (codecs/kmeans.h says what each call does).
+ *
+ * Cost per assignment: n k d multiply-adds, the whole price of the codec.
+ * Rows are scored KM_TILE at a time against the transposed centroids:
+ *
+ *   score[r][j] = ||c_j||^2 + sum_i (-2 x[r][i]) ct[i][j]
+ *
+ *   ct (d x kp)      i = 0  [ c0[0] c1[0] ... c(k-1)[0] | 0 .. 0 ]
+ *                    i = 1  [ c0[1] c1[1] ...           | 0 .. 0 ]
+ *                                                         padding to kp
+ *
+ * so each row of ct is loaded once per tile and the inner loop (fixed
+ * KVP__KM_LANES columns, restrict pointers) vectorizes at -O2 without
+ * reassociating a sum: every score is accumulated in the order i = 0..d-1.
+ * Padding columns score +inf and are never chosen.
+ *
+ * Invariants: after kvp__km_assign, label[t] = the lowest j minimizing
+ * score[t][j] over j < k; after an update, cent[j] = mean of the rows
+ * labelled j (double sums, one rounding to f32) or, with no such row, the
+ * centroid as it was. An equal set of rows, seed and warm centroids gives
+ * equal centroids and labels, bit for bit.
+ */
+#include "kmeans.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define KM_TILE 8u /* rows scored together */
+
+int kvp__km_init(kvp__km *km, uint32_t n, uint32_t d, uint32_t k) {
+  memset(km, 0, sizeof *km);
+  if (k < 1 || k > KVP__KM_MAX_K || k > n || d % 8) return -1;
+  km->n = n;
+  km->d = d;
+  km->k = k;
+  km->kp = (k + KVP__KM_LANES - 1) / KVP__KM_LANES * KVP__KM_LANES;
+  km->cent = malloc((size_t)k * d * sizeof *km->cent);
+  km->ct = calloc((size_t)d * km->kp, sizeof *km->ct);
+  km->cn = malloc(km->kp * sizeof *km->cn);
+  km->sum = malloc((size_t)k * d * sizeof *km->sum);
+  km->count = malloc(k * sizeof *km->count);
+  km->w = malloc((size_t)n * sizeof *km->w);
+  km->label = calloc(n, 1);
+  km->xt = malloc((size_t)n * d * sizeof *km->xt);
+  km->acc = malloc((size_t)n * sizeof *km->acc);
+  if (km->cent && km->ct && km->cn && km->sum && km->count && km->w && km->label && km->xt && km->acc) return 0;
+  kvp__km_free(km);
+  return -1;
+}
+
+void kvp__km_free(kvp__km *km) {
+  free(km->cent);
+  free(km->ct);
+  free(km->cn);
+  free(km->sum);
+  free(km->count);
+  free(km->w);
+  free(km->label);
+  free(km->xt);
+  free(km->acc);
+  memset(km, 0, sizeof *km);
+}
+
+/* ---- assignment ------------------------------------------------------------ */
+
+/* ct and cn from cent. */
+static void km_prepare(kvp__km *km) {
+  uint32_t d = km->d, kp = km->kp;
+  for (uint32_t j = 0; j < kp; j++) km->cn[j] = INFINITY;
+  for (uint32_t j = 0; j < km->k; j++) {
+    const float *c = km->cent + (size_t)j * d;
+    float nrm = 0.0f;
+    for (uint32_t i = 0; i < d; i++) {
+      km->ct[(size_t)i * kp + j] = c[i];
+      nrm += c[i] * c[i];
+    }
+    km->cn[j] = nrm;
+  }
+}
+
+/* score (rows x kp) of rows x[0..rows) (d elements each), see the banner. */
+static void km_score(const kvp__km *km, const float *restrict x, uint32_t rows, float *restrict score) {
+  size_t d = km->d, kp = km->kp;
+  for (size_t r = 0; r < rows; r++) memcpy(score + r * kp, km->cn, kp * sizeof *score);
+  for (size_t i = 0; i < d; i++) {
+    const float *restrict c = km->ct + i * kp;
+    for (size_t r = 0; r < rows; r++) {
+      float a = -2.0f * x[r * d + i];
+      float *restrict s = score + r * kp;
+      for (size_t j = 0; j < kp; j += KVP__KM_LANES) /* size_t: no wrap, so the lanes vectorize */
+        for (size_t l = 0; l < KVP__KM_LANES; l++) s[j + l] += a * c[j + l];
+    }
+  }
+}
+
+uint32_t kvp__km_assign(kvp__km *km, const float *x, int fresh) {
+  float score[KM_TILE * KVP__KM_MAX_K];
+  uint32_t changed = 0, d = km->d, kp = km->kp;
+  km_prepare(km);
+  for (uint32_t t0 = 0; t0 < km->n; t0 += KM_TILE) {
+    uint32_t rows = km->n - t0 < KM_TILE ? km->n - t0 : KM_TILE;
+    km_score(km, x + (size_t)t0 * d, rows, score);
+    for (uint32_t r = 0; r < rows; r++) {
+      const float *s = score + (size_t)r * kp;
+      uint32_t best = 0;
+      for (uint32_t j = 1; j < km->k; j++)
+        if (s[j] < s[best]) best = j;
+      if (fresh || km->label[t0 + r] != best) changed++;
+      km->label[t0 + r] = (uint8_t)best;
+    }
+  }
+  return changed;
+}
+
+/* ---- update and Lloyd's loop ---------------------------------------------------- */
+
+/* Each centroid to the mean of its rows; an empty cluster keeps its own. */
+static void km_update(kvp__km *km, const float *x) {
+  uint32_t d = km->d;
+  memset(km->sum, 0, (size_t)km->k * d * sizeof *km->sum);
+  memset(km->count, 0, km->k * sizeof *km->count);
+  for (uint32_t t = 0; t < km->n; t++) {
+    uint32_t l = km->label[t];
+    double *s = km->sum + (size_t)l * d;
+    const float *xr = x + (size_t)t * d;
+    km->count[l]++;
+    for (uint32_t i = 0; i < d; i++) s[i] += (double)xr[i];
+  }
+  for (uint32_t j = 0; j < km->k; j++) {
+    if (!km->count[j]) continue;
+    for (uint32_t i = 0; i < d; i++)
+      km->cent[(size_t)j * d + i] = (float)(km->sum[(size_t)j * d + i] / (double)km->count[j]);
+  }
+}
+
+uint32_t kvp__km_lloyd(kvp__km *km, const float *x, uint32_t iters) {
+  kvp__km_assign(km, x, 1);
+  uint32_t done = 0;
+  while (done < iters) {
+    km_update(km, x);
+    done++;
+    if (kvp__km_assign(km, x, 0) == 0) break;
+  }
+  return done;
+}
+
+double kvp__km_inertia(const kvp__km *km, const float *x) {
+  double sum = 0.0;
+  for (uint32_t t = 0; t < km->n; t++) {
+    const float *xr = x + (size_t)t * km->d, *c = km->cent + (size_t)km->label[t] * km->d;
+    for (uint32_t i = 0; i < km->d; i++) {
+      double e = (double)xr[i] - (double)c[i];
+      sum += e * e;
+    }
+  }
+  return sum;
+}
+
+/* ---- k-means++ seeding ---------------------------------------------------------- */
+
+/* xorshift64*: the generator of the seeding, local and fixed. */
+static uint64_t km_rand(uint64_t *s) {
+  *s ^= *s >> 12;
+  *s ^= *s << 25;
+  *s ^= *s >> 27;
+  return *s * 0x2545F4914F6CDD1DULL;
+}
+
+/* w[t] = min(w[t], ||x_t - cent[j]||^2) for every row (w[t] = it when
+ * init). Over the transposed rows xt, so the loop over rows vectorizes
+ * (KVP__KM_LANES at a time) and each distance sums i = 0..d-1 in order. */
+static void km_near(kvp__km *km, uint32_t j, int init) {
+  size_t n = km->n, d = km->d, n16 = n / KVP__KM_LANES * KVP__KM_LANES;
+  const float *c = km->cent + j * d;
+  float *restrict acc = km->acc;
+  memset(acc, 0, n * sizeof *acc);
+  for (size_t i = 0; i < d; i++) {
+    const float *restrict xi = km->xt + i * n;
+    float ci = c[i];
+    for (size_t t = 0; t < n16; t += KVP__KM_LANES)
+      for (size_t l = 0; l < KVP__KM_LANES; l++) {
+        float e = xi[t + l] - ci;
+        acc[t + l] += e * e;
+      }
+    for (size_t t = n16; t < n; t++) acc[t] += (xi[t] - ci) * (xi[t] - ci);
+  }
+  for (size_t t = 0; t < n; t++)
+    if (init || acc[t] < km->w[t]) km->w[t] = acc[t];
+}
+
+/* The row drawn with probability w[t] / sum w, or km->n when sum w = 0. */
+static uint32_t km_draw(const kvp__km *km, uint64_t *s) {
+  double total = 0.0, cum = 0.0;
+  for (uint32_t t = 0; t < km->n; t++) total += (double)km->w[t];
+  if (!(total > 0.0)) return km->n;
+  double r = (double)(km_rand(s) >> 11) * 0x1p-53 * total;
+  uint32_t last = km->n;
+  for (uint32_t t = 0; t < km->n; t++) {
+    if (!(km->w[t] > 0.0f)) continue;
+    last = t;
+    cum += (double)km->w[t];
+    if (cum > r) return t;
+  }
+  return last; /* r rounded up to the total */
+}
+
+void kvp__km_seed(kvp__km *km, const float *x, uint32_t nwarm, uint64_t seed) {
+  uint32_t d = km->d, have = nwarm;
+  uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 0x632BE59BD9B4E019ULL;
+  if (have >= km->k) return;
+  if (have == 0) {
+    memcpy(km->cent, x + (size_t)(km_rand(&s) % km->n) * d, d * sizeof *x);
+    have = 1;
+  }
+  for (size_t t = 0; t < km->n; t++)
+    for (size_t i = 0; i < d; i++) km->xt[i * km->n + t] = x[t * d + i];
+  for (uint32_t j = 0; j < have; j++) km_near(km, j, j == 0);
+  for (; have < km->k; have++) {
+    uint32_t t = km_draw(km, &s);
+    if (t == km->n) break;
+    memcpy(km->cent + (size_t)have * d, x + (size_t)t * d, d * sizeof *x);
+    km_near(km, have, 0);
+  }
+  for (; have < km->k; have++) memcpy(km->cent + (size_t)have * d, km->cent, d * sizeof *x);
+}
