@@ -13,8 +13,9 @@
  * zeros of both signs the first one seen stays; that decides kivi's fp16
  * min of a group whose least value is a zero.
  *
- * What is compared, for every codec case, in dtype, head dim (odd ones for
- * fp8 and int8), K and V, n < cap and n = cap:
+ * What is compared, for both kernel ISAs (codecs/kernels.h: base, and AVX2
+ * where the CPU has it) and every codec case, in dtype, head dim (odd ones
+ * for fp8 and int8), K and V, n < cap and n = cap:
  *   - every page byte after encode (pages prefilled with garbage), and the
  *     status and message of a failing encode (kivi's fp16 range);
  *   - decode of the full block and of random sub-ranges, to f32, bf16 and
@@ -27,6 +28,7 @@
  * the formats' maxima, and (fp8 static) values whose quotient overflows.
  */
 #include "../../codecs/builtin.h"
+#include "../../codecs/kernels.h"
 #include "../../codecs/numeric.h"
 #include "../../util/util.h"
 #include "testutil.h"
@@ -693,13 +695,25 @@ static void case_dims(const rcase *c, const uint32_t **dims, size_t *ndims) {
   else *dims = fp8_dims, *ndims = KVP__ARRAY_LEN(fp8_dims);
 }
 
+/* Loop index i -> the case, after running the kernels of ISA i / NCASES;
+ * 0 when this CPU lacks that ISA (the test then has nothing to run). */
+static const rcase *isa_case(int i) {
+  int isa = i / NCASES;
+  if (kvp__codec_isa_set(isa) != isa) {
+    fprintf(stderr, "codecs_ref: skip ISA %d: not on this CPU\n", isa);
+    return NULL;
+  }
+  return &cases[i % NCASES];
+}
+
 /* Every case: dims x kv x in dtype x pattern, n = cap and n < cap. */
 START_TEST(encode_decode_match) {
-  const rcase *c = &cases[_i];
+  const rcase *c = isa_case(_i);
+  if (!c) return;
   const uint32_t *dims;
   size_t ndims;
   case_dims(c, &dims, &ndims);
-  uint64_t seed = 1 + (uint64_t)_i * 1000;
+  uint64_t seed = 1 + (uint64_t)(_i % NCASES) * 1000;
   for (size_t di = 0; di < ndims; di++) {
     if (c->kind == KIVI && dims[di] % c->group) continue;
     for (uint32_t kv = 0; kv < 2; kv++)
@@ -715,7 +729,8 @@ END_TEST
 /* A K group of kivi whose least value is a zero of both signs: the min's
  * sign, hence the fp16 min code, follows the order of the rows. */
 START_TEST(kivi_signed_zero_min) {
-  const rcase *c = &cases[7];
+  const rcase *c = isa_case(_i * NCASES + 7);
+  if (!c) return;
   for (int order = 0; order < 4; order++) {
     kvp_codec_geom geom = {.head_dim = 32, .in_dtype = KVP_DTYPE_F32, .layer = 0, .kv = 0};
     void *inst;
@@ -740,11 +755,12 @@ END_TEST
 
 /* Pages of random bytes decode alike (two NaNs compare equal). */
 START_TEST(garbage_pages_decode_alike) {
-  const rcase *c = &cases[_i];
+  const rcase *c = isa_case(_i);
+  if (!c) return;
   const uint32_t *dims;
   size_t ndims;
   case_dims(c, &dims, &ndims);
-  uint64_t rng = 77 + (uint64_t)_i;
+  uint64_t rng = 77 + (uint64_t)(_i % NCASES);
   for (size_t di = 0; di < ndims; di++) {
     if (c->kind == KIVI && dims[di] % c->group) continue;
     for (uint32_t kv = 0; kv < 2; kv++) {
@@ -770,9 +786,9 @@ static Suite *suite(void) {
   Suite *s = suite_create("codecs_ref");
   TCase *tc = tcase_create("match");
   tcase_set_timeout(tc, 300);
-  tcase_add_loop_test(tc, encode_decode_match, 0, NCASES);
-  tcase_add_test(tc, kivi_signed_zero_min);
-  tcase_add_loop_test(tc, garbage_pages_decode_alike, 0, NCASES);
+  tcase_add_loop_test(tc, encode_decode_match, 0, 2 * NCASES);
+  tcase_add_loop_test(tc, kivi_signed_zero_min, 0, 2);
+  tcase_add_loop_test(tc, garbage_pages_decode_alike, 0, 2 * NCASES);
   suite_add_tcase(s, tc);
   return s;
 }
