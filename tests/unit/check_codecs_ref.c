@@ -25,7 +25,8 @@
  *     NaN a product of two NaNs gives is the compiler's operand order).
  * Inputs: gaussian rows, magnitudes over 2^-30..2^20, f32/f16/bf16
  * subnormals, exact ties of each quantizer's grid, signed zeros, values at
- * the formats' maxima, and (fp8 static) values whose quotient overflows.
+ * the formats' maxima, (fp8 static) values whose quotient overflows, and
+ * (kivi) values beyond the fp16 range, which fail with the same message.
  */
 #include "../../codecs/builtin.h"
 #include "../../codecs/kernels.h"
@@ -516,7 +517,7 @@ static float t_gauss(uint64_t *s) {
   return (float)(sqrt(-2.0 * log(u + 0x1p-60)) * cos(6.283185307179586 * v));
 }
 
-enum { P_GAUSS, P_WIDE, P_TINY, P_TIES, P_EDGES, P_ZEROS, P_OFFSET, NPAT };
+enum { P_GAUSS, P_WIDE, P_TINY, P_TIES, P_EDGES, P_ZEROS, P_OFFSET, P_BIG, NPAT };
 
 /* The exact ties of each quantizer's grid, for a row whose scale the
  * pattern pins: fp8 dynamic (amax 448: s = 1) E4M3 midpoints; int8 (amax
@@ -573,6 +574,7 @@ static void gen(const rcase *c, float *x, uint32_t n, uint32_t d, int pat, uint6
       case P_EDGES: v = t_rand(&s) % 3 ? edge_value(&s, kivi) : v; break;
       case P_ZEROS: v = t_rand(&s) % 8 ? (t_rand(&s) & 1 ? -0.0f : 0.0f) : ldexpf(v, -20); break;
       case P_OFFSET: v += off; break;
+      case P_BIG: v = t_rand(&s) % 97 == 0 ? v * 1e5f : v; break; /* kivi: beyond fp16, an error */
       default: break;
       }
       *o = v;
