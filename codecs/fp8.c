@@ -35,7 +35,7 @@
  *   Rows n..cap-1 of a block are written as zeros (codes and scales).
  */
 #include "builtin.h"
-#include "numeric.h"
+#include "kernels.h"
 
 #include <float.h>
 
@@ -96,13 +96,76 @@ static void fp8_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout *
   }
 }
 
+/* ---- row kernels --------------------------------------------------------
+ * One pass each way over a token, KVP__FOR_CHUNKS (codecs/kernels.h):
+ * encode divides and rounds with the branch-free E4M3 form, decode widens,
+ * scales and (bf16 out) rounds in the same pass; the same f32 operations,
+ * in the same order, as the definitions in the banner. */
+
+KVP__INLINE void enc_n(uint8_t *restrict q, const float *restrict x, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = kvp__fp8_e4m3_from_f32_bf(x[i] / s);
+}
+
+KVP__INLINE void dec_n(float *restrict x, const uint8_t *restrict q, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = kvp__fp8_e4m3_to_f32_bf(q[i]) * s;
+}
+
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const uint8_t *restrict q, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(kvp__fp8_e4m3_to_f32_bf(q[i]) * s);
+}
+
 /* The dynamic scale of a token: absmax / 448, at least FLT_MIN, 0 for a
  * token of zeros. */
-static float fp8_token_scale(const float *x, uint32_t d) {
-  float amax = 0.0f;
-  for (uint32_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
+KVP__INLINE float fp8_token_scale(const float *x, uint32_t d) {
+  float amax = kvp__absmax(x, d);
   if (amax == 0.0f) return 0.0f;
-  return fmaxf(amax / KVP__FP8_E4M3_MAX, FLT_MIN);
+  float s = amax / KVP__FP8_E4M3_MAX;
+  return s > FLT_MIN ? s : FLT_MIN;
+}
+
+KVP__KERNEL(fp8_enc_rows, (const fp8_inst *f, const unsigned char *src, size_t stride, uint32_t n, uint8_t *codes,
+                           uint8_t *scales),
+            (f, src, stride, n, codes, scales)) {
+  uint32_t d = f->head_dim;
+  float x[KVP_MAX_HEAD_DIM];
+  for (uint32_t t = 0; t < n; t++) {
+    kvp__load_row(x, src + (size_t)t * stride, f->in_dtype, d);
+    float s = f->dynamic ? fp8_token_scale(x, d) : f->static_scale;
+    if (scales) kvp__st_lef32(scales + (size_t)t * 4, s);
+    uint8_t *q = codes + (size_t)t * d;
+    if (s == 0.0f) {
+      memset(q, 0, d);
+      continue;
+    }
+#define ENC(i, c) enc_n(q + (i), x + (i), s, (c))
+    KVP__FOR_CHUNKS(d, ENC);
+#undef ENC
+  }
+  return KVP_OK;
+}
+
+KVP__KERNEL(fp8_dec_rows, (const fp8_inst *f, const uint8_t *codes, const uint8_t *scales, uint32_t t0, uint32_t m,
+                           unsigned char *dst, size_t stride, kvp_dtype out),
+            (f, codes, scales, t0, m, dst, stride, out)) {
+  uint32_t d = f->head_dim;
+  float x[KVP_MAX_HEAD_DIM];
+  for (uint32_t r = 0; r < m; r++) {
+    uint32_t t = t0 + r;
+    float s = scales ? kvp__ld_lef32(scales + (size_t)t * 4) : f->static_scale;
+    const uint8_t *q = codes + (size_t)t * d;
+    if (out == KVP_DTYPE_BF16) {
+      uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
+#define DEC(i, c) dec_bf16_n(o + (i), q + (i), s, (c))
+      KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+      continue;
+    }
+#define DEC(i, c) dec_n(x + (i), q + (i), s, (c))
+    KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+    kvp__store_row(dst + (size_t)r * stride, out, x, d);
+  }
+  return KVP_OK;
 }
 
 static int fp8_encode(const void *inst, const void *src, size_t src_stride, uint32_t n, uint32_t cap_tokens,
@@ -112,18 +175,7 @@ static int fp8_encode(const void *inst, const void *src, size_t src_stride, uint
   if (rc) return rc;
   uint32_t d = f->head_dim;
   uint8_t *codes = pages[0], *scales = f->dynamic ? pages[1] : NULL;
-  float x[KVP_MAX_HEAD_DIM];
-  for (uint32_t t = 0; t < n; t++) {
-    kvp__row_to_f32(x, (const unsigned char *)src + (size_t)t * src_stride, f->in_dtype, d);
-    float s = f->dynamic ? fp8_token_scale(x, d) : f->static_scale;
-    if (scales) kvp__st_lef32(scales + (size_t)t * 4, s);
-    if (s == 0.0f) {
-      memset(codes + (size_t)t * d, 0, d);
-      continue;
-    }
-    for (uint32_t i = 0; i < d; i++) x[i] /= s;
-    kvp__fp8_e4m3_from_f32_row(codes + (size_t)t * d, x, d);
-  }
+  fp8_enc_rows(f, src, src_stride, n, codes, scales);
   memset(codes + (size_t)n * d, 0, (size_t)(cap_tokens - n) * d);
   if (scales) memset(scales + (size_t)n * 4, 0, (size_t)(cap_tokens - n) * 4);
   return KVP_OK;
@@ -134,17 +186,7 @@ static int fp8_decode(const void *inst, const void *const *pages, uint32_t n, ui
   const fp8_inst *f = inst;
   int rc = kvp__codec_rows_ok("fp8", n, cap_tokens, t0, m);
   if (rc) return rc;
-  uint32_t d = f->head_dim;
-  const uint8_t *codes = pages[0], *scales = f->dynamic ? pages[1] : NULL;
-  float x[KVP_MAX_HEAD_DIM];
-  for (uint32_t r = 0; r < m; r++) {
-    uint32_t t = t0 + r;
-    float s = scales ? kvp__ld_lef32(scales + (size_t)t * 4) : f->static_scale;
-    kvp__fp8_e4m3_to_f32_row(x, codes + (size_t)t * d, d);
-    for (uint32_t i = 0; i < d; i++) x[i] *= s;
-    kvp__row_from_f32((unsigned char *)dst + (size_t)r * dst_stride, out, x, d);
-  }
-  return KVP_OK;
+  return fp8_dec_rows(f, pages[0], f->dynamic ? pages[1] : NULL, t0, m, dst, dst_stride, out);
 }
 
 const kvp_codec_vtable kvp__codec_fp8 = {

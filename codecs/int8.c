@@ -38,7 +38,7 @@
  *   Rows n..cap-1 of a block are written as zeros.
  */
 #include "builtin.h"
-#include "numeric.h"
+#include "kernels.h"
 
 /* A binding of int8. */
 typedef struct int8_inst {
@@ -110,13 +110,10 @@ static int cmp_float(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
-/* The clip of a token: the percentile of |x| (see the banner), or the
- * absmax when pct = 100 or the percentile is 0. */
-static float int8_clip(const int8_inst *q, const float *x) {
+/* The pct-th percentile of |x| (see the banner), or amax (> 0) when it is
+ * 0. Only order statistics are read, so any sort gives the same bits. */
+static float int8_percentile(const int8_inst *q, const float *x, float amax) {
   uint32_t d = q->head_dim;
-  float amax = 0.0f;
-  for (uint32_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
-  if (q->pct >= 100.0f || amax == 0.0f) return amax;
   float a[KVP_MAX_HEAD_DIM];
   for (uint32_t i = 0; i < d; i++) a[i] = fabsf(x[i]);
   qsort(a, d, sizeof *a, cmp_float);
@@ -125,21 +122,79 @@ static float int8_clip(const int8_inst *q, const float *x) {
   return c > 0.0f ? c : amax;
 }
 
+/* ---- row kernels --------------------------------------------------------
+ * KVP__FOR_CHUNKS (codecs/kernels.h). Encode: y = x / s, then
+ * round_even(y) clamped to +-127 as rne(min(|y|, 127)) with y's sign: rne
+ * is monotone and fixes 127, so clamping first is the same. Decode: q * s,
+ * and (bf16 out) rounded in the same pass. */
+
+KVP__INLINE void enc_n(int8_t *restrict q, const float *restrict x, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t y = kvp__f32_bits(x[i] / s), a = y & 0x7FFFFFFFu, neg = (uint32_t)((int32_t)y >> 31);
+    uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < 0x42FE0000u), a, 0x42FE0000u))); /* min(|y|, 127) */
+    q[i] = (int8_t)((r ^ neg) - neg);
+  }
+}
+
+KVP__INLINE void dec_n(float *restrict x, const int8_t *restrict q, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = (float)q[i] * s;
+}
+
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const int8_t *restrict q, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf((float)q[i] * s);
+}
+
 /* Quantize one token into D codes; returns its bf16 scale code. */
-static uint16_t int8_token(const int8_inst *q, const float *x, int8_t *codes) {
+KVP__INLINE uint16_t int8_token(const int8_inst *q, const float *x, int8_t *codes) {
   uint32_t d = q->head_dim;
-  float c = int8_clip(q, x);
+  float c = kvp__absmax(x, d);
+  if (q->pct < 100.0f && c > 0.0f) c = int8_percentile(q, x, c);
   if (c == 0.0f) {
     memset(codes, 0, d);
     return 0;
   }
   uint16_t sb = bf16_round_up(c / 127.0f);
   float s = kvp__bf16_to_f32(sb);
-  for (uint32_t i = 0; i < d; i++) {
-    float v = kvp__round_even(x[i] / s);
-    codes[i] = (int8_t)(v > 127.0f ? 127 : v < -127.0f ? -127 : (int)v);
-  }
+#define ENC(i, k) enc_n(codes + (i), x + (i), s, (k))
+  KVP__FOR_CHUNKS(d, ENC);
+#undef ENC
   return sb;
+}
+
+KVP__KERNEL(int8_enc_rows, (const int8_inst *q, const unsigned char *src, size_t stride, uint32_t n, uint8_t *codes,
+                            uint8_t *scales),
+            (q, src, stride, n, codes, scales)) {
+  uint32_t d = q->head_dim;
+  float x[KVP_MAX_HEAD_DIM];
+  for (uint32_t t = 0; t < n; t++) {
+    kvp__load_row(x, src + (size_t)t * stride, q->in_dtype, d);
+    kvp__st_le16(scales + (size_t)t * 2, int8_token(q, x, (int8_t *)codes + (size_t)t * d));
+  }
+  return KVP_OK;
+}
+
+KVP__KERNEL(int8_dec_rows, (const int8_inst *q, const uint8_t *codes, const uint8_t *scales, uint32_t t0, uint32_t m,
+                            unsigned char *dst, size_t stride, kvp_dtype out),
+            (q, codes, scales, t0, m, dst, stride, out)) {
+  uint32_t d = q->head_dim;
+  float x[KVP_MAX_HEAD_DIM];
+  for (uint32_t r = 0; r < m; r++) {
+    uint32_t t = t0 + r;
+    float s = kvp__bf16_to_f32_bf(kvp__ld_le16(scales + (size_t)t * 2));
+    const int8_t *c = (const int8_t *)codes + (size_t)t * d;
+    if (out == KVP_DTYPE_BF16) {
+      uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
+#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, (k))
+      KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+      continue;
+    }
+#define DEC(i, k) dec_n(x + (i), c + (i), s, (k))
+    KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+    kvp__store_row(dst + (size_t)r * stride, out, x, d);
+  }
+  return KVP_OK;
 }
 
 static int int8_encode(const void *inst, const void *src, size_t src_stride, uint32_t n, uint32_t cap_tokens,
@@ -149,13 +204,7 @@ static int int8_encode(const void *inst, const void *src, size_t src_stride, uin
   if (rc) return rc;
   uint32_t d = q->head_dim;
   uint8_t *codes = pages[0], *scales = pages[1];
-  float x[KVP_MAX_HEAD_DIM];
-  int8_t c[KVP_MAX_HEAD_DIM];
-  for (uint32_t t = 0; t < n; t++) {
-    kvp__row_to_f32(x, (const unsigned char *)src + (size_t)t * src_stride, q->in_dtype, d);
-    kvp__st_le16(scales + (size_t)t * 2, int8_token(q, x, c));
-    memcpy(codes + (size_t)t * d, c, d);
-  }
+  int8_enc_rows(q, src, src_stride, n, codes, scales);
   memset(codes + (size_t)n * d, 0, (size_t)(cap_tokens - n) * d);
   memset(scales + (size_t)n * 2, 0, (size_t)(cap_tokens - n) * 2);
   return KVP_OK;
@@ -166,17 +215,7 @@ static int int8_decode(const void *inst, const void *const *pages, uint32_t n, u
   const int8_inst *q = inst;
   int rc = kvp__codec_rows_ok("int8", n, cap_tokens, t0, m);
   if (rc) return rc;
-  uint32_t d = q->head_dim;
-  const uint8_t *codes = pages[0], *scales = pages[1];
-  float x[KVP_MAX_HEAD_DIM];
-  for (uint32_t r = 0; r < m; r++) {
-    uint32_t t = t0 + r;
-    float s = kvp__bf16_to_f32(kvp__ld_le16(scales + (size_t)t * 2));
-    const int8_t *c = (const int8_t *)(codes + (size_t)t * d);
-    for (uint32_t i = 0; i < d; i++) x[i] = (float)c[i] * s;
-    kvp__row_from_f32((unsigned char *)dst + (size_t)r * dst_stride, out, x, d);
-  }
-  return KVP_OK;
+  return int8_dec_rows(q, pages[0], pages[1], t0, m, dst, dst_stride, out);
 }
 
 const kvp_codec_vtable kvp__codec_int8 = {

@@ -58,7 +58,7 @@
  * written as zeros.
  */
 #include "builtin.h"
-#include "numeric.h"
+#include "kernels.h"
 
 /* A binding of kivi. */
 typedef struct kivi_inst {
@@ -147,57 +147,153 @@ static void kivi_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout 
   out->bytes[1] = kivi_scales_bytes(k, cap_tokens);
 }
 
-/* ---- the group quantizer --------------------------------------------------- */
+/* ---- the group quantizer, branch-free ----------------------------------------
+ * Kernels for both ISAs (codecs/kernels.h); the banner's operations in its
+ * order, every choice a mask select. Parameters run over arrays of groups:
+ * K's D channels of a token group, or V's channel groups of a batch of
+ * tokens. */
 
-/* fp16 code of x (|x| <= 65504) rounded toward -inf / +inf. */
-static uint16_t f16_round_down(float x) {
-  uint16_t h = kvp__f16_from_f32(x);
-  if (kvp__f16_to_f32(h) > x) h = (h & 0x8000u) ? (uint16_t)(h + 1) : h ? (uint16_t)(h - 1) : 0x8001u;
-  return h;
+/* Code values of a byte of packed codes, LSB first (b = 2: four, b = 4: two). */
+#define X4(M, b) M(b), M((b) + 1), M((b) + 2), M((b) + 3)
+#define X16(M, b) X4(M, b), X4(M, (b) + 4), X4(M, (b) + 8), X4(M, (b) + 12)
+#define X64(M, b) X16(M, b), X16(M, (b) + 16), X16(M, (b) + 32), X16(M, (b) + 48)
+#define X256(M) X64(M, 0), X64(M, 64), X64(M, 128), X64(M, 192)
+#define Q2(b) {(float)((b) & 3), (float)((b) >> 2 & 3), (float)((b) >> 4 & 3), (float)((b) >> 6 & 3)}
+#define Q4(b) {(float)((b) & 15), (float)((b) >> 4 & 15)}
+static const float kivi_q2[256][4] = {X256(Q2)};
+static const float kivi_q4[256][2] = {X256(Q4)};
+
+/* fp16 codes of x (|x| <= 65504) rounded toward -inf (down) or +inf. */
+KVP__INLINE uint32_t f16_round_down(float x) {
+  uint32_t h = kvp__f16_from_f32_bf(x);
+  uint32_t dn = kvp__sel(kvp__mask(h & 0x8000u), h + 1u, kvp__sel(kvp__mask(h != 0), h - 1u, 0x8001u));
+  return kvp__sel(kvp__mask(kvp__f16_to_f32_bf((uint16_t)h) > x), dn, h);
 }
-static uint16_t f16_round_up(float x) {
-  uint16_t h = kvp__f16_from_f32(x);
-  if (kvp__f16_to_f32(h) < x) h = (h & 0x8000u) ? (h == 0x8000u ? 1u : (uint16_t)(h - 1)) : (uint16_t)(h + 1);
-  return h;
+KVP__INLINE uint32_t f16_round_up(float x) {
+  uint32_t h = kvp__f16_from_f32_bf(x);
+  uint32_t up = kvp__sel(kvp__mask(h & 0x8000u), kvp__sel(kvp__mask(h == 0x8000u), 1u, h - 1u), h + 1u);
+  return kvp__sel(kvp__mask(kvp__f16_to_f32_bf((uint16_t)h) < x), up, h);
 }
 
-/* One group's parameters: the fp16 record and its values. */
-typedef struct kivi_q {
-  uint16_t s_code, m_code; /* fp16 codes of the scale and the min */
-  float s, m;              /* their values */
-} kivi_q;
+/* m + Q s < hi, in double, where it is exact (both on the fp16 grid). */
+KVP__INLINE uint32_t short_of(float m, double q, uint32_t s_code, float hi) {
+  return (uint32_t)((double)m + q * (double)kvp__f16_to_f32_bf((uint16_t)s_code) < (double)hi);
+}
 
-/* The parameters of a group with minimum lo and maximum hi (in range).
- * The scale is fixed up in double, where m + Q s is exact (both on the
- * fp16 grid): the f32 quotient range/Q may have rounded below the need. */
-static kivi_q kivi_params(float lo, float hi, uint32_t bits) {
-  kivi_q g;
+/* The parameters of groups with minima lo and maxima hi (in range): the
+ * min m rounded down to fp16; the scale (hi - m) / Q rounded up to fp16,
+ * then raised by fp16 ulps while m + Q s < hi (the f32 quotient may have
+ * rounded below the need): two raises here, any further by the caller,
+ * which gets the lanes still short of hi in *more. */
+KVP__INLINE void params_n(uint32_t *restrict sc, uint32_t *restrict mc, const float *restrict lo,
+                          const float *restrict hi, double q, size_t n, uint32_t *more) {
+  uint32_t any = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t m_code = f16_round_down(lo[i]);
+    float m = kvp__f16_to_f32_bf((uint16_t)m_code);
+    double range = (double)hi[i] - (double)m; /* >= 0: m <= lo <= hi */
+    uint32_t s_code = f16_round_up((float)(range / q)) & kvp__mask(range > 0.0);
+    s_code += short_of(m, q, s_code, hi[i]);
+    s_code += short_of(m, q, s_code, hi[i]);
+    any |= short_of(m, q, s_code, hi[i]);
+    sc[i] = s_code;
+    mc[i] = m_code;
+  }
+  *more |= any;
+}
+
+/* params_n over n groups, and the rare further raises. */
+KVP__INLINE void params(uint32_t *sc, uint32_t *mc, const float *lo, const float *hi, uint32_t bits, size_t n) {
   double q = (double)((1u << bits) - 1);
-  g.m_code = f16_round_down(lo);
-  g.m = kvp__f16_to_f32(g.m_code);
-  double range = (double)hi - (double)g.m; /* >= 0: m <= lo <= hi */
-  g.s_code = range > 0.0 ? f16_round_up((float)(range / q)) : 0;
-  while ((double)g.m + q * (double)kvp__f16_to_f32(g.s_code) < (double)hi) g.s_code++;
-  g.s = kvp__f16_to_f32(g.s_code);
-  return g;
+  uint32_t more = 0;
+#define PAR(i, c) params_n(sc + (i), mc + (i), lo + (i), hi + (i), q, (c), &more)
+  KVP__FOR_CHUNKS(n, PAR);
+#undef PAR
+  if (more)
+    for (size_t i = 0; i < n; i++)
+      while (short_of(kvp__f16_to_f32_bf((uint16_t)mc[i]), q, sc[i], hi[i])) sc[i]++;
 }
 
-static uint8_t kivi_code(float x, const kivi_q *g, uint32_t bits) {
-  if (g->s == 0.0f) return 0;
-  float v = kvp__round_even((x - g->m) / g->s), top = (float)((1u << bits) - 1);
-  return (uint8_t)(v < 0.0f ? 0.0f : v > top ? top : v);
+/* Records of n groups: fp16 scale, fp16 min, little-endian. */
+KVP__INLINE void put_n(uint8_t *restrict rec, const uint32_t *restrict sc, const uint32_t *restrict mc, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    rec[4 * i] = (uint8_t)sc[i];
+    rec[4 * i + 1] = (uint8_t)(sc[i] >> 8);
+    rec[4 * i + 2] = (uint8_t)mc[i];
+    rec[4 * i + 3] = (uint8_t)(mc[i] >> 8);
+  }
 }
 
-static void kivi_put(uint8_t *rec, const kivi_q *g) {
-  kvp__st_le16(rec, g->s_code);
-  kvp__st_le16(rec + 2, g->m_code);
+/* The values of n records: scales s and minima m. */
+KVP__INLINE void get_n(float *restrict s, float *restrict m, const uint8_t *restrict rec, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    s[i] = kvp__f16_to_f32_bf((uint16_t)(rec[4 * i] | rec[4 * i + 1] << 8));
+    m[i] = kvp__f16_to_f32_bf((uint16_t)(rec[4 * i + 2] | rec[4 * i + 3] << 8));
+  }
 }
 
-static kivi_q kivi_get(const uint8_t *rec) {
-  kivi_q g = {.s_code = kvp__ld_le16(rec), .m_code = kvp__ld_le16(rec + 2)};
-  g.s = kvp__f16_to_f32(g.s_code);
-  g.m = kvp__f16_to_f32(g.m_code);
-  return g;
+/* Codes of x: round_even((x - m) / s) clamped to [0, top], 0 where s = 0.
+ * x >= m, so (x - m) / s is +0 or above, or -0 (x = -0, m = +0) and NaN
+ * or inf where s = 0: a sign means 0, the magnitude is clamped to top
+ * before rounding (rne is monotone and fixes top). */
+KVP__INLINE void code_n(uint8_t *restrict q, const float *restrict x, const float *restrict m,
+                        const float *restrict s, uint32_t top_bits, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t v = kvp__f32_bits((x[i] - m[i]) / s[i]), a = v & 0x7FFFFFFFu;
+    uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < top_bits), a, top_bits)));
+    q[i] = (uint8_t)(r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s[i] != 0.0f));
+  }
+}
+
+KVP__INLINE void pack2_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+  for (size_t j = 0; j < nbytes; j++)
+    o[j] = (uint8_t)(q[4 * j] | q[4 * j + 1] << 2 | q[4 * j + 2] << 4 | q[4 * j + 3] << 6);
+}
+KVP__INLINE void pack4_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+  for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
+}
+
+/* A row's codes packed LSB first (kvp__lsb32_pack's layout: D b / 8 bytes
+ * are whole words). */
+KVP__INLINE void pack_row(uint8_t *o, const uint8_t *q, uint32_t d, uint32_t bits) {
+  if (bits == 2) {
+#define PK(i, c) pack2_n(o + (i) / 4, q + (i), (c) / 4)
+    KVP__FOR_CHUNKS(d, PK);
+#undef PK
+  } else {
+#define PK(i, c) pack4_n(o + (i) / 2, q + (i), (c) / 2)
+    KVP__FOR_CHUNKS(d, PK);
+#undef PK
+  }
+}
+
+/* Lanes: lo/hi = the running min/max of the rows so far (a value replaces
+ * only when strictly below/above: ties keep the first, as the banner's
+ * fminf/fmaxf did). */
+KVP__INLINE void minmax_n(float *restrict lo, float *restrict hi, const float *restrict x, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    lo[i] = x[i] < lo[i] ? x[i] : lo[i];
+    hi[i] = x[i] > hi[i] ? x[i] : hi[i];
+  }
+}
+
+KVP__INLINE void madd_n(float *restrict x, const float *restrict e, const float *restrict s, const float *restrict m,
+                        size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] + m[i];
+}
+
+/* s[i] = v[i / G] over d elements. */
+KVP__INLINE void broadcast(float *restrict s, const float *restrict v, uint32_t d, uint32_t gs) {
+  for (uint32_t i = 0; i < d; i += 16)
+    for (size_t j = 0; j < 16; j++) s[i + j] = v[i / gs];
+}
+
+/* Magnitude bits of the largest |x_i| (NaN above every number). */
+KVP__INLINE void magmax_n(uint32_t *restrict m, const float *restrict x, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t a = kvp__f32_bits(x[i]) & 0x7FFFFFFFu;
+    m[i] = a > m[i] ? a : m[i];
+  }
 }
 
 static int kivi_range_err(uint32_t t, uint32_t i, float x) {
@@ -205,75 +301,175 @@ static int kivi_range_err(uint32_t t, uint32_t i, float x) {
                   (double)x);
 }
 
-/* ---- K: per channel over groups of G tokens -------------------------------- */
+/* KVP_OK, or the error naming the first element of the row beyond the fp16
+ * range (or NaN). */
+KVP__INLINE int range_check(const float *x, uint32_t d, uint32_t t) {
+  uint32_t m[KVP__CHUNK] = {0}, mx = 0;
+#define MM(i, c) magmax_n(m, x + (i), (c))
+  KVP__FOR_CHUNKS(d, MM);
+#undef MM
+  for (size_t j = 0; j < KVP__CHUNK; j++) mx = m[j] > mx ? m[j] : mx;
+  if (mx <= 0x477FE000u) return KVP_OK; /* 65504 */
+  for (uint32_t i = 0; i < d; i++)
+    if (!(fabsf(x[i]) <= KIVI_F16_MAX)) return kivi_range_err(t, i, x[i]);
+  return KVP_OK;
+}
 
 static const void *row_at(const void *src, size_t stride, uint32_t t) {
   return (const unsigned char *)src + (size_t)t * stride;
 }
 
-/* Encode the K group of rows [r0, r1): min/max per channel, the records,
- * then the codes of each row. */
-static int kivi_k_group(const kivi_inst *k, const void *src, size_t stride, uint32_t r0, uint32_t r1, uint8_t *codes,
-                        uint8_t *rec) {
-  uint32_t d = k->head_dim;
-  float x[KVP_MAX_HEAD_DIM], lo[KVP_MAX_HEAD_DIM], hi[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM];
-  for (uint32_t t = r0; t < r1; t++) {
-    kvp__row_to_f32(x, row_at(src, stride, t), k->in_dtype, d);
-    for (uint32_t i = 0; i < d; i++) {
-      if (!(fabsf(x[i]) <= KIVI_F16_MAX)) return kivi_range_err(t, i, x[i]);
-      lo[i] = t == r0 ? x[i] : fminf(lo[i], x[i]);
-      hi[i] = t == r0 ? x[i] : fmaxf(hi[i], x[i]);
-    }
-  }
-  for (uint32_t i = 0; i < d; i++) {
-    kivi_q g = kivi_params(lo[i], hi[i], k->bits);
-    kivi_put(rec + (size_t)i * 4, &g);
-  }
-  for (uint32_t t = r0; t < r1; t++) {
-    kvp__row_to_f32(x, row_at(src, stride, t), k->in_dtype, d);
-    for (uint32_t i = 0; i < d; i++) {
-      kivi_q g = kivi_get(rec + (size_t)i * 4);
-      q[i] = kivi_code(x[i], &g, k->bits);
-    }
-    kvp__lsb32_pack(codes + (size_t)t * k->row_bytes, q, d, k->bits);
-  }
-  return KVP_OK;
-}
+/* ---- K: per channel over groups of G tokens -------------------------------- */
 
-static int kivi_k_encode(const kivi_inst *k, const void *src, size_t stride, uint32_t n, uint8_t *codes,
-                         uint8_t *scales) {
-  uint32_t g = k->group;
-  for (uint32_t r0 = 0; r0 < n; r0 += g) {
-    uint32_t r1 = n - r0 < g ? n : r0 + g;
-    int rc = kivi_k_group(k, src, stride, r0, r1, codes, scales + (size_t)(r0 / g) * 4 * k->head_dim);
-    if (rc) return rc;
+/* Each group of rows [r0, r1): min/max per channel, the records, then the
+ * codes of each row. */
+KVP__KERNEL(kivi_k_rows, (const kivi_inst *k, const void *src, size_t stride, uint32_t n, uint8_t *codes,
+                          uint8_t *scales),
+            (k, src, stride, n, codes, scales)) {
+  uint32_t d = k->head_dim, top = kvp__f32_bits((float)((1u << k->bits) - 1));
+  float x[KVP_MAX_HEAD_DIM], lo[KVP_MAX_HEAD_DIM], hi[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM];
+  uint32_t sc[KVP_MAX_HEAD_DIM], mc[KVP_MAX_HEAD_DIM];
+  uint8_t q[KVP_MAX_HEAD_DIM];
+  for (uint32_t r0 = 0; r0 < n; r0 += k->group) {
+    uint32_t r1 = n - r0 < k->group ? n : r0 + k->group;
+    uint8_t *rec = scales + (size_t)(r0 / k->group) * 4 * d;
+    for (uint32_t t = r0; t < r1; t++) {
+      kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
+      int rc = range_check(x, d, t);
+      if (rc) return rc;
+      if (t == r0) {
+        memcpy(lo, x, d * sizeof *x);
+        memcpy(hi, x, d * sizeof *x);
+        continue;
+      }
+#define MM(i, c) minmax_n(lo + (i), hi + (i), x + (i), (c))
+      KVP__FOR_CHUNKS(d, MM);
+#undef MM
+    }
+    params(sc, mc, lo, hi, k->bits, d);
+#define PUT(i, c) put_n(rec + 4 * (i), sc + (i), mc + (i), (c))
+    KVP__FOR_CHUNKS(d, PUT);
+#undef PUT
+#define GET(i, c) get_n(s + (i), m + (i), rec + 4 * (i), (c))
+    KVP__FOR_CHUNKS(d, GET);
+#undef GET
+    for (uint32_t t = r0; t < r1; t++) {
+      kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
+#define CODE(i, c) code_n(q + (i), x + (i), m + (i), s + (i), top, (c))
+      KVP__FOR_CHUNKS(d, CODE);
+#undef CODE
+      pack_row(codes + (size_t)t * k->row_bytes, q, d, k->bits);
+    }
   }
   return KVP_OK;
 }
 
 /* ---- V: per token over groups of G channels -------------------------------- */
 
-static int kivi_v_encode(const kivi_inst *k, const void *src, size_t stride, uint32_t n, uint8_t *codes,
-                         uint8_t *scales) {
-  uint32_t d = k->head_dim, gs = k->group, ng = d / gs;
-  float x[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM];
-  for (uint32_t t = 0; t < n; t++) {
-    kvp__row_to_f32(x, row_at(src, stride, t), k->in_dtype, d);
-    for (uint32_t j = 0; j < ng; j++) {
-      const float *xg = x + (size_t)j * gs;
-      float lo = xg[0], hi = xg[0];
-      for (uint32_t i = 0; i < gs; i++) {
-        if (!(fabsf(xg[i]) <= KIVI_F16_MAX)) return kivi_range_err(t, j * gs + i, xg[i]);
-        lo = fminf(lo, xg[i]);
-        hi = fmaxf(hi, xg[i]);
-      }
-      kivi_q g = kivi_params(lo, hi, k->bits);
-      kivi_put(scales + ((size_t)t * ng + j) * 4, &g);
-      for (uint32_t i = 0; i < gs; i++) q[j * gs + i] = kivi_code(xg[i], &g, k->bits);
+enum { V_BATCH = 8 }; /* tokens whose group parameters run together */
+
+/* The min and max of the G >= 16 values of a group, as the in-order
+ * strict compares give them: the lanes fold to the values, and a min of
+ * zero takes the sign of the group's first zero (the one those compares
+ * keep). */
+KVP__INLINE void group_minmax(const float *xg, uint32_t gs, float *lo_out, float *hi_out) {
+  float lo[16], hi[16];
+  memcpy(lo, xg, sizeof lo);
+  memcpy(hi, xg, sizeof hi);
+  for (uint32_t c = 16; c < gs; c += 16) minmax_n(lo, hi, xg + c, 16);
+  for (size_t w = 8; w >= 1; w /= 2) {
+    for (size_t j = 0; j < w; j++) {
+      lo[j] = lo[j + w] < lo[j] ? lo[j + w] : lo[j];
+      hi[j] = hi[j + w] > hi[j] ? hi[j + w] : hi[j];
     }
-    kvp__lsb32_pack(codes + (size_t)t * k->row_bytes, q, d, k->bits);
+  }
+  float l = lo[0];
+  if (l == 0.0f)
+    for (uint32_t i = 0; i < gs; i++)
+      if (xg[i] == 0.0f) {
+        l = xg[i];
+        break;
+      }
+  *lo_out = l;
+  *hi_out = hi[0];
+}
+
+/* Encode rows [t0, t0 + nb): their groups' parameters in one call. */
+KVP__INLINE void v_batch(const kivi_inst *k, const void *src, size_t stride, uint32_t t0, uint32_t nb, uint8_t *codes,
+                         uint8_t *scales, const float *lo, const float *hi) {
+  uint32_t d = k->head_dim, gs = k->group, ng = d / gs, top = kvp__f32_bits((float)((1u << k->bits) - 1));
+  uint32_t sc[V_BATCH * KVP_MAX_HEAD_DIM / 16], mc[V_BATCH * KVP_MAX_HEAD_DIM / 16];
+  float x[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM], sv[KVP_MAX_HEAD_DIM / 16],
+      mv[KVP_MAX_HEAD_DIM / 16];
+  uint8_t q[KVP_MAX_HEAD_DIM];
+  params(sc, mc, lo, hi, k->bits, (size_t)nb * ng);
+  uint8_t *rec = scales + (size_t)t0 * 4 * ng;
+#define PUT(i, c) put_n(rec + 4 * (i), sc + (i), mc + (i), (c))
+  KVP__FOR_CHUNKS((size_t)nb * ng, PUT);
+#undef PUT
+  for (uint32_t r = 0; r < nb; r++) {
+    uint32_t t = t0 + r;
+    kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
+    get_n(sv, mv, rec + (size_t)r * 4 * ng, ng);
+    broadcast(s, sv, d, gs);
+    broadcast(m, mv, d, gs);
+#define CODE(i, c) code_n(q + (i), x + (i), m + (i), s + (i), top, (c))
+    KVP__FOR_CHUNKS(d, CODE);
+#undef CODE
+    pack_row(codes + (size_t)t * k->row_bytes, q, d, k->bits);
+  }
+}
+
+KVP__KERNEL(kivi_v_rows, (const kivi_inst *k, const void *src, size_t stride, uint32_t n, uint8_t *codes,
+                          uint8_t *scales),
+            (k, src, stride, n, codes, scales)) {
+  uint32_t d = k->head_dim, gs = k->group, ng = d / gs;
+  float x[KVP_MAX_HEAD_DIM], lo[V_BATCH * KVP_MAX_HEAD_DIM / 16], hi[V_BATCH * KVP_MAX_HEAD_DIM / 16];
+  for (uint32_t t0 = 0; t0 < n; t0 += V_BATCH) {
+    uint32_t nb = n - t0 < V_BATCH ? n - t0 : V_BATCH;
+    for (uint32_t r = 0; r < nb; r++) {
+      kvp__load_row(x, row_at(src, stride, t0 + r), k->in_dtype, d);
+      int rc = range_check(x, d, t0 + r);
+      if (rc) { /* the rows before it are encoded, as in order they would be */
+        v_batch(k, src, stride, t0, r, codes, scales, lo, hi);
+        return rc;
+      }
+      for (uint32_t j = 0; j < ng; j++) group_minmax(x + j * gs, gs, &lo[r * ng + j], &hi[r * ng + j]);
+    }
+    v_batch(k, src, stride, t0, nb, codes, scales, lo, hi);
+  }
+  return KVP_OK;
+}
+
+/* ---- decode ----------------------------------------------------------------- */
+
+KVP__KERNEL(kivi_dec_rows, (const kivi_inst *k, const uint8_t *codes, const uint8_t *scales, uint32_t t0, uint32_t m,
+                            unsigned char *dst, size_t stride, kvp_dtype out),
+            (k, codes, scales, t0, m, dst, stride, out)) {
+  uint32_t d = k->head_dim, gs = k->group, ng = d / gs, group = UINT32_MAX;
+  float x[KVP_MAX_HEAD_DIM], e[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], mn[KVP_MAX_HEAD_DIM],
+      sv[KVP_MAX_HEAD_DIM / 16], mv[KVP_MAX_HEAD_DIM / 16];
+  for (uint32_t r = 0; r < m; r++) {
+    uint32_t t = t0 + r;
+    const uint8_t *c = codes + (size_t)t * k->row_bytes;
+    if (k->bits == 2)
+      for (uint32_t j = 0; j < d / 4; j++) memcpy(e + 4 * j, kivi_q2[c[j]], sizeof kivi_q2[0]);
+    else
+      for (uint32_t j = 0; j < d / 2; j++) memcpy(e + 2 * j, kivi_q4[c[j]], sizeof kivi_q4[0]);
+    if (k->kv == 0 && t / gs != group) { /* K: the group's records, once per group */
+      group = t / gs;
+#define GET(i, c) get_n(s + (i), mn + (i), scales + (size_t)group * 4 * d + 4 * (i), (c))
+      KVP__FOR_CHUNKS(d, GET);
+#undef GET
+    } else if (k->kv == 1) {
+      get_n(sv, mv, scales + (size_t)t * 4 * ng, ng);
+      broadcast(s, sv, d, gs);
+      broadcast(mn, mv, d, gs);
+    }
+#define MADD(i, c) madd_n(x + (i), e + (i), s + (i), mn + (i), (c))
+    KVP__FOR_CHUNKS(d, MADD);
+#undef MADD
+    kvp__store_row(dst + (size_t)r * stride, out, x, d);
   }
   return KVP_OK;
 }
@@ -289,8 +485,8 @@ static int kivi_encode(const void *inst, const void *src, size_t src_stride, uin
   uint64_t scales_bytes = kivi_scales_bytes(k, cap_tokens);
   memset(codes + (size_t)n * k->row_bytes, 0, (size_t)(cap_tokens - n) * k->row_bytes);
   memset(scales, 0, scales_bytes); /* records past the last group stay zero */
-  if (k->kv == 0) return kivi_k_encode(k, src, src_stride, n, codes, scales);
-  return kivi_v_encode(k, src, src_stride, n, codes, scales);
+  if (k->kv == 0) return kivi_k_rows(k, src, src_stride, n, codes, scales);
+  return kivi_v_rows(k, src, src_stride, n, codes, scales);
 }
 
 static int kivi_decode(const void *inst, const void *const *pages, uint32_t n, uint32_t cap_tokens, uint32_t t0,
@@ -298,21 +494,7 @@ static int kivi_decode(const void *inst, const void *const *pages, uint32_t n, u
   const kivi_inst *k = inst;
   int rc = kvp__codec_rows_ok("kivi", n, cap_tokens, t0, m);
   if (rc) return rc;
-  uint32_t d = k->head_dim, gs = k->group;
-  const uint8_t *codes = pages[0], *scales = pages[1];
-  float x[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM];
-  for (uint32_t r = 0; r < m; r++) {
-    uint32_t t = t0 + r;
-    kvp__lsb32_unpack(q, codes + (size_t)t * k->row_bytes, d, k->bits);
-    const uint8_t *rec = k->kv == 0 ? scales + (size_t)(t / gs) * 4 * d : scales + (size_t)t * 4 * (d / gs);
-    for (uint32_t i = 0; i < d; i++) {
-      kivi_q g = kivi_get(rec + (size_t)(k->kv == 0 ? i : i / gs) * 4);
-      x[i] = (float)q[i] * g.s + g.m;
-    }
-    kvp__row_from_f32((unsigned char *)dst + (size_t)r * dst_stride, out, x, d);
-  }
-  return KVP_OK;
+  return kivi_dec_rows(k, pages[0], pages[1], t0, m, dst, dst_stride, out);
 }
 
 const kvp_codec_vtable kvp__codec_kivi = {

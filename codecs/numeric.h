@@ -77,6 +77,9 @@
 
 #ifdef __cplusplus
 extern "C" {
+#define KVP__RESTRICT __restrict
+#else
+#define KVP__RESTRICT restrict
 #endif
 
 /* ---- scalars ------------------------------------------------------------ */
@@ -94,6 +97,208 @@ float kvp__f16_to_f32(uint16_t code);
 uint8_t kvp__e2m1_from_f32(float x);    /* a code 0..15 */
 float kvp__e2m1_to_f32(uint8_t code);   /* uses the low 4 bits of code */
 
+/* ---- branch-free forms ----------------------------------------------------
+ * The conversions above again, written without branches or tables so that
+ * a loop over them vectorizes: every choice is a mask select, and no float
+ * operation sits on a path the compiler could turn into a branch (under
+ * -ftrapping-math it will not speculate one back). Each returns what its
+ * scalar form returns, for every input (check_numeric sweeps them against
+ * the scalars; KVP_NUMERIC_EXHAUSTIVE=1 runs all 2^32 f32 patterns).
+ *
+ * Rounding without the rounding mode, for a w in [0, 2^31): t = trunc(w)
+ * (CVTTPS2DQ truncates whatever MXCSR says), w - t is exact, and it
+ * decides ties to even. The subnormal codes of a format are RNE(|x| 2^k)
+ * for the k that makes its least subnormal 1; the product is exact. The
+ * normal codes come from the f32 bits, as numeric.c's banner derives:
+ * (bits + half - 1 + lsb) >> drop, less the exponent rebias, a carry out of
+ * the mantissa walking into the exponent.
+ *
+ * Loops: gcc -O2 vectorizes only loops it needs no scalar epilogue for, so
+ * row kernels run KVP__CHUNK elements at a time through a helper inlined
+ * with a constant count (KVP__FOR_CHUNKS), then the tail through the same
+ * helper. 32 lets a byte loop fill a 256-bit vector under AVX2
+ * (codecs/kernels.h); a half chunk (16, an NVFP4 block) runs vectorized too. */
+
+#define KVP__CHUNK 32 /* elements per fixed-count inner loop */
+
+/* Inlined even into a kernel compiled for another ISA (codecs/kernels.h). */
+#define KVP__INLINE static inline __attribute__((always_inline))
+
+/* Run F(i, c) over [0, n) as: c = KVP__CHUNK while a chunk fits, one half
+ * chunk if it fits, then c = the rest (< 16). F is a function-like macro
+ * calling a KVP__INLINE helper with c as its trip count. */
+#define KVP__FOR_CHUNKS(n, F)                                                                                        \
+  do {                                                                                                               \
+    size_t i_ = 0, n_ = (n);                                                                                         \
+    for (; i_ + KVP__CHUNK <= n_; i_ += KVP__CHUNK) F(i_, KVP__CHUNK);                                               \
+    if (i_ + KVP__CHUNK / 2 <= n_) F(i_, KVP__CHUNK / 2), i_ += KVP__CHUNK / 2;                                      \
+    if (i_ < n_) F(i_, n_ - i_);                                                                                     \
+  } while (0)
+
+static inline uint32_t kvp__f32_bits(float x) {
+  uint32_t u;
+  __builtin_memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+static inline float kvp__f32_of(uint32_t u) {
+  float x;
+  __builtin_memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+/* All ones where cond, else 0; and a select by such a mask. */
+static inline uint32_t kvp__mask(int cond) { return (uint32_t)0 - (uint32_t)(cond != 0); }
+static inline uint32_t kvp__sel(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
+
+/* w rounded to the nearest integer, ties to even; 0 <= w < 2^31. The
+ * fraction f = w - t is exact (t <= w < t + 1); up when f > 1/2, or f = 1/2
+ * and t odd: on the bits of f >= 0, bits(f) + (t & 1) > bits(1/2). */
+static inline uint32_t kvp__rne_u32(float w) {
+  uint32_t t = (uint32_t)(int32_t)w;
+  uint32_t f = kvp__f32_bits(w - (float)(int32_t)t);
+  return t + (uint32_t)(f + (t & 1u) > 0x3F000000u);
+}
+
+/* Smallest normal magnitudes of the formats, as f32 bits. */
+#define KVP__FP8_MIN_NORMAL_BITS 0x3C800000u /* 2^-6 */
+#define KVP__F16_MIN_NORMAL_BITS 0x38800000u /* 2^-14 */
+#define KVP__E2M1_MIN_NORMAL_BITS 0x3F800000u /* 1 */
+
+static inline uint8_t kvp__fp8_e4m3_from_f32_bf(float x) {
+  uint32_t u = kvp__f32_bits(x), a = u & 0x7FFFFFFFu;
+  uint32_t nrm = ((a + 0x7FFFFu + (a >> 20 & 1u)) >> 20) - (120u << 3); /* valid from 2^-6 up */
+  nrm = nrm < 0x7Eu ? nrm : 0x7Eu;                                      /* saturate; inf too */
+  uint32_t as = a < KVP__FP8_MIN_NORMAL_BITS ? a : KVP__FP8_MIN_NORMAL_BITS;
+  uint32_t sub = kvp__rne_u32(kvp__f32_of(as) * 0x1p9f); /* |x| 2^9 < 8: codes 0..8 */
+  uint32_t code = kvp__sel(kvp__mask(a < KVP__FP8_MIN_NORMAL_BITS), sub, nrm) | (u >> 24 & 0x80u);
+  return (uint8_t)kvp__sel(kvp__mask(a > 0x7F800000u), KVP__FP8_E4M3_NAN, code);
+}
+
+static inline float kvp__fp8_e4m3_to_f32_bf(uint8_t c) {
+  uint32_t s = (uint32_t)(c & 0x80u) << 24, em = c & 0x7Fu;
+  uint32_t nrm = (em << 20) + (120u << 23);
+  uint32_t sub = kvp__f32_bits(kvp__f32_of(em << 20 | 121u << 23) - 0x1p-6f); /* 2^-6 (1 + m/8) - 2^-6 */
+  uint32_t r = kvp__sel(kvp__mask(em < 8u), sub, nrm);
+  return kvp__f32_of(kvp__sel(kvp__mask(em == 0x7Fu), 0x7FC00000u, r) | s);
+}
+
+static inline uint16_t kvp__bf16_from_f32_bf(float x) {
+  uint32_t u = kvp__f32_bits(x);
+  uint32_t rne = (u + 0x7FFFu + (u >> 16 & 1u)) >> 16, qnan = u >> 16 | 0x0040u;
+  return (uint16_t)kvp__sel(kvp__mask((u & 0x7FFFFFFFu) > 0x7F800000u), qnan, rne);
+}
+
+static inline float kvp__bf16_to_f32_bf(uint16_t c) { return kvp__f32_of((uint32_t)c << 16); }
+
+static inline uint16_t kvp__f16_from_f32_bf(float x) {
+  uint32_t u = kvp__f32_bits(x), a = u & 0x7FFFFFFFu, s = u >> 16 & 0x8000u;
+  uint32_t nrm = ((a + 0xFFFu + (a >> 13 & 1u)) >> 13) - (112u << 10); /* valid from 2^-14 up */
+  nrm = nrm < 0x7C00u ? nrm : 0x7C00u;                                  /* overflow: infinity */
+  uint32_t as = a < KVP__F16_MIN_NORMAL_BITS ? a : KVP__F16_MIN_NORMAL_BITS;
+  uint32_t sub = kvp__rne_u32(kvp__f32_of(as) * 0x1p24f); /* |x| 2^24 < 1024: codes 0..0x400 */
+  uint32_t code = kvp__sel(kvp__mask(a < KVP__F16_MIN_NORMAL_BITS), sub, nrm);
+  uint32_t qnan = 0x7E00u | (a >> 13 & 0x03FFu);
+  return (uint16_t)(s | kvp__sel(kvp__mask(a > 0x7F800000u), qnan, code));
+}
+
+static inline float kvp__f16_to_f32_bf(uint16_t c) {
+  uint32_t s = (uint32_t)(c & 0x8000u) << 16, em = c & 0x7FFFu;
+  uint32_t nrm = (em << 13) + (112u << 23) + (kvp__mask(em >= 0x7C00u) & (112u << 23)); /* inf, NaN: e = 255 */
+  uint32_t sub = kvp__f32_bits(kvp__f32_of(em << 13 | 113u << 23) - 0x1p-14f);        /* m 2^-24 */
+  return kvp__f32_of(kvp__sel(kvp__mask(em < 0x0400u), sub, nrm) | s);
+}
+
+static inline uint8_t kvp__e2m1_from_f32_bf(float x) {
+  uint32_t u = kvp__f32_bits(x), a = u & 0x7FFFFFFFu;
+  uint32_t nrm = ((a + 0x1FFFFFu + (a >> 22 & 1u)) >> 22) - (126u << 1); /* valid from 1 up */
+  nrm = nrm < 7u ? nrm : 7u;
+  uint32_t sub = (uint32_t)(a > 0x3E800000u) + (uint32_t)(a >= 0x3F400000u); /* 0.25 -> 0, 0.75 -> 2 (even) */
+  uint32_t code = kvp__sel(kvp__mask(a < KVP__E2M1_MIN_NORMAL_BITS), sub, nrm) | (u >> 28 & 0x8u);
+  return (uint8_t)kvp__sel(kvp__mask(a > 0x7F800000u), 0x7u, code);
+}
+
+static inline float kvp__e2m1_to_f32_bf(uint8_t c) {
+  uint32_t em = c & 0x7u, s = (uint32_t)(c & 0x8u) << 28;
+  uint32_t nrm = (em << 22) + (126u << 23);
+  uint32_t sub = kvp__f32_bits(kvp__f32_of(((em | 2u) << 22) + (126u << 23)) - 1.0f); /* 0 or 0.5 */
+  return kvp__f32_of(kvp__sel(kvp__mask(em < 2u), sub, nrm) | s);
+}
+
+/* ---- inline rows, for kernels (n elements; no overlap) --------------------- */
+
+KVP__INLINE void kvp__bf16_load_n(float *KVP__RESTRICT x, const uint16_t *KVP__RESTRICT h, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = kvp__bf16_to_f32_bf(h[i]);
+}
+KVP__INLINE void kvp__f16_load_n(float *KVP__RESTRICT x, const uint16_t *KVP__RESTRICT h, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = kvp__f16_to_f32_bf(h[i]);
+}
+KVP__INLINE void kvp__bf16_store_n(uint16_t *KVP__RESTRICT h, const float *KVP__RESTRICT x, size_t n) {
+  for (size_t i = 0; i < n; i++) h[i] = kvp__bf16_from_f32_bf(x[i]);
+}
+KVP__INLINE void kvp__f16_store_n(uint16_t *KVP__RESTRICT h, const float *KVP__RESTRICT x, size_t n) {
+  for (size_t i = 0; i < n; i++) h[i] = kvp__f16_from_f32_bf(x[i]);
+}
+
+/* x = the n elements of src (dt) in f32. */
+KVP__INLINE void kvp__load_row(float *KVP__RESTRICT x, const void *KVP__RESTRICT src, kvp_dtype dt, size_t n) {
+  const uint16_t *h = (const uint16_t *)src;
+  if (dt == KVP_DTYPE_BF16) {
+#define KVP__LD(i, c) kvp__bf16_load_n(x + (i), h + (i), (c))
+    KVP__FOR_CHUNKS(n, KVP__LD);
+#undef KVP__LD
+  } else if (dt == KVP_DTYPE_F16) {
+#define KVP__LD(i, c) kvp__f16_load_n(x + (i), h + (i), (c))
+    KVP__FOR_CHUNKS(n, KVP__LD);
+#undef KVP__LD
+  } else {
+    __builtin_memcpy(x, src, n * sizeof *x);
+  }
+}
+
+/* dst (n elements of dt) = x rounded as the scalar encoders round. */
+KVP__INLINE void kvp__store_row(void *KVP__RESTRICT dst, kvp_dtype dt, const float *KVP__RESTRICT x, size_t n) {
+  uint16_t *h = (uint16_t *)dst;
+  if (dt == KVP_DTYPE_BF16) {
+#define KVP__ST(i, c) kvp__bf16_store_n(h + (i), x + (i), (c))
+    KVP__FOR_CHUNKS(n, KVP__ST);
+#undef KVP__ST
+  } else if (dt == KVP_DTYPE_F16) {
+#define KVP__ST(i, c) kvp__f16_store_n(h + (i), x + (i), (c))
+    KVP__FOR_CHUNKS(n, KVP__ST);
+#undef KVP__ST
+  } else {
+    __builtin_memcpy(dst, x, n * sizeof *x);
+  }
+}
+
+/* Lanes m[j] = max over elements j mod c of |x|: a NaN never wins the
+ * compare, as fmaxf(acc, |x|) skips it. */
+KVP__INLINE void kvp__absmax_n(float *KVP__RESTRICT m, const float *KVP__RESTRICT x, size_t n) {
+  for (size_t j = 0; j < n; j++) {
+    float a = __builtin_fabsf(x[j]);
+    m[j] = a > m[j] ? a : m[j];
+  }
+}
+KVP__INLINE void kvp__max_fold_n(float *KVP__RESTRICT m, const float *KVP__RESTRICT hi, size_t n) {
+  for (size_t j = 0; j < n; j++) m[j] = hi[j] > m[j] ? hi[j] : m[j];
+}
+
+/* max |x_i| over n elements, 0 for n = 0, NaNs skipped: the value of
+ * acc = fmaxf(acc, fabsf(x_i)) from acc = 0, in any order, for max is
+ * exact and every |x| is +0 or above. */
+KVP__INLINE float kvp__absmax(const float *x, size_t n) {
+  float m[KVP__CHUNK] = {0};
+#define KVP__AM(i, c) kvp__absmax_n(m, x + (i), (c))
+  KVP__FOR_CHUNKS(n, KVP__AM);
+#undef KVP__AM
+  kvp__max_fold_n(m, m + 16, 16);
+  kvp__max_fold_n(m, m + 8, 8);
+  kvp__max_fold_n(m, m + 4, 4);
+  kvp__max_fold_n(m, m + 2, 2);
+  return m[1] > m[0] ? m[1] : m[0];
+}
+
 /* ---- rows (n elements; dst and src must not overlap) -------------------- */
 
 /* Bytes of one element of dt: 4 for F32, 2 for BF16 and F16. */
@@ -109,12 +314,12 @@ size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n);
 /* Copy n elements, NaN -> +0 and +-Inf -> +-largest finite of the dtype. */
 void kvp__row_sanitize(void *dst, const void *src, kvp_dtype dt, size_t n);
 
-void kvp__bf16_to_f32_row(float *dst, const uint16_t *src, size_t n);
-void kvp__bf16_from_f32_row(uint16_t *dst, const float *src, size_t n);
-void kvp__f16_to_f32_row(float *dst, const uint16_t *src, size_t n);
-void kvp__f16_from_f32_row(uint16_t *dst, const float *src, size_t n);
-void kvp__fp8_e4m3_to_f32_row(float *dst, const uint8_t *src, size_t n);
-void kvp__fp8_e4m3_from_f32_row(uint8_t *dst, const float *src, size_t n);
+void kvp__bf16_to_f32_row(float *KVP__RESTRICT dst, const uint16_t *KVP__RESTRICT src, size_t n);
+void kvp__bf16_from_f32_row(uint16_t *KVP__RESTRICT dst, const float *KVP__RESTRICT src, size_t n);
+void kvp__f16_to_f32_row(float *KVP__RESTRICT dst, const uint16_t *KVP__RESTRICT src, size_t n);
+void kvp__f16_from_f32_row(uint16_t *KVP__RESTRICT dst, const float *KVP__RESTRICT src, size_t n);
+void kvp__fp8_e4m3_to_f32_row(float *KVP__RESTRICT dst, const uint8_t *KVP__RESTRICT src, size_t n);
+void kvp__fp8_e4m3_from_f32_row(uint8_t *KVP__RESTRICT dst, const float *KVP__RESTRICT src, size_t n);
 
 /* ---- packed codes (bits = 2, 3 or 4; see the layouts above) ------------- */
 

@@ -71,7 +71,7 @@
  *   Range: |x| near FLT_MAX may decode to +-inf (6*448*g rounds up).
  */
 #include "builtin.h"
-#include "numeric.h"
+#include "kernels.h"
 
 #include <float.h>
 
@@ -143,70 +143,280 @@ static void nvfp4_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout
   out->bytes[2] = 4;
 }
 
-/* ---- one 16-block -------------------------------------------------------------- */
+/* ---- row kernels ------------------------------------------------------------
+ * Both ISAs (codecs/kernels.h), the banner's f32 operations in its order.
+ *
+ * Encode, per row: x (minus the mean), u = x / g; the block amax a from
+ * the magnitude bits of u (a NaN counts 0, as fmaxf skipped it; on numbers
+ * the bits order as the values); the scale codes of all blocks at once,
+ * branch-free: c = E4M3(a / T), kept when c >= 0x08 (its value >= 2^-6),
+ * else ceil(a / T * 512) clamped to 1..8, ceil as trunc + (w > trunc);
+ * then per block the codes E2M1(u / s). Rule 4/6 compares the two
+ * candidates' squared errors: the terms vectorized, their sum in order.
+ *
+ * Decode, per row: a 256-entry table gives the E2M1 values of both
+ * nibbles of a code byte; then (e * s) * g per block, + mean, the row out. */
 
-/* The E4M3 scale code for a block of amax a > 0 and target T (see banner). */
-static uint8_t nvfp4_scale_code(float a, float target) {
-  float t = a / target;
-  uint8_t c = kvp__fp8_e4m3_from_f32(t);
-  if (kvp__fp8_e4m3_to_f32(c) >= NVFP4_E4M3_MIN_NORMAL) return c;
-  float k = ceilf(t * 512.0f); /* codes 1..8 are k * 2^-9 */
-  return (uint8_t)(k < 1.0f ? 1 : k > 8.0f ? 8 : k);
+#define NVFP4_MAX_BLOCKS (KVP_MAX_HEAD_DIM / NVFP4_BLOCK + 8) /* + a chunk of 8 lanes of padding */
+
+/* E2M1 values of the two codes of a byte, low nibble first. */
+#define E2M1_MAG(m)                                                                                                    \
+  ((m) == 0 ? 0.0f : (m) == 1 ? 0.5f : (m) == 2 ? 1.0f : (m) == 3 ? 1.5f : (m) == 4 ? 2.0f : (m) == 5 ? 3.0f         \
+   : (m) == 6 ? 4.0f : 6.0f)
+#define E2M1_VAL(c) (((c) & 8) ? -E2M1_MAG((c) & 7) : E2M1_MAG((c) & 7))
+#define PAIR(b) {E2M1_VAL((b) & 15), E2M1_VAL((b) >> 4)}
+#define PAIR4(b) PAIR(b), PAIR((b) + 1), PAIR((b) + 2), PAIR((b) + 3)
+#define PAIR16(b) PAIR4(b), PAIR4((b) + 4), PAIR4((b) + 8), PAIR4((b) + 12)
+#define PAIR64(b) PAIR16(b), PAIR16((b) + 16), PAIR16((b) + 32), PAIR16((b) + 48)
+static const float e2m1_pair[256][2] = {PAIR64(0), PAIR64(64), PAIR64(128), PAIR64(192)};
+
+KVP__INLINE void sub_n(float *restrict x, float mean, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] -= mean;
 }
 
-/* Quantize the block u[0..16) (x / g) with scale code sc into codes q;
- * returns the squared error of the decoded block against x. */
-static double nvfp4_quant(const float *u, const float *x, float g, uint8_t sc, uint8_t *q) {
-  float s = kvp__fp8_e4m3_to_f32(sc);
-  double err = 0.0;
-  for (uint32_t i = 0; i < NVFP4_BLOCK; i++) {
-    q[i] = kvp__e2m1_from_f32(u[i] / s);
-    double e = (double)x[i] - (double)(kvp__e2m1_to_f32(q[i]) * s * g);
-    err += e * e;
-  }
-  return err;
+KVP__INLINE void add_n(float *restrict x, float mean, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] += mean;
 }
 
-/* Encode one 16-block of x: returns its scale code, codes in q. */
-static uint8_t nvfp4_block(const nvfp4_inst *f, const float *x, float g, uint8_t *q) {
-  float u[NVFP4_BLOCK], a = 0.0f;
-  for (uint32_t i = 0; i < NVFP4_BLOCK; i++) {
-    u[i] = x[i] / g;
-    a = fmaxf(a, fabsf(u[i]));
-  }
-  if (a == 0.0f) {
-    memset(q, 0, NVFP4_BLOCK);
-    return 0;
-  }
-  uint8_t sc6 = nvfp4_scale_code(a, 6.0f);
-  double e6 = nvfp4_quant(u, x, g, sc6, q);
-  if (!f->rule46) return sc6;
-  uint8_t sc4 = nvfp4_scale_code(a, 4.0f), q4[NVFP4_BLOCK];
-  if (sc4 == sc6) return sc6;
-  double e4 = nvfp4_quant(u, x, g, sc4, q4);
-  if (!(e4 < e6)) return sc6;
-  memcpy(q, q4, NVFP4_BLOCK);
-  return sc4;
+KVP__INLINE void div_n(float *restrict u, const float *restrict x, float g, size_t n) {
+  for (size_t i = 0; i < n; i++) u[i] = x[i] / g;
 }
 
-/* ---- a block of tokens ------------------------------------------------------- */
+/* Magnitude bits of the largest |u_i| of a block, NaNs as 0. */
+KVP__INLINE uint32_t blk_amax_bits(const float *u) {
+  uint32_t m = 0;
+  for (size_t i = 0; i < NVFP4_BLOCK; i++) {
+    uint32_t b = kvp__f32_bits(u[i]) & 0x7FFFFFFFu;
+    b &= kvp__mask(b <= 0x7F800000u);
+    m = b > m ? b : m;
+  }
+  return m;
+}
 
-/* Row t of src in f32, minus its mean when smoothing: the mean is computed
- * (double sum / D, rounded to bf16) and stored when store is set, else
- * read back from the page. */
-static void nvfp4_row(const nvfp4_inst *f, const void *src, size_t stride, uint32_t t, uint8_t *means, int store,
-                      float *x) {
+/* Scale codes for n blocks of amax bits ab (n a multiple of 8, padding
+ * lanes included) and target T. */
+KVP__INLINE void scale_codes_n(uint32_t *restrict sc, const uint32_t *restrict ab, float target, size_t n) {
+  for (size_t k = 0; k < n; k++) {
+    float t = kvp__f32_of(ab[k]) / target;
+    uint32_t c = kvp__fp8_e4m3_from_f32_bf(t);
+    uint32_t w = kvp__f32_bits(t * 512.0f), wc = w < 0x41800000u ? w : 0x41800000u; /* min(w, 16) */
+    int32_t ti = (int32_t)kvp__f32_of(wc);
+    uint32_t up = (uint32_t)ti + (uint32_t)(kvp__f32_of(wc) > (float)ti); /* ceil */
+    up = up > 1u ? up : 1u;
+    up = up < 8u ? up : 8u;
+    sc[k] = kvp__sel(kvp__mask(c >= 0x08u), c, up);
+  }
+}
+
+/* s[i] = v[k] for the 16 elements of each of nsc blocks. */
+KVP__INLINE void blk_broadcast(float *restrict s, const float *restrict v, uint32_t nsc) {
+  for (uint32_t k = 0; k < nsc; k++)
+    for (size_t j = 0; j < NVFP4_BLOCK; j++) s[k * NVFP4_BLOCK + j] = v[k];
+}
+
+KVP__INLINE void quant_n(uint8_t *restrict q, const float *restrict u, const float *restrict s, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = kvp__e2m1_from_f32_bf(u[i] / s[i]);
+}
+
+/* Squared error terms of elements decoded from codes q (scales s), against
+ * x, in double. */
+KVP__INLINE void err_n(double *restrict t, const float *restrict x, const uint8_t *restrict q,
+                       const float *restrict s, float g, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    double e = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q[i]) * s[i] * g);
+    t[i] = e * e;
+  }
+}
+
+/* Rule 4/6 on block terms: 1 when the 4-candidate's squared error is the
+ * lower. Each error is its 16 terms summed in index order; the two sums
+ * run as two chains. */
+KVP__INLINE int blk_prefer4(const double *t6, const double *t4) {
+  double e6 = 0.0, e4 = 0.0;
+  for (size_t i = 0; i < NVFP4_BLOCK; i++) {
+    e6 += t6[i];
+    e4 += t4[i];
+  }
+  return e4 < e6;
+}
+
+/* q = (q4 where m, else q) & keep: m and keep are 0x00 or 0xFF per element. */
+KVP__INLINE void pick_n(uint8_t *restrict q, const uint8_t *restrict q4, const uint8_t *restrict m,
+                        const uint8_t *restrict keep, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = (uint8_t)(((q4[i] & m[i]) | (q[i] & ~m[i])) & keep[i]);
+}
+
+KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+  for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
+}
+
+KVP__INLINE void dec_n(float *restrict x, const float *restrict e, const float *restrict s, float g, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] * g;
+}
+
+/* ---- the ksmooth mean -------------------------------------------------------- *
+ * mean = (float)(sum / D), the sum of the row in double in index order. When
+ * every partial sum is exact, any order gives that sum: the values are
+ * multiples of 2^(emin - p + 1) (p significand bits of the in dtype, emin
+ * the least exponent of a nonzero value) and partial sums stay below
+ * 2^(emax + 1 + log2 D); exact when that spans at most 53 bits. Then lanes
+ * sum in parallel; otherwise the loop runs in order. */
+
+KVP__INLINE void exp_range_n(uint32_t *restrict lo, uint32_t *restrict hi, const float *restrict x, size_t n) {
+  for (size_t j = 0; j < n; j++) {
+    uint32_t e = kvp__f32_bits(x[j]) >> 23 & 0xFFu, z = kvp__mask((kvp__f32_bits(x[j]) & 0x7FFFFFFFu) == 0);
+    uint32_t el = e | (z & 0xFFu), eh = e & ~z; /* zeros count for neither */
+    lo[j] = el < lo[j] ? el : lo[j];
+    hi[j] = eh > hi[j] ? eh : hi[j];
+  }
+}
+
+KVP__INLINE void sum_n(double *restrict acc, const float *restrict x, size_t n) {
+  for (size_t j = 0; j < n; j++) acc[j] += (double)x[j];
+}
+
+KVP__INLINE double row_sum(const float *x, uint32_t d, unsigned sig_bits) {
+  uint32_t lo[KVP__CHUNK], hi[KVP__CHUNK], elo = 0xFFu, ehi = 0;
+  for (size_t j = 0; j < KVP__CHUNK; j++) lo[j] = 0xFFu, hi[j] = 0;
+#define ER(i, c) exp_range_n(lo, hi, x + (i), (c))
+  KVP__FOR_CHUNKS(d, ER);
+#undef ER
+  for (size_t j = 0; j < KVP__CHUNK; j++) {
+    elo = lo[j] < elo ? lo[j] : elo;
+    ehi = hi[j] > ehi ? hi[j] : ehi;
+  }
+  unsigned log2d = 0;
+  while ((1u << log2d) < d) log2d++;
+  double sum = 0.0;
+  if (elo == 0 || ehi == 0xFFu || (ehi > elo && ehi - elo + log2d + sig_bits > 53)) {
+    for (uint32_t i = 0; i < d; i++) sum += (double)x[i]; /* subnormal, inf or NaN, or a wide range */
+    return sum;
+  }
+  double acc[KVP__CHUNK] = {0};
+#define SUM(i, c) sum_n(acc, x + (i), (c))
+  KVP__FOR_CHUNKS(d, SUM);
+#undef SUM
+  for (size_t j = 0; j < KVP__CHUNK; j++) sum += acc[j];
+  return sum;
+}
+
+/* Significand bits of an in dtype's values. */
+static unsigned dtype_sig_bits(kvp_dtype dt) { return dt == KVP_DTYPE_BF16 ? 8 : dt == KVP_DTYPE_F16 ? 11 : 24; }
+
+/* Row t of src in f32 into x, minus its mean when smoothing: the mean is
+ * computed and stored when store is set, else read back from the page. */
+KVP__INLINE void nvfp4_row(const nvfp4_inst *f, const unsigned char *src, size_t stride, uint32_t t, uint8_t *means,
+                           int store, float *x) {
   uint32_t d = f->head_dim;
-  kvp__row_to_f32(x, (const unsigned char *)src + (size_t)t * stride, f->in_dtype, d);
+  kvp__load_row(x, src + (size_t)t * stride, f->in_dtype, d);
   if (!f->ksmooth) return;
   if (store) {
-    double sum = 0.0;
-    for (uint32_t i = 0; i < d; i++) sum += (double)x[i];
+    double sum = row_sum(x, d, dtype_sig_bits(f->in_dtype));
     kvp__st_le16(means + (size_t)t * 2, kvp__bf16_from_f32((float)(sum / d)));
   }
-  float mean = kvp__bf16_to_f32(kvp__ld_le16(means + (size_t)t * 2));
-  for (uint32_t i = 0; i < d; i++) x[i] -= mean;
+  float mean = kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2));
+#define SUB(i, c) sub_n(x + (i), mean, (c))
+  KVP__FOR_CHUNKS(d, SUB);
+#undef SUB
 }
+
+/* Pass 1: means (stored) and the amax A of the rows. */
+KVP__KERNEL(nvfp4_amax_rows, (const nvfp4_inst *f, const unsigned char *src, size_t stride, uint32_t n, uint8_t *means,
+                              float *amax),
+            (f, src, stride, n, means, amax)) {
+  float x[KVP_MAX_HEAD_DIM], a = 0.0f;
+  for (uint32_t t = 0; t < n; t++) {
+    nvfp4_row(f, src, stride, t, means, 1, x);
+    float r = kvp__absmax(x, f->head_dim);
+    a = r > a ? r : a;
+  }
+  *amax = a;
+  return KVP_OK;
+}
+
+/* Pass 2: the codes and block scales of every row, for g > 0. Per row:
+ * u, the block amaxes and both candidates' scale codes, then whole-row
+ * passes with each element's block scale beside it. */
+KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size_t stride, uint32_t n, float g,
+                             uint8_t *codes, uint8_t *scales, uint8_t *means),
+            (f, src, stride, n, g, codes, scales, means)) {
+  uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
+  float x[KVP_MAX_HEAD_DIM], u[KVP_MAX_HEAD_DIM], s6[KVP_MAX_HEAD_DIM], s4[KVP_MAX_HEAD_DIM];
+  double t6[KVP_MAX_HEAD_DIM], t4[KVP_MAX_HEAD_DIM];
+  uint8_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM], keep[KVP_MAX_HEAD_DIM];
+  uint32_t ab[NVFP4_MAX_BLOCKS] = {0}, sc6[NVFP4_MAX_BLOCKS], sc4[NVFP4_MAX_BLOCKS];
+  float v6[NVFP4_MAX_BLOCKS], v4[NVFP4_MAX_BLOCKS];
+  for (uint32_t t = 0; t < n; t++) {
+    nvfp4_row(f, src, stride, t, means, 0, x);
+#define DIV(i, c) div_n(u + (i), x + (i), g, (c))
+    KVP__FOR_CHUNKS(d, DIV);
+#undef DIV
+    for (uint32_t k = 0; k < nsc; k++) ab[k] = blk_amax_bits(u + k * NVFP4_BLOCK);
+    for (uint32_t k = 0; k < nsc; k += 8) scale_codes_n(sc6 + k, ab + k, 6.0f, 8);
+    for (uint32_t k = 0; k < nsc; k++) v6[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)sc6[k]);
+    blk_broadcast(s6, v6, nsc);
+#define QUANT(i, c) quant_n(q + (i), u + (i), s6 + (i), (c))
+    KVP__FOR_CHUNKS(d, QUANT);
+#undef QUANT
+    for (uint32_t k = 0; k < nsc; k++) {
+      uint8_t z = (uint8_t)kvp__mask(ab[k] != 0); /* a block of zeros: codes and scale 0 */
+      memset(keep + k * NVFP4_BLOCK, z, NVFP4_BLOCK);
+      memset(m4 + k * NVFP4_BLOCK, 0, NVFP4_BLOCK);
+      sc6[k] &= z;
+    }
+    if (f->rule46) { /* no branch on a block's outcome: it is data */
+      for (uint32_t k = 0; k < nsc; k += 8) scale_codes_n(sc4 + k, ab + k, 4.0f, 8);
+      for (uint32_t k = 0; k < nsc; k++) v4[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)sc4[k]);
+      blk_broadcast(s4, v4, nsc);
+#define QUANT(i, c) quant_n(q4 + (i), u + (i), s4 + (i), (c))
+      KVP__FOR_CHUNKS(d, QUANT);
+#undef QUANT
+#define ERR(i, c) err_n(t6 + (i), x + (i), q + (i), s6 + (i), g, (c)), err_n(t4 + (i), x + (i), q4 + (i), s4 + (i), g, (c))
+      KVP__FOR_CHUNKS(d, ERR);
+#undef ERR
+      for (uint32_t k = 0; k < nsc; k++) {
+        int use4 = sc6[k] != 0 && sc4[k] != sc6[k] && blk_prefer4(t6 + k * NVFP4_BLOCK, t4 + k * NVFP4_BLOCK);
+        memset(m4 + k * NVFP4_BLOCK, (int)(uint8_t)kvp__mask(use4), NVFP4_BLOCK);
+        sc6[k] = kvp__sel(kvp__mask(use4), sc4[k], sc6[k]);
+      }
+    }
+#define PICK(i, c) pick_n(q + (i), q4 + (i), m4 + (i), keep + (i), (c))
+    KVP__FOR_CHUNKS(d, PICK);
+#undef PICK
+    for (uint32_t k = 0; k < nsc; k++) scales[(size_t)t * nsc + k] = (uint8_t)sc6[k];
+#define PACK(i, c) nib_pack_n(codes + (size_t)t * (d / 2) + (i) / 2, q + (i), (c) / 2)
+    KVP__FOR_CHUNKS(d, PACK);
+#undef PACK
+  }
+  return KVP_OK;
+}
+
+KVP__KERNEL(nvfp4_dec_rows, (const nvfp4_inst *f, const uint8_t *codes, const uint8_t *scales, const uint8_t *means,
+                             float g, uint32_t t0, uint32_t m, unsigned char *dst, size_t stride, kvp_dtype out),
+            (f, codes, scales, means, g, t0, m, dst, stride, out)) {
+  uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
+  float x[KVP_MAX_HEAD_DIM], e[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], v[NVFP4_MAX_BLOCKS];
+  for (uint32_t r = 0; r < m; r++) {
+    uint32_t t = t0 + r;
+    const uint8_t *c = codes + (size_t)t * (d / 2), *sc = scales + (size_t)t * nsc;
+    for (uint32_t j = 0; j < d / 2; j++) memcpy(e + 2 * j, e2m1_pair[c[j]], sizeof e2m1_pair[0]);
+    for (uint32_t k = 0; k < nsc; k++) v[k] = kvp__fp8_e4m3_to_f32_bf(sc[k]);
+    blk_broadcast(s, v, nsc);
+#define DEC(i, k) dec_n(x + (i), e + (i), s + (i), g, (k))
+    KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+    if (f->ksmooth) {
+      float mean = kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2));
+#define ADD(i, k) add_n(x + (i), mean, (k))
+      KVP__FOR_CHUNKS(d, ADD);
+#undef ADD
+    }
+    kvp__store_row(dst + (size_t)r * stride, out, x, d);
+  }
+  return KVP_OK;
+}
+
+/* ---- vtable entries ---------------------------------------------------------- */
 
 static int nvfp4_encode(const void *inst, const void *src, size_t src_stride, uint32_t n, uint32_t cap_tokens,
                         void *const *pages) {
@@ -215,24 +425,15 @@ static int nvfp4_encode(const void *inst, const void *src, size_t src_stride, ui
   if (rc) return rc;
   uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
   uint8_t *codes = pages[0], *scales = pages[1], *means = scales + (size_t)cap_tokens * nsc;
-  float x[KVP_MAX_HEAD_DIM], amax = 0.0f;
-  uint8_t q[KVP_MAX_HEAD_DIM];
+  float amax;
   memset(codes, 0, (size_t)cap_tokens * (d / 2));
   memset(scales, 0, (size_t)cap_tokens * (nsc + (f->ksmooth ? 2u : 0u)));
-  for (uint32_t t = 0; t < n; t++) {
-    nvfp4_row(f, src, src_stride, t, means, 1, x);
-    for (uint32_t i = 0; i < d; i++) amax = fmaxf(amax, fabsf(x[i]));
-  }
-  float g = amax == 0.0f ? 0.0f : fmaxf(amax / NVFP4_GMAX, FLT_MIN);
+  nvfp4_amax_rows(f, src, src_stride, n, means, &amax);
+  float g = amax == 0.0f ? 0.0f : amax / NVFP4_GMAX;
+  if (g != 0.0f && !(g > FLT_MIN)) g = FLT_MIN;
   kvp__st_lef32(pages[2], g);
   if (g == 0.0f) return KVP_OK;
-  for (uint32_t t = 0; t < n; t++) {
-    nvfp4_row(f, src, src_stride, t, means, 0, x);
-    for (uint32_t k = 0; k < nsc; k++)
-      scales[(size_t)t * nsc + k] = nvfp4_block(f, x + k * NVFP4_BLOCK, g, q + k * NVFP4_BLOCK);
-    kvp__nib_pack(codes + (size_t)t * (d / 2), q, d);
-  }
-  return KVP_OK;
+  return nvfp4_enc_rows(f, src, src_stride, n, g, codes, scales, means);
 }
 
 static int nvfp4_decode(const void *inst, const void *const *pages, uint32_t n, uint32_t cap_tokens, uint32_t t0,
@@ -240,23 +441,10 @@ static int nvfp4_decode(const void *inst, const void *const *pages, uint32_t n, 
   const nvfp4_inst *f = inst;
   int rc = kvp__codec_rows_ok("nvfp4", n, cap_tokens, t0, m);
   if (rc) return rc;
-  uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
-  const uint8_t *codes = pages[0], *scales = pages[1], *means = scales + (size_t)cap_tokens * nsc;
-  float g = kvp__ld_lef32(pages[2]), x[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM];
-  for (uint32_t r = 0; r < m; r++) {
-    uint32_t t = t0 + r;
-    kvp__nib_unpack(q, codes + (size_t)t * (d / 2), d);
-    float mean = f->ksmooth ? kvp__bf16_to_f32(kvp__ld_le16(means + (size_t)t * 2)) : 0.0f;
-    for (uint32_t k = 0; k < nsc; k++) {
-      float s = kvp__fp8_e4m3_to_f32(scales[(size_t)t * nsc + k]);
-      for (uint32_t i = k * NVFP4_BLOCK; i < (k + 1) * NVFP4_BLOCK; i++) x[i] = kvp__e2m1_to_f32(q[i]) * s * g;
-    }
-    if (f->ksmooth)
-      for (uint32_t i = 0; i < d; i++) x[i] += mean;
-    kvp__row_from_f32((unsigned char *)dst + (size_t)r * dst_stride, out, x, d);
-  }
-  return KVP_OK;
+  uint32_t nsc = f->head_dim / NVFP4_BLOCK;
+  const uint8_t *scales = pages[1];
+  return nvfp4_dec_rows(f, pages[0], scales, scales + (size_t)cap_tokens * nsc, kvp__ld_lef32(pages[2]), t0, m, dst,
+                        dst_stride, out);
 }
 
 const kvp_codec_vtable kvp__codec_nvfp4 = {

@@ -2,7 +2,9 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json]
+ *   kvpool-bench [--quick] [--json] [--codecs]
+ *
+ * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs).
  *
  * Figures
  *   alloc_free_pair_ns  median cost of one alloc + one free over a page-size
@@ -308,15 +310,46 @@ static codec_fig bench_codec(const char *name, const char *params, int rounds, d
   return f;
 }
 
+/* The codec figures: one table line and one JSON line per codec case. */
+static void print_codecs(int quick, int json_only) {
+  static const struct {
+    const char *name, *params, *label;
+    int rounds; /* 0: the default; qvg's k-means encode takes ~0.2 s per block per stage: one round */
+  } codecs[] = {{"raw", "", "bf16 (raw)", 0},
+                {"fp8", "", "fp8 dynamic", 0},
+                {"int8", "", "int8", 0},
+                {"kivi", "bits=2:group=32", "kivi b2 g32 (K)", 0},
+                {"nvfp4", "", "nvfp4 rule 6", 0},
+                {"nvfp4", "rule=4/6:ksmooth=store", "nvfp4 4/6 + ksmooth", 0},
+                {"qvg", "", "qvg s1 g64 b2 K256", 1},
+                {"qvg-pro", "", "qvg-pro s4 g16 b2 K256", 1}};
+  for (size_t i = 0; i < sizeof codecs / sizeof codecs[0]; i++) {
+    double mc;
+    int crounds = codecs[i].rounds ? codecs[i].rounds : quick ? 3 : 9;
+    codec_fig cf = bench_codec(codecs[i].name, codecs[i].params, crounds, &mc);
+    if (!json_only)
+      printf("%-34s enc %7.3f GB/s (%.3fx)  dec %6.2f GB/s (%.2fx)  memcpy %6.2f GB/s\n", codecs[i].label, cf.enc,
+             cf.enc / mc, cf.dec, cf.dec / mc, mc);
+    printf("{\"figure\":\"codec_gbs\",\"codec\":\"%s\",\"encode_gbs\":%.3f,\"decode_gbs\":%.3f,"
+           "\"baseline\":\"memcpy\",\"baseline_gbs\":%.3f,\"encode_ratio\":%.3f,\"decode_ratio\":%.3f}\n",
+           codecs[i].label, cf.enc, cf.dec, mc, cf.enc / mc, cf.dec / mc);
+  }
+}
+
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
+    else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
     else {
-      fprintf(stderr, "usage: kvpool-bench [--quick] [--json]\n");
+      fprintf(stderr, "usage: kvpool-bench [--quick] [--json] [--codecs]\n");
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
+  }
+  if (codecs_only) {
+    print_codecs(quick, json_only);
+    return 0;
   }
   const int rounds = quick ? 3 : 11;
   const uint32_t nops = quick ? 200000 : 2000000, nlive = 4096;
@@ -386,28 +419,7 @@ int main(int argc, char **argv) {
   printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
          "\"ratio\":%.3f,\"tokens\":4096}\n",
          f.var, f.var_base, f.var / f.var_base);
-  static const struct {
-    const char *name, *params, *label;
-    int rounds; /* 0: the default; qvg's k-means encode takes ~0.2 s per block per stage: one round */
-  } codecs[] = {{"raw", "", "bf16 (raw)", 0},
-                {"fp8", "", "fp8 dynamic", 0},
-                {"int8", "", "int8", 0},
-                {"kivi", "bits=2:group=32", "kivi b2 g32 (K)", 0},
-                {"nvfp4", "", "nvfp4 rule 6", 0},
-                {"nvfp4", "rule=4/6:ksmooth=store", "nvfp4 4/6 + ksmooth", 0},
-                {"qvg", "", "qvg s1 g64 b2 K256", 1},
-                {"qvg-pro", "", "qvg-pro s4 g16 b2 K256", 1}};
-  for (size_t i = 0; i < sizeof codecs / sizeof codecs[0]; i++) {
-    double mc;
-    int crounds = codecs[i].rounds ? codecs[i].rounds : quick ? 3 : 9;
-    codec_fig cf = bench_codec(codecs[i].name, codecs[i].params, crounds, &mc);
-    if (!json_only)
-      printf("%-34s enc %7.3f GB/s (%.3fx)  dec %6.2f GB/s (%.2fx)  memcpy %6.2f GB/s\n", codecs[i].label, cf.enc,
-             cf.enc / mc, cf.dec, cf.dec / mc, mc);
-    printf("{\"figure\":\"codec_gbs\",\"codec\":\"%s\",\"encode_gbs\":%.3f,\"decode_gbs\":%.3f,"
-           "\"baseline\":\"memcpy\",\"baseline_gbs\":%.3f,\"encode_ratio\":%.3f,\"decode_ratio\":%.3f}\n",
-           codecs[i].label, cf.enc, cf.dec, mc, cf.enc / mc, cf.dec / mc);
-  }
+  print_codecs(quick, json_only);
   printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
          "\"ratio\":%.3f}\n",
          f.read, f.read_base, f.read / f.read_base);

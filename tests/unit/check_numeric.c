@@ -7,7 +7,9 @@
  * binary search in the table of all values, an explicit ties-to-even rule)
  * agrees with the library on 10 million random floats per format. Then row
  * conversions, and the three layouts of packed 2/3/4-bit codes, pinned by
- * hand-written bytes.
+ * hand-written bytes. The branch-free forms (and the vectorized rows built
+ * on them) agree with the scalar conversions on every code and on a sweep
+ * of f32 patterns covering every tie position.
  *
  * KVP_NUMERIC_EXHAUSTIVE=1 in the environment makes the reference test run
  * over all 2^32 f32 bit patterns instead of the random sample (minutes).
@@ -493,6 +495,108 @@ START_TEST(pack_bit_order_pinned) {
 }
 END_TEST
 
+/* ---- branch-free forms --------------------------------------------------------- */
+
+/* The branch-free form of format fi (numeric.h) and, where there is one,
+ * its row function over n values. */
+static uint32_t bf_enc(int fi, float x) {
+  switch (fi) {
+  case F_FP8: return kvp__fp8_e4m3_from_f32_bf(x);
+  case F_BF16: return kvp__bf16_from_f32_bf(x);
+  case F_F16: return kvp__f16_from_f32_bf(x);
+  default: return kvp__e2m1_from_f32_bf(x);
+  }
+}
+
+static float bf_dec(int fi, uint32_t c) {
+  switch (fi) {
+  case F_FP8: return kvp__fp8_e4m3_to_f32_bf((uint8_t)c);
+  case F_BF16: return kvp__bf16_to_f32_bf((uint16_t)c);
+  case F_F16: return kvp__f16_to_f32_bf((uint16_t)c);
+  default: return kvp__e2m1_to_f32_bf((uint8_t)c);
+  }
+}
+
+/* Row encode of n values into codes (as u32); 0 when fi has no row form. */
+static int row_enc(int fi, uint32_t *codes, const float *x, size_t n) {
+  static uint16_t h[4096];
+  static uint8_t q[4096];
+  switch (fi) {
+  case F_FP8: kvp__fp8_e4m3_from_f32_row(q, x, n); break;
+  case F_BF16: kvp__bf16_from_f32_row(h, x, n); break;
+  case F_F16: kvp__f16_from_f32_row(h, x, n); break;
+  default: return 0;
+  }
+  for (size_t i = 0; i < n; i++) codes[i] = fi == F_FP8 ? q[i] : h[i];
+  return 1;
+}
+
+/* Every code decodes alike; encoders agree on every f32 whose top 16 bits
+ * are anything and whose low 16 are one of the patterns below (zero, ones,
+ * each tie position of every format's normal and subnormal codes, random),
+ * or with KVP_NUMERIC_EXHAUSTIVE=1 on all 2^32 patterns. The row functions
+ * run the same forms vectorized and are held to the same. */
+START_TEST(branch_free_forms_match) {
+  const fmt *f = &fmts[_i];
+  uint32_t ncodes = 1u << (1 + f->ebits + f->mbits);
+  static float vals[65536], back[65536];
+  static uint16_t h[65536];
+  static uint8_t q[65536];
+  for (uint32_t c = 0; c < ncodes; c++) {
+    vals[c] = f->dec(c);
+    ck_assert_msg(bits_of(bf_dec(_i, c)) == bits_of(vals[c]), "%s: code 0x%x decodes to %a, scalar %a", f->name, c,
+                  (double)bf_dec(_i, c), (double)vals[c]);
+  }
+  if (_i == F_FP8) {
+    for (uint32_t c = 0; c < ncodes; c++) q[c] = (uint8_t)c;
+    kvp__fp8_e4m3_to_f32_row(back, q, ncodes);
+  } else if (_i != F_E2M1) {
+    for (uint32_t c = 0; c < ncodes; c++) h[c] = (uint16_t)c;
+    (_i == F_BF16 ? kvp__bf16_to_f32_row : kvp__f16_to_f32_row)(back, h, ncodes);
+  }
+  if (_i != F_E2M1)
+    for (uint32_t c = 0; c < ncodes; c++)
+      if (bits_of(back[c]) != bits_of(vals[c])) ck_assert_msg(0, "%s: row decode of 0x%x", f->name, c);
+  static const uint16_t lows[] = {0x0000, 0x0001, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x0FFF, 0x1000, 0x1001,
+                                  0x2000, 0x3000, 0x4000, 0xC000, 0x7FFE, 0x0800, 0x0400, 0x0200, 0x0100,
+                                  0x0080, 0x0040, 0x0020, 0x0010, 0x1234, 0xEDCB};
+  const char *ex = getenv("KVP_NUMERIC_EXHAUSTIVE");
+  bool all = ex && *ex == '1';
+  uint64_t total = all ? 1ull << 32 : 65536ull * KVP__ARRAY_LEN(lows), nbad = 0;
+  static float x[4096];
+  static uint32_t rc[4096];
+  for (uint64_t i0 = 0; i0 < total; i0 += 4096) {
+    for (size_t j = 0; j < 4096; j++) {
+      uint64_t i = i0 + j;
+      x[j] = float_of(all ? (uint32_t)i : (uint32_t)(i % 65536) << 16 | lows[i / 65536]);
+    }
+    int rows = row_enc(_i, rc, x, 4096);
+    for (size_t j = 0; j < 4096; j++) {
+      uint32_t want = f->enc(x[j]), got = bf_enc(_i, x[j]);
+      if ((got != want || (rows && rc[j] != want)) && nbad++ < 8)
+        fprintf(stderr, "%s(%a): scalar 0x%x, branch-free 0x%x, row 0x%x\n", f->name, (double)x[j], want, got,
+                rows ? rc[j] : want);
+    }
+  }
+  ck_assert_msg(nbad == 0, "%s: %llu of %llu inputs differ", f->name, (unsigned long long)nbad,
+                (unsigned long long)total);
+}
+END_TEST
+
+/* Rounding without the rounding mode: ties go to even, either side of 1/2. */
+START_TEST(rne_u32_ties) {
+  ck_assert_uint_eq(kvp__rne_u32(0.5f), 0);
+  ck_assert_uint_eq(kvp__rne_u32(1.5f), 2);
+  ck_assert_uint_eq(kvp__rne_u32(2.5f), 2);
+  ck_assert_uint_eq(kvp__rne_u32(0x1.000002p-1f), 1);
+  ck_assert_uint_eq(kvp__rne_u32(0x1.fffffep-2f), 0);
+  ck_assert_uint_eq(kvp__rne_u32(1023.5f), 1024);
+  ck_assert_uint_eq(kvp__rne_u32(1022.5f), 1022);
+  ck_assert_uint_eq(kvp__rne_u32(0x1p-149f), 0);
+  ck_assert_uint_eq(kvp__rne_u32(8388607.5f), 8388608);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("numeric");
   TCase *tc = tcase_create("codes");
@@ -515,6 +619,11 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, rows_match_scalars, 0, NFMT);
   tcase_add_test(tc, rows_by_dtype);
   tcase_add_test(tc, find_nan_per_dtype);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("branch-free");
+  tcase_set_timeout(tc, getenv("KVP_NUMERIC_EXHAUSTIVE") ? 7200 : 300);
+  tcase_add_loop_test(tc, branch_free_forms_match, 0, NFMT);
+  tcase_add_test(tc, rne_u32_ties);
   suite_add_tcase(s, tc);
   tc = tcase_create("pack");
   tcase_add_loop_test(tc, pack_round_trip, 0, (int)KVP__ARRAY_LEN(layouts));
