@@ -218,19 +218,22 @@ KVP__INLINE void quant_n(uint8_t *restrict q, const float *restrict u, const flo
   for (size_t i = 0; i < n; i++) q[i] = kvp__e2m1_from_f32_bf(u[i] / s[i]);
 }
 
-/* Squared error terms of elements decoded from codes q (scales s), against
- * x, in double. */
-KVP__INLINE void err_n(double *restrict t, const float *restrict x, const uint8_t *restrict q,
-                       const float *restrict s, float g, size_t n) {
+/* Squared error terms, in double, of the elements decoded from the
+ * 6-candidate (codes q6, scales s6) and the 4-candidate, against x. */
+KVP__INLINE void err_n(double *restrict t6, double *restrict t4, const float *restrict x, const uint8_t *restrict q6,
+                       const float *restrict s6, const uint8_t *restrict q4, const float *restrict s4, float g,
+                       size_t n) {
   for (size_t i = 0; i < n; i++) {
-    double e = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q[i]) * s[i] * g);
-    t[i] = e * e;
+    double e6 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q6[i]) * s6[i] * g);
+    double e4 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q4[i]) * s4[i] * g);
+    t6[i] = e6 * e6;
+    t4[i] = e4 * e4;
   }
 }
 
-/* Rule 4/6 on block terms: 1 when the 4-candidate's squared error is the
- * lower. Each error is its 16 terms summed in index order; the two sums
- * run as two chains. */
+/* Rule 4/6 on a block's terms: 1 when the 4-candidate's squared error is
+ * the lower, each error its 16 terms summed in index order (the two sums
+ * run as two chains). */
 KVP__INLINE int blk_prefer4(const double *t6, const double *t4) {
   double e6 = 0.0, e4 = 0.0;
   for (size_t i = 0; i < NVFP4_BLOCK; i++) {
@@ -240,10 +243,9 @@ KVP__INLINE int blk_prefer4(const double *t6, const double *t4) {
   return e4 < e6;
 }
 
-/* q = (q4 where m, else q) & keep: m and keep are 0x00 or 0xFF per element. */
-KVP__INLINE void pick_n(uint8_t *restrict q, const uint8_t *restrict q4, const uint8_t *restrict m,
-                        const uint8_t *restrict keep, size_t n) {
-  for (size_t i = 0; i < n; i++) q[i] = (uint8_t)(((q4[i] & m[i]) | (q[i] & ~m[i])) & keep[i]);
+/* q = q4 where m (0x00 or 0xFF per element), else kept. */
+KVP__INLINE void pick_n(uint8_t *restrict q, const uint8_t *restrict q4, const uint8_t *restrict m, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = (uint8_t)((q4[i] & m[i]) | (q[i] & ~m[i]));
 }
 
 KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
@@ -252,6 +254,23 @@ KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint8_t *restrict q, size
 
 KVP__INLINE void dec_n(float *restrict x, const float *restrict e, const float *restrict s, float g, size_t n) {
   for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] * g;
+}
+
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s, float g, size_t n) {
+  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(e[i] * s[i] * g);
+}
+
+KVP__INLINE void dec_mean_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s, float g,
+                                 float mean, size_t n) {
+  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(e[i] * s[i] * g + mean);
+}
+
+/* The values of n E4M3 scale codes (n a multiple of 8), as bytes or words. */
+KVP__INLINE void scales_n(float *restrict v, const uint8_t *restrict c, size_t n) {
+  for (size_t k = 0; k < n; k++) v[k] = kvp__fp8_e4m3_to_f32_bf(c[k]);
+}
+KVP__INLINE void scales32_n(float *restrict v, const uint32_t *restrict c, size_t n) {
+  for (size_t k = 0; k < n; k++) v[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)c[k]);
 }
 
 /* ---- the ksmooth mean -------------------------------------------------------- *
@@ -343,7 +362,7 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
   uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
   float x[KVP_MAX_HEAD_DIM], u[KVP_MAX_HEAD_DIM], s6[KVP_MAX_HEAD_DIM], s4[KVP_MAX_HEAD_DIM];
   double t6[KVP_MAX_HEAD_DIM], t4[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM], keep[KVP_MAX_HEAD_DIM];
+  uint8_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM];
   uint32_t ab[NVFP4_MAX_BLOCKS] = {0}, sc6[NVFP4_MAX_BLOCKS], sc4[NVFP4_MAX_BLOCKS];
   float v6[NVFP4_MAX_BLOCKS], v4[NVFP4_MAX_BLOCKS];
   for (uint32_t t = 0; t < n; t++) {
@@ -353,36 +372,35 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
 #undef DIV
     for (uint32_t k = 0; k < nsc; k++) ab[k] = blk_amax_bits(u + k * NVFP4_BLOCK);
     for (uint32_t k = 0; k < nsc; k += 8) scale_codes_n(sc6 + k, ab + k, 6.0f, 8);
-    for (uint32_t k = 0; k < nsc; k++) v6[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)sc6[k]);
+    for (uint32_t k = 0; k < nsc; k += 8) scales32_n(v6 + k, sc6 + k, 8);
     blk_broadcast(s6, v6, nsc);
 #define QUANT(i, c) quant_n(q + (i), u + (i), s6 + (i), (c))
     KVP__FOR_CHUNKS(d, QUANT);
 #undef QUANT
-    for (uint32_t k = 0; k < nsc; k++) {
-      uint8_t z = (uint8_t)kvp__mask(ab[k] != 0); /* a block of zeros: codes and scale 0 */
-      memset(keep + k * NVFP4_BLOCK, z, NVFP4_BLOCK);
-      memset(m4 + k * NVFP4_BLOCK, 0, NVFP4_BLOCK);
-      sc6[k] &= z;
-    }
     if (f->rule46) { /* no branch on a block's outcome: it is data */
       for (uint32_t k = 0; k < nsc; k += 8) scale_codes_n(sc4 + k, ab + k, 4.0f, 8);
-      for (uint32_t k = 0; k < nsc; k++) v4[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)sc4[k]);
+      for (uint32_t k = 0; k < nsc; k += 8) scales32_n(v4 + k, sc4 + k, 8);
       blk_broadcast(s4, v4, nsc);
 #define QUANT(i, c) quant_n(q4 + (i), u + (i), s4 + (i), (c))
       KVP__FOR_CHUNKS(d, QUANT);
 #undef QUANT
-#define ERR(i, c) err_n(t6 + (i), x + (i), q + (i), s6 + (i), g, (c)), err_n(t4 + (i), x + (i), q4 + (i), s4 + (i), g, (c))
+#define ERR(i, c) err_n(t6 + (i), t4 + (i), x + (i), q + (i), s6 + (i), q4 + (i), s4 + (i), g, (c))
       KVP__FOR_CHUNKS(d, ERR);
 #undef ERR
       for (uint32_t k = 0; k < nsc; k++) {
-        int use4 = sc6[k] != 0 && sc4[k] != sc6[k] && blk_prefer4(t6 + k * NVFP4_BLOCK, t4 + k * NVFP4_BLOCK);
+        int use4 = ab[k] != 0 && sc4[k] != sc6[k] && blk_prefer4(t6 + k * NVFP4_BLOCK, t4 + k * NVFP4_BLOCK);
         memset(m4 + k * NVFP4_BLOCK, (int)(uint8_t)kvp__mask(use4), NVFP4_BLOCK);
         sc6[k] = kvp__sel(kvp__mask(use4), sc4[k], sc6[k]);
       }
-    }
-#define PICK(i, c) pick_n(q + (i), q4 + (i), m4 + (i), keep + (i), (c))
-    KVP__FOR_CHUNKS(d, PICK);
+#define PICK(i, c) pick_n(q + (i), q4 + (i), m4 + (i), (c))
+      KVP__FOR_CHUNKS(d, PICK);
 #undef PICK
+    }
+    for (uint32_t k = 0; k < nsc; k++)
+      if (ab[k] == 0) { /* a block of zeros: codes and scale 0 */
+        memset(q + k * NVFP4_BLOCK, 0, NVFP4_BLOCK);
+        sc6[k] = 0;
+      }
     for (uint32_t k = 0; k < nsc; k++) scales[(size_t)t * nsc + k] = (uint8_t)sc6[k];
 #define PACK(i, c) nib_pack_n(codes + (size_t)t * (d / 2) + (i) / 2, q + (i), (c) / 2)
     KVP__FOR_CHUNKS(d, PACK);
@@ -396,17 +414,32 @@ KVP__KERNEL(nvfp4_dec_rows, (const nvfp4_inst *f, const uint8_t *codes, const ui
             (f, codes, scales, means, g, t0, m, dst, stride, out)) {
   uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
   float x[KVP_MAX_HEAD_DIM], e[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], v[NVFP4_MAX_BLOCKS];
+  uint8_t sc[NVFP4_MAX_BLOCKS] = {0}; /* the row's scale codes, padded to whole chunks of 8 */
   for (uint32_t r = 0; r < m; r++) {
     uint32_t t = t0 + r;
-    const uint8_t *c = codes + (size_t)t * (d / 2), *sc = scales + (size_t)t * nsc;
+    const uint8_t *c = codes + (size_t)t * (d / 2);
     for (uint32_t j = 0; j < d / 2; j++) memcpy(e + 2 * j, e2m1_pair[c[j]], sizeof e2m1_pair[0]);
-    for (uint32_t k = 0; k < nsc; k++) v[k] = kvp__fp8_e4m3_to_f32_bf(sc[k]);
+    memcpy(sc, scales + (size_t)t * nsc, nsc);
+    for (uint32_t k = 0; k < nsc; k += 8) scales_n(v + k, sc + k, 8);
     blk_broadcast(s, v, nsc);
+    float mean = f->ksmooth ? kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2)) : 0.0f;
+    if (out == KVP_DTYPE_BF16) { /* one pass */
+      uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
+      if (f->ksmooth) {
+#define DEC(i, k) dec_mean_bf16_n(o + (i), e + (i), s + (i), g, mean, (k))
+        KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+      } else {
+#define DEC(i, k) dec_bf16_n(o + (i), e + (i), s + (i), g, (k))
+        KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+      }
+      continue;
+    }
 #define DEC(i, k) dec_n(x + (i), e + (i), s + (i), g, (k))
     KVP__FOR_CHUNKS(d, DEC);
 #undef DEC
     if (f->ksmooth) {
-      float mean = kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2));
 #define ADD(i, k) add_n(x + (i), mean, (k))
       KVP__FOR_CHUNKS(d, ADD);
 #undef ADD
