@@ -102,7 +102,7 @@ static void fp8_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout *
  * scales and (bf16 out) rounds in the same pass; the same f32 operations,
  * in the same order, as the definitions in the banner. */
 
-KVP__INLINE void enc_n(uint8_t *restrict q, const float *restrict x, float s, size_t n) {
+KVP__INLINE void enc_n(uint32_t *restrict q, const float *restrict x, float s, size_t n) {
   for (size_t i = 0; i < n; i++) q[i] = kvp__fp8_e4m3_from_f32_bf(x[i] / s);
 }
 
@@ -126,7 +126,7 @@ KVP__INLINE float fp8_token_scale(const float *x, uint32_t d) {
 KVP__KERNEL(fp8_enc_rows, (const fp8_inst *f, const unsigned char *src, size_t stride, uint32_t n, uint8_t *codes,
                            uint8_t *scales),
             (f, src, stride, n, codes, scales)) {
-  uint32_t d = f->head_dim;
+  uint32_t d = f->head_dim, w[KVP_MAX_HEAD_DIM];
   float x[KVP_MAX_HEAD_DIM];
   for (uint32_t t = 0; t < n; t++) {
     kvp__load_row(x, src + (size_t)t * stride, f->in_dtype, d);
@@ -137,9 +137,12 @@ KVP__KERNEL(fp8_enc_rows, (const fp8_inst *f, const unsigned char *src, size_t s
       memset(q, 0, d);
       continue;
     }
-#define ENC(i, c) enc_n(q + (i), x + (i), s, (c))
+#define ENC(i, c) enc_n(w + (i), x + (i), s, (c))
     KVP__FOR_CHUNKS(d, ENC);
 #undef ENC
+#define NAR(i, c) kvp__narrow8_n(q + (i), w + (i), (c))
+    KVP__FOR_CHUNKS(d, NAR);
+#undef NAR
   }
   return KVP_OK;
 }

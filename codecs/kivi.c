@@ -236,26 +236,26 @@ KVP__INLINE void get_n(float *restrict s, float *restrict m, const uint8_t *rest
  * x >= m, so (x - m) / s is +0 or above, or -0 (x = -0, m = +0) and NaN
  * or inf where s = 0: a sign means 0, the magnitude is clamped to top
  * before rounding (rne is monotone and fixes top). */
-KVP__INLINE void code_n(uint8_t *restrict q, const float *restrict x, const float *restrict m,
+KVP__INLINE void code_n(uint32_t *restrict q, const float *restrict x, const float *restrict m,
                         const float *restrict s, uint32_t top_bits, size_t n) {
   for (size_t i = 0; i < n; i++) {
     uint32_t v = kvp__f32_bits((x[i] - m[i]) / s[i]), a = v & 0x7FFFFFFFu;
     uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < top_bits), a, top_bits)));
-    q[i] = (uint8_t)(r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s[i] != 0.0f));
+    q[i] = r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s[i] != 0.0f);
   }
 }
 
-KVP__INLINE void pack2_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+KVP__INLINE void pack2_n(uint8_t *restrict o, const uint32_t *restrict q, size_t nbytes) {
   for (size_t j = 0; j < nbytes; j++)
     o[j] = (uint8_t)(q[4 * j] | q[4 * j + 1] << 2 | q[4 * j + 2] << 4 | q[4 * j + 3] << 6);
 }
-KVP__INLINE void pack4_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+KVP__INLINE void pack4_n(uint8_t *restrict o, const uint32_t *restrict q, size_t nbytes) {
   for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
 }
 
 /* A row's codes packed LSB first (kvp__lsb32_pack's layout: D b / 8 bytes
  * are whole words). */
-KVP__INLINE void pack_row(uint8_t *o, const uint8_t *q, uint32_t d, uint32_t bits) {
+KVP__INLINE void pack_row(uint8_t *o, const uint32_t *q, uint32_t d, uint32_t bits) {
   if (bits == 2) {
 #define PK(i, c) pack2_n(o + (i) / 4, q + (i), (c) / 4)
     KVP__FOR_CHUNKS(d, PK);
@@ -329,7 +329,7 @@ KVP__KERNEL(kivi_k_rows, (const kivi_inst *k, const void *src, size_t stride, ui
   uint32_t d = k->head_dim, top = kvp__f32_bits((float)((1u << k->bits) - 1));
   float x[KVP_MAX_HEAD_DIM], lo[KVP_MAX_HEAD_DIM], hi[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM];
   uint32_t sc[KVP_MAX_HEAD_DIM], mc[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM];
+  uint32_t q[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   for (uint32_t r0 = 0; r0 < n; r0 += k->group) {
     uint32_t r1 = n - r0 < k->group ? n : r0 + k->group;
     uint8_t *rec = scales + (size_t)(r0 / k->group) * 4 * d;
@@ -401,7 +401,7 @@ KVP__INLINE void v_batch(const kivi_inst *k, const void *src, size_t stride, uin
   uint32_t sc[V_BATCH * KVP_MAX_HEAD_DIM / 16], mc[V_BATCH * KVP_MAX_HEAD_DIM / 16];
   float x[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM], sv[KVP_MAX_HEAD_DIM / 16],
       mv[KVP_MAX_HEAD_DIM / 16];
-  uint8_t q[KVP_MAX_HEAD_DIM];
+  uint32_t q[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   params(sc, mc, lo, hi, k->bits, (size_t)nb * ng);
   uint8_t *rec = scales + (size_t)t0 * 4 * ng;
 #define PUT(i, c) put_n(rec + 4 * (i), sc + (i), mc + (i), (c))

@@ -214,18 +214,18 @@ KVP__INLINE void blk_broadcast(float *restrict s, const float *restrict v, uint3
     for (size_t j = 0; j < NVFP4_BLOCK; j++) s[k * NVFP4_BLOCK + j] = v[k];
 }
 
-KVP__INLINE void quant_n(uint8_t *restrict q, const float *restrict u, const float *restrict s, size_t n) {
+KVP__INLINE void quant_n(uint32_t *restrict q, const float *restrict u, const float *restrict s, size_t n) {
   for (size_t i = 0; i < n; i++) q[i] = kvp__e2m1_from_f32_bf(u[i] / s[i]);
 }
 
 /* Squared error terms, in double, of the elements decoded from the
  * 6-candidate (codes q6, scales s6) and the 4-candidate, against x. */
-KVP__INLINE void err_n(double *restrict t6, double *restrict t4, const float *restrict x, const uint8_t *restrict q6,
-                       const float *restrict s6, const uint8_t *restrict q4, const float *restrict s4, float g,
+KVP__INLINE void err_n(double *restrict t6, double *restrict t4, const float *restrict x, const uint32_t *restrict q6,
+                       const float *restrict s6, const uint32_t *restrict q4, const float *restrict s4, float g,
                        size_t n) {
   for (size_t i = 0; i < n; i++) {
-    double e6 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q6[i]) * s6[i] * g);
-    double e4 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q4[i]) * s4[i] * g);
+    double e6 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf((uint8_t)q6[i]) * s6[i] * g);
+    double e4 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf((uint8_t)q4[i]) * s4[i] * g);
     t6[i] = e6 * e6;
     t4[i] = e4 * e4;
   }
@@ -243,12 +243,12 @@ KVP__INLINE int blk_prefer4(const double *t6, const double *t4) {
   return e4 < e6;
 }
 
-/* q = q4 where m (0x00 or 0xFF per element), else kept. */
-KVP__INLINE void pick_n(uint8_t *restrict q, const uint8_t *restrict q4, const uint8_t *restrict m, size_t n) {
-  for (size_t i = 0; i < n; i++) q[i] = (uint8_t)((q4[i] & m[i]) | (q[i] & ~m[i]));
+/* q = q4 where m (all ones or 0 per element), else kept. */
+KVP__INLINE void pick_n(uint32_t *restrict q, const uint32_t *restrict q4, const uint32_t *restrict m, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = (q4[i] & m[i]) | (q[i] & ~m[i]);
 }
 
-KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint32_t *restrict q, size_t nbytes) {
   for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
 }
 
@@ -362,7 +362,7 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
   uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
   float x[KVP_MAX_HEAD_DIM], u[KVP_MAX_HEAD_DIM], s6[KVP_MAX_HEAD_DIM], s4[KVP_MAX_HEAD_DIM];
   double t6[KVP_MAX_HEAD_DIM], t4[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM];
+  uint32_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   uint32_t ab[NVFP4_MAX_BLOCKS] = {0}, sc6[NVFP4_MAX_BLOCKS], sc4[NVFP4_MAX_BLOCKS];
   float v6[NVFP4_MAX_BLOCKS], v4[NVFP4_MAX_BLOCKS];
   for (uint32_t t = 0; t < n; t++) {
@@ -389,7 +389,7 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
 #undef ERR
       for (uint32_t k = 0; k < nsc; k++) {
         int use4 = ab[k] != 0 && sc4[k] != sc6[k] && blk_prefer4(t6 + k * NVFP4_BLOCK, t4 + k * NVFP4_BLOCK);
-        memset(m4 + k * NVFP4_BLOCK, (int)(uint8_t)kvp__mask(use4), NVFP4_BLOCK);
+        for (size_t j = 0; j < NVFP4_BLOCK; j++) m4[k * NVFP4_BLOCK + j] = kvp__mask(use4);
         sc6[k] = kvp__sel(kvp__mask(use4), sc4[k], sc6[k]);
       }
 #define PICK(i, c) pick_n(q + (i), q4 + (i), m4 + (i), (c))
@@ -398,7 +398,7 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
     }
     for (uint32_t k = 0; k < nsc; k++)
       if (ab[k] == 0) { /* a block of zeros: codes and scale 0 */
-        memset(q + k * NVFP4_BLOCK, 0, NVFP4_BLOCK);
+        memset(q + k * NVFP4_BLOCK, 0, NVFP4_BLOCK * sizeof *q);
         sc6[k] = 0;
       }
     for (uint32_t k = 0; k < nsc; k++) scales[(size_t)t * nsc + k] = (uint8_t)sc6[k];
