@@ -245,23 +245,46 @@ KVP__INLINE void code_n(uint32_t *restrict q, const float *restrict x, const flo
   }
 }
 
-KVP__INLINE void pack2_n(uint8_t *restrict o, const uint32_t *restrict q, size_t nbytes) {
-  for (size_t j = 0; j < nbytes; j++)
-    o[j] = (uint8_t)(q[4 * j] | q[4 * j + 1] << 2 | q[4 * j + 2] << 4 | q[4 * j + 3] << 6);
-}
-KVP__INLINE void pack4_n(uint8_t *restrict o, const uint32_t *restrict q, size_t nbytes) {
-  for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
+/* Packing from codes narrowed to bytes: four (two) code bytes read as a
+ * word w, code k sits at bit 8k of w, and w >> 6k (w >> 4k) brings it to
+ * bits 2k (4k) of the low byte; the stray bits above are masked off. */
+/* code_n for a group of one scale s and min m. */
+KVP__INLINE void code1_n(uint32_t *restrict q, const float *restrict x, float m, float s, uint32_t top_bits, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t v = kvp__f32_bits((x[i] - m) / s), a = v & 0x7FFFFFFFu;
+    uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < top_bits), a, top_bits)));
+    q[i] = r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s != 0.0f);
+  }
 }
 
-/* A row's codes packed LSB first (kvp__lsb32_pack's layout: D b / 8 bytes
- * are whole words). */
+KVP__INLINE void pack2_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+  for (size_t j = 0; j < nbytes; j++) {
+    const uint8_t *b = q + 4 * j;
+    uint32_t w = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    o[j] = (uint8_t)(w | w >> 6 | w >> 12 | w >> 18);
+  }
+}
+KVP__INLINE void pack4_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+  for (size_t j = 0; j < nbytes; j++) {
+    const uint8_t *b = q + 2 * j;
+    uint32_t w = (uint32_t)b[0] | (uint32_t)b[1] << 8;
+    o[j] = (uint8_t)(w | w >> 4);
+  }
+}
+
+/* A row's 32-bit codes packed LSB first (kvp__lsb32_pack's layout: D b / 8
+ * bytes are whole words). */
 KVP__INLINE void pack_row(uint8_t *o, const uint32_t *q, uint32_t d, uint32_t bits) {
+  uint8_t q8[KVP_MAX_HEAD_DIM];
+#define NAR(i, c) kvp__narrow8_n(q8 + (i), q + (i), (c))
+  KVP__FOR_CHUNKS(d, NAR);
+#undef NAR
   if (bits == 2) {
-#define PK(i, c) pack2_n(o + (i) / 4, q + (i), (c) / 4)
+#define PK(i, c) pack2_n(o + (i) / 4, q8 + (i), (c) / 4)
     KVP__FOR_CHUNKS(d, PK);
 #undef PK
   } else {
-#define PK(i, c) pack4_n(o + (i) / 2, q + (i), (c) / 2)
+#define PK(i, c) pack4_n(o + (i) / 2, q8 + (i), (c) / 2)
     KVP__FOR_CHUNKS(d, PK);
 #undef PK
   }
@@ -282,10 +305,17 @@ KVP__INLINE void madd_n(float *restrict x, const float *restrict e, const float 
   for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] + m[i];
 }
 
-/* s[i] = v[i / G] over d elements. */
-KVP__INLINE void broadcast(float *restrict s, const float *restrict v, uint32_t d, uint32_t gs) {
-  for (uint32_t i = 0; i < d; i += 16)
-    for (size_t j = 0; j < 16; j++) s[i + j] = v[i / gs];
+KVP__INLINE void madd1_n(float *restrict x, const float *restrict e, float s, float m, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = e[i] * s + m;
+}
+
+/* Fold lanes [w, 2w) of lo/hi into [0, w). */
+KVP__INLINE void fold_n(float *restrict lo, float *restrict hi, const float *restrict lo2, const float *restrict hi2,
+                        size_t w) {
+  for (size_t j = 0; j < w; j++) {
+    lo[j] = lo2[j] < lo[j] ? lo2[j] : lo[j];
+    hi[j] = hi2[j] > hi[j] ? hi2[j] : hi[j];
+  }
 }
 
 /* Magnitude bits of the largest |x_i| (NaN above every number). */
@@ -301,15 +331,21 @@ static int kivi_range_err(uint32_t t, uint32_t i, float x) {
                   (double)x);
 }
 
+/* Some lane of the magnitude maxima m (n of them) is beyond 65504, or NaN. */
+KVP__INLINE int over_range(const uint32_t *m, size_t n) {
+  uint32_t mx = 0;
+  for (size_t j = 0; j < n; j++) mx = m[j] > mx ? m[j] : mx;
+  return mx > 0x477FE000u; /* 65504 */
+}
+
 /* KVP_OK, or the error naming the first element of the row beyond the fp16
  * range (or NaN). */
 KVP__INLINE int range_check(const float *x, uint32_t d, uint32_t t) {
-  uint32_t m[KVP__CHUNK] = {0}, mx = 0;
+  uint32_t m[KVP__CHUNK] = {0};
 #define MM(i, c) magmax_n(m, x + (i), (c))
   KVP__FOR_CHUNKS(d, MM);
 #undef MM
-  for (size_t j = 0; j < KVP__CHUNK; j++) mx = m[j] > mx ? m[j] : mx;
-  if (mx <= 0x477FE000u) return KVP_OK; /* 65504 */
+  if (!over_range(m, KVP__CHUNK)) return KVP_OK;
   for (uint32_t i = 0; i < d; i++)
     if (!(fabsf(x[i]) <= KIVI_F16_MAX)) return kivi_range_err(t, i, x[i]);
   return KVP_OK;
@@ -328,15 +364,17 @@ KVP__KERNEL(kivi_k_rows, (const kivi_inst *k, const void *src, size_t stride, ui
             (k, src, stride, n, codes, scales)) {
   uint32_t d = k->head_dim, top = kvp__f32_bits((float)((1u << k->bits) - 1));
   float x[KVP_MAX_HEAD_DIM], lo[KVP_MAX_HEAD_DIM], hi[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM];
-  uint32_t sc[KVP_MAX_HEAD_DIM], mc[KVP_MAX_HEAD_DIM];
+  uint32_t sc[KVP_MAX_HEAD_DIM], mc[KVP_MAX_HEAD_DIM], mag[KVP_MAX_HEAD_DIM];
   uint32_t q[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   for (uint32_t r0 = 0; r0 < n; r0 += k->group) {
     uint32_t r1 = n - r0 < k->group ? n : r0 + k->group;
     uint8_t *rec = scales + (size_t)(r0 / k->group) * 4 * d;
+    memset(mag, 0, d * sizeof *mag);
     for (uint32_t t = r0; t < r1; t++) {
       kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
-      int rc = range_check(x, d, t);
-      if (rc) return rc;
+#define MAG(i, c) magmax_n(mag + (i), x + (i), (c))
+      KVP__FOR_CHUNKS(d, MAG);
+#undef MAG
       if (t == r0) {
         memcpy(lo, x, d * sizeof *x);
         memcpy(hi, x, d * sizeof *x);
@@ -346,6 +384,12 @@ KVP__KERNEL(kivi_k_rows, (const kivi_inst *k, const void *src, size_t stride, ui
       KVP__FOR_CHUNKS(d, MM);
 #undef MM
     }
+    if (over_range(mag, d)) /* name the first offender, in row order; nothing of this group is written */
+      for (uint32_t t = r0; t < r1; t++) {
+        kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
+        int rc = range_check(x, d, t);
+        if (rc) return rc;
+      }
     params(sc, mc, lo, hi, k->bits, d);
 #define PUT(i, c) put_n(rec + 4 * (i), sc + (i), mc + (i), (c))
     KVP__FOR_CHUNKS(d, PUT);
@@ -377,12 +421,10 @@ KVP__INLINE void group_minmax(const float *xg, uint32_t gs, float *lo_out, float
   memcpy(lo, xg, sizeof lo);
   memcpy(hi, xg, sizeof hi);
   for (uint32_t c = 16; c < gs; c += 16) minmax_n(lo, hi, xg + c, 16);
-  for (size_t w = 8; w >= 1; w /= 2) {
-    for (size_t j = 0; j < w; j++) {
-      lo[j] = lo[j + w] < lo[j] ? lo[j + w] : lo[j];
-      hi[j] = hi[j + w] > hi[j] ? hi[j + w] : hi[j];
-    }
-  }
+  fold_n(lo, hi, lo + 8, hi + 8, 8);
+  fold_n(lo, hi, lo + 4, hi + 4, 4);
+  fold_n(lo, hi, lo + 2, hi + 2, 2);
+  fold_n(lo, hi, lo + 1, hi + 1, 1);
   float l = lo[0];
   if (l == 0.0f)
     for (uint32_t i = 0; i < gs; i++)
@@ -399,8 +441,7 @@ KVP__INLINE void v_batch(const kivi_inst *k, const void *src, size_t stride, uin
                          uint8_t *scales, const float *lo, const float *hi) {
   uint32_t d = k->head_dim, gs = k->group, ng = d / gs, top = kvp__f32_bits((float)((1u << k->bits) - 1));
   uint32_t sc[V_BATCH * KVP_MAX_HEAD_DIM / 16], mc[V_BATCH * KVP_MAX_HEAD_DIM / 16];
-  float x[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM], sv[KVP_MAX_HEAD_DIM / 16],
-      mv[KVP_MAX_HEAD_DIM / 16];
+  float x[KVP_MAX_HEAD_DIM], sv[KVP_MAX_HEAD_DIM / 16], mv[KVP_MAX_HEAD_DIM / 16];
   uint32_t q[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   params(sc, mc, lo, hi, k->bits, (size_t)nb * ng);
   uint8_t *rec = scales + (size_t)t0 * 4 * ng;
@@ -411,11 +452,13 @@ KVP__INLINE void v_batch(const kivi_inst *k, const void *src, size_t stride, uin
     uint32_t t = t0 + r;
     kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
     get_n(sv, mv, rec + (size_t)r * 4 * ng, ng);
-    broadcast(s, sv, d, gs);
-    broadcast(m, mv, d, gs);
-#define CODE(i, c) code_n(q + (i), x + (i), m + (i), s + (i), top, (c))
-    KVP__FOR_CHUNKS(d, CODE);
+    for (uint32_t j = 0; j < ng; j++) {
+      uint32_t *qg = q + j * gs;
+      const float *xg = x + j * gs;
+#define CODE(i, c) code1_n(qg + (i), xg + (i), mv[j], sv[j], top, (c))
+      KVP__FOR_CHUNKS(gs, CODE);
 #undef CODE
+    }
     pack_row(codes + (size_t)t * k->row_bytes, q, d, k->bits);
   }
 }
@@ -461,14 +504,21 @@ KVP__KERNEL(kivi_dec_rows, (const kivi_inst *k, const uint8_t *codes, const uint
 #define GET(i, c) get_n(s + (i), mn + (i), scales + (size_t)group * 4 * d + 4 * (i), (c))
       KVP__FOR_CHUNKS(d, GET);
 #undef GET
-    } else if (k->kv == 1) {
-      get_n(sv, mv, scales + (size_t)t * 4 * ng, ng);
-      broadcast(s, sv, d, gs);
-      broadcast(mn, mv, d, gs);
     }
+    if (k->kv == 0) {
 #define MADD(i, c) madd_n(x + (i), e + (i), s + (i), mn + (i), (c))
-    KVP__FOR_CHUNKS(d, MADD);
+      KVP__FOR_CHUNKS(d, MADD);
 #undef MADD
+    } else { /* V: one record per channel group */
+      get_n(sv, mv, scales + (size_t)t * 4 * ng, ng);
+      for (uint32_t j = 0; j < ng; j++) {
+        float *xg = x + j * gs;
+        const float *eg = e + j * gs;
+#define MADD(i, c) madd1_n(xg + (i), eg + (i), sv[j], mv[j], (c))
+        KVP__FOR_CHUNKS(gs, MADD);
+#undef MADD
+      }
+    }
     kvp__store_row(dst + (size_t)r * stride, out, x, d);
   }
   return KVP_OK;
