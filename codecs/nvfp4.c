@@ -278,28 +278,32 @@ KVP__INLINE void scales32_n(float *restrict v, const uint32_t *restrict c, size_
  * every partial sum is exact, any order gives that sum: the values are
  * multiples of 2^(emin - p + 1) (p significand bits of the in dtype, emin
  * the least exponent of a nonzero value) and partial sums stay below
- * 2^(emax + 1 + log2 D); exact when that spans at most 53 bits. Then lanes
- * sum in parallel; otherwise the loop runs in order. */
+ * 2^(emax + 1 + log2 D); exact when that spans at most 53 bits. One pass
+ * sums in lanes and gathers the exponent range; the lanes fold as a tree
+ * (any order), and where the range is too wide the loop runs in order. */
 
-KVP__INLINE void exp_range_n(uint32_t *restrict lo, uint32_t *restrict hi, const float *restrict x, size_t n) {
+KVP__INLINE void sum_range_n(double *restrict acc, uint32_t *restrict lo, uint32_t *restrict hi,
+                             const float *restrict x, size_t n) {
   for (size_t j = 0; j < n; j++) {
-    uint32_t e = kvp__f32_bits(x[j]) >> 23 & 0xFFu, z = kvp__mask((kvp__f32_bits(x[j]) & 0x7FFFFFFFu) == 0);
+    uint32_t b = kvp__f32_bits(x[j]), e = b >> 23 & 0xFFu, z = kvp__mask((b & 0x7FFFFFFFu) == 0);
     uint32_t el = e | (z & 0xFFu), eh = e & ~z; /* zeros count for neither */
     lo[j] = el < lo[j] ? el : lo[j];
     hi[j] = eh > hi[j] ? eh : hi[j];
+    acc[j] += (double)x[j];
   }
 }
 
-KVP__INLINE void sum_n(double *restrict acc, const float *restrict x, size_t n) {
-  for (size_t j = 0; j < n; j++) acc[j] += (double)x[j];
+KVP__INLINE void fold_sum_n(double *restrict a, const double *restrict b, size_t n) {
+  for (size_t j = 0; j < n; j++) a[j] += b[j];
 }
 
 KVP__INLINE double row_sum(const float *x, uint32_t d, unsigned sig_bits) {
   uint32_t lo[KVP__CHUNK], hi[KVP__CHUNK], elo = 0xFFu, ehi = 0;
-  for (size_t j = 0; j < KVP__CHUNK; j++) lo[j] = 0xFFu, hi[j] = 0;
-#define ER(i, c) exp_range_n(lo, hi, x + (i), (c))
-  KVP__FOR_CHUNKS(d, ER);
-#undef ER
+  double acc[KVP__CHUNK];
+  for (size_t j = 0; j < KVP__CHUNK; j++) lo[j] = 0xFFu, hi[j] = 0, acc[j] = 0.0;
+#define SR(i, c) sum_range_n(acc, lo, hi, x + (i), (c))
+  KVP__FOR_CHUNKS(d, SR);
+#undef SR
   for (size_t j = 0; j < KVP__CHUNK; j++) {
     elo = lo[j] < elo ? lo[j] : elo;
     ehi = hi[j] > ehi ? hi[j] : ehi;
@@ -311,12 +315,11 @@ KVP__INLINE double row_sum(const float *x, uint32_t d, unsigned sig_bits) {
     for (uint32_t i = 0; i < d; i++) sum += (double)x[i]; /* subnormal, inf or NaN, or a wide range */
     return sum;
   }
-  double acc[KVP__CHUNK] = {0};
-#define SUM(i, c) sum_n(acc, x + (i), (c))
-  KVP__FOR_CHUNKS(d, SUM);
-#undef SUM
-  for (size_t j = 0; j < KVP__CHUNK; j++) sum += acc[j];
-  return sum;
+  fold_sum_n(acc, acc + 16, 16);
+  fold_sum_n(acc, acc + 8, 8);
+  fold_sum_n(acc, acc + 4, 4);
+  fold_sum_n(acc, acc + 2, 2);
+  return sum + acc[0] + acc[1];
 }
 
 /* Significand bits of an in dtype's values. */
