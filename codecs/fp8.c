@@ -114,6 +114,29 @@ KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const uint8_t *restrict q, flo
   for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(kvp__fp8_e4m3_to_f32_bf(q[i]) * s);
 }
 
+/* The E4M3 value of a code that is zero or normal (not subnormal, not
+ * NaN): the exponent rebiased, zero by mask. */
+KVP__INLINE float fp8_plain(uint8_t c) {
+  uint32_t em = c & 0x7Fu, mag = ((em << 20) + (120u << 23)) & kvp__mask(em != 0);
+  return kvp__f32_of(mag | (uint32_t)(c & 0x80u) << 24);
+}
+
+/* dec_bf16_n for a row of zero or normal codes and a finite s: the
+ * products are numbers (inf at worst), so no NaN select either. */
+KVP__INLINE void dec_plain_bf16_n(uint16_t *restrict o, const uint8_t *restrict q, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_num(fp8_plain(q[i]) * s);
+}
+
+/* OR of "subnormal or NaN" over n codes. */
+KVP__INLINE uint8_t odd_codes_n(const uint8_t *restrict q, size_t n) {
+  uint8_t odd = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint8_t em = q[i] & 0x7Fu;
+    odd |= (uint8_t)((uint8_t)(em - 1u) < 7u) | (uint8_t)(em == 0x7Fu);
+  }
+  return odd;
+}
+
 /* The dynamic scale of a token: absmax / 448, at least FLT_MIN, 0 for a
  * token of zeros. */
 KVP__INLINE float fp8_token_scale(const float *x, uint32_t d) {
@@ -158,6 +181,16 @@ KVP__KERNEL(fp8_dec_rows, (const fp8_inst *f, const uint8_t *codes, const uint8_
     const uint8_t *q = codes + (size_t)t * d;
     if (out == KVP_DTYPE_BF16) {
       uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
+      uint8_t odd = 0;
+#define ODD(i, c) odd |= odd_codes_n(q + (i), (c))
+      KVP__FOR_CHUNKS(d, ODD);
+#undef ODD
+      if (!odd && kvp__finite(s)) { /* the common row */
+#define DEC(i, c) dec_plain_bf16_n(o + (i), q + (i), s, (c))
+        KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+        continue;
+      }
 #define DEC(i, c) dec_bf16_n(o + (i), q + (i), s, (c))
       KVP__FOR_CHUNKS(d, DEC);
 #undef DEC

@@ -140,8 +140,12 @@ KVP__INLINE void dec_n(float *restrict x, const int8_t *restrict q, float s, siz
   for (size_t i = 0; i < n; i++) x[i] = (float)q[i] * s;
 }
 
-KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const int8_t *restrict q, float s, size_t n) {
-  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf((float)q[i] * s);
+/* num: s is finite, so q * s is never NaN and bf16 needs no NaN select. */
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const int8_t *restrict q, float s, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = (float)q[i] * s;
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
 }
 
 /* Quantize one token into D codes; returns its bf16 scale code. */
@@ -188,9 +192,15 @@ KVP__KERNEL(int8_dec_rows, (const int8_inst *q, const uint8_t *codes, const uint
     const int8_t *c = (const int8_t *)codes + (size_t)t * d;
     if (out == KVP_DTYPE_BF16) {
       uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
-#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, (k))
-      KVP__FOR_CHUNKS(d, DEC);
+      if (kvp__finite(s)) {
+#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, 1, (k))
+        KVP__FOR_CHUNKS(d, DEC);
 #undef DEC
+      } else {
+#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, 0, (k))
+        KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+      }
       continue;
     }
 #define DEC(i, k) dec_n(x + (i), c + (i), s, (k))

@@ -486,31 +486,78 @@ KVP__KERNEL(kivi_v_rows, (const kivi_inst *k, const void *src, size_t stride, ui
 
 /* ---- decode ----------------------------------------------------------------- */
 
+/* The n records at rec have finite scales and minima (fp16 exponent < 31):
+ * then q s + m is a number for every code, and bf16 needs no NaN select. */
+KVP__INLINE int recs_finite(const uint8_t *rec, size_t n) {
+  uint32_t odd = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t sc = (uint32_t)(rec[4 * i] | rec[4 * i + 1] << 8), mc = (uint32_t)(rec[4 * i + 2] | rec[4 * i + 3] << 8);
+    odd |= (uint32_t)((sc & 0x7C00u) == 0x7C00u) | (uint32_t)((mc & 0x7C00u) == 0x7C00u);
+  }
+  return !odd;
+}
+
+KVP__INLINE void madd_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s,
+                             const float *restrict m, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = e[i] * s[i] + m[i];
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
+}
+
+KVP__INLINE void madd1_bf16_n(uint16_t *restrict o, const float *restrict e, float s, float m, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = e[i] * s + m;
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
+}
+
 KVP__KERNEL(kivi_dec_rows, (const kivi_inst *k, const uint8_t *codes, const uint8_t *scales, uint32_t t0, uint32_t m,
                             unsigned char *dst, size_t stride, kvp_dtype out),
             (k, codes, scales, t0, m, dst, stride, out)) {
   uint32_t d = k->head_dim, gs = k->group, ng = d / gs, group = UINT32_MAX;
+  int num = 0; /* the records in use are finite */
   float x[KVP_MAX_HEAD_DIM], e[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], mn[KVP_MAX_HEAD_DIM],
       sv[KVP_MAX_HEAD_DIM / 16], mv[KVP_MAX_HEAD_DIM / 16];
   for (uint32_t r = 0; r < m; r++) {
     uint32_t t = t0 + r;
     const uint8_t *c = codes + (size_t)t * k->row_bytes;
+    uint16_t *o = out == KVP_DTYPE_BF16 ? (uint16_t *)(dst + (size_t)r * stride) : NULL;
     if (k->bits == 2)
       for (uint32_t j = 0; j < d / 4; j++) memcpy(e + 4 * j, kivi_q2[c[j]], sizeof kivi_q2[0]);
     else
       for (uint32_t j = 0; j < d / 2; j++) memcpy(e + 2 * j, kivi_q4[c[j]], sizeof kivi_q4[0]);
-    if (k->kv == 0 && t / gs != group) { /* K: the group's records, once per group */
-      group = t / gs;
-#define GET(i, c) get_n(s + (i), mn + (i), scales + (size_t)group * 4 * d + 4 * (i), (c))
-      KVP__FOR_CHUNKS(d, GET);
-#undef GET
-    }
     if (k->kv == 0) {
+      if (t / gs != group) { /* K: the group's records, once per group */
+        const uint8_t *rec = scales + (size_t)(t / gs) * 4 * d;
+        group = t / gs;
+#define GET(i, c) get_n(s + (i), mn + (i), rec + 4 * (i), (c))
+        KVP__FOR_CHUNKS(d, GET);
+#undef GET
+        num = recs_finite(rec, d);
+      }
+      if (o && num) {
+#define MADD(i, c) madd_bf16_n(o + (i), e + (i), s + (i), mn + (i), 1, (c))
+        KVP__FOR_CHUNKS(d, MADD);
+#undef MADD
+        continue;
+      }
 #define MADD(i, c) madd_n(x + (i), e + (i), s + (i), mn + (i), (c))
       KVP__FOR_CHUNKS(d, MADD);
 #undef MADD
     } else { /* V: one record per channel group */
-      get_n(sv, mv, scales + (size_t)t * 4 * ng, ng);
+      const uint8_t *rec = scales + (size_t)t * 4 * ng;
+      get_n(sv, mv, rec, ng);
+      if (o && recs_finite(rec, ng)) {
+        for (uint32_t j = 0; j < ng; j++) {
+          uint16_t *og = o + j * gs;
+          const float *eg = e + j * gs;
+#define MADD(i, c) madd1_bf16_n(og + (i), eg + (i), sv[j], mv[j], 1, (c))
+          KVP__FOR_CHUNKS(gs, MADD);
+#undef MADD
+        }
+        continue;
+      }
       for (uint32_t j = 0; j < ng; j++) {
         float *xg = x + j * gs;
         const float *eg = e + j * gs;

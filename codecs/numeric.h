@@ -194,6 +194,16 @@ static inline uint16_t kvp__bf16_from_f32_bf(float x) {
 
 static inline float kvp__bf16_to_f32_bf(uint16_t c) { return kvp__f32_of((uint32_t)c << 16); }
 
+/* kvp__bf16_from_f32 for an x that is not NaN (infinities included): the
+ * rounding add alone, for rows whose values cannot be NaN. */
+static inline uint16_t kvp__bf16_from_f32_num(float x) {
+  uint32_t u = kvp__f32_bits(x);
+  return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
+}
+
+/* x is finite (not inf, not NaN). */
+static inline int kvp__finite(float x) { return kvp__lt(kvp__f32_bits(x) & 0x7FFFFFFFu, 0x7F800000u); }
+
 static inline uint16_t kvp__f16_from_f32_bf(float x) {
   uint32_t u = kvp__f32_bits(x), a = u & 0x7FFFFFFFu, s = u >> 16 & 0x8000u;
   uint32_t nrm = ((a + 0xFFFu + (a >> 13 & 1u)) >> 13) - (112u << 10); /* valid from 2^-14 up */

@@ -256,13 +256,16 @@ KVP__INLINE void dec_n(float *restrict x, const float *restrict e, const float *
   for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] * g;
 }
 
-KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s, float g, size_t n) {
-  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(e[i] * s[i] * g);
-}
-
-KVP__INLINE void dec_mean_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s, float g,
-                                 float mean, size_t n) {
-  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(e[i] * s[i] * g + mean);
+/* bf16 out in the same pass; with the mean added when add_mean. num:
+ * no value of the row can be NaN (see nvfp4_dec_rows), so bf16 needs no
+ * NaN select. */
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s, float g,
+                            float mean, int add_mean, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = e[i] * s[i] * g;
+    if (add_mean) v += mean;
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
 }
 
 /* The values of n E4M3 scale codes (n a multiple of 8), as bytes or words. */
@@ -428,15 +431,25 @@ KVP__KERNEL(nvfp4_dec_rows, (const nvfp4_inst *f, const uint8_t *codes, const ui
     float mean = f->ksmooth ? kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2)) : 0.0f;
     if (out == KVP_DTYPE_BF16) { /* one pass */
       uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
-      if (f->ksmooth) {
-#define DEC(i, k) dec_mean_bf16_n(o + (i), e + (i), s + (i), g, mean, (k))
-        KVP__FOR_CHUNKS(d, DEC);
+      /* (e s) g + mean is a number (inf at worst) when no scale is NaN
+       * and g and the mean are finite */
+      uint8_t nan_sc = 0;
+      for (uint32_t k = 0; k < nsc; k++) nan_sc |= (uint8_t)((sc[k] & 0x7Fu) == 0x7Fu);
+      int num = !nan_sc && kvp__finite(g) && kvp__finite(mean);
+#define DEC(i, k, a, n) dec_bf16_n(o + (i), e + (i), s + (i), g, mean, (a), (n), (k))
+#define DEC11(i, k) DEC(i, k, 1, 1)
+#define DEC10(i, k) DEC(i, k, 1, 0)
+#define DEC01(i, k) DEC(i, k, 0, 1)
+#define DEC00(i, k) DEC(i, k, 0, 0)
+      if (f->ksmooth && num) KVP__FOR_CHUNKS(d, DEC11);
+      else if (f->ksmooth) KVP__FOR_CHUNKS(d, DEC10);
+      else if (num) KVP__FOR_CHUNKS(d, DEC01);
+      else KVP__FOR_CHUNKS(d, DEC00);
 #undef DEC
-      } else {
-#define DEC(i, k) dec_bf16_n(o + (i), e + (i), s + (i), g, (k))
-        KVP__FOR_CHUNKS(d, DEC);
-#undef DEC
-      }
+#undef DEC11
+#undef DEC10
+#undef DEC01
+#undef DEC00
       continue;
     }
 #define DEC(i, k) dec_n(x + (i), e + (i), s + (i), g, (k))
