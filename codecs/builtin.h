@@ -1,8 +1,9 @@
 /*
  * codecs/builtin.h - the quantizing codecs built into kvpool, as
  * kvp_codec_vtable instances (include/kvpool_codec.h), and the few helpers
- * they share: the parameter scanner, little-endian scalar stores, rounding
- * to the nearest integer (ties to even), and the geometry check.
+ * they share: the parameter scanner, little-endian scalar stores, and the
+ * geometry check. Rounding to an integer (ties to even, whatever the
+ * rounding mode) is kvp__rne_u32 in codecs/numeric.h.
  *
  *   fp8    codecs/fp8.c    E4M3 codes, per token-head fp32 scale or static
  *   int8   codecs/int8.c   symmetric int8 per token-head, bf16 scale
@@ -52,16 +53,6 @@ static inline float kvp__ld_lef32(const uint8_t *p) {
   float x;
   memcpy(&x, &u, sizeof x);
   return x;
-}
-
-/* ---- rounding ------------------------------------------------------------ */
-
-/* x rounded to the nearest integer, ties to even, whatever the FPU rounding
- * mode. On |x|: floor and |x| - floor are exact (same binade, or floor 0). */
-static inline float kvp__round_even(float x) {
-  float a = fabsf(x), f = floorf(a), d = a - f;
-  if (d > 0.5f || (d == 0.5f && fmodf(f, 2.0f) != 0.0f)) f += 1.0f;
-  return copysignf(f, x);
 }
 
 /* ---- parameters ---------------------------------------------------------- */

@@ -40,6 +40,9 @@
  *   32 + 16 = 48 B (5.33x against bf16).
  *
  * Quantizer of a group with values x (f32; the scale check in double):
+ *   (min and max are running compares in index order: a value replaces
+ *   only when strictly below/above, so of zeros of both signs the group's
+ *   first one is its min, and its sign is the fp16 min's)
  *   m = min x rounded DOWN to fp16, s = (max x - m) / Q rounded UP to fp16
  *   (then raised by fp16 ulps while m + Q s < max x, computed exactly),
  *   q = round_even((x - m) / s) clamped to [0, Q]  (q = 0 when s = 0),
@@ -291,8 +294,7 @@ KVP__INLINE void pack_row(uint8_t *o, const uint32_t *q, uint32_t d, uint32_t bi
 }
 
 /* Lanes: lo/hi = the running min/max of the rows so far (a value replaces
- * only when strictly below/above: ties keep the first, as the banner's
- * fminf/fmaxf did). */
+ * only when strictly below/above: ties keep the first, as the banner says). */
 KVP__INLINE void minmax_n(float *restrict lo, float *restrict hi, const float *restrict x, size_t n) {
   for (size_t i = 0; i < n; i++) {
     lo[i] = x[i] < lo[i] ? x[i] : lo[i];
