@@ -1,8 +1,10 @@
 /*
  * codecs/builtin.h - the quantizing codecs built into kvpool, as
  * kvp_codec_vtable instances (include/kvpool_codec.h), and the few helpers
- * they share: the parameter scanner, little-endian scalar stores, rounding
- * to the nearest integer (ties to even), and the geometry check.
+ * they share: the parameter scanner, little-endian scalar stores, and the
+ * geometry check. Rounding to an integer (ties to even, whatever the
+ * rounding mode) is kvp__rne_u32 in codecs/numeric.h for the branch-free
+ * row kernels (0 <= w < 2^31), and kvp__round_even here for any sign.
  *
  *   fp8    codecs/fp8.c    E4M3 codes, per token-head fp32 scale or static
  *   int8   codecs/int8.c   symmetric int8 per token-head, bf16 scale

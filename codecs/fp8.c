@@ -102,8 +102,47 @@ static void fp8_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout *
  * scales and (bf16 out) rounds in the same pass; the same f32 operations,
  * in the same order, as the definitions in the banner. */
 
-KVP__INLINE void enc_n(uint8_t *restrict q, const float *restrict x, float s, size_t n) {
+KVP__INLINE void enc_n(uint32_t *restrict q, const float *restrict x, float s, size_t n) {
   for (size_t i = 0; i < n; i++) q[i] = kvp__fp8_e4m3_from_f32_bf(x[i] / s);
+}
+
+/* The E4M3 code of a y that is not NaN and is zero or at least 2^-6 in
+ * magnitude: the normal-range formula alone, zero by mask. */
+KVP__INLINE uint32_t fp8_enc_plain(float y) {
+  uint32_t u = kvp__f32_bits(y), a = u & 0x7FFFFFFFu;
+  uint32_t nrm = ((a + 0x7FFFFu + (a >> 20 & 1u)) >> 20) - (120u << 3);
+  nrm = nrm < 0x7Eu ? nrm : 0x7Eu;
+  return (nrm & kvp__mask(a != 0)) | (u >> 24 & 0x80u);
+}
+
+KVP__INLINE void enc_plain_n(uint32_t *restrict q, const float *restrict x, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = fp8_enc_plain(x[i] / s);
+}
+
+/* Lanes of the largest magnitude bits (NaN above every number) and of the
+ * least nonzero magnitude bits less one (a zero wraps to the top). */
+KVP__INLINE void mag_range_n(uint32_t *restrict lo, uint32_t *restrict hi, const float *restrict x, size_t n) {
+  for (size_t j = 0; j < n; j++) {
+    uint32_t a = kvp__f32_bits(x[j]) & 0x7FFFFFFFu, a1 = a - 1u;
+    hi[j] = a > hi[j] ? a : hi[j];
+    lo[j] = a1 < lo[j] ? a1 : lo[j];
+  }
+}
+
+/* A row's magnitude range: *amax_bits, and the least nonzero magnitude
+ * less one (UINT32_MAX when all are zero). */
+KVP__INLINE uint32_t row_mag_range(const float *x, uint32_t d, uint32_t *amax_bits) {
+  uint32_t lo[KVP__CHUNK], hi[KVP__CHUNK], l = UINT32_MAX, h = 0;
+  for (size_t j = 0; j < KVP__CHUNK; j++) lo[j] = UINT32_MAX, hi[j] = 0;
+#define MR(i, c) mag_range_n(lo, hi, x + (i), (c))
+  KVP__FOR_CHUNKS(d, MR);
+#undef MR
+  for (size_t j = 0; j < KVP__CHUNK; j++) {
+    l = lo[j] < l ? lo[j] : l;
+    h = hi[j] > h ? hi[j] : h;
+  }
+  *amax_bits = h;
+  return l;
 }
 
 KVP__INLINE void dec_n(float *restrict x, const uint8_t *restrict q, float s, size_t n) {
@@ -114,10 +153,32 @@ KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const uint8_t *restrict q, flo
   for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf(kvp__fp8_e4m3_to_f32_bf(q[i]) * s);
 }
 
-/* The dynamic scale of a token: absmax / 448, at least FLT_MIN, 0 for a
- * token of zeros. */
-KVP__INLINE float fp8_token_scale(const float *x, uint32_t d) {
-  float amax = kvp__absmax(x, d);
+/* The E4M3 value of a code that is zero or normal (not subnormal, not
+ * NaN): the exponent rebiased, zero by mask. */
+KVP__INLINE float fp8_plain(uint8_t c) {
+  uint32_t em = c & 0x7Fu, mag = ((em << 20) + (120u << 23)) & kvp__mask(em != 0);
+  return kvp__f32_of(mag | (uint32_t)(c & 0x80u) << 24);
+}
+
+/* dec_bf16_n for a row of zero or normal codes and a finite s: the
+ * products are numbers (inf at worst), so no NaN select either. */
+KVP__INLINE void dec_plain_bf16_n(uint16_t *restrict o, const uint8_t *restrict q, float s, size_t n) {
+  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_num(fp8_plain(q[i]) * s);
+}
+
+/* OR of "subnormal or NaN" over n codes. */
+KVP__INLINE uint8_t odd_codes_n(const uint8_t *restrict q, size_t n) {
+  uint8_t odd = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint8_t em = q[i] & 0x7Fu;
+    odd |= (uint8_t)((uint8_t)(em - 1u) < 7u) | (uint8_t)(em == 0x7Fu);
+  }
+  return odd;
+}
+
+/* The dynamic scale of a token of absmax amax: amax / 448, at least
+ * FLT_MIN, 0 for a token of zeros. */
+KVP__INLINE float fp8_token_scale(float amax) {
   if (amax == 0.0f) return 0.0f;
   float s = amax / KVP__FP8_E4M3_MAX;
   return s > FLT_MIN ? s : FLT_MIN;
@@ -126,20 +187,34 @@ KVP__INLINE float fp8_token_scale(const float *x, uint32_t d) {
 KVP__KERNEL(fp8_enc_rows, (const fp8_inst *f, const unsigned char *src, size_t stride, uint32_t n, uint8_t *codes,
                            uint8_t *scales),
             (f, src, stride, n, codes, scales)) {
-  uint32_t d = f->head_dim;
+  uint32_t d = f->head_dim, w[KVP_MAX_HEAD_DIM];
   float x[KVP_MAX_HEAD_DIM];
   for (uint32_t t = 0; t < n; t++) {
     kvp__load_row(x, src + (size_t)t * stride, f->in_dtype, d);
-    float s = f->dynamic ? fp8_token_scale(x, d) : f->static_scale;
+    uint32_t amax_bits, min1 = row_mag_range(x, d, &amax_bits);
+    int has_nan = amax_bits > 0x7F800000u;
+    /* with no NaN the magnitude bits order as the values: the fmaxf absmax */
+    float s = !f->dynamic ? f->static_scale : fp8_token_scale(has_nan ? kvp__absmax(x, d) : kvp__f32_of(amax_bits));
     if (scales) kvp__st_lef32(scales + (size_t)t * 4, s);
     uint8_t *q = codes + (size_t)t * d;
     if (s == 0.0f) {
       memset(q, 0, d);
       continue;
     }
-#define ENC(i, c) enc_n(q + (i), x + (i), s, (c))
-    KVP__FOR_CHUNKS(d, ENC);
+    /* the common row: no NaN, and every nonzero |x / s| >= 2^-6, which the
+     * least one tells (x / s is monotone in |x|) */
+    if (!has_nan && (min1 == UINT32_MAX || kvp__f32_of(min1 + 1u) / s >= 0x1p-6f)) {
+#define ENC(i, c) enc_plain_n(w + (i), x + (i), s, (c))
+      KVP__FOR_CHUNKS(d, ENC);
 #undef ENC
+    } else {
+#define ENC(i, c) enc_n(w + (i), x + (i), s, (c))
+      KVP__FOR_CHUNKS(d, ENC);
+#undef ENC
+    }
+#define NAR(i, c) kvp__narrow8_n(q + (i), w + (i), (c))
+    KVP__FOR_CHUNKS(d, NAR);
+#undef NAR
   }
   return KVP_OK;
 }
@@ -155,6 +230,16 @@ KVP__KERNEL(fp8_dec_rows, (const fp8_inst *f, const uint8_t *codes, const uint8_
     const uint8_t *q = codes + (size_t)t * d;
     if (out == KVP_DTYPE_BF16) {
       uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
+      uint8_t odd = 0;
+#define ODD(i, c) odd |= odd_codes_n(q + (i), (c))
+      KVP__FOR_CHUNKS(d, ODD);
+#undef ODD
+      if (!odd && kvp__finite(s)) { /* the common row */
+#define DEC(i, c) dec_plain_bf16_n(o + (i), q + (i), s, (c))
+        KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+        continue;
+      }
 #define DEC(i, c) dec_bf16_n(o + (i), q + (i), s, (c))
       KVP__FOR_CHUNKS(d, DEC);
 #undef DEC

@@ -128,11 +128,11 @@ static float int8_percentile(const int8_inst *q, const float *x, float amax) {
  * is monotone and fixes 127, so clamping first is the same. Decode: q * s,
  * and (bf16 out) rounded in the same pass. */
 
-KVP__INLINE void enc_n(int8_t *restrict q, const float *restrict x, float s, size_t n) {
+KVP__INLINE void enc_n(uint32_t *restrict q, const float *restrict x, float s, size_t n) {
   for (size_t i = 0; i < n; i++) {
     uint32_t y = kvp__f32_bits(x[i] / s), a = y & 0x7FFFFFFFu, neg = (uint32_t)((int32_t)y >> 31);
     uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < 0x42FE0000u), a, 0x42FE0000u))); /* min(|y|, 127) */
-    q[i] = (int8_t)((r ^ neg) - neg);
+    q[i] = (r ^ neg) - neg; /* two's complement; the low byte is the code */
   }
 }
 
@@ -140,12 +140,16 @@ KVP__INLINE void dec_n(float *restrict x, const int8_t *restrict q, float s, siz
   for (size_t i = 0; i < n; i++) x[i] = (float)q[i] * s;
 }
 
-KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const int8_t *restrict q, float s, size_t n) {
-  for (size_t i = 0; i < n; i++) o[i] = kvp__bf16_from_f32_bf((float)q[i] * s);
+/* num: s is finite, so q * s is never NaN and bf16 needs no NaN select. */
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const int8_t *restrict q, float s, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = (float)q[i] * s;
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
 }
 
 /* Quantize one token into D codes; returns its bf16 scale code. */
-KVP__INLINE uint16_t int8_token(const int8_inst *q, const float *x, int8_t *codes) {
+KVP__INLINE uint16_t int8_token(const int8_inst *q, const float *x, uint8_t *codes) {
   uint32_t d = q->head_dim;
   float c = kvp__absmax(x, d);
   if (q->pct < 100.0f && c > 0.0f) c = int8_percentile(q, x, c);
@@ -155,9 +159,13 @@ KVP__INLINE uint16_t int8_token(const int8_inst *q, const float *x, int8_t *code
   }
   uint16_t sb = bf16_round_up(c / 127.0f);
   float s = kvp__bf16_to_f32(sb);
-#define ENC(i, k) enc_n(codes + (i), x + (i), s, (k))
+  uint32_t w[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
+#define ENC(i, k) enc_n(w + (i), x + (i), s, (k))
   KVP__FOR_CHUNKS(d, ENC);
 #undef ENC
+#define NAR(i, k) kvp__narrow8_n(codes + (i), w + (i), (k))
+  KVP__FOR_CHUNKS(d, NAR);
+#undef NAR
   return sb;
 }
 
@@ -168,7 +176,7 @@ KVP__KERNEL(int8_enc_rows, (const int8_inst *q, const unsigned char *src, size_t
   float x[KVP_MAX_HEAD_DIM];
   for (uint32_t t = 0; t < n; t++) {
     kvp__load_row(x, src + (size_t)t * stride, q->in_dtype, d);
-    kvp__st_le16(scales + (size_t)t * 2, int8_token(q, x, (int8_t *)codes + (size_t)t * d));
+    kvp__st_le16(scales + (size_t)t * 2, int8_token(q, x, codes + (size_t)t * d));
   }
   return KVP_OK;
 }
@@ -184,9 +192,15 @@ KVP__KERNEL(int8_dec_rows, (const int8_inst *q, const uint8_t *codes, const uint
     const int8_t *c = (const int8_t *)codes + (size_t)t * d;
     if (out == KVP_DTYPE_BF16) {
       uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
-#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, (k))
-      KVP__FOR_CHUNKS(d, DEC);
+      if (kvp__finite(s)) {
+#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, 1, (k))
+        KVP__FOR_CHUNKS(d, DEC);
 #undef DEC
+      } else {
+#define DEC(i, k) dec_bf16_n(o + (i), c + (i), s, 0, (k))
+        KVP__FOR_CHUNKS(d, DEC);
+#undef DEC
+      }
       continue;
     }
 #define DEC(i, k) dec_n(x + (i), c + (i), s, (k))

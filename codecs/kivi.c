@@ -40,6 +40,9 @@
  *   32 + 16 = 48 B (5.33x against bf16).
  *
  * Quantizer of a group with values x (f32; the scale check in double):
+ *   (min and max are running compares in index order: a value replaces
+ *   only when strictly below/above, so of zeros of both signs the group's
+ *   first one is its min, and its sign is the fp16 min's)
  *   m = min x rounded DOWN to fp16, s = (max x - m) / Q rounded UP to fp16
  *   (then raised by fp16 ulps while m + Q s < max x, computed exactly),
  *   q = round_even((x - m) / s) clamped to [0, Q]  (q = 0 when s = 0),
@@ -236,40 +239,62 @@ KVP__INLINE void get_n(float *restrict s, float *restrict m, const uint8_t *rest
  * x >= m, so (x - m) / s is +0 or above, or -0 (x = -0, m = +0) and NaN
  * or inf where s = 0: a sign means 0, the magnitude is clamped to top
  * before rounding (rne is monotone and fixes top). */
-KVP__INLINE void code_n(uint8_t *restrict q, const float *restrict x, const float *restrict m,
+KVP__INLINE void code_n(uint32_t *restrict q, const float *restrict x, const float *restrict m,
                         const float *restrict s, uint32_t top_bits, size_t n) {
   for (size_t i = 0; i < n; i++) {
     uint32_t v = kvp__f32_bits((x[i] - m[i]) / s[i]), a = v & 0x7FFFFFFFu;
     uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < top_bits), a, top_bits)));
-    q[i] = (uint8_t)(r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s[i] != 0.0f));
+    q[i] = r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s[i] != 0.0f);
+  }
+}
+
+/* Packing from codes narrowed to bytes: four (two) code bytes read as a
+ * word w, code k sits at bit 8k of w, and w >> 6k (w >> 4k) brings it to
+ * bits 2k (4k) of the low byte; the stray bits above are masked off. */
+/* code_n for a group of one scale s and min m. */
+KVP__INLINE void code1_n(uint32_t *restrict q, const float *restrict x, float m, float s, uint32_t top_bits, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint32_t v = kvp__f32_bits((x[i] - m) / s), a = v & 0x7FFFFFFFu;
+    uint32_t r = kvp__rne_u32(kvp__f32_of(kvp__sel(kvp__mask(a < top_bits), a, top_bits)));
+    q[i] = r & ~(uint32_t)((int32_t)v >> 31) & kvp__mask(s != 0.0f);
   }
 }
 
 KVP__INLINE void pack2_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
-  for (size_t j = 0; j < nbytes; j++)
-    o[j] = (uint8_t)(q[4 * j] | q[4 * j + 1] << 2 | q[4 * j + 2] << 4 | q[4 * j + 3] << 6);
+  for (size_t j = 0; j < nbytes; j++) {
+    const uint8_t *b = q + 4 * j;
+    uint32_t w = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+    o[j] = (uint8_t)(w | w >> 6 | w >> 12 | w >> 18);
+  }
 }
 KVP__INLINE void pack4_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
-  for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
+  for (size_t j = 0; j < nbytes; j++) {
+    const uint8_t *b = q + 2 * j;
+    uint32_t w = (uint32_t)b[0] | (uint32_t)b[1] << 8;
+    o[j] = (uint8_t)(w | w >> 4);
+  }
 }
 
-/* A row's codes packed LSB first (kvp__lsb32_pack's layout: D b / 8 bytes
- * are whole words). */
-KVP__INLINE void pack_row(uint8_t *o, const uint8_t *q, uint32_t d, uint32_t bits) {
+/* A row's 32-bit codes packed LSB first (kvp__lsb32_pack's layout: D b / 8
+ * bytes are whole words). */
+KVP__INLINE void pack_row(uint8_t *o, const uint32_t *q, uint32_t d, uint32_t bits) {
+  uint8_t q8[KVP_MAX_HEAD_DIM];
+#define NAR(i, c) kvp__narrow8_n(q8 + (i), q + (i), (c))
+  KVP__FOR_CHUNKS(d, NAR);
+#undef NAR
   if (bits == 2) {
-#define PK(i, c) pack2_n(o + (i) / 4, q + (i), (c) / 4)
+#define PK(i, c) pack2_n(o + (i) / 4, q8 + (i), (c) / 4)
     KVP__FOR_CHUNKS(d, PK);
 #undef PK
   } else {
-#define PK(i, c) pack4_n(o + (i) / 2, q + (i), (c) / 2)
+#define PK(i, c) pack4_n(o + (i) / 2, q8 + (i), (c) / 2)
     KVP__FOR_CHUNKS(d, PK);
 #undef PK
   }
 }
 
 /* Lanes: lo/hi = the running min/max of the rows so far (a value replaces
- * only when strictly below/above: ties keep the first, as the banner's
- * fminf/fmaxf did). */
+ * only when strictly below/above: ties keep the first, as the banner says). */
 KVP__INLINE void minmax_n(float *restrict lo, float *restrict hi, const float *restrict x, size_t n) {
   for (size_t i = 0; i < n; i++) {
     lo[i] = x[i] < lo[i] ? x[i] : lo[i];
@@ -282,10 +307,17 @@ KVP__INLINE void madd_n(float *restrict x, const float *restrict e, const float 
   for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] + m[i];
 }
 
-/* s[i] = v[i / G] over d elements. */
-KVP__INLINE void broadcast(float *restrict s, const float *restrict v, uint32_t d, uint32_t gs) {
-  for (uint32_t i = 0; i < d; i += 16)
-    for (size_t j = 0; j < 16; j++) s[i + j] = v[i / gs];
+KVP__INLINE void madd1_n(float *restrict x, const float *restrict e, float s, float m, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = e[i] * s + m;
+}
+
+/* Fold lanes [w, 2w) of lo/hi into [0, w). */
+KVP__INLINE void fold_n(float *restrict lo, float *restrict hi, const float *restrict lo2, const float *restrict hi2,
+                        size_t w) {
+  for (size_t j = 0; j < w; j++) {
+    lo[j] = lo2[j] < lo[j] ? lo2[j] : lo[j];
+    hi[j] = hi2[j] > hi[j] ? hi2[j] : hi[j];
+  }
 }
 
 /* Magnitude bits of the largest |x_i| (NaN above every number). */
@@ -301,15 +333,21 @@ static int kivi_range_err(uint32_t t, uint32_t i, float x) {
                   (double)x);
 }
 
+/* Some lane of the magnitude maxima m (n of them) is beyond 65504, or NaN. */
+KVP__INLINE int over_range(const uint32_t *m, size_t n) {
+  uint32_t mx = 0;
+  for (size_t j = 0; j < n; j++) mx = m[j] > mx ? m[j] : mx;
+  return mx > 0x477FE000u; /* 65504 */
+}
+
 /* KVP_OK, or the error naming the first element of the row beyond the fp16
  * range (or NaN). */
 KVP__INLINE int range_check(const float *x, uint32_t d, uint32_t t) {
-  uint32_t m[KVP__CHUNK] = {0}, mx = 0;
+  uint32_t m[KVP__CHUNK] = {0};
 #define MM(i, c) magmax_n(m, x + (i), (c))
   KVP__FOR_CHUNKS(d, MM);
 #undef MM
-  for (size_t j = 0; j < KVP__CHUNK; j++) mx = m[j] > mx ? m[j] : mx;
-  if (mx <= 0x477FE000u) return KVP_OK; /* 65504 */
+  if (!over_range(m, KVP__CHUNK)) return KVP_OK;
   for (uint32_t i = 0; i < d; i++)
     if (!(fabsf(x[i]) <= KIVI_F16_MAX)) return kivi_range_err(t, i, x[i]);
   return KVP_OK;
@@ -328,15 +366,17 @@ KVP__KERNEL(kivi_k_rows, (const kivi_inst *k, const void *src, size_t stride, ui
             (k, src, stride, n, codes, scales)) {
   uint32_t d = k->head_dim, top = kvp__f32_bits((float)((1u << k->bits) - 1));
   float x[KVP_MAX_HEAD_DIM], lo[KVP_MAX_HEAD_DIM], hi[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM];
-  uint32_t sc[KVP_MAX_HEAD_DIM], mc[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM];
+  uint32_t sc[KVP_MAX_HEAD_DIM], mc[KVP_MAX_HEAD_DIM], mag[KVP_MAX_HEAD_DIM];
+  uint32_t q[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   for (uint32_t r0 = 0; r0 < n; r0 += k->group) {
     uint32_t r1 = n - r0 < k->group ? n : r0 + k->group;
     uint8_t *rec = scales + (size_t)(r0 / k->group) * 4 * d;
+    memset(mag, 0, d * sizeof *mag);
     for (uint32_t t = r0; t < r1; t++) {
       kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
-      int rc = range_check(x, d, t);
-      if (rc) return rc;
+#define MAG(i, c) magmax_n(mag + (i), x + (i), (c))
+      KVP__FOR_CHUNKS(d, MAG);
+#undef MAG
       if (t == r0) {
         memcpy(lo, x, d * sizeof *x);
         memcpy(hi, x, d * sizeof *x);
@@ -346,6 +386,12 @@ KVP__KERNEL(kivi_k_rows, (const kivi_inst *k, const void *src, size_t stride, ui
       KVP__FOR_CHUNKS(d, MM);
 #undef MM
     }
+    if (over_range(mag, d)) /* name the first offender, in row order; nothing of this group is written */
+      for (uint32_t t = r0; t < r1; t++) {
+        kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
+        int rc = range_check(x, d, t);
+        if (rc) return rc;
+      }
     params(sc, mc, lo, hi, k->bits, d);
 #define PUT(i, c) put_n(rec + 4 * (i), sc + (i), mc + (i), (c))
     KVP__FOR_CHUNKS(d, PUT);
@@ -377,12 +423,10 @@ KVP__INLINE void group_minmax(const float *xg, uint32_t gs, float *lo_out, float
   memcpy(lo, xg, sizeof lo);
   memcpy(hi, xg, sizeof hi);
   for (uint32_t c = 16; c < gs; c += 16) minmax_n(lo, hi, xg + c, 16);
-  for (size_t w = 8; w >= 1; w /= 2) {
-    for (size_t j = 0; j < w; j++) {
-      lo[j] = lo[j + w] < lo[j] ? lo[j + w] : lo[j];
-      hi[j] = hi[j + w] > hi[j] ? hi[j + w] : hi[j];
-    }
-  }
+  fold_n(lo, hi, lo + 8, hi + 8, 8);
+  fold_n(lo, hi, lo + 4, hi + 4, 4);
+  fold_n(lo, hi, lo + 2, hi + 2, 2);
+  fold_n(lo, hi, lo + 1, hi + 1, 1);
   float l = lo[0];
   if (l == 0.0f)
     for (uint32_t i = 0; i < gs; i++)
@@ -399,9 +443,8 @@ KVP__INLINE void v_batch(const kivi_inst *k, const void *src, size_t stride, uin
                          uint8_t *scales, const float *lo, const float *hi) {
   uint32_t d = k->head_dim, gs = k->group, ng = d / gs, top = kvp__f32_bits((float)((1u << k->bits) - 1));
   uint32_t sc[V_BATCH * KVP_MAX_HEAD_DIM / 16], mc[V_BATCH * KVP_MAX_HEAD_DIM / 16];
-  float x[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], m[KVP_MAX_HEAD_DIM], sv[KVP_MAX_HEAD_DIM / 16],
-      mv[KVP_MAX_HEAD_DIM / 16];
-  uint8_t q[KVP_MAX_HEAD_DIM];
+  float x[KVP_MAX_HEAD_DIM], sv[KVP_MAX_HEAD_DIM / 16], mv[KVP_MAX_HEAD_DIM / 16];
+  uint32_t q[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   params(sc, mc, lo, hi, k->bits, (size_t)nb * ng);
   uint8_t *rec = scales + (size_t)t0 * 4 * ng;
 #define PUT(i, c) put_n(rec + 4 * (i), sc + (i), mc + (i), (c))
@@ -411,11 +454,13 @@ KVP__INLINE void v_batch(const kivi_inst *k, const void *src, size_t stride, uin
     uint32_t t = t0 + r;
     kvp__load_row(x, row_at(src, stride, t), k->in_dtype, d);
     get_n(sv, mv, rec + (size_t)r * 4 * ng, ng);
-    broadcast(s, sv, d, gs);
-    broadcast(m, mv, d, gs);
-#define CODE(i, c) code_n(q + (i), x + (i), m + (i), s + (i), top, (c))
-    KVP__FOR_CHUNKS(d, CODE);
+    for (uint32_t j = 0; j < ng; j++) {
+      uint32_t *qg = q + j * gs;
+      const float *xg = x + j * gs;
+#define CODE(i, c) code1_n(qg + (i), xg + (i), mv[j], sv[j], top, (c))
+      KVP__FOR_CHUNKS(gs, CODE);
 #undef CODE
+    }
     pack_row(codes + (size_t)t * k->row_bytes, q, d, k->bits);
   }
 }
@@ -443,32 +488,86 @@ KVP__KERNEL(kivi_v_rows, (const kivi_inst *k, const void *src, size_t stride, ui
 
 /* ---- decode ----------------------------------------------------------------- */
 
+/* The n records at rec have finite scales and minima (fp16 exponent < 31):
+ * then q s + m is a number for every code, and bf16 needs no NaN select. */
+KVP__INLINE int recs_finite(const uint8_t *rec, size_t n) {
+  uint32_t odd = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint32_t sc = (uint32_t)(rec[4 * i] | rec[4 * i + 1] << 8), mc = (uint32_t)(rec[4 * i + 2] | rec[4 * i + 3] << 8);
+    odd |= (uint32_t)((sc & 0x7C00u) == 0x7C00u) | (uint32_t)((mc & 0x7C00u) == 0x7C00u);
+  }
+  return !odd;
+}
+
+KVP__INLINE void madd_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s,
+                             const float *restrict m, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = e[i] * s[i] + m[i];
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
+}
+
+KVP__INLINE void madd1_bf16_n(uint16_t *restrict o, const float *restrict e, float s, float m, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = e[i] * s + m;
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
+}
+
 KVP__KERNEL(kivi_dec_rows, (const kivi_inst *k, const uint8_t *codes, const uint8_t *scales, uint32_t t0, uint32_t m,
                             unsigned char *dst, size_t stride, kvp_dtype out),
             (k, codes, scales, t0, m, dst, stride, out)) {
   uint32_t d = k->head_dim, gs = k->group, ng = d / gs, group = UINT32_MAX;
+  int num = 0; /* the records in use are finite */
   float x[KVP_MAX_HEAD_DIM], e[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], mn[KVP_MAX_HEAD_DIM],
       sv[KVP_MAX_HEAD_DIM / 16], mv[KVP_MAX_HEAD_DIM / 16];
   for (uint32_t r = 0; r < m; r++) {
     uint32_t t = t0 + r;
     const uint8_t *c = codes + (size_t)t * k->row_bytes;
+    uint16_t *o = out == KVP_DTYPE_BF16 ? (uint16_t *)(dst + (size_t)r * stride) : NULL;
     if (k->bits == 2)
       for (uint32_t j = 0; j < d / 4; j++) memcpy(e + 4 * j, kivi_q2[c[j]], sizeof kivi_q2[0]);
     else
       for (uint32_t j = 0; j < d / 2; j++) memcpy(e + 2 * j, kivi_q4[c[j]], sizeof kivi_q4[0]);
-    if (k->kv == 0 && t / gs != group) { /* K: the group's records, once per group */
-      group = t / gs;
-#define GET(i, c) get_n(s + (i), mn + (i), scales + (size_t)group * 4 * d + 4 * (i), (c))
-      KVP__FOR_CHUNKS(d, GET);
+    if (k->kv == 0) {
+      if (t / gs != group) { /* K: the group's records, once per group */
+        const uint8_t *rec = scales + (size_t)(t / gs) * 4 * d;
+        group = t / gs;
+#define GET(i, c) get_n(s + (i), mn + (i), rec + 4 * (i), (c))
+        KVP__FOR_CHUNKS(d, GET);
 #undef GET
-    } else if (k->kv == 1) {
-      get_n(sv, mv, scales + (size_t)t * 4 * ng, ng);
-      broadcast(s, sv, d, gs);
-      broadcast(mn, mv, d, gs);
-    }
-#define MADD(i, c) madd_n(x + (i), e + (i), s + (i), mn + (i), (c))
-    KVP__FOR_CHUNKS(d, MADD);
+        num = recs_finite(rec, d);
+      }
+      if (o && num) {
+#define MADD(i, c) madd_bf16_n(o + (i), e + (i), s + (i), mn + (i), 1, (c))
+        KVP__FOR_CHUNKS(d, MADD);
 #undef MADD
+        continue;
+      }
+#define MADD(i, c) madd_n(x + (i), e + (i), s + (i), mn + (i), (c))
+      KVP__FOR_CHUNKS(d, MADD);
+#undef MADD
+    } else { /* V: one record per channel group */
+      const uint8_t *rec = scales + (size_t)t * 4 * ng;
+      get_n(sv, mv, rec, ng);
+      if (o && recs_finite(rec, ng)) {
+        for (uint32_t j = 0; j < ng; j++) {
+          uint16_t *og = o + j * gs;
+          const float *eg = e + j * gs;
+#define MADD(i, c) madd1_bf16_n(og + (i), eg + (i), sv[j], mv[j], 1, (c))
+          KVP__FOR_CHUNKS(gs, MADD);
+#undef MADD
+        }
+        continue;
+      }
+      for (uint32_t j = 0; j < ng; j++) {
+        float *xg = x + j * gs;
+        const float *eg = e + j * gs;
+#define MADD(i, c) madd1_n(xg + (i), eg + (i), sv[j], mv[j], (c))
+        KVP__FOR_CHUNKS(gs, MADD);
+#undef MADD
+      }
+    }
     kvp__store_row(dst + (size_t)r * stride, out, x, d);
   }
   return KVP_OK;

@@ -149,6 +149,9 @@ static inline float kvp__f32_of(uint32_t u) {
 
 /* All ones where cond, else 0; and a select by such a mask. */
 static inline uint32_t kvp__mask(int cond) { return (uint32_t)0 - (uint32_t)(cond != 0); }
+/* a < b for a, b < 2^31 (magnitude bits, small codes): a signed compare,
+ * one instruction even in SSE2, which has no unsigned one. */
+static inline int kvp__lt(uint32_t a, uint32_t b) { return (int32_t)a < (int32_t)b; }
 static inline uint32_t kvp__sel(uint32_t mask, uint32_t a, uint32_t b) { return (a & mask) | (b & ~mask); }
 
 /* w rounded to the nearest integer, ties to even; 0 <= w < 2^31. The
@@ -157,7 +160,7 @@ static inline uint32_t kvp__sel(uint32_t mask, uint32_t a, uint32_t b) { return 
 static inline uint32_t kvp__rne_u32(float w) {
   uint32_t t = (uint32_t)(int32_t)w;
   uint32_t f = kvp__f32_bits(w - (float)(int32_t)t);
-  return t + (uint32_t)(f + (t & 1u) > 0x3F000000u);
+  return t + (uint32_t)kvp__lt(0x3F000000u, f + (t & 1u)); /* f < bits(1) */
 }
 
 /* Smallest normal magnitudes of the formats, as f32 bits. */
@@ -171,8 +174,8 @@ static inline uint8_t kvp__fp8_e4m3_from_f32_bf(float x) {
   nrm = nrm < 0x7Eu ? nrm : 0x7Eu;                                      /* saturate; inf too */
   uint32_t as = a < KVP__FP8_MIN_NORMAL_BITS ? a : KVP__FP8_MIN_NORMAL_BITS;
   uint32_t sub = kvp__rne_u32(kvp__f32_of(as) * 0x1p9f); /* |x| 2^9 < 8: codes 0..8 */
-  uint32_t code = kvp__sel(kvp__mask(a < KVP__FP8_MIN_NORMAL_BITS), sub, nrm) | (u >> 24 & 0x80u);
-  return (uint8_t)kvp__sel(kvp__mask(a > 0x7F800000u), KVP__FP8_E4M3_NAN, code);
+  uint32_t code = kvp__sel(kvp__mask(kvp__lt(a, KVP__FP8_MIN_NORMAL_BITS)), sub, nrm) | (u >> 24 & 0x80u);
+  return (uint8_t)kvp__sel(kvp__mask(kvp__lt(0x7F800000u, a)), KVP__FP8_E4M3_NAN, code);
 }
 
 static inline float kvp__fp8_e4m3_to_f32_bf(uint8_t c) {
@@ -186,10 +189,20 @@ static inline float kvp__fp8_e4m3_to_f32_bf(uint8_t c) {
 static inline uint16_t kvp__bf16_from_f32_bf(float x) {
   uint32_t u = kvp__f32_bits(x);
   uint32_t rne = (u + 0x7FFFu + (u >> 16 & 1u)) >> 16, qnan = u >> 16 | 0x0040u;
-  return (uint16_t)kvp__sel(kvp__mask((u & 0x7FFFFFFFu) > 0x7F800000u), qnan, rne);
+  return (uint16_t)kvp__sel(kvp__mask(kvp__lt(0x7F800000u, u & 0x7FFFFFFFu)), qnan, rne);
 }
 
 static inline float kvp__bf16_to_f32_bf(uint16_t c) { return kvp__f32_of((uint32_t)c << 16); }
+
+/* kvp__bf16_from_f32 for an x that is not NaN (infinities included): the
+ * rounding add alone, for rows whose values cannot be NaN. */
+static inline uint16_t kvp__bf16_from_f32_num(float x) {
+  uint32_t u = kvp__f32_bits(x);
+  return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
+}
+
+/* x is finite (not inf, not NaN). */
+static inline int kvp__finite(float x) { return kvp__lt(kvp__f32_bits(x) & 0x7FFFFFFFu, 0x7F800000u); }
 
 static inline uint16_t kvp__f16_from_f32_bf(float x) {
   uint32_t u = kvp__f32_bits(x), a = u & 0x7FFFFFFFu, s = u >> 16 & 0x8000u;
@@ -197,32 +210,32 @@ static inline uint16_t kvp__f16_from_f32_bf(float x) {
   nrm = nrm < 0x7C00u ? nrm : 0x7C00u;                                  /* overflow: infinity */
   uint32_t as = a < KVP__F16_MIN_NORMAL_BITS ? a : KVP__F16_MIN_NORMAL_BITS;
   uint32_t sub = kvp__rne_u32(kvp__f32_of(as) * 0x1p24f); /* |x| 2^24 < 1024: codes 0..0x400 */
-  uint32_t code = kvp__sel(kvp__mask(a < KVP__F16_MIN_NORMAL_BITS), sub, nrm);
+  uint32_t code = kvp__sel(kvp__mask(kvp__lt(a, KVP__F16_MIN_NORMAL_BITS)), sub, nrm);
   uint32_t qnan = 0x7E00u | (a >> 13 & 0x03FFu);
-  return (uint16_t)(s | kvp__sel(kvp__mask(a > 0x7F800000u), qnan, code));
+  return (uint16_t)(s | kvp__sel(kvp__mask(kvp__lt(0x7F800000u, a)), qnan, code));
 }
 
 static inline float kvp__f16_to_f32_bf(uint16_t c) {
   uint32_t s = (uint32_t)(c & 0x8000u) << 16, em = c & 0x7FFFu;
-  uint32_t nrm = (em << 13) + (112u << 23) + (kvp__mask(em >= 0x7C00u) & (112u << 23)); /* inf, NaN: e = 255 */
+  uint32_t nrm = (em << 13) + (112u << 23) + (kvp__mask(kvp__lt(0x7BFFu, em)) & (112u << 23)); /* inf, NaN: e = 255 */
   uint32_t sub = kvp__f32_bits(kvp__f32_of(em << 13 | 113u << 23) - 0x1p-14f);        /* m 2^-24 */
-  return kvp__f32_of(kvp__sel(kvp__mask(em < 0x0400u), sub, nrm) | s);
+  return kvp__f32_of(kvp__sel(kvp__mask(kvp__lt(em, 0x0400u)), sub, nrm) | s);
 }
 
 static inline uint8_t kvp__e2m1_from_f32_bf(float x) {
   uint32_t u = kvp__f32_bits(x), a = u & 0x7FFFFFFFu;
   uint32_t nrm = ((a + 0x1FFFFFu + (a >> 22 & 1u)) >> 22) - (126u << 1); /* valid from 1 up */
   nrm = nrm < 7u ? nrm : 7u;
-  uint32_t sub = (uint32_t)(a > 0x3E800000u) + (uint32_t)(a >= 0x3F400000u); /* 0.25 -> 0, 0.75 -> 2 (even) */
-  uint32_t code = kvp__sel(kvp__mask(a < KVP__E2M1_MIN_NORMAL_BITS), sub, nrm) | (u >> 28 & 0x8u);
-  return (uint8_t)kvp__sel(kvp__mask(a > 0x7F800000u), 0x7u, code);
+  uint32_t sub = (uint32_t)kvp__lt(0x3E800000u, a) + (uint32_t)kvp__lt(0x3F3FFFFFu, a); /* 0.25 -> 0, 0.75 -> 2 (even) */
+  uint32_t code = kvp__sel(kvp__mask(kvp__lt(a, KVP__E2M1_MIN_NORMAL_BITS)), sub, nrm) | (u >> 28 & 0x8u);
+  return (uint8_t)kvp__sel(kvp__mask(kvp__lt(0x7F800000u, a)), 0x7u, code);
 }
 
 static inline float kvp__e2m1_to_f32_bf(uint8_t c) {
   uint32_t em = c & 0x7u, s = (uint32_t)(c & 0x8u) << 28;
   uint32_t nrm = (em << 22) + (126u << 23);
   uint32_t sub = kvp__f32_bits(kvp__f32_of(((em | 2u) << 22) + (126u << 23)) - 1.0f); /* 0 or 0.5 */
-  return kvp__f32_of(kvp__sel(kvp__mask(em < 2u), sub, nrm) | s);
+  return kvp__f32_of(kvp__sel(kvp__mask(kvp__lt(em, 2u)), sub, nrm) | s);
 }
 
 /* ---- inline rows, for kernels (n elements; no overlap) --------------------- */
@@ -238,6 +251,12 @@ KVP__INLINE void kvp__bf16_store_n(uint16_t *KVP__RESTRICT h, const float *KVP__
 }
 KVP__INLINE void kvp__f16_store_n(uint16_t *KVP__RESTRICT h, const float *KVP__RESTRICT x, size_t n) {
   for (size_t i = 0; i < n; i++) h[i] = kvp__f16_from_f32_bf(x[i]);
+}
+
+/* q = the low bytes of w: code kernels keep 32-bit codes in their hot
+ * loops (one vector register per lane group) and narrow in a pass. */
+KVP__INLINE void kvp__narrow8_n(uint8_t *KVP__RESTRICT q, const uint32_t *KVP__RESTRICT w, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = (uint8_t)w[i];
 }
 
 /* x = the n elements of src (dt) in f32. */

@@ -214,23 +214,26 @@ KVP__INLINE void blk_broadcast(float *restrict s, const float *restrict v, uint3
     for (size_t j = 0; j < NVFP4_BLOCK; j++) s[k * NVFP4_BLOCK + j] = v[k];
 }
 
-KVP__INLINE void quant_n(uint8_t *restrict q, const float *restrict u, const float *restrict s, size_t n) {
+KVP__INLINE void quant_n(uint32_t *restrict q, const float *restrict u, const float *restrict s, size_t n) {
   for (size_t i = 0; i < n; i++) q[i] = kvp__e2m1_from_f32_bf(u[i] / s[i]);
 }
 
-/* Squared error terms of elements decoded from codes q (scales s), against
- * x, in double. */
-KVP__INLINE void err_n(double *restrict t, const float *restrict x, const uint8_t *restrict q,
-                       const float *restrict s, float g, size_t n) {
+/* Squared error terms, in double, of the elements decoded from the
+ * 6-candidate (codes q6, scales s6) and the 4-candidate, against x. */
+KVP__INLINE void err_n(double *restrict t6, double *restrict t4, const float *restrict x, const uint32_t *restrict q6,
+                       const float *restrict s6, const uint32_t *restrict q4, const float *restrict s4, float g,
+                       size_t n) {
   for (size_t i = 0; i < n; i++) {
-    double e = (double)x[i] - (double)(kvp__e2m1_to_f32_bf(q[i]) * s[i] * g);
-    t[i] = e * e;
+    double e6 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf((uint8_t)q6[i]) * s6[i] * g);
+    double e4 = (double)x[i] - (double)(kvp__e2m1_to_f32_bf((uint8_t)q4[i]) * s4[i] * g);
+    t6[i] = e6 * e6;
+    t4[i] = e4 * e4;
   }
 }
 
-/* Rule 4/6 on block terms: 1 when the 4-candidate's squared error is the
- * lower. Each error is its 16 terms summed in index order; the two sums
- * run as two chains. */
+/* Rule 4/6 on a block's terms: 1 when the 4-candidate's squared error is
+ * the lower, each error its 16 terms summed in index order (the two sums
+ * run as two chains). */
 KVP__INLINE int blk_prefer4(const double *t6, const double *t4) {
   double e6 = 0.0, e4 = 0.0;
   for (size_t i = 0; i < NVFP4_BLOCK; i++) {
@@ -240,13 +243,12 @@ KVP__INLINE int blk_prefer4(const double *t6, const double *t4) {
   return e4 < e6;
 }
 
-/* q = (q4 where m, else q) & keep: m and keep are 0x00 or 0xFF per element. */
-KVP__INLINE void pick_n(uint8_t *restrict q, const uint8_t *restrict q4, const uint8_t *restrict m,
-                        const uint8_t *restrict keep, size_t n) {
-  for (size_t i = 0; i < n; i++) q[i] = (uint8_t)(((q4[i] & m[i]) | (q[i] & ~m[i])) & keep[i]);
+/* q = q4 where m (all ones or 0 per element), else kept. */
+KVP__INLINE void pick_n(uint32_t *restrict q, const uint32_t *restrict q4, const uint32_t *restrict m, size_t n) {
+  for (size_t i = 0; i < n; i++) q[i] = (q4[i] & m[i]) | (q[i] & ~m[i]);
 }
 
-KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint8_t *restrict q, size_t nbytes) {
+KVP__INLINE void nib_pack_n(uint8_t *restrict o, const uint32_t *restrict q, size_t nbytes) {
   for (size_t j = 0; j < nbytes; j++) o[j] = (uint8_t)(q[2 * j] | q[2 * j + 1] << 4);
 }
 
@@ -254,33 +256,57 @@ KVP__INLINE void dec_n(float *restrict x, const float *restrict e, const float *
   for (size_t i = 0; i < n; i++) x[i] = e[i] * s[i] * g;
 }
 
+/* bf16 out in the same pass; with the mean added when add_mean. num:
+ * no value of the row can be NaN (see nvfp4_dec_rows), so bf16 needs no
+ * NaN select. */
+KVP__INLINE void dec_bf16_n(uint16_t *restrict o, const float *restrict e, const float *restrict s, float g,
+                            float mean, int add_mean, int num, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    float v = e[i] * s[i] * g;
+    if (add_mean) v += mean;
+    o[i] = num ? kvp__bf16_from_f32_num(v) : kvp__bf16_from_f32_bf(v);
+  }
+}
+
+/* The values of n E4M3 scale codes (n a multiple of 8), as bytes or words. */
+KVP__INLINE void scales_n(float *restrict v, const uint8_t *restrict c, size_t n) {
+  for (size_t k = 0; k < n; k++) v[k] = kvp__fp8_e4m3_to_f32_bf(c[k]);
+}
+KVP__INLINE void scales32_n(float *restrict v, const uint32_t *restrict c, size_t n) {
+  for (size_t k = 0; k < n; k++) v[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)c[k]);
+}
+
 /* ---- the ksmooth mean -------------------------------------------------------- *
  * mean = (float)(sum / D), the sum of the row in double in index order. When
  * every partial sum is exact, any order gives that sum: the values are
  * multiples of 2^(emin - p + 1) (p significand bits of the in dtype, emin
  * the least exponent of a nonzero value) and partial sums stay below
- * 2^(emax + 1 + log2 D); exact when that spans at most 53 bits. Then lanes
- * sum in parallel; otherwise the loop runs in order. */
+ * 2^(emax + 1 + log2 D); exact when that spans at most 53 bits. One pass
+ * sums in lanes and gathers the exponent range; the lanes fold as a tree
+ * (any order), and where the range is too wide the loop runs in order. */
 
-KVP__INLINE void exp_range_n(uint32_t *restrict lo, uint32_t *restrict hi, const float *restrict x, size_t n) {
+KVP__INLINE void sum_range_n(double *restrict acc, uint32_t *restrict lo, uint32_t *restrict hi,
+                             const float *restrict x, size_t n) {
   for (size_t j = 0; j < n; j++) {
-    uint32_t e = kvp__f32_bits(x[j]) >> 23 & 0xFFu, z = kvp__mask((kvp__f32_bits(x[j]) & 0x7FFFFFFFu) == 0);
+    uint32_t b = kvp__f32_bits(x[j]), e = b >> 23 & 0xFFu, z = kvp__mask((b & 0x7FFFFFFFu) == 0);
     uint32_t el = e | (z & 0xFFu), eh = e & ~z; /* zeros count for neither */
     lo[j] = el < lo[j] ? el : lo[j];
     hi[j] = eh > hi[j] ? eh : hi[j];
+    acc[j] += (double)x[j];
   }
 }
 
-KVP__INLINE void sum_n(double *restrict acc, const float *restrict x, size_t n) {
-  for (size_t j = 0; j < n; j++) acc[j] += (double)x[j];
+KVP__INLINE void fold_sum_n(double *restrict a, const double *restrict b, size_t n) {
+  for (size_t j = 0; j < n; j++) a[j] += b[j];
 }
 
 KVP__INLINE double row_sum(const float *x, uint32_t d, unsigned sig_bits) {
   uint32_t lo[KVP__CHUNK], hi[KVP__CHUNK], elo = 0xFFu, ehi = 0;
-  for (size_t j = 0; j < KVP__CHUNK; j++) lo[j] = 0xFFu, hi[j] = 0;
-#define ER(i, c) exp_range_n(lo, hi, x + (i), (c))
-  KVP__FOR_CHUNKS(d, ER);
-#undef ER
+  double acc[KVP__CHUNK];
+  for (size_t j = 0; j < KVP__CHUNK; j++) lo[j] = 0xFFu, hi[j] = 0, acc[j] = 0.0;
+#define SR(i, c) sum_range_n(acc, lo, hi, x + (i), (c))
+  KVP__FOR_CHUNKS(d, SR);
+#undef SR
   for (size_t j = 0; j < KVP__CHUNK; j++) {
     elo = lo[j] < elo ? lo[j] : elo;
     ehi = hi[j] > ehi ? hi[j] : ehi;
@@ -292,12 +318,11 @@ KVP__INLINE double row_sum(const float *x, uint32_t d, unsigned sig_bits) {
     for (uint32_t i = 0; i < d; i++) sum += (double)x[i]; /* subnormal, inf or NaN, or a wide range */
     return sum;
   }
-  double acc[KVP__CHUNK] = {0};
-#define SUM(i, c) sum_n(acc, x + (i), (c))
-  KVP__FOR_CHUNKS(d, SUM);
-#undef SUM
-  for (size_t j = 0; j < KVP__CHUNK; j++) sum += acc[j];
-  return sum;
+  fold_sum_n(acc, acc + 16, 16);
+  fold_sum_n(acc, acc + 8, 8);
+  fold_sum_n(acc, acc + 4, 4);
+  fold_sum_n(acc, acc + 2, 2);
+  return sum + acc[0] + acc[1];
 }
 
 /* Significand bits of an in dtype's values. */
@@ -343,7 +368,7 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
   uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
   float x[KVP_MAX_HEAD_DIM], u[KVP_MAX_HEAD_DIM], s6[KVP_MAX_HEAD_DIM], s4[KVP_MAX_HEAD_DIM];
   double t6[KVP_MAX_HEAD_DIM], t4[KVP_MAX_HEAD_DIM];
-  uint8_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM], keep[KVP_MAX_HEAD_DIM];
+  uint32_t q[KVP_MAX_HEAD_DIM], q4[KVP_MAX_HEAD_DIM], m4[KVP_MAX_HEAD_DIM]; /* codes in 32 bits: see kvp__narrow8_n */
   uint32_t ab[NVFP4_MAX_BLOCKS] = {0}, sc6[NVFP4_MAX_BLOCKS], sc4[NVFP4_MAX_BLOCKS];
   float v6[NVFP4_MAX_BLOCKS], v4[NVFP4_MAX_BLOCKS];
   for (uint32_t t = 0; t < n; t++) {
@@ -353,36 +378,35 @@ KVP__KERNEL(nvfp4_enc_rows, (const nvfp4_inst *f, const unsigned char *src, size
 #undef DIV
     for (uint32_t k = 0; k < nsc; k++) ab[k] = blk_amax_bits(u + k * NVFP4_BLOCK);
     for (uint32_t k = 0; k < nsc; k += 8) scale_codes_n(sc6 + k, ab + k, 6.0f, 8);
-    for (uint32_t k = 0; k < nsc; k++) v6[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)sc6[k]);
+    for (uint32_t k = 0; k < nsc; k += 8) scales32_n(v6 + k, sc6 + k, 8);
     blk_broadcast(s6, v6, nsc);
 #define QUANT(i, c) quant_n(q + (i), u + (i), s6 + (i), (c))
     KVP__FOR_CHUNKS(d, QUANT);
 #undef QUANT
-    for (uint32_t k = 0; k < nsc; k++) {
-      uint8_t z = (uint8_t)kvp__mask(ab[k] != 0); /* a block of zeros: codes and scale 0 */
-      memset(keep + k * NVFP4_BLOCK, z, NVFP4_BLOCK);
-      memset(m4 + k * NVFP4_BLOCK, 0, NVFP4_BLOCK);
-      sc6[k] &= z;
-    }
     if (f->rule46) { /* no branch on a block's outcome: it is data */
       for (uint32_t k = 0; k < nsc; k += 8) scale_codes_n(sc4 + k, ab + k, 4.0f, 8);
-      for (uint32_t k = 0; k < nsc; k++) v4[k] = kvp__fp8_e4m3_to_f32_bf((uint8_t)sc4[k]);
+      for (uint32_t k = 0; k < nsc; k += 8) scales32_n(v4 + k, sc4 + k, 8);
       blk_broadcast(s4, v4, nsc);
 #define QUANT(i, c) quant_n(q4 + (i), u + (i), s4 + (i), (c))
       KVP__FOR_CHUNKS(d, QUANT);
 #undef QUANT
-#define ERR(i, c) err_n(t6 + (i), x + (i), q + (i), s6 + (i), g, (c)), err_n(t4 + (i), x + (i), q4 + (i), s4 + (i), g, (c))
+#define ERR(i, c) err_n(t6 + (i), t4 + (i), x + (i), q + (i), s6 + (i), q4 + (i), s4 + (i), g, (c))
       KVP__FOR_CHUNKS(d, ERR);
 #undef ERR
       for (uint32_t k = 0; k < nsc; k++) {
-        int use4 = sc6[k] != 0 && sc4[k] != sc6[k] && blk_prefer4(t6 + k * NVFP4_BLOCK, t4 + k * NVFP4_BLOCK);
-        memset(m4 + k * NVFP4_BLOCK, (int)(uint8_t)kvp__mask(use4), NVFP4_BLOCK);
+        int use4 = ab[k] != 0 && sc4[k] != sc6[k] && blk_prefer4(t6 + k * NVFP4_BLOCK, t4 + k * NVFP4_BLOCK);
+        for (size_t j = 0; j < NVFP4_BLOCK; j++) m4[k * NVFP4_BLOCK + j] = kvp__mask(use4);
         sc6[k] = kvp__sel(kvp__mask(use4), sc4[k], sc6[k]);
       }
-    }
-#define PICK(i, c) pick_n(q + (i), q4 + (i), m4 + (i), keep + (i), (c))
-    KVP__FOR_CHUNKS(d, PICK);
+#define PICK(i, c) pick_n(q + (i), q4 + (i), m4 + (i), (c))
+      KVP__FOR_CHUNKS(d, PICK);
 #undef PICK
+    }
+    for (uint32_t k = 0; k < nsc; k++)
+      if (ab[k] == 0) { /* a block of zeros: codes and scale 0 */
+        memset(q + k * NVFP4_BLOCK, 0, NVFP4_BLOCK * sizeof *q);
+        sc6[k] = 0;
+      }
     for (uint32_t k = 0; k < nsc; k++) scales[(size_t)t * nsc + k] = (uint8_t)sc6[k];
 #define PACK(i, c) nib_pack_n(codes + (size_t)t * (d / 2) + (i) / 2, q + (i), (c) / 2)
     KVP__FOR_CHUNKS(d, PACK);
@@ -396,17 +420,42 @@ KVP__KERNEL(nvfp4_dec_rows, (const nvfp4_inst *f, const uint8_t *codes, const ui
             (f, codes, scales, means, g, t0, m, dst, stride, out)) {
   uint32_t d = f->head_dim, nsc = d / NVFP4_BLOCK;
   float x[KVP_MAX_HEAD_DIM], e[KVP_MAX_HEAD_DIM], s[KVP_MAX_HEAD_DIM], v[NVFP4_MAX_BLOCKS];
+  uint8_t sc[NVFP4_MAX_BLOCKS] = {0}; /* the row's scale codes, padded to whole chunks of 8 */
   for (uint32_t r = 0; r < m; r++) {
     uint32_t t = t0 + r;
-    const uint8_t *c = codes + (size_t)t * (d / 2), *sc = scales + (size_t)t * nsc;
+    const uint8_t *c = codes + (size_t)t * (d / 2);
     for (uint32_t j = 0; j < d / 2; j++) memcpy(e + 2 * j, e2m1_pair[c[j]], sizeof e2m1_pair[0]);
-    for (uint32_t k = 0; k < nsc; k++) v[k] = kvp__fp8_e4m3_to_f32_bf(sc[k]);
+    memcpy(sc, scales + (size_t)t * nsc, nsc);
+    for (uint32_t k = 0; k < nsc; k += 8) scales_n(v + k, sc + k, 8);
     blk_broadcast(s, v, nsc);
+    float mean = f->ksmooth ? kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2)) : 0.0f;
+    if (out == KVP_DTYPE_BF16) { /* one pass */
+      uint16_t *o = (uint16_t *)(dst + (size_t)r * stride);
+      /* (e s) g + mean is a number (inf at worst) when no scale is NaN
+       * and g and the mean are finite */
+      uint8_t nan_sc = 0;
+      for (uint32_t k = 0; k < nsc; k++) nan_sc |= (uint8_t)((sc[k] & 0x7Fu) == 0x7Fu);
+      int num = !nan_sc && kvp__finite(g) && kvp__finite(mean);
+#define DEC(i, k, a, n) dec_bf16_n(o + (i), e + (i), s + (i), g, mean, (a), (n), (k))
+#define DEC11(i, k) DEC(i, k, 1, 1)
+#define DEC10(i, k) DEC(i, k, 1, 0)
+#define DEC01(i, k) DEC(i, k, 0, 1)
+#define DEC00(i, k) DEC(i, k, 0, 0)
+      if (f->ksmooth && num) KVP__FOR_CHUNKS(d, DEC11);
+      else if (f->ksmooth) KVP__FOR_CHUNKS(d, DEC10);
+      else if (num) KVP__FOR_CHUNKS(d, DEC01);
+      else KVP__FOR_CHUNKS(d, DEC00);
+#undef DEC
+#undef DEC11
+#undef DEC10
+#undef DEC01
+#undef DEC00
+      continue;
+    }
 #define DEC(i, k) dec_n(x + (i), e + (i), s + (i), g, (k))
     KVP__FOR_CHUNKS(d, DEC);
 #undef DEC
     if (f->ksmooth) {
-      float mean = kvp__bf16_to_f32_bf(kvp__ld_le16(means + (size_t)t * 2));
 #define ADD(i, k) add_n(x + (i), mean, (k))
       KVP__FOR_CHUNKS(d, ADD);
 #undef ADD

@@ -755,6 +755,36 @@ START_TEST(kivi_signed_zero_min) {
 }
 END_TEST
 
+/* nvfp4's ksmooth mean sums a row in double in index order. A row where
+ * order matters: 2^60 + 1 rounds to 2^60 in order, and -2^60 (32 elements
+ * later, in the same lane of a 32-lane sum) cancels it: in order the sum
+ * is 0, by lanes 1. The library may sum by lanes only where every partial
+ * sum is exact; here it must not, and the stored mean must be 0. */
+START_TEST(nvfp4_mean_order) {
+  const rcase *c = isa_case(_i * NCASES + 14);
+  if (!c) return;
+  enum { D = 64 };
+  float x[2 * D] = {0};
+  x[0] = 0x1p60f, x[1] = 1.0f, x[32] = -0x1p60f;                 /* row 0: order matters */
+  for (int i = 0; i < D; i++) x[D + i] = ldexpf(1.0f + (float)i, (i % 24) - 12); /* row 1: exact either way */
+  kvp_codec_geom geom = {.head_dim = D, .in_dtype = KVP_DTYPE_F32, .layer = 0, .kv = 0};
+  void *inst;
+  ck_ok(c->vt->create(c->params, &geom, &inst, NULL, 0, NULL));
+  rinst r = rinst_make(c, D, 0, KVP_DTYPE_F32);
+  uint64_t rng = 5;
+  pages got, want;
+  pages_new(&got, c, inst, 2, &rng);
+  pages_new(&want, c, inst, 2, &rng);
+  ck_ok(c->vt->encode(inst, x, D * 4, 2, 2, (void *const *)got.pg));
+  ck_ok(ref_encode(&r, x, D * 4, 2, 2, want.pg));
+  const uint8_t *mean0 = want.pg[1] + 2 * (D / 16);
+  ck_assert_uint_eq(ref_ld16(mean0), 0); /* the reference's in-order sum */
+  for (uint32_t k = 0; k < got.lay.npages; k++) ck_assert_mem_eq(got.pg[k], want.pg[k], got.lay.bytes[k]);
+  pages_free(&got), pages_free(&want);
+  c->vt->destroy(inst);
+}
+END_TEST
+
 /* Pages of random bytes decode alike (two NaNs compare equal). */
 START_TEST(garbage_pages_decode_alike) {
   const rcase *c = isa_case(_i);
@@ -790,6 +820,7 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_loop_test(tc, encode_decode_match, 0, 2 * NCASES);
   tcase_add_loop_test(tc, kivi_signed_zero_min, 0, 2);
+  tcase_add_loop_test(tc, nvfp4_mean_order, 0, 2);
   tcase_add_loop_test(tc, garbage_pages_decode_alike, 0, 2 * NCASES);
   suite_add_tcase(s, tc);
   return s;
