@@ -187,6 +187,7 @@ fail:
 KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   if (!pool) return;
   kvp__seqs_fini(pool);
+  kvp__heatkv_cache_fini(pool);
   kvp__policy_free(pool->policy);
   kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
