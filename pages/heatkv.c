@@ -86,6 +86,9 @@ static int check_input(const kvp__heatkv_in *in) {
   if (in->binary && !o->cas)
     return kvp__err(KVP_EINVAL, "binary-heatkv: the orders are per source scale (S-CAS): whole-head pruning needs "
                     "one CAS order (kvpool-calib heatkv writes one)");
+  if (!in->binary && o->cas)
+    return kvp__err(KVP_EINVAL, "heatkv: the orders are one CAS order of whole heads (kind \"cas\"): plan them as "
+                    "binary-heatkv, or give per-source S-CAS orders");
   if (in->unit != KVP__HEATKV_SLOTS && in->unit != KVP__HEATKV_BYTES)
     return kvp__err(KVP_EINVAL, "heatkv: unit %d unknown", (int)in->unit);
   return KVP_OK;
@@ -413,6 +416,17 @@ int kvp__heatkv_key(const kvp__heatkv_in *in, uint64_t *key) {
 
 /* ---- report ------------------------------------------------------------ */
 
+/* |E| of 0-based scale t: atoms, or for Binary-HeatKV whole heads (an
+ * early-pruned head's atoms sit together in the list). */
+static uint32_t early_count(const kvp__heatkv_plan *p, uint32_t t) {
+  uint32_t n, heads = 0;
+  const kvp__heatkv_atom *e = kvp__heatkv_early(p, t, &n);
+  if (!p->binary) return n;
+  for (uint32_t i = 0; i < n; i++)
+    heads += i == 0 || e[i].layer != e[i - 1].layer || e[i].head != e[i - 1].head;
+  return heads;
+}
+
 static uint64_t layer_peak_sum(const kvp__heatkv_plan *p) {
   uint64_t s = 0;
   for (uint32_t l = 0; l < p->n_layers; l++) s += p->layer_peak[l];
@@ -423,7 +437,7 @@ int kvp__heatkv_plan_json(const kvp__heatkv_plan *p, char **out) {
   json_t *np = json_array(), *ne = json_array(), *mo = json_array();
   for (uint32_t t = 0; np && ne && mo && t < p->n_scales; t++) {
     json_array_append_new(np, json_integer(p->n_prune[t]));
-    json_array_append_new(ne, json_integer(p->early_off[t + 1] - p->early_off[t]));
+    json_array_append_new(ne, json_integer(early_count(p, t)));
     json_array_append_new(mo, json_integer((json_int_t)p->max_occupancy[t]));
   }
   char key[20];
@@ -446,7 +460,7 @@ void kvp__heatkv_plan_print(const kvp__heatkv_plan *p, FILE *f) {
   fprintf(f, "  t  k     N   |E|  max occupancy  of B   at layer\n");
   for (uint32_t t = 0; t < p->n_scales; t++)
     fprintf(f, "%3u %2u %5u %5u %14" PRIu64 " %5.1f%% %6u\n", t, kvp__heatkv_k1(t), p->n_prune[t],
-            p->early_off[t + 1] - p->early_off[t], p->max_occupancy[t], 100.0 * p->max_occupancy[t] / p->budget,
+            early_count(p, t), p->max_occupancy[t], 100.0 * p->max_occupancy[t] / p->budget,
             p->max_layer[t]);
   fprintf(f, "  pooled peak %" PRIu64 " %s; per-layer peaks sum %" PRIu64 " (%.2fx)\n", p->pooled_peak, u,
           layer_peak_sum(p), (double)layer_peak_sum(p) / (double)p->pooled_peak);

@@ -126,6 +126,10 @@ int kvp__orders_from_mass(kvp__orders *o, const kvp__mass *m, uint32_t n_sinks, 
  * Returns KVP_EINVAL naming the path when it cannot be written. */
 int kvp__orders_write(const kvp__orders *o, const char *path);
 
+/* Write the shipped HeatKV format (a list per source scale of [head,
+ * layer] pairs, no geometry, no checksum), for tools that read it. */
+int kvp__orders_write_shipped(const kvp__orders *o, const char *path);
+
 /* The "checksum" field's value: FNV-1a 64 over the little-endian u32
  * sequence L, H, K, s, then every entry's layer and head in file order. */
 uint64_t kvp__orders_checksum(const kvp__orders *o);
@@ -240,7 +244,8 @@ static inline const kvp__heatkv_atom *kvp__heatkv_drops(const kvp__heatkv_plan *
 }
 
 /* The plan summary per 0-based scale t, as JSON: {"variant", "unit", "b", "budget",
- * "prune_counts": [N in force during t], "early_counts": [|E|],
+ * "prune_counts": [N in force during t], "early_counts": [|E|: atoms, or
+ * heads for Binary-HeatKV],
  * "max_occupancy": [...], "pooled_peak", "layer_peak_sum", "key"}.
  * *out is malloc'd (free()). KVP_ENOMEM. */
 int kvp__heatkv_plan_json(const kvp__heatkv_plan *p, char **out);

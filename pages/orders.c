@@ -276,3 +276,22 @@ int kvp__orders_write(const kvp__orders *o, const char *path) {
   if (bad) return kvp__err(KVP_EINVAL, "orders write: cannot write %s: %s", path, errno ? strerror(errno) : "?");
   return KVP_OK;
 }
+
+int kvp__orders_write_shipped(const kvp__orders *o, const char *path) {
+  if (!o || !path) return kvp__err(KVP_EINVAL, "orders write: %s is NULL", o ? "path" : "orders");
+  uint32_t T = o->n_layers * o->n_heads;
+  FILE *f = fopen(path, "w");
+  if (!f) return kvp__err(KVP_EINVAL, "orders write: cannot create %s: %s", path, strerror(errno));
+  int bad = fputc('[', f) == EOF;
+  for (uint32_t j = 0; !bad && j < o->n_orders; j++) {
+    bad |= fprintf(f, "%s[", j ? ", " : "") < 0;
+    for (uint32_t e = 0; !bad && e < T; e++) {
+      uint32_t p = o->pairs[(size_t)j * T + e];
+      bad |= fprintf(f, "%s[%u, %u]", e ? ", " : "", p % o->n_heads, p / o->n_heads) < 0;
+    }
+    bad |= fputc(']', f) == EOF;
+  }
+  bad |= fputs("]\n", f) == EOF;
+  bad |= fclose(f) != 0;
+  return bad ? kvp__err(KVP_EINVAL, "orders write: cannot write %s: %s", path, strerror(errno)) : KVP_OK;
+}

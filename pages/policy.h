@@ -59,5 +59,10 @@ typedef struct kvp__heatkv_cache kvp__heatkv_cache;
  * after the last sequence; counts of plans built and reused. */
 void kvp__heatkv_cache_fini(kvp_pool *pool);
 void kvp__heatkv_cache_counts(const kvp_pool *pool, uint64_t *builds, uint64_t *hits);
+/* Allocated bytes of every HeatKV atom [K][L][H] of a generation with
+ * schedule sched[K] under the pool's codecs: atom (t, l, h) weighs the
+ * size-class bytes of the blocks that hold step t's tokens of one head of
+ * layer l, K and V. malloc'd (free()); NULL when out of memory. */
+uint64_t *kvp__heatkv_atom_bytes(const kvp_pool *pool, const uint32_t *sched, uint32_t K);
 
 #endif /* KVP_POLICY_H */

@@ -233,8 +233,7 @@ static void heatkv_seq_free(void *vstate) {
   free(st);
 }
 
-/* Allocated bytes of atom (t, l, h): its step's blocks under layer l's codec. */
-static uint64_t *atom_bytes_of(kvp_pool *pool, const uint32_t *sched, uint32_t K) {
+uint64_t *kvp__heatkv_atom_bytes(const kvp_pool *pool, const uint32_t *sched, uint32_t K) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads, bt = pool->cfg.block_tokens;
   uint64_t *ab = malloc((size_t)K * L * H * sizeof *ab);
   if (!ab) return NULL;
@@ -292,7 +291,7 @@ static int heatkv_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, const k
   const kvp__orders *orders = NULL;
   uint64_t *ab = NULL;
   int rc = orders_get(pool, cache, c, K, &orders);
-  if (!rc && c->unit == KVP__HEATKV_BYTES && !(ab = atom_bytes_of(pool, sc->step_tokens, K)))
+  if (!rc && c->unit == KVP__HEATKV_BYTES && !(ab = kvp__heatkv_atom_bytes(pool, sc->step_tokens, K)))
     rc = kvp__err(KVP_ENOMEM, "%s: atom bytes", name);
   if (!rc) {
     kvp__heatkv_in in = {.n_layers = L, .n_heads = H, .n_scales = K, .scale_tokens = sc->step_tokens,
