@@ -141,7 +141,7 @@ $(B)/kvpool-calib: $(CALIB_SRC) tools/calib.h $(A)
 run: deps $(B)/kvpool-demo
 	$(B)/kvpool-demo
 
-test: deps lib $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
+test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
 	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
 	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN)
 
