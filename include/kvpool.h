@@ -126,6 +126,18 @@ typedef struct kvp_config {
                                 allocation is backed at once (no first-touch cost later) */
 #define KVP_POOL_SANITIZE 2u /* NaN in appended K/V becomes 0 and +-Inf the dtype's largest finite value;
                                 without it such an append fails with KVP_EINVAL naming layer, head, token */
+#define KVP_POOL_DRY 4u      /* dry run, for capacity planning: pages are allocated, tagged and counted exactly
+                                as in a normal pool (same size classes, ledger, budget decisions, per-tag stats,
+                                policies and evictions), but no payload is written or read and no region memory
+                                is touched. The region is an address-space reservation never faulted in
+                                (PROT_NONE, MAP_NORESERVE), also for KVP_MEM_CUDA (no cudaMalloc: a dry CUDA
+                                pool works in builds without CUDA and takes any codec). kvp_append validates its
+                                arguments (and screens host input for NaN/Inf as usual) but copies and encodes
+                                nothing; a dry CUDA pool never dereferences kv->k / kv->v. kvp_read and
+                                kvp_view_acquire fail with KVP_ENOTSUP; kvp_page_describe gives addr NULL.
+                                device.used_bytes is 0 (nothing is resident). Excludes KVP_POOL_PREFAULT.
+                                Allocator metadata is committed lazily, so a 1 TiB dry region costs host memory
+                                in proportion to what is allocated in it, not to its size. Since 0.1.0. */
 
 /* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
  * memory, 64 MiB region, budget = region. */

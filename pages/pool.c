@@ -57,7 +57,11 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens == 0) c->block_tokens = KVP__DEFAULT_BLOCK_TOKENS;
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
-  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE)) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
+  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE | KVP_POOL_DRY))
+    return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
+  if ((c->flags & KVP_POOL_PREFAULT) && (c->flags & KVP_POOL_DRY))
+    return kvp__err(KVP_EINVAL, "config.flags: KVP_POOL_PREFAULT and KVP_POOL_DRY exclude each other (a dry "
+                                "region is never touched)");
   /* codecs and policy are parsed at create; the strings are not kept */
   return KVP_OK;
 }
@@ -109,7 +113,7 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
   if (!layout_ok(b, c->block_tokens))
     return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c", b->vt->name,
                     layer, "KV"[kv]);
-  if (c->memory == KVP_MEM_CUDA && !b->passthrough)
+  if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && !b->passthrough) /* dry: nothing is encoded */
     return kvp__err(KVP_ENOTSUP, "config.codecs: a CUDA region stores raw tokens in the appended dtype until device "
                                  "codecs exist (layer %u %c asks for %s)", layer, "KV"[kv], b->vt->name);
   return KVP_OK;
