@@ -183,7 +183,7 @@ $(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integ
 
 install: lib
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
-	install -m 644 include/kvpool.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/kvpool.h include/kvpool_codec.h $(DESTDIR)$(PREFIX)/include/
 	install -m 755 $(SO) $(DESTDIR)$(PREFIX)/lib/
 	install -m 644 $(A) $(DESTDIR)$(PREFIX)/lib/
 	ln -sf libkvpool.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libkvpool.so.$(SOVERSION)
