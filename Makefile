@@ -74,7 +74,7 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
-TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
 
 .PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports stress stress-tsan
@@ -127,6 +127,14 @@ $(STRESS_BIN): $(B)/tests/%: tests/stress/%.c tests/integration/kvgen.h $(SO) $(
 
 $(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
+
+# check_stat runs the tool.
+$(B)/tests/check_stat: | $(B)/kvpool-stat
+
+# kvpool-stat reads files only: neither the library nor its header.
+$(B)/kvpool-stat: tools/kvpool-stat.c
+	@mkdir -p $(dir $@)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -ljansson -lm $(LDFLAGS)
 
 # The bench links jemalloc directly for its baseline.
 $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
