@@ -2,7 +2,7 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json] [--codecs] [--heatkv]
+ *   kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]
  *
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs).
  *
@@ -436,14 +436,15 @@ static void print_codecs(int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
     else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
+    else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else {
-      fprintf(stderr, "usage: kvpool-bench [--quick] [--json] [--codecs] [--heatkv]\n");
+      fprintf(stderr, "usage: kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]\n");
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
@@ -502,6 +503,7 @@ int main(int argc, char **argv) {
   free(ptrs);
   free(sizes);
   kvp_pool_destroy(p);
+  if (alloc_only) return 0;
 
   seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
   if (!json_only) {
