@@ -114,6 +114,55 @@ START_TEST(extents_alignment_and_full) {
 }
 END_TEST
 
+/* The address map of a 1 TiB region is committed by chunks as extents are
+ * used and given back when they are freed: metadata follows use. */
+START_TEST(extents_address_map_is_lazy) {
+  kvp__sc_init();
+  kvp__meta m = {0};
+  kvp__extents x;
+  uint64_t tib = 1ull << 40, chunk_bytes = sizeof(kvp__rmap_chunk);
+  ck_ok(kvp__extents_init(&x, tib, &m));
+  uint64_t empty = m.bytes;
+  ck_assert_uint_lt(empty, 2 * MB); /* 12 bytes per 16 MiB: 768 KiB, not the 2 GiB of a flat map */
+  ck_ok(kvp__extents_check(&x));
+  /* 20 MiB from offset 0: chunks 0 and 1 of 16 MiB */
+  kvp__extent *a, *b;
+  ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
+  ck_assert_uint_ge(m.bytes, empty + 2 * chunk_bytes);
+  ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
+  ck_assert_ptr_eq(kvp__extent_at(&x, 17 * MB + 5), a); /* an interior unit in the second chunk */
+  ck_assert_ptr_null(kvp__extent_at(&x, 20 * MB));
+  ck_assert_ptr_null(kvp__extent_at(&x, tib - 1)); /* far away: no chunk, free */
+  ck_ok(kvp__extent_alloc(&x, 4 * KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &b)); /* in chunk 1 */
+  ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent_free(&x, a); /* chunk 0 goes, chunk 1 stays for b */
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_null(x.rmap[0]);
+  ck_assert_ptr_nonnull(x.rmap[1]);
+  ck_assert_ptr_eq(kvp__extent_at(&x, b->off + KVP__EXTENT_UNIT), b);
+  kvp__extent_free(&x, b);
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_null(x.rmap[1]);
+  ck_assert_uint_eq(m.bytes, empty); /* every chunk returned */
+  /* a large extent grown in place takes the chunks it reaches */
+  ck_ok(kvp__extent_alloc(&x, 15 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
+  ck_assert(kvp__extent_grow_in_place(&x, a, 40 * MB));
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_eq(kvp__extent_at(&x, 39 * MB), a);
+  kvp__extent_free(&x, a);
+  ck_assert_uint_eq(m.bytes, empty);
+  /* a broken count is found */
+  ck_ok(kvp__extent_alloc(&x, 8 * KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
+  x.rmap_nused[0]++;
+  ck_status(kvp__extents_check(&x), KVP_ECORRUPT);
+  x.rmap_nused[0]--;
+  ck_ok(kvp__extents_check(&x));
+  kvp__extents_fini(&x);
+  ck_assert_uint_eq(m.bytes, 0);
+}
+END_TEST
+
 /* ---- pool-level fixtures ----------------------------------------------- */
 
 static kvp_pool *mkpool(uint64_t region, uint64_t budget, uint32_t layers, uint32_t heads) {
@@ -480,6 +529,7 @@ static Suite *suite(void) {
   tc = tcase_create("extent");
   tcase_add_test(tc, extents_split_and_coalesce);
   tcase_add_test(tc, extents_alignment_and_full);
+  tcase_add_test(tc, extents_address_map_is_lazy);
   suite_add_tcase(s, tc);
   tc = tcase_create("slab");
   tcase_add_loop_test(tc, slab_fill_and_drain, 0, 6);
