@@ -43,8 +43,11 @@ typedef struct kvp__region_ops {
    * pages are handed out again). Host: nothing to wait for. */
   int (*quiesce)(kvp__region *r);
   /* Device-level bytes in use and capacity (resident bytes of the host range;
-   * cudaMemGetInfo for CUDA). */
-  int (*usage)(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes);
+   * cudaMemGetInfo for CUDA). span_bytes: the region's first bytes that
+   * pages have ever occupied (the allocator's high-water mark): no byte
+   * beyond was ever written, so the host backend scans only these, unless
+   * the region was prefaulted. Lock-free. */
+  int (*usage)(kvp__region *r, uint64_t span_bytes, uint64_t *used_bytes, uint64_t *total_bytes);
 } kvp__region_ops;
 
 struct kvp__region {
@@ -137,6 +140,7 @@ typedef struct kvp__extents {
   kvp__extent *first;           /* lowest-address extent */
   uint64_t nextents;            /* descriptors (free and used) */
   uint64_t used_bytes;          /* bytes of SLAB and LARGE extents */
+  _Atomic uint64_t hwm_bytes;   /* highest end offset a used extent ever had (never decreases; read lock-free) */
   uint64_t nlarge, nslab;       /* used extents by state */
 } kvp__extents;
 

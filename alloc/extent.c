@@ -87,6 +87,13 @@ static int rmap_ensure(kvp__extents *x, uint64_t off, uint64_t bytes) {
 }
 
 /* Map every unit of the range to v (chunks ensured when v != NULL). */
+/* The high-water mark of used bytes: readers (device-level usage) scan no
+ * further. Single writer: a relaxed load and store. */
+static void hwm_raise(kvp__extents *x, uint64_t end) {
+  if (end > atomic_load_explicit(&x->hwm_bytes, memory_order_relaxed))
+    atomic_store_explicit(&x->hwm_bytes, end, memory_order_relaxed);
+}
+
 static void rmap_set(kvp__extents *x, uint64_t off, uint64_t bytes, kvp__extent *v) {
   for (uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT, n = bytes >> KVP__EXTENT_UNIT_SHIFT; n; n--, u++) {
     uint64_t ci = u >> KVP__RMAP_CHUNK_SHIFT;
@@ -197,6 +204,7 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
   e->state = (uint8_t)state;
   e->owner = NULL;
   rmap_set(x, e->off, e->bytes, e);
+  hwm_raise(x, e->off + e->bytes);
   x->used_bytes += bytes;
   if (state == KVP__EXT_SLAB) x->nslab++;
   else x->nlarge++;
@@ -252,6 +260,7 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) 
   }
   rmap_set(x, e->off + e->bytes, need, e);
   e->bytes = bytes;
+  hwm_raise(x, e->off + e->bytes);
   x->used_bytes += need;
   return true;
 }
@@ -328,6 +337,10 @@ int kvp__extents_check(const kvp__extents *x) {
   }
   if (off != x->bytes) return CORRUPT("extents cover %llu of %llu region bytes", (unsigned long long)off,
                                       (unsigned long long)x->bytes);
+  for (const kvp__extent *e = x->first; e; e = e->anext)
+    if (e->state != KVP__EXT_FREE && e->off + e->bytes > atomic_load_explicit(&x->hwm_bytes, memory_order_relaxed))
+      return CORRUPT("used extent at offset %llu ends past the high-water mark %llu", (unsigned long long)e->off,
+                     (unsigned long long)atomic_load_explicit(&x->hwm_bytes, memory_order_relaxed));
   if (n != x->nextents || used != x->used_bytes || nslab != x->nslab || nlarge != x->nlarge)
     return CORRUPT("extent counters drifted: %llu/%llu descriptors, %llu/%llu used bytes",
                    (unsigned long long)n, (unsigned long long)x->nextents, (unsigned long long)used,

@@ -244,6 +244,42 @@ START_TEST(slab_bitmap_reuses_lowest) {
 }
 END_TEST
 
+/* Device-level bytes of a host region scan only up to the allocator's
+ * high-water mark: the same figure as a scan of the whole region, whatever
+ * was written, freed, or faulted in as huge pages. */
+START_TEST(host_usage_scans_the_high_water_mark) {
+  kvp_pool *p = mkpool(256 * MB, 0, 1, 1);
+  kvp__region *r = &p->alloc.region;
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  uint64_t used = 1, total = 0, full = 1;
+  ck_ok(r->ops->usage(r, atomic_load(&p->alloc.ext.hwm_bytes), &used, &total));
+  ck_assert_uint_eq(used, 0); /* nothing written yet */
+  ck_assert_uint_eq(total, 256 * MB);
+  static const uint64_t sizes[] = {100, 5000, 20000, 3 * MB, 40000, 17 * MB, 64};
+  kvp_page_id ids[7];
+  for (int i = 0; i < 7; i++) {
+    kvp_page_desc d;
+    ck_ok(kvp_page_alloc(p, sizes[i], &t, &ids[i]));
+    ck_ok(kvp_page_describe(p, ids[i], &d));
+    memset(d.addr, 0x5a, sizes[i]); /* faults the pages in */
+    uint64_t hwm = atomic_load(&p->alloc.ext.hwm_bytes);
+    ck_assert_uint_le(hwm, 256 * MB);
+    ck_ok(r->ops->usage(r, hwm, &used, &total));
+    ck_ok(r->ops->usage(r, r->bytes, &full, &total));
+    ck_assert_uint_eq(used, full);
+    ck_assert_uint_ge(used, sizes[i]);
+  }
+  ck_ok(kvp_page_free(p, ids[5]));
+  uint64_t hwm = atomic_load(&p->alloc.ext.hwm_bytes);
+  ck_ok(r->ops->usage(r, hwm, &used, &total));
+  ck_ok(r->ops->usage(r, r->bytes, &full, &total));
+  ck_assert_uint_eq(used, full); /* freed pages stay resident, and the mark stays */
+  ck_assert_uint_ge(used, 17 * MB);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 START_TEST(budget_exactly_reachable_never_passable) {
   /* budget = 10 pages of 4 KiB plus 64 B: reachable exactly, never passed */
   uint64_t budget = 10 * 4096 + 64;
@@ -537,6 +573,7 @@ static Suite *suite(void) {
   suite_add_tcase(s, tc);
   tc = tcase_create("ledger");
   tcase_add_test(tc, budget_exactly_reachable_never_passable);
+  tcase_add_test(tc, host_usage_scans_the_high_water_mark);
   tcase_add_test(tc, region_full_is_enospc);
   tcase_add_test(tc, grow_moves_keep_payload);
   tcase_add_test(tc, large_grow_in_place);
