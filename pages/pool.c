@@ -240,7 +240,8 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->codec_state_bytes = l.codec_state;
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
-  if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
+  uint64_t span = atomic_load_explicit(&pool->alloc.ext.hwm_bytes, memory_order_relaxed);
+  if (r->ops->usage(r, span, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
     out->device_used_bytes = out->device_total_bytes = 0; /* probe failed: reported as unknown (0) */
   for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) kvp__usage_read(&pool->stats.page_types[i], &out->page_types[i]);
   for (uint32_t i = 0; i < 2; i++) kvp__usage_read(&pool->stats.kv[i], &out->kv[i]);

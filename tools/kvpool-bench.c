@@ -21,6 +21,9 @@
  *                       (seq, layer) in step mode; baseline: memcpy.
  *   read_ns_per_token   kvp_read of every head of a (seq, layer), per retained
  *                       token; baseline: memcpy of the same bytes.
+ *   dry_append_ns      a 4096-token step-mode append per (seq, layer) on a dry
+ *                       pool (KVP_POOL_DRY: counted, no payload), raw bf16 and
+ *                       nvfp4; baseline: the same append on a normal pool.
  *   codec_encode_gbs    host encode and decode throughput per codec, one core, in
  *   codec_decode_gbs    GB/s of bf16-equivalent bytes (D = 128, bf16 in and out,
  *                       4096-token blocks); baseline: memcpy of those bytes.
@@ -250,6 +253,69 @@ static seq_figs bench_seqs(int rounds, int steps) {
   f.var_base = median(b, rounds);
   free(k), free(v), free(sink);
   return f;
+}
+
+/* ---- dry pools: what an append costs without payload ------------------------ */
+
+typedef struct dry_fig {
+  double dry, normal; /* ns per (seq, layer) append of a 4096-token step */
+} dry_fig;
+
+/* A 4096-token step-mode append per (seq, layer) on a dry pool, against the
+ * same append on a normal (prefaulted) pool with the same codecs: the
+ * baseline. The dry pool still screens the input for NaN and runs the
+ * allocator, the ledger and the stats. */
+static dry_fig bench_dry(const char *codecs, int rounds) {
+  double a[32], b[32];
+  size_t elems = (size_t)4096 * BH * BD;
+  uint16_t *k = malloc(elems * 2), *v = malloc(elems * 2);
+  fill_bf16(k, elems, 3);
+  fill_bf16(v, elems, 4);
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  kvp_pool *pools[2];
+  for (int d = 0; d < 2; d++) {
+    kvp_config c;
+    kvp_config_init(&c);
+    c.n_layers = BL;
+    c.n_kv_heads = BH;
+    c.head_dim = BD;
+    c.region_bytes = 1ull << 30;
+    c.block_tokens = 4096;
+    c.codecs = codecs;
+    c.flags = d ? KVP_POOL_DRY : KVP_POOL_PREFAULT;
+    int rc = kvp_pool_create(&c, &pools[d]);
+    if (rc) die("kvp_pool_create (dry bench)", rc);
+  }
+  for (int r = -1; r < rounds; r++) /* round -1 warms both */
+    for (int d = 0; d < 2; d++) {
+      if (kvp_seq_add(pools[d], 1, &sc)) die("kvp_seq_add", -1);
+      double t0 = now_ns();
+      one_step(pools[d], 1, 4096, k, v);
+      double dt = (now_ns() - t0) / BL;
+      if (kvp_seq_free(pools[d], 1)) die("kvp_seq_free", -1);
+      if (r >= 0) (d ? a : b)[r] = dt;
+    }
+  for (int d = 0; d < 2; d++) kvp_pool_destroy(pools[d]);
+  free(k), free(v);
+  dry_fig f = {median(a, rounds), median(b, rounds)};
+  return f;
+}
+
+static void print_dry(int rounds, int json_only) {
+  static const struct {
+    const char *label, *codecs;
+  } cfg[] = {{"raw bf16", NULL}, {"nvfp4", "kv=nvfp4"}};
+  for (size_t i = 0; i < sizeof cfg / sizeof *cfg; i++) {
+    dry_fig f = bench_dry(cfg[i].codecs, rounds);
+    if (!json_only)
+      printf("%-34s %10.1f us %10.1f us %9.3fx   (4096-token step per (seq, layer); baseline: the same on a normal pool)\n",
+             cfg[i].codecs ? "dry append, nvfp4" : "dry append, raw bf16", f.dry / 1e3, f.normal / 1e3, f.dry / f.normal);
+    printf("{\"figure\":\"dry_append_ns\",\"codecs\":\"%s\",\"kvpool\":%.1f,\"baseline\":\"normal pool\","
+           "\"baseline_value\":%.1f,\"ratio\":%.4f,\"tokens\":4096}\n",
+           cfg[i].label, f.dry, f.normal, f.dry / f.normal);
+  }
 }
 
 /* ---- codecs: host encode/decode throughput --------------------------------- */
@@ -525,6 +591,7 @@ int main(int argc, char **argv) {
   printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
          "\"ratio\":%.3f,\"tokens\":4096}\n",
          f.var, f.var_base, f.var / f.var_base);
+  print_dry(rounds, json_only);
   print_codecs(quick, json_only);
   print_heatkv(quick, json_only);
   printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
