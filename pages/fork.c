@@ -107,7 +107,8 @@ static uint64_t open_copy_bytes(kvp_pool *pool, const kvp__seq *p) {
   uint64_t sum = 0;
   for (uint32_t i = 0; i < pool->cfg.n_layers * pool->cfg.n_kv_heads; i++)
     for (const kvp__bref *b = p->streams[i].blocks; b; b = b->next)
-      if (!b->blk->sealed) sum += kvp__block_class_bytes(pool, i / pool->cfg.n_kv_heads, b->blk->raw, b->blk->cap_tokens);
+      if (!b->blk->sealed) sum += kvp__block_class_bytes(pool, i / pool->cfg.n_kv_heads, b->blk->raw, b->blk->pos0,
+                                                        b->blk->cap_tokens);
   return sum;
 }
 
@@ -183,7 +184,7 @@ static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l) {
   for (int kv = 0; kv < 2; kv++) {
     const kvp__binding *bd = kvp__block_binding(pool, l, kv, b);
     kvp_codec_layout lay;
-    bd->vt->layout(bd->inst, b->cap_tokens, &lay);
+    kvp__bind_layout(bd, b->pos0, b->cap_tokens, &lay);
     if (lay.npages != b->npages[kv])
       return CORRUPT("block at position %u of layer %u: %u %c pages, codec %s lays out %u", b->pos0, l, b->npages[kv],
                      "KV"[kv], bd->vt->name, lay.npages);

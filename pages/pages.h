@@ -154,6 +154,11 @@ static inline const kvp__binding *kvp__block_binding(const kvp_pool *p, uint32_t
  * with relaxed atomics, readers that look at it load it so. */
 static inline void kvp__block_set_n(kvp__block *b, uint32_t n) { __atomic_store_n(&b->n_tokens, n, __ATOMIC_RELAXED); }
 static inline uint32_t kvp__block_n(const kvp__block *b) { return __atomic_load_n(&b->n_tokens, __ATOMIC_RELAXED); }
+/* Layout of a block of cap tokens whose row 0 is at pos0 under binding bd. */
+static inline void kvp__bind_layout(const kvp__binding *bd, uint32_t pos0, uint32_t cap, kvp_codec_layout *out) {
+  if (bd->vt->layout_at) bd->vt->layout_at(bd->inst, pos0, cap, out);
+  else bd->vt->layout(bd->inst, cap, out);
+}
 static inline bool kvp__run_has(const kvp__run *r, uint32_t head) { return (r->mask[head / 64] >> (head % 64)) & 1; }
 
 /* Visit every live page of the pool (for kvp_check). */
@@ -199,8 +204,8 @@ void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
  * (the tail binding) or the layer's codec; writer. */
 int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
                    kvp__block **out);
-/* Allocated bytes of one block, K + V. */
-uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t cap);
+/* Allocated bytes of one block at position pos0, K + V. */
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);
 
 /* pages/pool.c: codec bindings from the spec. */
 int kvp__bindings_init(kvp_pool *pool, const char *spec);

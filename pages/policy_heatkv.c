@@ -107,11 +107,13 @@ static int fill_atom_bytes(kvp_pool *pool, const uint32_t *sched, uint32_t K, he
   st->atom_bytes_len = (size_t)K * L * H;
   if (!(st->atom_bytes = malloc(st->atom_bytes_len * sizeof *st->atom_bytes)))
     return kvp__err(KVP_ENOMEM, "heatkv atom bytes");
-  for (uint32_t t = 0; t < K; t++)
+  uint64_t pos = 0; /* first position of step t */
+  for (uint32_t t = 0; t < K; pos += sched[t], t++)
     for (uint32_t l = 0; l < L; l++) {
       uint64_t bytes = 0;
       for (uint32_t done = 0; done < sched[t]; done += bt)
-        bytes += kvp__block_class_bytes(pool, l, false, sched[t] - done < bt ? sched[t] - done : bt);
+        bytes += kvp__block_class_bytes(pool, l, false, (uint32_t)(pos + done),
+                                        sched[t] - done < bt ? sched[t] - done : bt);
       for (uint32_t h = 0; h < H; h++) st->atom_bytes[((size_t)t * L + l) * H + h] = bytes;
     }
   return KVP_OK;

@@ -268,7 +268,7 @@ static codec_fig bench_codec(const char *name, const char *params, int rounds, d
   uint32_t id;
   if (kvp_codec_find(name, &id)) die("kvp_codec_find", KVP_ENOENT);
   const kvp_codec_vtable *vt = kvp_codec_get(id);
-  kvp_codec_geom g = {CD, KVP_DTYPE_BF16, 0, 0};
+  kvp_codec_geom g = {CD, KVP_DTYPE_BF16, 0, 0, 1, 1};
   void *inst;
   char err[256];
   size_t at;
