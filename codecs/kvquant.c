@@ -70,6 +70,12 @@
  *   D = 128, b = 3, 1% outliers (k = 2): K 48 + 6 = 54 B (4.74x against
  *   bf16), V 58 B.
  *
+ * Row by row (open_layout, encode_rows): the pool builds every block of a
+ * layer whose K and V are both kvquant token by token; an OPEN block has
+ * CODES, SCALES and RAW at full capacity and OUTLIERS for the n rows it
+ * holds (n k (w + 2) bytes), so that page grows as tokens arrive. Sealed,
+ * the block is exactly layout_at's.
+ *
  * State: none per stream. Static data: the calibration of the binding's
  * layer and side, 2 H D floats (counted as bytes.codec_static).
  */
@@ -403,10 +409,12 @@ static void kvq_rope(const kvq_inst *q, float *y, uint32_t pos) {
 
 /* ---- block encode / decode ------------------------------------------------------- */
 
-static int kvq_encode_at(const void *inst, const kvp_codec_block *blk, void *state, const void *src, size_t src_stride,
-                         uint32_t n, uint32_t cap, void *const *pages) {
+/* Rows [n_have, n_have + n_new) from src; the bytes of other rows are not
+ * touched. Sink rows: RAW, their other records zero. */
+static int kvq_encode_rows(const void *inst, const kvp_codec_block *blk, void *state, void *const *pages,
+                           uint32_t n_have, const void *src, size_t src_stride, uint32_t n_new, uint32_t cap) {
   const kvq_inst *q = inst;
-  int rc = kvp__codec_rows_ok("kvquant", n, cap, 0, n);
+  int rc = kvp__codec_rows_ok("kvquant", n_have + n_new, cap, n_have, n_new);
   if (rc) return rc;
   if (blk->head >= q->n_heads)
     return kvp__err(KVP_EINVAL, "kvquant: head %u >= the calibration's %u heads", blk->head, q->n_heads);
@@ -414,21 +422,46 @@ static int kvq_encode_at(const void *inst, const kvp_codec_block *blk, void *sta
   uint32_t D = q->head_dim, ns = sink_rows(q, blk->pos0, cap), ob = q->k * (q->cw + 2);
   size_t esz = kvp__dtype_bytes(q->in_dtype);
   uint8_t *codes = pages[0], *outl = ix.out >= 0 ? pages[ix.out] : NULL, *sc = ix.scales >= 0 ? pages[ix.scales] : NULL;
-  memset(codes, 0, (size_t)cap * q->row_bytes); /* unwritten and sink rows: zero */
-  if (outl) memset(outl, 0, (size_t)cap * ob);
-  if (sc) memset(sc, 0, (size_t)cap * 4);
   float x[KVP_MAX_HEAD_DIM];
-  for (uint32_t t = 0; t < n; t++) {
-    const unsigned char *row = (const unsigned char *)src + (size_t)t * src_stride;
+  for (uint32_t t = n_have; t < n_have + n_new; t++) {
+    const unsigned char *row = (const unsigned char *)src + (size_t)(t - n_have) * src_stride;
+    uint8_t *crow = codes + (size_t)t * q->row_bytes, *orow = outl ? outl + (size_t)t * ob : NULL;
+    uint8_t *srec = sc ? sc + (size_t)t * 4 : NULL;
     if (t < ns) {
       memcpy((uint8_t *)pages[ix.raw] + (size_t)t * D * esz, row, D * esz);
+      memset(crow, 0, q->row_bytes);
+      if (orow) memset(orow, 0, ob);
+      if (srec) memset(srec, 0, 4);
       continue;
     }
     kvp__row_to_f32(x, row, q->in_dtype, D);
-    rc = kvq_encode_token(q, blk->head, x, codes + (size_t)t * q->row_bytes, outl ? outl + (size_t)t * ob : NULL,
-                          sc ? sc + (size_t)t * 4 : NULL, blk->pos0 + t);
-    if (rc) return rc;
+    if ((rc = kvq_encode_token(q, blk->head, x, crow, orow, srec, blk->pos0 + t))) return rc;
   }
+  return KVP_OK;
+}
+
+static int kvq_encode_at(const void *inst, const kvp_codec_block *blk, void *state, const void *src, size_t src_stride,
+                         uint32_t n, uint32_t cap, void *const *pages) {
+  const kvq_inst *q = inst;
+  int rc = kvp__codec_rows_ok("kvquant", n, cap, 0, n);
+  if (rc) return rc;
+  kvq_pages ix = kvq_index(q, blk->pos0, cap);
+  memset(pages[0], 0, (size_t)cap * q->row_bytes); /* rows past n: zero */
+  if (ix.out >= 0) memset(pages[ix.out], 0, (size_t)cap * q->k * (q->cw + 2));
+  if (ix.scales >= 0) memset(pages[ix.scales], 0, (size_t)cap * 4);
+  return kvq_encode_rows(inst, blk, state, pages, 0, src, src_stride, n, cap);
+}
+
+/* The OPEN block's pages: CODES, SCALES and RAW at full capacity, OUTLIERS
+ * for the rows held (it grows with the block). */
+static int kvq_open_layout(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
+                           const void *src, size_t src_stride, uint32_t n_new, uint32_t cap, kvp_codec_layout *out) {
+  const kvq_inst *q = inst;
+  if (cap < 1 || cap > 65536 || (uint64_t)n_have + n_new > cap)
+    return kvp__err(KVP_EINVAL, "kvquant: %u + %u rows in a block of %u", n_have, n_new, cap);
+  kvq_layout_at(inst, blk->pos0, cap, out);
+  uint32_t n = n_have + n_new;
+  if (q->k) out->bytes[1] = (uint64_t)(n ? n : 1) * q->k * (q->cw + 2);
   return KVP_OK;
 }
 
@@ -493,4 +526,6 @@ const kvp_codec_vtable kvp__codec_kvquant = {
     .decode_at = kvq_decode_at,
     .static_bytes = kvq_static_bytes,
     .decode_raw_at = kvq_decode_raw_at,
+    .open_layout = kvq_open_layout,
+    .encode_rows = kvq_encode_rows,
 };

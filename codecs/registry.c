@@ -41,6 +41,9 @@ static int add(const kvp_codec_vtable *vt, uint32_t *id) {
       !(vt->decode || vt->decode_at))
     return kvp__err(KVP_EINVAL, "codec \"%s\": every vtable function is required (encode and decode may be "
                                 "replaced by encode_at and decode_at)", vt->name);
+  if (!vt->open_layout != !vt->encode_rows || (vt->open_layout && (!vt->encode_at || !vt->decode_at || !vt->layout_at)))
+    return kvp__err(KVP_EINVAL, "codec \"%s\": open_layout and encode_rows go together, with layout_at, encode_at and "
+                                "decode_at", vt->name);
   if (vt->state_bytes && !vt->encode_stateful)
     return kvp__err(KVP_EINVAL, "codec \"%s\": state_bytes needs encode_stateful", vt->name);
   pthread_mutex_lock(&reg_lock);

@@ -140,6 +140,34 @@ typedef struct kvp_codec_vtable {
    * layer bound to this codec. NULL: raw rows are returned as stored. */
   int (*decode_raw_at)(const void *inst, const kvp_codec_block *blk, uint32_t t0, const void *src, size_t src_stride,
                        uint32_t m, void *dst, size_t dst_stride, kvp_dtype out);
+
+  /* Token-by-token blocks (both or neither; with encode_at, decode_at and
+   * layout_at). When the K and the V codec of a layer have them, every
+   * block of that layer is built row by row in the codec's pages: in step
+   * mode as appended, and in stream mode the OPEN block is encoded as its
+   * tokens arrive (no RAW tail, no re-encode at seal) while its pages
+   * grow. Growth: the pool asks open_layout for the bytes the block needs
+   * after the new rows; a page whose size class still holds them grows in
+   * place, else the block moves to new pages (the old ones are retired
+   * after readers leave: the ledger counts both meanwhile), and the budget
+   * may refuse the append (KVP_EBUDGET, nothing changed).
+   *
+   * open_layout: exact bytes of each page of the block (cap_tokens, at
+   * blk) once it holds n_have + n_new rows. pages hold the first n_have
+   * rows (NULL when n_have = 0); src has the n_new new rows (src_stride
+   * bytes apart; NULL with n_new = 0 asks the bytes of the rows held).
+   * Page types and order as layout_at's; every page at least 1 byte; the
+   * bytes may depend on the data (outliers over a threshold). The pool's
+   * check compares every block's pages with open_layout(pages, n, NULL, 0).
+   * Returns KVP_OK or KVP_ECODEC. */
+  int (*open_layout)(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
+                     const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens, kvp_codec_layout *out);
+  /* Encode rows [n_have, n_have + n_new) into pages sized by open_layout
+   * for n_have + n_new rows, leaving every byte that describes the first
+   * n_have rows as it is (readers may be decoding them). Returns KVP_OK or
+   * KVP_ECODEC. */
+  int (*encode_rows)(const void *inst, const kvp_codec_block *blk, void *state, void *const *pages, uint32_t n_have,
+                     const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens);
 } kvp_codec_vtable;
 
 /* Register a codec under vt->name for every pool created afterwards

@@ -95,6 +95,25 @@ static void free_pages(kvp_pool *pool, kvp__block *b) {
 
 int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
                    kvp__block **out) {
+  kvp_codec_layout lay[2];
+  for (int kv = 0; kv < 2; kv++)
+    kvp__bind_layout(raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv], pos0, cap, &lay[kv]);
+  return kvp__block_new_sized(pool, seq, layer, head, pos0, cap, raw, lay, out);
+}
+
+void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay) {
+  for (int kv = 0; kv < 2; kv++) {
+    memset(&lay[kv], 0, sizeof lay[kv]);
+    lay[kv].npages = b->npages[kv];
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
+      lay[kv].types[i] = (kvp_page_type)b->pages[kv][i].tag.type;
+      lay[kv].bytes[i] = b->pages[kv][i].requested_bytes;
+    }
+  }
+}
+
+int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                         bool raw, const kvp_codec_layout *lays, kvp__block **out) {
   kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
   if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
   b->pos0 = pos0;
@@ -102,8 +121,7 @@ int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, 
   b->raw = raw;
   for (int kv = 0; kv < 2; kv++) {
     const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
-    kvp_codec_layout lay;
-    kvp__bind_layout(bd, pos0, cap, &lay);
+    const kvp_codec_layout lay = lays[kv];
     for (unsigned i = 0; i < lay.npages; i++) {
       kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
       int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pages[kv][i]);
@@ -227,7 +245,7 @@ static void stored_mask(const kvp_pool *pool, const append_plan *pl, uint64_t *m
 }
 
 /* The last run ends at this step and retains exactly the stored heads. */
-static bool run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
+bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
   const kvp__run *r = L->last;
   if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
   return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
@@ -253,7 +271,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   bool ok = pl->blocks && pl->brefs;
   uint64_t mask[KVP_MAX_KV_HEADS / 64];
   stored_mask(pool, pl, mask);
-  if (ok && pl->nskip < H && !run_extends(pool, &s->layers[layer], step, mask))
+  if (ok && pl->nskip < H && !kvp__run_extends(pool, &s->layers[layer], step, mask))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
     ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
@@ -441,20 +459,24 @@ static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h
 static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
-  kvp__layer *L = &s->layers[layer];
-  if (pl->nskip == H) {
-  } else if (pl->run) {
-    if (L->last) kvp__rcu_assign(L->last->next, pl->run);
-    else kvp__rcu_assign(L->runs, pl->run);
-    L->last = pl->run;
-  } else {
-    atomic_store_explicit(&L->last->s1, atomic_load_explicit(&L->last->s1, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
-    atomic_store_explicit(&L->last->p1, pos + n, memory_order_release);
-  }
+  kvp__run_publish(s, layer, pos + n, pl->run, pl->nskip == H);
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
+}
+
+void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored) {
+  kvp__layer *L = &s->layers[layer];
+  if (none_stored) {
+  } else if (run) {
+    if (L->last) kvp__rcu_assign(L->last->next, run);
+    else kvp__rcu_assign(L->runs, run);
+    L->last = run;
+  } else {
+    atomic_store_explicit(&L->last->s1, atomic_load_explicit(&L->last->s1, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&L->last->p1, end_pos, memory_order_release);
+  }
 }
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
@@ -471,6 +493,7 @@ int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv 
 }
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
+  if (kvp__layer_rowwise(pool, layer)) return kvp__append_rowwise(pool, s, layer, kv, skip);
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;

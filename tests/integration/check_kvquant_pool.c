@@ -7,7 +7,10 @@
  * for V, + the RAW sink row of the first block); calibration counted in
  * bytes.codec_static; bad calibration files refuse the pool with
  * KVP_EFORMAT naming the field; pre-RoPE keys come back rotated at their
- * positions (sealed, OPEN and sink rows alike). kvp_check after every step.
+ * positions (sealed, OPEN and sink rows alike); appending one token at a
+ * time grows the OPEN block's OUTLIERS page through size classes, and the
+ * budget refuses a growth with nothing changed. kvp_check after every
+ * step.
  */
 #include <check.h>
 #include <math.h>
@@ -252,47 +255,238 @@ END_TEST
 
 /* Keys appended before RoPE come back rotated: against a direct RoPE (in
  * double) of the original keys, each token's error is the error of the
- * unrotated pool (a rotation keeps norms; the codes are the same); the OPEN
- * block (raw) and the sink token come back as the rotation of the input. */
+ * unrotated pool (a rotation keeps norms; the codes are the same); the sink
+ * token comes back as the rotation of the input. With V under another codec
+ * (m) the layer keeps its OPEN block RAW, and kvquant presents those rows
+ * rotated too. */
 START_TEST(prerope_reads_rotated) {
-  char pr[200], np[200];
+  char pr[200], np[200], mx[200];
   snprintf(pr, sizeof pr, "kv=kvquant:calib=%s;layers=0-1:k=kvquant:calib=%s:prerope=1:theta=10000", calib_path,
            calib_path);
   snprintf(np, sizeof np, "kv=kvquant:calib=%s", calib_path);
-  kvp_pool *p, *q;
-  ck_ok(mkpool(pr, 0, &p));
-  ck_ok(mkpool(np, 0, &q));
+  snprintf(mx, sizeof mx, "k=kvquant:calib=%s:prerope=1:theta=10000,v=bf16", calib_path);
+  kvp_pool *pools[3];
+  ck_ok(mkpool(pr, 0, &pools[0]));
+  ck_ok(mkpool(np, 0, &pools[1]));
+  ck_ok(mkpool(mx, 0, &pools[2]));
   gen(8);
-  kvp_pool *pools[2] = {p, q};
-  for (int i = 0; i < 2; i++) {
-    ck_ok(kvp_seq_add(pools[i], 1, NULL)); /* stream: 200 tokens = 6 sealed blocks + 8 OPEN */
+  for (int i = 0; i < 3; i++) {
+    ck_ok(kvp_seq_add(pools[i], 1, NULL)); /* stream: 200 tokens = 6 sealed blocks + 8 in the OPEN one */
     append_step(pools[i], 1, 0, 150);
     append_step(pools[i], 1, 150, 50);
   }
-  static float a[NTOK * D], b[NTOK * D];
+  static float a[NTOK * D], b[NTOK * D], m[NTOK * D];
   uint32_t pos[NTOK];
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t h = 0; h < H; h++) {
       kvp_read_req ra = {sizeof ra, h, KVP_DTYPE_F32, a, NULL, pos, NTOK, 0, NULL};
       kvp_read_req rb = {sizeof rb, h, KVP_DTYPE_F32, b, NULL, NULL, NTOK, 0, NULL};
-      ck_ok(kvp_read(p, 1, l, &ra));
-      ck_ok(kvp_read(q, 1, l, &rb));
+      kvp_read_req rm = {sizeof rm, h, KVP_DTYPE_F32, m, NULL, NULL, NTOK, 0, NULL};
+      ck_ok(kvp_read(pools[0], 1, l, &ra));
+      ck_ok(kvp_read(pools[1], 1, l, &rb));
+      ck_ok(kvp_read(pools[2], 1, l, &rm));
       ck_assert_uint_eq(ra.n_tokens, 200);
+      ck_assert_uint_eq(rm.n_tokens, 200);
       for (uint32_t t = 0; t < 200; t++) {
         ck_assert_uint_eq(pos[t], t);
-        double x[D], e_rot = 0, e_raw = 0;
+        double x[D], e_rot = 0, e_raw = 0, e_mix = 0;
         for (uint32_t d = 0; d < D; d++) x[d] = bf16f(K[(((size_t)t * L + l) * H + h) * D + d]);
         for (uint32_t d = 0; d < D; d++) e_raw += (b[t * D + d] - x[d]) * (b[t * D + d] - x[d]);
         rope(x, t, 10000.0);
-        for (uint32_t d = 0; d < D; d++) e_rot += (a[t * D + d] - x[d]) * (a[t * D + d] - x[d]);
-        if (t == 0 || t >= 192) /* sink and OPEN rows: the rotation of the input */
-          ck_assert_msg(sqrt(e_rot) <= 1e-5 * D, "l %u h %u t %u: %g", l, h, t, sqrt(e_rot));
+        for (uint32_t d = 0; d < D; d++) {
+          e_rot += (a[t * D + d] - x[d]) * (a[t * D + d] - x[d]);
+          e_mix += (m[t * D + d] - x[d]) * (m[t * D + d] - x[d]);
+        }
+        if (t == 0) ck_assert_msg(sqrt(e_rot) <= 1e-5 * D, "sink l %u h %u: %g", l, h, sqrt(e_rot));
         else
           ck_assert_msg(fabs(sqrt(e_rot) - sqrt(e_raw)) <= 1e-4 * (1 + sqrt(e_raw)), "l %u h %u t %u: %g vs %g", l, h,
                         t, sqrt(e_rot), sqrt(e_raw));
+        if (t == 0 || t >= 192) /* mixed: sink and the RAW OPEN rows are the rotation of the input */
+          ck_assert_msg(sqrt(e_mix) <= 1e-5 * D, "mixed l %u h %u t %u: %g", l, h, t, sqrt(e_mix));
+        else
+          ck_assert_msg(fabs(sqrt(e_mix) - sqrt(e_rot)) <= 1e-6 * (1 + sqrt(e_rot)), "mixed l %u h %u t %u", l, h, t);
       }
     }
+  for (int i = 0; i < 3; i++) kvp_pool_destroy(pools[i]);
+}
+END_TEST
+
+/* ---- a growing OPEN block ------------------------------------------------- */
+
+enum { GBT = 64 };
+
+static int mkpool_bt(const char *codecs, uint64_t budget, uint32_t bt, kvp_pool **p) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.block_tokens = bt;
+  c.region_bytes = 64ull << 20;
+  c.budget_bytes = budget;
+  c.codecs = codecs;
+  *p = NULL;
+  return kvp_pool_create(&c, p);
+}
+
+static void snap(kvp_pool *p, kvp_stats *s) {
+  s->struct_size = sizeof *s;
+  ck_ok(kvp_stats_get(p, s));
+}
+
+/* The OUTLIERS page of head 0's K in the last block of (seq, layer 0). */
+static uint64_t outliers_bytes(kvp_pool *p, uint64_t seq, const void **addr) {
+  kvp_view *v;
+  ck_ok(kvp_view_acquire(p, seq, 0, &v));
+  const kvp_view_block *last = NULL;
+  for (uint32_t i = 0; i < v->n_blocks; i++)
+    if (v->blocks[i].head == 0) last = &v->blocks[i];
+  ck_assert_ptr_nonnull(last);
+  uint64_t b = last->page_bytes[0][KVP_PAGE_OUTLIERS];
+  if (addr) *addr = last->page[0][KVP_PAGE_OUTLIERS];
+  kvp_view_release(p, v);
+  return b;
+}
+
+/* One token at a time: the OPEN block's OUTLIERS page holds exactly the rows
+ * appended (k = 7 at 5%: 7 x 3 bytes a row), moves up through size classes
+ * (ops.grow_moves), kvp_check passes after every append; a fork copies the
+ * OPEN block as it is; reads equal the step-mode encoding of the same
+ * tokens. */
+START_TEST(open_block_grows) {
+  const char *spec = "kv=kvquant:outliers=0.05";
+  kvp_pool *p;
+  ck_ok(mkpool_bt(spec, 0, GBT, &p));
+  gen(9);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  uint64_t moves0 = 0, nmoves = 0;
+  const void *prev_addr = NULL;
+  for (uint32_t t = 0; t < 2 * GBT + 5; t++) {
+    append_step(p, 1, t, 1);
+    kvp_stats s;
+    snap(p, &s);
+    if (t == 0) moves0 = s.grow_moves;
+    const void *addr;
+    uint64_t ob = outliers_bytes(p, 1, &addr);
+    ck_assert_uint_eq(ob, (uint64_t)(t % GBT + 1) * 7 * 3);
+    if (t % GBT && addr != prev_addr) nmoves++;
+    prev_addr = addr;
+    if (t == GBT + 10) { /* a fork copies the OPEN block at its current size */
+      ck_ok(kvp_seq_fork(p, 1, 2));
+      ck_ok(kvp_check(p));
+      ck_assert_uint_eq(outliers_bytes(p, 2, NULL), ob);
+      ck_ok(kvp_seq_free(p, 2));
+      ck_ok(kvp_check(p));
+    }
+  }
+  kvp_stats s;
+  snap(p, &s);
+  printf("OPEN block of %u tokens, 1 token a step: OUTLIERS page moved %llu times (ops.grow_moves %llu)\n", GBT,
+         (unsigned long long)nmoves, (unsigned long long)(s.grow_moves - moves0));
+  ck_assert_uint_ge(nmoves, 4); /* 21 B .. 1344 B crosses many classes */
+  ck_assert_uint_ge(s.grow_moves - moves0, nmoves);
+  /* step mode, the same tokens in one step: the same values */
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  ck_ok(kvp_seq_add(p, 3, &sc));
+  append_step(p, 3, 0, 2 * GBT + 5);
+  static float a[NTOK * D], b[NTOK * D];
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++) {
+      kvp_read_req ra = {sizeof ra, h, KVP_DTYPE_F32, a, b + 0 * D, NULL, NTOK, 0, NULL};
+      ra.v_out = NULL;
+      kvp_read_req rb = ra;
+      rb.k_out = b;
+      ck_ok(kvp_read(p, 1, l, &ra));
+      ck_ok(kvp_read(p, 3, l, &rb));
+      ck_assert_uint_eq(ra.n_tokens, 2 * GBT + 5);
+      ck_assert_mem_eq(a, b, (size_t)ra.n_tokens * D * sizeof(float));
+    }
   kvp_pool_destroy(p);
+}
+END_TEST
+
+/* The budget stops a growth cleanly: a run without a budget finds a token
+ * whose append moves the OPEN block (allocated bytes rise inside a block);
+ * a pool with a budget just above the bytes before it refuses that append
+ * with KVP_EBUDGET and changes nothing; once room is made, the same layer
+ * is appended again and the reads equal the unbudgeted run's. */
+START_TEST(budget_stops_growth) {
+  const char *spec = "kv=kvquant:outliers=0.05";
+  enum { N = 2 * GBT };
+  static uint64_t before[N], peak[N];
+  kvp_pool *p;
+  ck_ok(mkpool_bt(spec, 0, GBT, &p));
+  gen(10);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  uint32_t hit = 0;
+  for (uint32_t t = 0; t < N; t++) {
+    kvp_stats s;
+    snap(p, &s);
+    before[t] = s.bytes_allocated.current;
+    append_step(p, 1, t, 1);
+    snap(p, &s);
+    peak[t] = s.bytes_allocated.current; /* both copies of a moved block, every layer */
+    ck_ok(kvp_reclaim(p));
+  }
+  /* the move that needs the most for layer 0 alone ((peak - before) / L:
+   * layers alike); every earlier step needs less */
+  uint64_t best = 0;
+  for (uint32_t t = GBT + 8; t < N; t++)
+    if (before[t] + (peak[t] - before[t]) / L > best && peak[t] - before[t] > 4096) {
+      best = before[t] + (peak[t] - before[t]) / L;
+      hit = t;
+    }
+  for (uint32_t t = 0; t < hit; t++) ck_assert_uint_lt(before[t] + (peak[t] - before[t]) / L, best);
+  ck_assert_uint_gt(hit, 0);
+  kvp_pool_destroy(p);
+  /* the same appends under a budget: sequence 9 holds 1 block as ballast */
+  kvp_pool *q;
+  ck_ok(mkpool_bt(spec, 0, GBT, &q));
+  ck_ok(kvp_seq_add(q, 9, NULL));
+  append_step(q, 9, 0, GBT);
+  kvp_stats s9;
+  snap(q, &s9);
+  kvp_pool_destroy(q);
+  ck_ok(mkpool_bt(spec, best - 64 + s9.bytes_allocated.current, GBT, &q));
+  ck_ok(kvp_seq_add(q, 9, NULL));
+  append_step(q, 9, 0, GBT);
+  ck_ok(kvp_seq_add(q, 1, NULL));
+  for (uint32_t t = 0; t < hit; t++) {
+    append_step(q, 1, t, 1);
+    ck_ok(kvp_reclaim(q));
+  }
+  kvp_stats b0, b1;
+  snap(q, &b0);
+  ck_ok(kvp_step_begin(q, 1, 1, 0));
+  static uint16_t k1[H * D], v1[H * D];
+  memcpy(k1, K + (size_t)hit * L * H * D, H * D * 2);
+  memcpy(v1, V + (size_t)hit * L * H * D, H * D * 2);
+  kvp_kv kv = {k1, v1, NULL};
+  ck_status(kvp_append(q, 1, 0, &kv), KVP_EBUDGET);
+  ck_assert_ptr_nonnull(strstr(kvp_last_error(), "budget"));
+  ck_ok(kvp_check(q));
+  snap(q, &b1);
+  ck_assert_uint_eq(b1.bytes_requested.current, b0.bytes_requested.current);
+  ck_assert_uint_eq(b1.bytes_allocated.current, b0.bytes_allocated.current);
+  ck_assert_uint_eq(b1.pages.current, b0.pages.current);
+  ck_assert_uint_eq(b1.tokens_retained.current, b0.tokens_retained.current);
+  printf("growth at token %u refused by the budget (%llu of %llu allocated), nothing changed\n", hit,
+         (unsigned long long)b1.bytes_allocated.current, (unsigned long long)b1.budget_bytes);
+  /* room made: the same layer again */
+  ck_ok(kvp_seq_free(q, 9));
+  ck_ok(kvp_append(q, 1, 0, &kv));
+  ck_ok(kvp_check(q));
+  for (uint32_t l = 1; l < L; l++) {
+    memcpy(k1, K + ((size_t)hit * L + l) * H * D, H * D * 2);
+    memcpy(v1, V + ((size_t)hit * L + l) * H * D, H * D * 2);
+    ck_ok(kvp_append(q, 1, l, &kv));
+  }
+  ck_ok(kvp_step_end(q, 1));
+  for (uint32_t t = hit + 1; t < N; t++) append_step(q, 1, t, 1);
+  ck_assert(rel_err(q, 1, 0, N) < 0.19 && rel_err(q, 1, 1, N) < 0.19); /* every token there, the sink exact */
+  ck_ok(kvp_check(q));
   kvp_pool_destroy(q);
 }
 END_TEST
@@ -305,6 +499,8 @@ static Suite *suite(void) {
   tcase_add_test(tc, bytes_and_error);
   tcase_add_test(tc, bad_files_refuse_the_pool);
   tcase_add_test(tc, prerope_reads_rotated);
+  tcase_add_test(tc, open_block_grows);
+  tcase_add_test(tc, budget_stops_growth);
   suite_add_tcase(s, tc);
   return s;
 }
