@@ -74,7 +74,7 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
-TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
 
 .PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports stress stress-tsan
@@ -132,10 +132,16 @@ $(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
 $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljemalloc -lm $(LDFLAGS)
 
+# kvpool-calib works on the library's internals (planner, loaders, fitting):
+# it links the static library like the unit tests do.
+CALIB_SRC := tools/kvpool-calib.c $(wildcard tools/calib_*.c)
+$(B)/kvpool-calib: $(CALIB_SRC) tools/calib.h $(A)
+	$(CC) $(CFLAGS) -fvisibility=default -o $@ $(CALIB_SRC) $(A) $(LIBS) $(LDFLAGS)
+
 run: deps $(B)/kvpool-demo
 	$(B)/kvpool-demo
 
-test: deps lib $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
+test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
 	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
 	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN)
 
