@@ -24,6 +24,7 @@
  */
 #include "../../codecs/builtin.h"
 #include "../../codecs/kvquant.h"
+#include "../../codecs/npy.h"
 #include "../../codecs/numeric.h"
 #include "../../alloc/alloc.h"
 #include "testutil.h"
@@ -32,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static const kvp_codec_vtable *VT = &kvp__codec_kvquant;
@@ -523,6 +525,104 @@ START_TEST(fit_api_errors) {
 }
 END_TEST
 
+/* ---- kvpool-calib kvquant ------------------------------------------------------
+ * The binary sits next to the tests' folder (build/kvpool-calib). */
+
+static int run_calib(const char *args, char *out, size_t cap) {
+  char self[512], cmd[2048];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  ck_assert_int_gt(n, 0);
+  self[n] = 0;
+  *strrchr(self, '/') = 0; /* build/tests */
+  snprintf(cmd, sizeof cmd, "%s/../kvpool-calib %s 2>&1", self, args);
+  FILE *p = popen(cmd, "r");
+  ck_assert_ptr_nonnull(p);
+  size_t got = fread(out, 1, cap - 1, p);
+  out[got] = 0;
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Samples in .npy [T, L, H, D] through the CLI give the file the API fits
+ * from the same samples; bad inputs exit non-zero naming the culprit. */
+START_TEST(calib_cli) {
+  enum { T = 96, CL = 2, CH = 2, CD = 32 };
+  char dir[] = "/tmp/kvq_cliXXXXXX";
+  ck_assert_ptr_nonnull(mkdtemp(dir));
+  char kp[96], vp[96], wp[96], op[96], ap[96], bad[96], args[1024];
+  snprintf(kp, sizeof kp, "%s/k.npy", dir);
+  snprintf(vp, sizeof vp, "%s/v.npy", dir);
+  snprintf(wp, sizeof wp, "%s/w.npy", dir);
+  snprintf(op, sizeof op, "%s/cli.kvq", dir);
+  snprintf(ap, sizeof ap, "%s/api.kvq", dir);
+  snprintf(bad, sizeof bad, "%s/bad.npy", dir);
+  static double k[T * CL * CH * CD], v[T * CL * CH * CD], w[T * CL * CH * CD];
+  static float row[T * CD], wrow[T * CD];
+  kvp_kvquant_calib *c;
+  ck_ok(kvp_kvquant_calib_create(CL, CH, CD, 2, 0.05, &c));
+  for (uint32_t l = 0; l < CL; l++)
+    for (uint32_t h = 0; h < CH; h++)
+      for (uint32_t kv = 0; kv < 2; kv++) {
+        kvp__kvq_synth(4, l, h, kv, 0, T, CD, row, CD);
+        for (uint32_t t = 0; t < T; t++)
+          for (uint32_t d = 0; d < CD; d++) {
+            size_t i = (((size_t)t * CL + l) * CH + h) * CD + d;
+            (kv ? v : k)[i] = row[t * CD + d];
+            wrow[t * CD + d] = (float)(kv ? 1.0 : 1.0 + (d % 3));
+            if (!kv) w[i] = wrow[t * CD + d];
+          }
+        ck_ok(kvp_kvquant_calib_add(c, l, h, kv, row, kv ? NULL : wrow, CD, T));
+      }
+  ck_ok(kvp_kvquant_calib_write(c, ap));
+  kvp_kvquant_calib_destroy(c);
+  /* the CLI: K weighted by w, V by ones (a file of ones) */
+  static double ones[T * CL * CH * CD];
+  for (size_t i = 0; i < sizeof ones / sizeof *ones; i++) ones[i] = 1.0;
+  uint64_t shape[4] = {T, CL, CH, CD};
+  ck_ok(kvp__npy_write_f64(kp, 4, shape, k));
+  ck_ok(kvp__npy_write_f64(vp, 4, shape, v));
+  ck_ok(kvp__npy_write_f64(wp, 4, shape, w));
+  char onesp[96];
+  snprintf(onesp, sizeof onesp, "%s/ones.npy", dir);
+  ck_ok(kvp__npy_write_f64(onesp, 4, shape, ones));
+  static char out[1 << 14];
+  snprintf(args, sizeof args, "kvquant --k %s --v %s --fisher-k %s --fisher-v %s --bits 2 --outliers 0.05 --out %s --json",
+           kp, vp, wp, onesp, op);
+  ck_assert_int_eq(run_calib(args, out, sizeof out), 0);
+  ck_assert_msg(strstr(out, "\"layers\": 2") && strstr(out, "\"bits\": 2"), "%s", out);
+  FILE *a = fopen(ap, "rb"), *b = fopen(op, "rb");
+  static uint8_t ba[1 << 16], bb[1 << 16];
+  size_t na = fread(ba, 1, sizeof ba, a), nb = fread(bb, 1, sizeof bb, b);
+  fclose(a);
+  fclose(b);
+  ck_assert_uint_eq(na, nb);
+  ck_assert_mem_eq(ba, bb, na); /* the same fit, byte for byte */
+  /* the file serves a pool's codec */
+  char params[160];
+  snprintf(params, sizeof params, "bits=2:outliers=0.05:calib=%s", op);
+  VT->destroy(mk(params, CD, CH, 1, CL, 1, KVP_DTYPE_BF16));
+  /* bad inputs */
+  uint64_t bshape[4] = {T, CL, CH + 1, CD};
+  ck_ok(kvp__npy_write_f64(bad, 4, bshape, k));
+  snprintf(args, sizeof args, "kvquant --k %s --v %s --out %s", kp, bad, op);
+  ck_assert_int_eq(run_calib(args, out, sizeof out), 1);
+  ck_assert_msg(strstr(out, "bad.npy"), "%s", out);
+  snprintf(args, sizeof args, "kvquant --k %s/none.npy --v %s --out %s", dir, vp, op);
+  ck_assert_int_eq(run_calib(args, out, sizeof out), 1);
+  ck_assert_msg(strstr(out, "none.npy"), "%s", out);
+  snprintf(args, sizeof args, "kvquant --k %s --out %s", kp, op);
+  ck_assert_int_eq(run_calib(args, out, sizeof out), 2);
+  ck_assert_int_eq(run_calib("kvquant --synthetic --layers 1 --heads 1 --head-dim 8 --bits 5 --out x", out, sizeof out), 2);
+  ck_assert_msg(strstr(out, "--bits"), "%s", out);
+  ck_assert_int_eq(run_calib("kvquant --help", out, sizeof out), 0);
+  ck_assert_int_eq(run_calib("--help", out, sizeof out), 0);
+  ck_assert_msg(strstr(out, "kvquant"), "%s", out);
+  const char *files[] = {kp, vp, wp, op, ap, bad, onesp};
+  for (size_t i = 0; i < sizeof files / sizeof *files; i++) unlink(files[i]);
+  rmdir(dir);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("kvquant");
   TCase *tc = tcase_create("layout");
@@ -542,6 +642,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, file_equals_synthetic);
   tcase_add_test(tc, file_errors);
   tcase_add_test(tc, fit_api_errors);
+  tcase_add_test(tc, calib_cli);
   suite_add_tcase(s, tc);
   return s;
 }
