@@ -50,6 +50,7 @@ typedef struct kvp__kvq_fit {
   uint32_t kv;                      /* 0 = K (per channel), 1 = V (per token) */
   double fraction;                  /* outlier fraction f */
   float *off, *rng;                 /* [H * D], filled by fit_head */
+  float *inv;                       /* [H * D]: 1 / rng */
   uint8_t *done;                    /* [H]: head fitted */
   double *hw, *hwx;                 /* [KVP__KVQ_BINS]: weight and weighted sum per bin of [-1, 1] */
 } kvp__kvq_fit;

@@ -5,8 +5,9 @@
  * kvp_kvquant_calib_* API, reader for the codec).
  *
  * Fitting one side of one layer (kvp__kvq_fit):
- *   per (head, channel), over the n samples, sorted: lo = s[floor(f/2 (n-1))],
- *   hi = s[ceil((1 - f/2)(n-1))] (f = outlier fraction); off = (hi + lo)/2,
+ *   per (head, channel), over the n samples, sorted: lo = s[i], hi =
+ *   s[n - 1 - i], i = floor(f/2 (n - 1)) (f = outlier fraction; found in
+ *   one pass with heaps of the i + 1 extremes); off = (hi + lo)/2,
  *   rng = (hi - lo)/2, or 2^-24 when that is not positive.
  *   dense values of every sample token, as the encoder picks them: the
  *   k = ceil(f D) values of largest |x - off| / rng are outliers and left
@@ -68,17 +69,23 @@ void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, u
                     uint32_t head_dim, float *dst, size_t dst_stride) {
   uint64_t base = mix64(mix64(mix64(seed) ^ layer) ^ ((uint64_t)head << 1 | kv));
   uint32_t phase = (uint32_t)(base >> 59); /* K's outlier channels: c = phase mod 32 */
+  uint64_t ch[KVP_MAX_HEAD_DIM];
+  float bias[KVP_MAX_HEAD_DIM], scale[KVP_MAX_HEAD_DIM];
   for (uint32_t c = 0; c < head_dim; c++) {
-    uint64_t ch = mix64(base ^ (0xC0FFEEull << 32 | c));
-    float bias = kv ? 0.1f * gauss4(ch) : 0.5f * gauss4(ch);
-    float scale = kv ? 0.5f + unit24(ch >> 40) : 0.6f + 0.8f * unit24(ch >> 40);
-    if (!kv && c % 32 == phase) scale *= 10.0f; /* an outlier channel */
-    for (uint32_t t = 0; t < n; t++) {
-      uint64_t r = mix64(ch ^ ((uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull));
+    ch[c] = mix64(base ^ (0xC0FFEEull << 32 | c));
+    bias[c] = kv ? 0.1f * gauss4(ch[c]) : 0.5f * gauss4(ch[c]);
+    scale[c] = kv ? 0.5f + unit24(ch[c] >> 40) : 0.6f + 0.8f * unit24(ch[c] >> 40);
+    if (!kv && c % 32 == phase) scale[c] *= 10.0f; /* an outlier channel */
+  }
+  for (uint32_t t = 0; t < n; t++) {
+    uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
+    float *row = dst + (size_t)t * dst_stride;
+    for (uint32_t c = 0; c < head_dim; c++) {
+      uint64_t r = mix64(ch[c] ^ tk);
       float z = gauss4(r);
       uint64_t tail = mix64(r);
       if ((tail & 127) == 0) z *= 2.0f + 3.0f * unit24(tail >> 8); /* heavy tail */
-      dst[(size_t)t * dst_stride + c] = bias + scale * z;
+      row[c] = bias[c] + scale[c] * z;
     }
   }
 }
@@ -112,10 +119,11 @@ int kvp__kvq_fit_init(kvp__kvq_fit *f, uint32_t n_heads, uint32_t head_dim, uint
   size_t hd = (size_t)n_heads * head_dim;
   f->off = malloc(hd * sizeof *f->off);
   f->rng = malloc(hd * sizeof *f->rng);
+  f->inv = malloc(hd * sizeof *f->inv);
   f->done = calloc(n_heads, 1);
   f->hw = calloc(KVP__KVQ_BINS, sizeof *f->hw);
   f->hwx = calloc(KVP__KVQ_BINS, sizeof *f->hwx);
-  if (!f->off || !f->rng || !f->done || !f->hw || !f->hwx) {
+  if (!f->off || !f->rng || !f->inv || !f->done || !f->hw || !f->hwx) {
     kvp__kvq_fit_free(f);
     return kvp__err(KVP_ENOMEM, "kvquant: calibration of %u heads x %u channels", n_heads, head_dim);
   }
@@ -125,33 +133,61 @@ int kvp__kvq_fit_init(kvp__kvq_fit *f, uint32_t n_heads, uint32_t head_dim, uint
 void kvp__kvq_fit_free(kvp__kvq_fit *f) {
   free(f->off);
   free(f->rng);
+  free(f->inv);
   free(f->done);
   free(f->hw);
   free(f->hwx);
   memset(f, 0, sizeof *f);
 }
 
-/* The i-th smallest of v[0..n) (v reordered): Wirth's selection. */
-static float select_nth(float *v, size_t n, size_t i) {
-  ptrdiff_t l = 0, m = (ptrdiff_t)n - 1, k = (ptrdiff_t)i;
-  while (l < m) {
-    float x = v[k];
-    ptrdiff_t a = l, b = m;
-    do {
-      while (v[a] < x) a++;
-      while (x < v[b]) b--;
-      if (a <= b) {
-        float t = v[a];
-        v[a] = v[b];
-        v[b] = t;
-        a++;
-        b--;
-      }
-    } while (a <= b);
-    if (b < k) l = a;
-    if (k < a) m = b;
+/* Per channel, the m smallest and the m largest samples seen, as heaps:
+ * lo[c] a max-heap (root: the m-th smallest so far), hi[c] a min-heap
+ * (root: the m-th largest). One pass over row-major samples; a value that
+ * cannot enter costs one compare. */
+typedef struct ext_heaps {
+  uint32_t m, D;  /* heap size (>= 1), channels */
+  uint32_t *len;  /* [D]: entries in each channel's heaps (both alike) */
+  float *lo, *hi; /* [D][m] */
+} ext_heaps;
+
+static void heap_push(float *h, uint32_t len, float v, int max) { /* sift up */
+  uint32_t i = len;
+  while (i > 0) {
+    uint32_t p = (i - 1) / 2;
+    if (max ? !(v > h[p]) : !(v < h[p])) break;
+    h[i] = h[p];
+    i = p;
   }
-  return v[k];
+  h[i] = v;
+}
+
+static void heap_replace_root(float *h, uint32_t len, float v, int max) { /* sift down */
+  uint32_t i = 0;
+  for (;;) {
+    uint32_t l = 2 * i + 1, r = l + 1, b = i;
+    float bv = v;
+    if (l < len && (max ? h[l] > bv : h[l] < bv)) b = l, bv = h[l];
+    if (r < len && (max ? h[r] > bv : h[r] < bv)) b = r;
+    if (b == i) break;
+    h[i] = h[b];
+    i = b;
+  }
+  h[i] = v;
+}
+
+static void heaps_add(ext_heaps *e, const float *row) {
+  for (uint32_t c = 0; c < e->D; c++) {
+    float v = row[c], *lo = e->lo + (size_t)c * e->m, *hi = e->hi + (size_t)c * e->m;
+    uint32_t len = e->len[c];
+    if (len < e->m) {
+      heap_push(lo, len, v, 1);
+      heap_push(hi, len, v, 0);
+      e->len[c] = len + 1;
+      continue;
+    }
+    if (v < lo[0]) heap_replace_root(lo, len, v, 1);
+    if (v > hi[0]) heap_replace_root(hi, len, v, 0);
+  }
 }
 
 /* Indices of the k largest of score[0..D) into top (ties: lower channel),
@@ -192,8 +228,8 @@ static void hist_add(kvp__kvq_fit *f, float n, float w) {
 static void fit_token(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, uint32_t k, float *score,
                       uint16_t *top) {
   uint32_t D = f->head_dim;
-  const float *off = f->off + (size_t)h * D, *rng = f->rng + (size_t)h * D;
-  for (uint32_t c = 0; c < D; c++) score[c] = fabsf(x[c] - off[c]) / rng[c];
+  const float *off = f->off + (size_t)h * D, *inv = f->inv + (size_t)h * D;
+  for (uint32_t c = 0; c < D; c++) score[c] = fabsf(x[c] - off[c]) * inv[c];
   if (k) top_k(score, D, k, top);
   uint32_t j = 0;
   float lo = INFINITY, hi = -INFINITY;
@@ -202,14 +238,14 @@ static void fit_token(kvp__kvq_fit *f, uint32_t h, const float *x, const float *
       score[c] = -1.0f;
       j++;
     } else if (f->kv) {
-      lo = fminf(lo, x[c]);
-      hi = fmaxf(hi, x[c]);
+      lo = x[c] < lo ? x[c] : lo;
+      hi = x[c] > hi ? x[c] : hi;
     }
   }
-  float m = (hi + lo) * 0.5f, r = (hi - lo) * 0.5f;
+  float m = (hi + lo) * 0.5f, r = (hi - lo) * 0.5f, ir = r > 0 ? 1.0f / r : 0.0f;
   for (uint32_t c = 0; c < D; c++) {
     if (score[c] < 0) continue;
-    float n = f->kv ? (r > 0 ? (x[c] - m) / r : 0.0f) : (x[c] - off[c]) / rng[c];
+    float n = f->kv ? (x[c] - m) * ir : (x[c] - off[c]) * inv[c];
     hist_add(f, n, w ? w[c] : 1.0f);
   }
 }
@@ -227,19 +263,27 @@ int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *
         return kvp__err(KVP_EINVAL, "kvquant calibration: weight of token %u channel %u of head %u is not a finite "
                                     "non-negative number", t, c, h);
     }
-  float *col = malloc((size_t)n * sizeof *col), score[KVP_MAX_HEAD_DIM];
+  float score[KVP_MAX_HEAD_DIM];
   uint16_t top[KVP_MAX_HEAD_DIM];
-  if (!col) return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
   double f2 = f->fraction / 2;
-  size_t ilo = (size_t)floor(f2 * (n - 1)), ihi = (size_t)ceil((1 - f2) * (n - 1));
+  size_t ilo = (size_t)floor(f2 * (n - 1)); /* s[ilo] and s[n - 1 - ilo]: roots of the ilo + 1 extremes */
+  ext_heaps e = {.m = (uint32_t)ilo + 1, .D = D};
+  e.len = calloc(D, sizeof *e.len);
+  e.lo = malloc((size_t)D * e.m * sizeof *e.lo);
+  e.hi = malloc((size_t)D * e.m * sizeof *e.hi);
+  if (!e.len || !e.lo || !e.hi) {
+    free(e.len), free(e.lo), free(e.hi);
+    return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
+  }
+  for (uint32_t t = 0; t < n; t++) heaps_add(&e, x + (size_t)t * x_stride);
   for (uint32_t c = 0; c < D; c++) {
-    for (uint32_t t = 0; t < n; t++) col[t] = x[(size_t)t * x_stride + c];
-    float lo = select_nth(col, n, ilo), hi = select_nth(col, n, ihi);
+    float lo = e.lo[(size_t)c * e.m], hi = e.hi[(size_t)c * e.m];
     float off = (hi + lo) * 0.5f, rng = (hi - lo) * 0.5f;
     f->off[(size_t)h * D + c] = off;
     f->rng[(size_t)h * D + c] = rng > 0 && isfinite(rng) ? rng : 0x1p-24f;
+    f->inv[(size_t)h * D + c] = 1.0f / f->rng[(size_t)h * D + c];
   }
-  free(col);
+  free(e.len), free(e.lo), free(e.hi);
   uint32_t k = kvp__kvq_outliers_k(f->fraction, D);
   for (uint32_t t = 0; t < n; t++)
     fit_token(f, h, x + (size_t)t * x_stride, w ? w + (size_t)t * x_stride : NULL, k, score, top);
