@@ -12,6 +12,7 @@
  * budget refuses a growth with nothing changed. kvp_check after every
  * step.
  */
+#define KVP_EXPERIMENTAL_API /* raw pages: ballast that leaves an exact budget */
 #include <check.h>
 #include <math.h>
 #include <stdio.h>
@@ -202,7 +203,7 @@ START_TEST(bytes_and_error) {
   ck_assert_double_eq(ek, sk); /* the same codes whichever way the blocks were cut */
   uint64_t cal = (uint64_t)2 * L * 2 * H * D * sizeof(float);
   ck_assert_uint_ge(s.codec_static_bytes, cal);
-  ck_assert_uint_lt(s.codec_static_bytes, cal + 2 * L * 1024);
+  ck_assert_uint_lt(s.codec_static_bytes, cal * 3 / 2 + 2 * L * 1024); /* offsets, ranges, their inverses */
   char json[1 << 15];
   size_t len;
   ck_ok(kvp_stats_write(p, KVP_STATS_JSON, json, sizeof json, &len));
@@ -491,6 +492,89 @@ START_TEST(budget_stops_growth) {
 }
 END_TEST
 
+/* Threshold mode: outliers are the values outside the calibrated range, so
+ * how much an OPEN block's OUTLIERS page grows depends on the data. A calm
+ * token (no outlier) appends with the budget exhausted (its rows are
+ * already paid for); a spiked one (every value far out) must grow the page
+ * and is refused with nothing changed; with room it goes in. */
+START_TEST(threshold_growth_budget) {
+  char spec[200];
+  snprintf(spec, sizeof spec, "kv=kvquant:calib=%s:outlier_mode=threshold", calib_path);
+  kvp_pool *p;
+  ck_ok(mkpool_bt(spec, 8u << 20, GBT, &p));
+  gen(11);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  uint64_t prev = 0;
+  uint32_t grew_more = 0, grew_none = 0;
+  for (uint32_t t = 0; t < 40; t++) {
+    append_step(p, 1, t, 1);
+    uint64_t ob = outliers_bytes(p, 1, NULL);
+    ck_assert_uint_eq((ob - 4 * (GBT + 1)) % 3, 0); /* row starts, then 3-byte entries */
+    if (t > 1) grew_none += ob == prev, grew_more += ob > prev + 3;
+    prev = ob;
+  }
+  ck_assert_msg(grew_none > 0 && grew_more > 0, "k does not vary: %u %u", grew_none, grew_more);
+  ck_ok(kvp_reclaim(p));
+  /* ballast raw pages until less than the smallest class is left */
+  kvp_page_tag tag = {77, 0, 0, KVP_PAGE_META, 0, 0};
+  kvp_page_id ballast[64];
+  uint32_t nb = 0;
+  for (uint64_t sz = 4u << 20; sz >= 64 && nb < 64;) {
+    if (kvp_page_alloc(p, sz, &tag, &ballast[nb]) == KVP_OK) nb++;
+    else sz /= 2;
+  }
+  kvp_stats b0, b1;
+  snap(p, &b0);
+  ck_assert_uint_lt(b0.budget_bytes - b0.bytes_allocated.current, 64);
+  static uint16_t k1[H * D], v1[H * D];
+  /* calm: every value at its channel's centre */
+  ck_ok(kvp_step_begin(p, 1, 1, 0));
+  for (uint32_t l = 0; l < L; l++) {
+    for (uint32_t h = 0; h < H; h++)
+      for (uint32_t d = 0; d < D; d++) {
+        k1[h * D + d] = f2bf((float)(0.5 * sin(d * 0.37 + h * 1.3 + l)));
+        v1[h * D + d] = f2bf(0.0f);
+      }
+    kvp_kv kv = {k1, v1, NULL};
+    ck_ok(kvp_append(p, 1, l, &kv));
+    ck_ok(kvp_check(p));
+  }
+  ck_ok(kvp_step_end(p, 1));
+  ck_assert_uint_eq(outliers_bytes(p, 1, NULL), prev); /* no outlier: no growth */
+  snap(p, &b0);
+  /* spiked: every value 50 scales out */
+  ck_ok(kvp_step_begin(p, 1, 1, 0));
+  for (uint32_t h = 0; h < H; h++)
+    for (uint32_t d = 0; d < D; d++) k1[h * D + d] = v1[h * D + d] = f2bf(d % 2 ? 400.0f : -400.0f);
+  kvp_kv kv = {k1, v1, NULL};
+  ck_status(kvp_append(p, 1, 0, &kv), KVP_EBUDGET);
+  ck_ok(kvp_check(p));
+  snap(p, &b1);
+  ck_assert_uint_eq(b1.bytes_requested.current, b0.bytes_requested.current);
+  ck_assert_uint_eq(b1.bytes_allocated.current, b0.bytes_allocated.current);
+  ck_assert_uint_eq(b1.pages.current, b0.pages.current);
+  ck_assert_uint_eq(outliers_bytes(p, 1, NULL), prev);
+  for (uint32_t i = 0; i < nb; i++) ck_ok(kvp_page_free(p, ballast[i]));
+  for (uint32_t l = 0; l < L; l++) {
+    ck_ok(kvp_append(p, 1, l, &kv));
+    ck_ok(kvp_check(p));
+  }
+  ck_ok(kvp_step_end(p, 1));
+  uint64_t grown = outliers_bytes(p, 1, NULL);
+  printf("threshold mode: a spiked token grew the OPEN block's OUTLIERS page %llu -> %llu bytes (%llu outliers)\n",
+         (unsigned long long)prev, (unsigned long long)grown, (unsigned long long)(grown - prev) / 3);
+  ck_assert_uint_eq(grown - prev, (D / 2) * 3); /* capped at D / 2 outliers */
+  static float out[NTOK * D];
+  kvp_read_req rq = {sizeof rq, 0, KVP_DTYPE_F32, out, NULL, NULL, NTOK, 0, NULL};
+  ck_ok(kvp_read(p, 1, 0, &rq));
+  ck_assert_uint_eq(rq.n_tokens, 42);
+  uint32_t close = 0; /* the outliers come back within fp16's half step at 256..512 of the residual */
+  for (uint32_t d = 0; d < D; d++) close += fabsf(out[41 * D + d] - (d % 2 ? 400.0f : -400.0f)) <= 0.125f;
+  ck_assert_uint_ge(close, D / 2);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("kvquant_pool");
   TCase *tc = tcase_create("pool");
@@ -501,6 +585,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, prerope_reads_rotated);
   tcase_add_test(tc, open_block_grows);
   tcase_add_test(tc, budget_stops_growth);
+  tcase_add_test(tc, threshold_growth_budget);
   suite_add_tcase(s, tc);
   return s;
 }

@@ -322,7 +322,7 @@ START_TEST(bad_params_fail) {
                           {"outliers=-1", "outliers"},  {"sink=x", "sink"},       {"lut=pq", "lut"},
                           {"prerope=2", "prerope"},     {"theta=1", "theta"},     {"rope_dims=3", "rope_dims"},
                           {"rope_dims=256", "rope_dims"}, {"calib_tokens=8", "calib_tokens"}, {"wat=1", "wat"},
-                          {"bits=2:bits=3", "bits"}};
+                          {"bits=2:bits=3", "bits"}, {"outlier_mode=all", "outlier_mode"}};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     kvp_codec_geom g = {128, KVP_DTYPE_BF16, 0, 0, 1, 1};
     void *inst = NULL;
@@ -525,6 +525,65 @@ START_TEST(fit_api_errors) {
 }
 END_TEST
 
+/* ---- threshold mode ------------------------------------------------------------- */
+
+/* Outliers are the values outside the calibrated range, so k varies per
+ * token; the CSR keeps row starts. Row by row equals the whole block; the
+ * split stays exact; open_layout follows the data and layout_at bounds it. */
+START_TEST(threshold_mode) {
+  uint32_t kv = (uint32_t)_i, D = 128, cap = 64, w = 1;
+  void *q = mk("bits=3:outlier_mode=threshold:outliers=0.02:sink=0:calib_tokens=512", D, 1, 0, 1, kv, KVP_DTYPE_F32);
+  float *x = malloc((size_t)cap * D * 4);
+  kvp__kvq_synth(0, 0, 0, kv, 7777, cap, D, x, D);
+  blk whole, rows;
+  blk_alloc(&whole, q, 0, cap);
+  blk_alloc(&rows, q, 0, cap); /* layout_at: the bound */
+  kvp_codec_block where = {0, 0};
+  ck_ok(VT->encode_at(q, &where, NULL, x, D * 4, cap, cap, whole.pages));
+  for (uint32_t t = 0; t < cap; t++) { /* one row at a time, as an OPEN block */
+    kvp_codec_layout l;
+    ck_ok(VT->open_layout(q, &where, t ? (const void *const *)rows.pages : NULL, t, x + (size_t)t * D, D * 4, 1, cap,
+                          &l));
+    for (unsigned i = 0; i < l.npages; i++) ck_assert_uint_le(l.bytes[i], rows.lay.bytes[i]);
+    ck_ok(VT->encode_rows(q, &where, NULL, rows.pages, t, x + (size_t)t * D, D * 4, 1, cap));
+    kvp_codec_layout held;
+    ck_ok(VT->open_layout(q, &where, (const void *const *)rows.pages, t + 1, NULL, 0, 0, cap, &held));
+    ck_assert_mem_eq(&held, &l, sizeof l);
+  }
+  const uint8_t *o = whole.pages[1];
+  uint32_t total = (uint32_t)(o[4 * cap] | o[4 * cap + 1] << 8 | o[4 * cap + 2] << 16 | (uint32_t)o[4 * cap + 3] << 24);
+  size_t used = 4 * (cap + 1) + (size_t)total * (w + 2);
+  ck_assert_mem_eq(whole.pages[0], rows.pages[0], whole.lay.bytes[0]);
+  ck_assert_mem_eq(whole.pages[1], rows.pages[1], used);
+  float *full = malloc((size_t)cap * D * 4), *dense = malloc((size_t)cap * D * 4);
+  ck_ok(kvp__kvq_decode_f32(q, &where, (const void *const *)whole.pages, cap, 0, cap, full, D, 1, 1));
+  ck_ok(kvp__kvq_decode_f32(q, &where, (const void *const *)whole.pages, cap, 0, cap, dense, D, 0, 1));
+  uint32_t kmin = D, kmaxs = 0;
+  for (uint32_t t = 0; t < cap; t++) {
+    uint32_t s0 = o[4 * t] | o[4 * t + 1] << 8 | o[4 * t + 2] << 16 | (uint32_t)o[4 * t + 3] << 24;
+    uint32_t s1 = o[4 * t + 4] | o[4 * t + 5] << 8 | o[4 * t + 6] << 16 | (uint32_t)o[4 * t + 7] << 24;
+    ck_assert_uint_le(s0, s1);
+    kmin = s1 - s0 < kmin ? s1 - s0 : kmin;
+    kmaxs = s1 - s0 > kmaxs ? s1 - s0 : kmaxs;
+    float want[128];
+    memcpy(want, dense + (size_t)t * D, sizeof want);
+    for (uint32_t j = s0; j < s1; j++) {
+      const uint8_t *e = o + 4 * (cap + 1) + (size_t)j * 3;
+      ck_assert_uint_lt(e[0], D);
+      want[e[0]] += kvp__f16_to_f32((uint16_t)(e[1] | e[2] << 8));
+    }
+    ck_assert_mem_eq(want, full + (size_t)t * D, sizeof want);
+  }
+  printf("kvquant threshold %c: outliers per token %u..%u, %.2f%% of values\n", "KV"[kv], kmin, kmaxs,
+         100.0 * total / ((double)cap * D));
+  ck_assert_uint_lt(kmin, kmaxs); /* k varies */
+  ck_assert(total > 0 && total < cap * D / 8);
+  free(x), free(full), free(dense);
+  blk_free(&whole), blk_free(&rows);
+  VT->destroy(q);
+}
+END_TEST
+
 /* ---- kvpool-calib kvquant ------------------------------------------------------
  * The binary sits next to the tests' folder (build/kvpool-calib). */
 
@@ -637,6 +696,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, sinks_exact, 0, 2);
   tcase_add_test(tc, bad_params_fail);
   tcase_add_loop_test(tc, prerope_decode, 0, 2);
+  tcase_add_loop_test(tc, threshold_mode, 0, 2);
   suite_add_tcase(s, tc);
   tc = tcase_create("calibration");
   tcase_add_test(tc, file_equals_synthetic);
