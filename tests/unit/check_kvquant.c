@@ -662,7 +662,8 @@ START_TEST(calib_cli) {
   VT->destroy(mk(params, CD, CH, 1, CL, 1, KVP_DTYPE_BF16));
   /* bad inputs */
   uint64_t bshape[4] = {T, CL, CH + 1, CD};
-  ck_ok(kvp__npy_write_f64(bad, 4, bshape, k));
+  static double kb[T * CL * (CH + 1) * CD];
+  ck_ok(kvp__npy_write_f64(bad, 4, bshape, kb));
   snprintf(args, sizeof args, "kvquant --k %s --v %s --out %s", kp, bad, op);
   ck_assert_int_eq(run_calib(args, out, sizeof out), 1);
   ck_assert_msg(strstr(out, "bad.npy"), "%s", out);
