@@ -61,6 +61,7 @@ struct kvp__region {
 int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, uint32_t flags, kvp__region *out);
 void kvp__region_close(kvp__region *r);
 extern const kvp__region_ops kvp__region_host_ops;
+extern const kvp__region_ops kvp__region_dry_ops; /* KVP_POOL_DRY, host or CUDA: never touched */
 #ifdef KVP_HAVE_CUDA
 extern const kvp__region_ops kvp__region_cuda_ops;
 #endif
@@ -112,11 +113,25 @@ typedef struct kvp__extent {
   uint8_t state;                     /* kvp__ext_state */
 } kvp__extent;
 
+/* The address map is two-level and committed lazily: a chunk of
+ * KVP__RMAP_CHUNK_UNITS entries (16 MiB of region, 32 KiB of metadata)
+ * exists only while one of its units is used, so a huge region (a 1 TiB dry
+ * pool) costs metadata in proportion to what is allocated, not to its size:
+ * 8 bytes per 4 KiB unit of used extents, plus one pointer per 16 MiB. */
+#define KVP__RMAP_CHUNK_SHIFT 12u
+#define KVP__RMAP_CHUNK_UNITS (1u << KVP__RMAP_CHUNK_SHIFT)
+
+typedef struct kvp__rmap_chunk {
+  uint64_t nused;                                   /* non-NULL entries */
+  struct kvp__extent *unit[KVP__RMAP_CHUNK_UNITS];  /* owning extent of each unit, NULL if free */
+} kvp__rmap_chunk;
+
 typedef struct kvp__extents {
   kvp__meta *meta;              /* metadata counter */
   uint64_t bytes;               /* region bytes managed */
   uint64_t nunits;              /* bytes / KVP__EXTENT_UNIT */
-  kvp__extent **rmap;           /* [nunits]: owning extent of each used unit, NULL if free */
+  uint64_t nchunks;             /* entries of rmap: ceil(nunits / KVP__RMAP_CHUNK_UNITS) */
+  kvp__rmap_chunk **rmap;       /* [nchunks]: address map chunks, NULL where no unit is used */
   kvp__extent *bins[KVP__SC_COUNT]; /* free extents by floor size class */
   uint64_t nonempty[(KVP__SC_COUNT + 63) / 64]; /* bit per non-empty bin */
   kvp__extent *first;           /* lowest-address extent */
@@ -140,7 +155,9 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes);
 /* Owning extent of the unit containing off, or NULL (free or out of range). */
 static inline kvp__extent *kvp__extent_at(const kvp__extents *x, uint64_t off) {
   uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT;
-  return u < x->nunits ? x->rmap[u] : NULL;
+  if (u >= x->nunits) return NULL;
+  const kvp__rmap_chunk *c = x->rmap[u >> KVP__RMAP_CHUNK_SHIFT];
+  return c ? c->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)] : NULL;
 }
 /* Verify tiling, bins, rmap, counters. KVP_OK or KVP_ECORRUPT with message. */
 int kvp__extents_check(const kvp__extents *x);

@@ -12,6 +12,8 @@
  *   no two address-adjacent extents are both FREE (free coalesces)
  *   a FREE extent is in bins[floor_class(bytes)], and that bin's bit is set
  *   rmap[u] = e for every unit u of a used extent e; NULL for free units
+ *   a chunk of the address map exists iff one of its units is used, and its
+ *   nused = its non-NULL entries (so metadata follows use, not region size)
  *   used_bytes = sum of bytes of used extents
  *
  * Allocation is first fit over segregated bins: the bin of floor_class(n)
@@ -58,9 +60,41 @@ static void unlink_addr(kvp__extents *x, kvp__extent *e) {
   if (e->anext) e->anext->aprev = e->aprev;
 }
 
+/* Chunks of the address map covering the units of [off, off + bytes). */
+static uint64_t chunk_lo(uint64_t off) { return (off >> KVP__EXTENT_UNIT_SHIFT) >> KVP__RMAP_CHUNK_SHIFT; }
+static uint64_t chunk_hi(uint64_t off, uint64_t bytes) {
+  return (((off + bytes) >> KVP__EXTENT_UNIT_SHIFT) + KVP__RMAP_CHUNK_UNITS - 1) >> KVP__RMAP_CHUNK_SHIFT;
+}
+
+/* Free the chunks of the range that no longer map any unit. */
+static void rmap_trim(kvp__extents *x, uint64_t off, uint64_t bytes) {
+  for (uint64_t c = chunk_lo(off); c < chunk_hi(off, bytes); c++)
+    if (x->rmap[c] && !x->rmap[c]->nused) {
+      kvp__meta_free(x->meta, x->rmap[c], sizeof *x->rmap[c]);
+      x->rmap[c] = NULL;
+    }
+}
+
+/* Make the chunks of the range exist (before a mutation: all or nothing). */
+static int rmap_ensure(kvp__extents *x, uint64_t off, uint64_t bytes) {
+  for (uint64_t c = chunk_lo(off); c < chunk_hi(off, bytes); c++)
+    if (!x->rmap[c] && !(x->rmap[c] = kvp__meta_calloc(x->meta, sizeof *x->rmap[c]))) {
+      rmap_trim(x, off, bytes);
+      return kvp__err(KVP_ENOMEM, "address map for region offsets %llu..%llu", (unsigned long long)off,
+                      (unsigned long long)(off + bytes));
+    }
+  return KVP_OK;
+}
+
+/* Map every unit of the range to v (chunks ensured when v != NULL). */
 static void rmap_set(kvp__extents *x, uint64_t off, uint64_t bytes, kvp__extent *v) {
-  for (uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT, n = bytes >> KVP__EXTENT_UNIT_SHIFT; n; n--, u++)
-    x->rmap[u] = v;
+  for (uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT, n = bytes >> KVP__EXTENT_UNIT_SHIFT; n; n--, u++) {
+    kvp__rmap_chunk *c = x->rmap[u >> KVP__RMAP_CHUNK_SHIFT];
+    kvp__extent **slot = &c->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)];
+    c->nused += (uint64_t)(v != NULL) - (uint64_t)(*slot != NULL);
+    *slot = v;
+  }
+  if (!v) rmap_trim(x, off, bytes);
 }
 
 int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta) {
@@ -68,10 +102,11 @@ int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta) {
   x->meta = meta;
   x->bytes = bytes;
   x->nunits = bytes >> KVP__EXTENT_UNIT_SHIFT;
-  x->rmap = kvp__meta_calloc(meta, x->nunits * sizeof *x->rmap);
+  x->nchunks = (x->nunits + KVP__RMAP_CHUNK_UNITS - 1) >> KVP__RMAP_CHUNK_SHIFT;
+  x->rmap = kvp__meta_calloc(meta, x->nchunks * sizeof *x->rmap);
   kvp__extent *e = kvp__meta_calloc(meta, sizeof *e);
   if (!x->rmap || !e) {
-    kvp__meta_free(meta, x->rmap, x->nunits * sizeof *x->rmap);
+    kvp__meta_free(meta, x->rmap, x->nchunks * sizeof *x->rmap);
     kvp__meta_free(meta, e, sizeof *e);
     return kvp__err(KVP_ENOMEM, "extent map for %llu bytes", (unsigned long long)bytes);
   }
@@ -87,7 +122,8 @@ void kvp__extents_fini(kvp__extents *x) {
     n = e->anext;
     kvp__meta_free(x->meta, e, sizeof *e);
   }
-  kvp__meta_free(x->meta, x->rmap, x->nunits * sizeof *x->rmap);
+  for (uint64_t c = 0; x->rmap && c < x->nchunks; c++) kvp__meta_free(x->meta, x->rmap[c], sizeof *x->rmap[c]);
+  kvp__meta_free(x->meta, x->rmap, x->nchunks * sizeof *x->rmap);
   memset(x, 0, sizeof *x);
 }
 
@@ -127,6 +163,11 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
   kvp__extent *lead = NULL, *tail = NULL;
   if (at > e->off && !(lead = kvp__meta_calloc(x->meta, sizeof *lead))) goto nomem;
   if (at + bytes < e->off + e->bytes && !(tail = kvp__meta_calloc(x->meta, sizeof *tail))) goto nomem;
+  if (rmap_ensure(x, at, bytes)) {
+    kvp__meta_free(x->meta, lead, sizeof *lead);
+    kvp__meta_free(x->meta, tail, sizeof *tail);
+    return KVP_ENOMEM;
+  }
   bin_remove(x, e);
   if (lead) {
     lead->off = e->off;
@@ -195,6 +236,7 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) 
   if (bytes <= e->bytes) return bytes == e->bytes;
   uint64_t need = bytes - e->bytes;
   if (!n || n->state != KVP__EXT_FREE || n->bytes < need) return false;
+  if (rmap_ensure(x, e->off + e->bytes, need)) return false; /* the caller moves the page instead */
   bin_remove(x, n);
   if (n->bytes == need) {
     unlink_addr(x, n);
@@ -229,8 +271,42 @@ static int check_bins(const kvp__extents *x, uint64_t nfree) {
                                             (unsigned long long)listed);
 }
 
+/* rmap over e's units: e if used, NULL if free (absent chunks are NULL). */
+static int check_rmap(const kvp__extents *x, const kvp__extent *e) {
+  const kvp__extent *want = e->state == KVP__EXT_FREE ? NULL : e;
+  uint64_t u = e->off >> KVP__EXTENT_UNIT_SHIFT, end = (e->off + e->bytes) >> KVP__EXTENT_UNIT_SHIFT;
+  while (u < end) {
+    const kvp__rmap_chunk *c = x->rmap[u >> KVP__RMAP_CHUNK_SHIFT];
+    uint64_t stop = ((u >> KVP__RMAP_CHUNK_SHIFT) + 1) << KVP__RMAP_CHUNK_SHIFT;
+    if (stop > end) stop = end;
+    if (!c && want) return CORRUPT("address map chunk of unit %llu is missing under the used extent at offset %llu",
+                                   (unsigned long long)u, (unsigned long long)e->off);
+    for (; c && u < stop; u++)
+      if (c->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)] != want)
+        return CORRUPT("address map of unit %llu disagrees with the extent at offset %llu", (unsigned long long)u,
+                       (unsigned long long)e->off);
+    u = stop;
+  }
+  return KVP_OK;
+}
+
+/* Each chunk present maps some unit, and its nused counts its entries. */
+static int check_chunks(const kvp__extents *x) {
+  for (uint64_t c = 0; c < x->nchunks; c++) {
+    const kvp__rmap_chunk *k = x->rmap[c];
+    if (!k) continue;
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < KVP__RMAP_CHUNK_UNITS; i++) n += k->unit[i] != NULL;
+    if (!n || n != k->nused)
+      return CORRUPT("address map chunk %llu: %llu units mapped, it counts %llu%s", (unsigned long long)c,
+                     (unsigned long long)n, (unsigned long long)k->nused, n ? "" : " (an empty chunk is kept)");
+  }
+  return KVP_OK;
+}
+
 int kvp__extents_check(const kvp__extents *x) {
   uint64_t off = 0, n = 0, nfree = 0, used = 0, nslab = 0, nlarge = 0;
+  int rc;
   const kvp__extent *prev = NULL;
   for (const kvp__extent *e = x->first; e; prev = e, e = e->anext, n++) {
     if (e->aprev != prev) return CORRUPT("extent at offset %llu: broken address links", (unsigned long long)e->off);
@@ -240,10 +316,7 @@ int kvp__extents_check(const kvp__extents *x) {
     if (e->state == KVP__EXT_FREE && prev && prev->state == KVP__EXT_FREE)
       return CORRUPT("free extents at offsets %llu and %llu were not coalesced", (unsigned long long)prev->off,
                      (unsigned long long)e->off);
-    for (uint64_t u = e->off >> KVP__EXTENT_UNIT_SHIFT; u < (e->off + e->bytes) >> KVP__EXTENT_UNIT_SHIFT; u++)
-      if (x->rmap[u] != (e->state == KVP__EXT_FREE ? NULL : e))
-        return CORRUPT("address map of unit %llu disagrees with the extent at offset %llu", (unsigned long long)u,
-                       (unsigned long long)e->off);
+    if ((rc = check_rmap(x, e))) return rc;
     if (e->state == KVP__EXT_FREE) nfree++;
     else used += e->bytes;
     nslab += e->state == KVP__EXT_SLAB;
@@ -256,5 +329,6 @@ int kvp__extents_check(const kvp__extents *x) {
     return CORRUPT("extent counters drifted: %llu/%llu descriptors, %llu/%llu used bytes",
                    (unsigned long long)n, (unsigned long long)x->nextents, (unsigned long long)used,
                    (unsigned long long)x->used_bytes);
+  if ((rc = check_chunks(x))) return rc;
   return check_bins(x, nfree);
 }

@@ -9,6 +9,10 @@
  * at once; device-level usage reports the resident bytes of the range
  * (mincore), which is what the process really spends on the region.
  *
+ * Dry backend (KVP_POOL_DRY, for host and CUDA pools alike): the same
+ * aligned mapping with PROT_NONE and MAP_NORESERVE, so addresses exist but
+ * no byte is ever committed; copies are no-ops and reads are refused.
+ *
  *   map_base          base = align_up(map_base, 2 MiB)      base + bytes
  *   |--- unmapped ---|========== region ===================|--- unmapped ---|
  */
@@ -25,7 +29,9 @@ int kvp__region_open(kvp_mem mem, int device, uint64_t bytes, uint32_t flags, kv
   out->mem = mem;
   out->device = device;
   out->bytes = bytes;
-  if (mem == KVP_MEM_HOST) {
+  if (flags & KVP_POOL_DRY) { /* host or CUDA: a reservation stands in, never touched */
+    out->ops = &kvp__region_dry_ops;
+  } else if (mem == KVP_MEM_HOST) {
     out->ops = &kvp__region_host_ops;
   } else {
 #ifdef KVP_HAVE_CUDA
@@ -43,24 +49,30 @@ void kvp__region_close(kvp__region *r) {
   r->base = NULL;
 }
 
-static int host_reserve(kvp__region *r) {
+/* Map bytes + 2 MiB with prot and how, keep the 2 MiB aligned middle. */
+static int map_aligned(kvp__region *r, int prot, int how, const char *what) {
   uint64_t want = r->bytes + KVP__SLAB_BYTES;
-  int how = MAP_PRIVATE | MAP_ANONYMOUS | (r->flags & KVP_POOL_PREFAULT ? MAP_POPULATE : MAP_NORESERVE);
-  void *p = mmap(NULL, want, PROT_READ | PROT_WRITE, how, -1, 0);
+  void *p = mmap(NULL, want, prot, how, -1, 0);
   if (p == MAP_FAILED)
-    return kvp__err(KVP_ENOMEM, "config.region_bytes = %llu: mmap of the host region failed: %s",
-                    (unsigned long long)r->bytes, strerror(errno));
+    return kvp__err(KVP_ENOMEM, "config.region_bytes = %llu: mmap of the %s failed: %s", (unsigned long long)r->bytes,
+                    what, strerror(errno));
   uintptr_t lo = (uintptr_t)p, base = (uintptr_t)kvp__align_up(lo, KVP__SLAB_BYTES);
   uintptr_t end = base + r->bytes, hi = lo + want;
   if (base > lo) munmap(p, base - lo);
   if (hi > end) munmap((void *)end, hi - end);
-#ifdef MADV_HUGEPAGE
-  madvise((void *)base, r->bytes, MADV_HUGEPAGE); /* advisory; failure is fine */
-#endif
   r->map_base = (void *)base;
   r->map_bytes = r->bytes;
   r->base = (unsigned char *)base;
   return KVP_OK;
+}
+
+static int host_reserve(kvp__region *r) {
+  int how = MAP_PRIVATE | MAP_ANONYMOUS | (r->flags & KVP_POOL_PREFAULT ? MAP_POPULATE : MAP_NORESERVE);
+  int rc = map_aligned(r, PROT_READ | PROT_WRITE, how, "host region");
+#ifdef MADV_HUGEPAGE
+  if (!rc) madvise(r->map_base, r->map_bytes, MADV_HUGEPAGE); /* advisory; failure is fine */
+#endif
+  return rc;
 }
 
 static void host_release(kvp__region *r) { munmap(r->map_base, r->map_bytes); }
@@ -109,3 +121,42 @@ static int host_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_byte
 
 const kvp__region_ops kvp__region_host_ops = {"host",       host_reserve, host_release, host_copy,
                                               host_write2d, host_read2d,  host_quiesce, host_usage};
+
+/* ---- dry backend (KVP_POOL_DRY) -----------------------------------------
+ * An inaccessible reservation: offsets and addresses exist (so pages have
+ * distinct, aligned places, as in a real region), but no byte of it is ever
+ * committed. Copies are the moves of grow and fork: there is no payload to
+ * move, so they succeed without touching memory. A read has no payload to
+ * give back; readers refuse a dry pool before they get here. */
+
+static int dry_reserve(kvp__region *r) {
+  return map_aligned(r, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, "dry region's reservation");
+}
+
+static int dry_copy(kvp__region *r, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream) {
+  (void)r, (void)dst_off, (void)src_off, (void)bytes, (void)stream;
+  return KVP_OK;
+}
+
+static int dry_write2d(kvp__region *r, uint64_t dst_off, uint64_t dst_pitch, const void *src, uint64_t src_pitch,
+                       uint64_t width, uint64_t height, void *stream) {
+  (void)r, (void)dst_off, (void)dst_pitch, (void)src, (void)src_pitch, (void)width, (void)height, (void)stream;
+  return KVP_OK;
+}
+
+static int dry_read2d(kvp__region *r, void *dst, uint64_t dst_pitch, uint64_t src_off, uint64_t src_pitch,
+                      uint64_t width, uint64_t height, void *stream) {
+  (void)r, (void)dst, (void)dst_pitch, (void)src_off, (void)src_pitch, (void)width, (void)height, (void)stream;
+  return kvp__err(KVP_ENOTSUP, "the pool is dry (KVP_POOL_DRY): it holds no payload to read");
+}
+
+/* Nothing of a dry region is ever resident: used is 0 by construction (no
+ * mincore walk over a possibly huge reservation). */
+static int dry_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
+  *used_bytes = 0;
+  *total_bytes = r->bytes;
+  return KVP_OK;
+}
+
+const kvp__region_ops kvp__region_dry_ops = {"dry",       dry_reserve, host_release, dry_copy,
+                                             dry_write2d, dry_read2d,  host_quiesce, dry_usage};

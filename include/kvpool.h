@@ -126,6 +126,18 @@ typedef struct kvp_config {
                                 allocation is backed at once (no first-touch cost later) */
 #define KVP_POOL_SANITIZE 2u /* NaN in appended K/V becomes 0 and +-Inf the dtype's largest finite value;
                                 without it such an append fails with KVP_EINVAL naming layer, head, token */
+#define KVP_POOL_DRY 4u      /* dry run, for capacity planning: pages are allocated, tagged and counted exactly
+                                as in a normal pool (same size classes, ledger, budget decisions, per-tag stats,
+                                policies and evictions), but no payload is written or read and no region memory
+                                is touched. The region is an address-space reservation never faulted in
+                                (PROT_NONE, MAP_NORESERVE), also for KVP_MEM_CUDA (no cudaMalloc: a dry CUDA
+                                pool works in builds without CUDA and takes any codec). kvp_append validates its
+                                arguments (and screens host input for NaN/Inf as usual) but copies and encodes
+                                nothing; a dry CUDA pool never dereferences kv->k / kv->v. kvp_read and
+                                kvp_view_acquire fail with KVP_ENOTSUP; kvp_page_describe gives addr NULL.
+                                device.used_bytes is 0 (nothing is resident). Excludes KVP_POOL_PREFAULT.
+                                Allocator metadata is committed lazily, so a 1 TiB dry region costs host memory
+                                in proportion to what is allocated in it, not to its size. Since 0.1.0. */
 
 /* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
  * memory, 64 MiB region, budget = region. */
@@ -244,16 +256,34 @@ typedef enum kvp_stats_dim {
 KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out);
 
 /* One slice of a breakdown. KVP_ENOENT for an index out of range (or a
- * sequence holding no pages). */
+ * sequence holding no pages). Lock-free. */
 KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t index,
                                 kvp_usage *out);
+
+/* The usage of one sequence: the pages it allocated (a page shared by a
+ * fork counts under the sequence that allocated it). */
+typedef struct kvp_seq_usage {
+  uint64_t seq;    /* sequence id */
+  kvp_usage usage; /* its live pages */
+} kvp_seq_usage;
+
+/* The top-N sequences by allocated bytes: up to n sequences holding pages,
+ * largest first (ties: lower id first), into out[0..*n_out). Lock-free
+ * (read under RCU, so it may run beside the writer; each entry is
+ * consistent, the set is a snapshot of one table walk). Cost: one pass over
+ * the per-sequence table, O(sequences x log n), no allocation. n = 0 is
+ * fine (*n_out = 0). KVP_EINVAL for NULL pool or n_out, or NULL out with
+ * n > 0. Since 0.1.0. */
+KVP_API int kvp_stats_top_sequences(kvp_pool *pool, uint32_t n, kvp_seq_usage *out, uint32_t *n_out);
 
 typedef enum kvp_stats_format { KVP_STATS_JSON, KVP_STATS_PROMETHEUS, KVP_STATS_TEXT } kvp_stats_format;
 
 /* Write the stats in a format into buf (cap bytes, NUL-terminated). *len gets
  * the full length without the NUL; if it is >= cap the output was truncated
  * and the call returns KVP_ENOSPC (call again with a larger buffer; buf may be
- * NULL with cap 0 to ask for the length). */
+ * NULL with cap 0 to ask for the length). Lock-free. The keys, metric names
+ * and labels of each format are listed in docs/telemetry.md; JSON keys and
+ * Prometheus names are stable (new ones may be added, none renamed). */
 KVP_API int kvp_stats_write(kvp_pool *pool, kvp_stats_format fmt, char *buf, size_t cap,
                             size_t *len);
 

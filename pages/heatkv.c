@@ -21,6 +21,10 @@
  *   greedy, at each layer l: drop G_k's atoms of layer l; while occupancy >
  *     floor(B), evict the next atom of G_k still present with layer > l and
  *     source < k, by (layer desc, source desc, rank in O_source asc): E_k.
+ *   Binary-HeatKV (one CAS order O in every list, so G_k is whole heads):
+ *     the same, except that an early-pruned atom takes the rest of its head
+ *     with it (every older source at once): the paper's whole-head E_k,
+ *     popped by (layer desc, rank in O asc).
  */
 #include "heatkv.h"
 
@@ -79,6 +83,12 @@ static int check_input(const kvp__heatkv_in *in) {
                     in->n_sinks);
   if (in->unit == KVP__HEATKV_BYTES && !in->atom_bytes && !in->bytes_fn)
     return kvp__err(KVP_EINVAL, "heatkv: unit=bytes needs atom_bytes or bytes_fn");
+  if (in->binary && !o->cas)
+    return kvp__err(KVP_EINVAL, "binary-heatkv: the orders are per source scale (S-CAS): whole-head pruning needs "
+                    "one CAS order (kvpool-calib heatkv writes one)");
+  if (!in->binary && o->cas)
+    return kvp__err(KVP_EINVAL, "heatkv: the orders are one CAS order of whole heads (kind \"cas\"): plan them as "
+                    "binary-heatkv, or give per-source S-CAS orders");
   if (in->unit != KVP__HEATKV_SLOTS && in->unit != KVP__HEATKV_BYTES)
     return kvp__err(KVP_EINVAL, "heatkv: unit %d unknown", (int)in->unit);
   return KVP_OK;
@@ -263,7 +273,12 @@ static int plan_scale(plan_ws *ws, kvp__heatkv_plan *p, const kvp__heatkv_in *in
                         "(%" PRIu64 " > %" PRIu64 " %s) with no early-pruning candidate left (N=%u)", in->b, tk,
                         k, l, ws->occ, p->budget_floor, in->unit == KVP__HEATKV_SLOTS ? "slots" : "bytes",
                         p->n_prune[tk]);
-      evict(ws, ws->cand[ci++], p->early, ne);
+      size_t a = ws->cand[ci++];
+      evict(ws, a, p->early, ne);
+      for (uint32_t t = ws->s; in->binary && t < tk; t++) { /* the rest of the head: older sources */
+        size_t b = (size_t)t * ws->T + a % ws->T;
+        if (!ws->gone[b]) evict(ws, b, p->early, ne);
+      }
     }
   }
   return KVP_OK;
@@ -322,7 +337,8 @@ static size_t plan_layout(const kvp__heatkv_plan *p, size_t off[8]) {
 static int plan_alloc(kvp__heatkv_plan *p, const kvp__heatkv_in *in, kvp__meta *m) {
   size_t off[8];
   *p = (kvp__heatkv_plan){.n_layers = in->n_layers, .n_heads = in->n_heads, .n_scales = in->n_scales,
-                          .n_sinks = in->n_sinks, .unit = in->unit, .b = in->b, .meta = m};
+                          .n_sinks = in->n_sinks, .unit = in->unit, .binary = in->binary, .b = in->b,
+                          .meta = m};
   p->alloc_bytes = plan_layout(p, off);
   char *base = kvp__meta_calloc(m, p->alloc_bytes);
   if (!base) return kvp__err(KVP_ENOMEM, "heatkv: plan of %zu bytes", p->alloc_bytes);
@@ -388,17 +404,28 @@ int kvp__heatkv_key(const kvp__heatkv_in *in, uint64_t *key) {
   h = fnv64(fnv64(fnv64(h, 0x6865617401u /* "heat", v1 */), in->n_layers), in->n_heads);
   h = fnv64(fnv64(fnv64(fnv64(h, in->n_scales), in->n_sinks), bbits), (uint64_t)in->unit);
   for (uint32_t t = 0; t < in->n_scales; t++) h = fnv64(h, in->scale_tokens[t]);
-  h = fnv64(h, kvp__orders_checksum(in->orders));
+  h = fnv64(h, in->orders_checksum ? in->orders_checksum : kvp__orders_checksum(in->orders));
   for (uint32_t t = 0; in->unit == KVP__HEATKV_BYTES && t < in->n_scales; t++)
     for (uint32_t l = 0; l < in->n_layers; l++)
       for (uint32_t hd = 0; hd < in->n_heads; hd++) h = fnv64(h, atom_units(in, t, l, hd));
-  h = fnv64(h, in->n_prune != NULL);
+  h = fnv64(fnv64(h, in->binary), in->n_prune != NULL);
   for (uint32_t t = 0; in->n_prune && t < in->n_scales; t++) h = fnv64(h, in->n_prune[t]);
   *key = h;
   return KVP_OK;
 }
 
 /* ---- report ------------------------------------------------------------ */
+
+/* |E| of 0-based scale t: atoms, or for Binary-HeatKV whole heads (an
+ * early-pruned head's atoms sit together in the list). */
+static uint32_t early_count(const kvp__heatkv_plan *p, uint32_t t) {
+  uint32_t n, heads = 0;
+  const kvp__heatkv_atom *e = kvp__heatkv_early(p, t, &n);
+  if (!p->binary) return n;
+  for (uint32_t i = 0; i < n; i++)
+    heads += i == 0 || e[i].layer != e[i - 1].layer || e[i].head != e[i - 1].head;
+  return heads;
+}
 
 static uint64_t layer_peak_sum(const kvp__heatkv_plan *p) {
   uint64_t s = 0;
@@ -410,13 +437,13 @@ int kvp__heatkv_plan_json(const kvp__heatkv_plan *p, char **out) {
   json_t *np = json_array(), *ne = json_array(), *mo = json_array();
   for (uint32_t t = 0; np && ne && mo && t < p->n_scales; t++) {
     json_array_append_new(np, json_integer(p->n_prune[t]));
-    json_array_append_new(ne, json_integer(p->early_off[t + 1] - p->early_off[t]));
+    json_array_append_new(ne, json_integer(early_count(p, t)));
     json_array_append_new(mo, json_integer((json_int_t)p->max_occupancy[t]));
   }
   char key[20];
   snprintf(key, sizeof key, "%016" PRIx64, p->key);
-  json_t *root = json_pack("{s:s, s:f, s:f, s:I, s:o, s:o, s:o, s:I, s:I, s:s}", "unit",
-                           p->unit == KVP__HEATKV_SLOTS ? "slots" : "bytes", "b", p->b, "budget", p->budget, "full",
+  json_t *root = json_pack("{s:s, s:s, s:f, s:f, s:I, s:o, s:o, s:o, s:I, s:I, s:s}", "variant",
+                           p->binary ? "binary-heatkv" : "heatkv", "unit", p->unit == KVP__HEATKV_SLOTS ? "slots" : "bytes", "b", p->b, "budget", p->budget, "full",
                            (json_int_t)p->full, "prune_counts", np, "early_counts", ne, "max_occupancy", mo,
                            "pooled_peak", (json_int_t)p->pooled_peak, "layer_peak_sum",
                            (json_int_t)layer_peak_sum(p), "key", key);
@@ -427,12 +454,13 @@ int kvp__heatkv_plan_json(const kvp__heatkv_plan *p, char **out) {
 
 void kvp__heatkv_plan_print(const kvp__heatkv_plan *p, FILE *f) {
   const char *u = p->unit == KVP__HEATKV_SLOTS ? "slots" : "bytes";
-  fprintf(f, "heatkv plan: L=%u H=%u K=%u s=%u b=%g budget %.1f %s (full %" PRIu64 ")\n", p->n_layers, p->n_heads,
+  fprintf(f, "%s plan: L=%u H=%u K=%u s=%u b=%g budget %.1f %s (full %" PRIu64 ")\n",
+          p->binary ? "binary-heatkv" : "heatkv", p->n_layers, p->n_heads,
           p->n_scales, p->n_sinks, p->b, p->budget, u, p->full);
   fprintf(f, "  t  k     N   |E|  max occupancy  of B   at layer\n");
   for (uint32_t t = 0; t < p->n_scales; t++)
     fprintf(f, "%3u %2u %5u %5u %14" PRIu64 " %5.1f%% %6u\n", t, kvp__heatkv_k1(t), p->n_prune[t],
-            p->early_off[t + 1] - p->early_off[t], p->max_occupancy[t], 100.0 * p->max_occupancy[t] / p->budget,
+            early_count(p, t), p->max_occupancy[t], 100.0 * p->max_occupancy[t] / p->budget,
             p->max_layer[t]);
   fprintf(f, "  pooled peak %" PRIu64 " %s; per-layer peaks sum %" PRIu64 " (%.2fx)\n", p->pooled_peak, u,
           layer_peak_sum(p), (double)layer_peak_sum(p) / (double)p->pooled_peak);

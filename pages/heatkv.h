@@ -47,13 +47,20 @@ typedef struct kvp__orders {
   uint32_t n_scales;  /* K, scales of the schedule the orders belong to */
   uint32_t n_sinks;   /* s, sink scales (0-based 0..s-1), never ordered */
   uint32_t n_orders;  /* K - 1 - s lists, for 0-based sources s..K-2 */
+  bool cas;           /* one CAS order (binary HeatKV, Eq. 3), repeated in every list */
   uint32_t *pairs;    /* [n_orders][L*H] pair ids (layer * H + head) */
   kvp__meta *meta;    /* counter pairs is charged to (may be NULL) */
 } kvp__orders;
 
+/* Room for the orders of L, H, K, s (pairs uninitialized). KVP_EINVAL for
+ * bad geometry, KVP_ENOMEM. */
+int kvp__orders_alloc(kvp__orders *o, uint32_t n_layers, uint32_t n_heads, uint32_t n_scales, uint32_t n_sinks,
+                      kvp__meta *m);
+
 /* Load a removal-order file, format by its top level: a JSON list is the
  * shipped HeatKV format (a list per source scale of [head, layer] pairs,
- * 0-based), a JSON object is kvpool's own (kvp__orders_write). L and H are
+ * 0-based), a JSON object is kvpool's own (kvp__orders_write; its "kind"
+ * "cas" holds one CAS order, loaded into every list with o->cas set). L and H are
  * required for the shipped format; any argument may be KVP__ORDERS_ANY for
  * kvpool's format, which then takes the file's value. Errors: KVP_ENOENT
  * (cannot open), KVP_EFORMAT (bad content; the message names the file, the
@@ -65,20 +72,63 @@ int kvp__orders_load(kvp__orders *o, const char *path, uint32_t n_layers, uint32
 int kvp__orders_parse(kvp__orders *o, const char *text, size_t len, const char *name, uint32_t n_layers,
                       uint32_t n_heads, uint32_t n_scales, uint32_t n_sinks, kvp__meta *m);
 
-/* Synthetic orders with the qualitative head patterns of the paper's
- * Figure 3 (recent-scale, early-scale, skip-previous, scale-uniform and
- * self-attention heads; early layers lean to recent scales), deterministic
- * in seed. For demos and tests that must run without calibration files. */
+/* Synthetic orders: the S-CAS orders (or, with cas, the CAS order) of one
+ * synthetic attention-mass summary (kvp__mass_synthetic), deterministic in
+ * seed. For demos and tests that must run without calibration files. */
 int kvp__orders_synthetic(kvp__orders *o, uint32_t n_layers, uint32_t n_heads, uint32_t n_scales, uint32_t n_sinks,
                           uint64_t seed, kvp__meta *m);
+int kvp__orders_synthetic_kind(kvp__orders *o, uint32_t n_layers, uint32_t n_heads, uint32_t n_scales,
+                               uint32_t n_sinks, uint64_t seed, bool cas, kvp__meta *m);
+
+/* ---- calibration from attention mass (pages/mass.c) -------------------- */
+
+/* Attention-mass summaries beta[l][h][k1][k2] (0-based scales: the mass
+ * scale k1's queries put on scale k2's keys, averaged over k1's queries,
+ * paper Eq. 2), summed over n_prompts prompts. */
+typedef struct kvp__mass {
+  uint32_t n_layers;  /* L */
+  uint32_t n_heads;   /* H */
+  uint32_t n_scales;  /* K */
+  uint32_t n_prompts; /* prompts added */
+  double *beta;       /* [L][H][K][K], sums over the prompts */
+} kvp__mass;
+
+int kvp__mass_init(kvp__mass *m, uint32_t n_layers, uint32_t n_heads, uint32_t n_scales);
+void kvp__mass_free(kvp__mass *m); /* zeroes *m */
+/* Add the prompts of a summary file: .npy of shape [L,H,K,K] or
+ * [P,L,H,K,K] (float16/32/64), or .json ({"beta": nested lists} or the bare
+ * lists, same shapes). Checked whole before anything is added: values in
+ * [0, 1], zero above the diagonal, rows summing to at most 1 (KVP_EFORMAT
+ * naming the file, prompt and entry); KVP_ENOENT when it cannot be opened. */
+int kvp__mass_add_file(kvp__mass *m, const char *path);
+/* Add `prompts` synthetic summaries with the qualitative head patterns of
+ * the paper's Figure 3 (recent-scale, early-scale, skip-previous,
+ * scale-uniform and self-attention heads; early layers lean to recent
+ * scales), deterministic in seed; s is where the sink scales end. */
+int kvp__mass_synthetic(kvp__mass *m, uint32_t s, uint64_t seed, uint32_t prompts);
+/* S-CAS (Eq. 4) of 0-based ordered source t (s <= t <= K-2) for (l, h),
+ * and CAS (Eq. 3), both averaged over the prompts. KVP_EINVAL when no
+ * prompt was added or t is not an ordered source. */
+int kvp__mass_scas(const kvp__mass *m, uint32_t s, uint32_t t, uint32_t l, uint32_t h, double *out);
+int kvp__mass_cas(const kvp__mass *m, uint32_t s, uint32_t l, uint32_t h, double *out);
+/* Removal orders: ascending S-CAS per source (cas false) or the CAS order
+ * in every list (cas true), ties by head, then layer. */
+int kvp__orders_from_mass(kvp__orders *o, const kvp__mass *m, uint32_t n_sinks, bool cas, kvp__meta *meta);
 
 /* Write kvpool's versioned format:
- *   {"format": "kvpool-heatkv-orders", "version": 1, "layers": L,
- *    "heads": H, "scales": K, "sink_scales": s, "pair": ["layer", "head"],
+ *   {"format": "kvpool-heatkv-orders", "version": 1, "kind": "scas",
+ *    "layers": L, "heads": H, "scales": K, "sink_scales": s,
+ *    "pair": ["layer", "head"],
  *    "orders": [[[layer, head], ...] per 0-based source s..K-2],
  *    "checksum": "fnv1a64:<16 hex digits>"}
+ * or, for a CAS order (o->cas), "kind": "cas" and a single list in
+ * "orders" (it stands for every source). A missing "kind" reads as "scas".
  * Returns KVP_EINVAL naming the path when it cannot be written. */
 int kvp__orders_write(const kvp__orders *o, const char *path);
+
+/* Write the shipped HeatKV format (a list per source scale of [head,
+ * layer] pairs, no geometry, no checksum), for tools that read it. */
+int kvp__orders_write_shipped(const kvp__orders *o, const char *path);
 
 /* The "checksum" field's value: FNV-1a 64 over the little-endian u32
  * sequence L, H, K, s, then every entry's layer and head in file order. */
@@ -117,6 +167,10 @@ typedef struct kvp__heatkv_in {
   const uint32_t *n_prune;        /* [K] heads per source in force during each 0-based scale,
                                      overriding Eq. 5 (experiments, tests); entries before s
                                      and the last are ignored; NULL = Eq. 5 */
+  uint64_t orders_checksum;       /* kvp__orders_checksum(orders) when the caller keeps it, else 0
+                                     (computed here: a pass over every list) */
+  bool binary;                    /* Binary-HeatKV: orders->cas must be set; an early-pruned head
+                                     loses every cached source at once (whole heads, CAS) */
 } kvp__heatkv_in;
 
 /* One atom of a plan. */
@@ -142,6 +196,7 @@ typedef struct kvp__heatkv_plan {
   uint32_t n_scales;          /* K */
   uint32_t n_sinks;           /* s */
   kvp__heatkv_unit unit;      /* unit of budget and occupancies */
+  bool binary;                /* Binary-HeatKV (whole heads) */
   double b;                   /* budget fraction */
   double budget;              /* B = b x full, units (slots or bytes) */
   uint64_t budget_floor;      /* floor(B), units: occupancy <= this */
@@ -190,8 +245,9 @@ static inline const kvp__heatkv_atom *kvp__heatkv_drops(const kvp__heatkv_plan *
   return p->drops + p->drop_off[i];
 }
 
-/* The plan summary per 0-based scale t, as JSON: {"unit", "b", "budget",
- * "prune_counts": [N in force during t], "early_counts": [|E|],
+/* The plan summary per 0-based scale t, as JSON: {"variant", "unit", "b", "budget",
+ * "prune_counts": [N in force during t], "early_counts": [|E|: atoms, or
+ * heads for Binary-HeatKV],
  * "max_occupancy": [...], "pooled_peak", "layer_peak_sum", "key"}.
  * *out is malloc'd (free()). KVP_ENOMEM. */
 int kvp__heatkv_plan_json(const kvp__heatkv_plan *p, char **out);

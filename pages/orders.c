@@ -27,13 +27,13 @@ static size_t pairs_bytes(const kvp__orders *o) {
   return (size_t)o->n_orders * o->n_layers * o->n_heads * sizeof(uint32_t);
 }
 
-static int orders_init(kvp__orders *o, uint32_t L, uint32_t H, uint32_t K, uint32_t s, kvp__meta *m) {
+int kvp__orders_alloc(kvp__orders *o, uint32_t L, uint32_t H, uint32_t K, uint32_t s, kvp__meta *m) {
   memset(o, 0, sizeof *o);
   if (L == 0 || H == 0 || L > UINT16_MAX || H > UINT16_MAX)
     return kvp__err(KVP_EINVAL, "orders: layers %u and heads %u must be in 1..65535", L, H);
   if (K < 2 || s > K - 1)
     return kvp__err(KVP_EINVAL, "orders: %u scales with %u sink scales: need K >= 2 and s <= K-1", K, s);
-  *o = (kvp__orders){L, H, K, s, K - 1 - s, NULL, m};
+  *o = (kvp__orders){L, H, K, s, K - 1 - s, false, NULL, m};
   if (pairs_bytes(o) == 0) return KVP_OK;
   o->pairs = kvp__meta_alloc(m, pairs_bytes(o));
   if (!o->pairs) {
@@ -117,7 +117,7 @@ static int parse_shipped(kvp__orders *o, const json_t *root, const char *name, u
   if (L == KVP__ORDERS_ANY || H == KVP__ORDERS_ANY || K == KVP__ORDERS_ANY || s == KVP__ORDERS_ANY)
     return kvp__err(KVP_EINVAL, "%s: the shipped format names no geometry: layers, heads, scales and sink "
                     "scales must be given", name);
-  int rc = orders_init(o, L, H, K, s, m);
+  int rc = kvp__orders_alloc(o, L, H, K, s, m);
   if (rc) return rc;
   if (json_array_size(root) != o->n_orders) {
     rc = kvp__err(KVP_EFORMAT, "%s: %zu lists, expected %u (0-based source scales %u..%u of %u scales with %u "
@@ -181,12 +181,29 @@ static int parse_kvpool(kvp__orders *o, const json_t *root, const char *name, ui
   if (fk < 2 || fs > fk - 1)
     return kvp__err(KVP_EFORMAT, "%s: field \"sink_scales\" is %u with \"scales\" %u: need scales >= 2 and "
                     "sink_scales <= scales - 1", name, fs, fk);
-  if ((rc = orders_init(o, fl, fh, fk, fs, m))) return rc;
+  const json_t *kind = json_object_get(root, "kind");
+  bool cas = json_is_string(kind) && !strcmp(json_string_value(kind), "cas");
+  if (kind && !cas && !(json_is_string(kind) && !strcmp(json_string_value(kind), "scas")))
+    return kvp__err(KVP_EFORMAT, "%s: field \"kind\" is not \"scas\" (an order per source scale) or \"cas\" "
+                    "(one order of whole heads)", name);
+  if ((rc = kvp__orders_alloc(o, fl, fh, fk, fs, m))) return rc;
+  o->cas = cas;
   const json_t *lists = json_object_get(root, "orders");
-  if (!json_is_array(lists) || json_array_size(lists) != o->n_orders)
-    rc = kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected %u (0-based source scales %u..%u)",
-                  name, json_array_size(lists), o->n_orders, fs, fk - 2);
-  if (!rc) rc = lists_read(o, lists, false, name);
+  uint32_t want = cas ? 1 : o->n_orders;
+  if (!json_is_array(lists) || json_array_size(lists) != want)
+    rc = cas ? kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected 1 (kind \"cas\")", name,
+                        json_array_size(lists))
+             : kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected %u (0-based source scales "
+                        "%u..%u)", name, json_array_size(lists), o->n_orders, fs, fk - 2);
+  if (!rc && cas && o->n_orders) { /* one list, then the same in every source's place */
+    uint32_t n = o->n_orders, T = fl * fh;
+    o->n_orders = 1;
+    rc = lists_read(o, lists, false, name);
+    o->n_orders = n;
+    for (uint32_t j = 1; !rc && j < n; j++) memcpy(o->pairs + (size_t)j * T, o->pairs, (size_t)T * sizeof *o->pairs);
+  } else if (!rc) {
+    rc = lists_read(o, lists, false, name);
+  }
   if (!rc) rc = checksum_check(o, root, name);
   if (rc) kvp__orders_free(o);
   return rc;
@@ -235,7 +252,7 @@ static json_t *orders_json(const kvp__orders *o) {
   char sum[32];
   snprintf(sum, sizeof sum, "fnv1a64:%016" PRIx64, kvp__orders_checksum(o));
   json_t *lists = json_array();
-  for (uint32_t j = 0; lists && j < o->n_orders; j++) {
+  for (uint32_t j = 0; lists && j < (o->cas && o->n_orders ? 1 : o->n_orders); j++) {
     json_t *list = json_array();
     for (uint32_t e = 0; list && e < T; e++) {
       uint32_t p = o->pairs[(size_t)j * T + e];
@@ -243,10 +260,10 @@ static json_t *orders_json(const kvp__orders *o) {
     }
     json_array_append_new(lists, list);
   }
-  return json_pack("{s:s, s:i, s:I, s:I, s:I, s:I, s:[ss], s:o, s:s}", "format", KVP__ORDERS_FORMAT, "version",
-                   KVP__ORDERS_VERSION, "layers", (json_int_t)o->n_layers, "heads", (json_int_t)o->n_heads,
-                   "scales", (json_int_t)o->n_scales, "sink_scales", (json_int_t)o->n_sinks, "pair", "layer",
-                   "head", "orders", lists, "checksum", sum);
+  return json_pack("{s:s, s:i, s:s, s:I, s:I, s:I, s:I, s:[ss], s:o, s:s}", "format", KVP__ORDERS_FORMAT,
+                   "version", KVP__ORDERS_VERSION, "kind", o->cas ? "cas" : "scas", "layers",
+                   (json_int_t)o->n_layers, "heads", (json_int_t)o->n_heads, "scales", (json_int_t)o->n_scales,
+                   "sink_scales", (json_int_t)o->n_sinks, "pair", "layer", "head", "orders", lists, "checksum", sum);
 }
 
 int kvp__orders_write(const kvp__orders *o, const char *path) {
@@ -260,86 +277,21 @@ int kvp__orders_write(const kvp__orders *o, const char *path) {
   return KVP_OK;
 }
 
-/* ---- synthetic orders ---------------------------------------------------
- * Each (layer, head) gets one of Figure 3's patterns: how much a query at
- * paper scale tau attends to source scale i <= tau (unnormalized). The rows
- * are normalized over i <= tau, noised, and S-CAS(i) = mean over tau > i of
- * beta[tau][i] (Eq. 4); each source's order sorts pairs by ascending S-CAS,
- * ties by (head, layer) as in the shipped files. */
-
-enum { PAT_RECENT, PAT_SELF, PAT_EARLY, PAT_SKIP, PAT_UNIFORM, PAT_FAR, PAT_N };
-
-static double pattern(int pat, uint32_t tau, uint32_t i, uint32_t s) {
-  uint32_t d = tau - i; /* 0 = the query's own scale */
-  switch (pat) {
-  case PAT_RECENT: return exp(-1.3 * d);                      /* Fig. 3b: recent scales */
-  case PAT_SELF: return d == 0 ? 1.0 : 0.01;                 /* Fig. 3f: strict self-attention */
-  case PAT_EARLY: return i <= s ? 1.0 : 0.02;                /* Fig. 3a: scale 1 and the sinks */
-  case PAT_SKIP: return d == 1 ? 0.01 : d <= 3 ? 1.0 : 0.1;  /* Fig. 3d: skips the previous scale */
-  case PAT_UNIFORM: return 1.0;                              /* Fig. 3e: every scale alike */
-  default: return exp(-0.6 * (i - 1));                        /* Fig. 3c: early scales */
+int kvp__orders_write_shipped(const kvp__orders *o, const char *path) {
+  if (!o || !path) return kvp__err(KVP_EINVAL, "orders write: %s is NULL", o ? "path" : "orders");
+  uint32_t T = o->n_layers * o->n_heads;
+  FILE *f = fopen(path, "w");
+  if (!f) return kvp__err(KVP_EINVAL, "orders write: cannot create %s: %s", path, strerror(errno));
+  int bad = fputc('[', f) == EOF;
+  for (uint32_t j = 0; !bad && j < o->n_orders; j++) {
+    bad |= fprintf(f, "%s[", j ? ", " : "") < 0;
+    for (uint32_t e = 0; !bad && e < T; e++) {
+      uint32_t p = o->pairs[(size_t)j * T + e];
+      bad |= fprintf(f, "%s[%u, %u]", e ? ", " : "", p % o->n_heads, p / o->n_heads) < 0;
+    }
+    bad |= fputc(']', f) == EOF;
   }
-}
-
-static uint64_t splitmix(uint64_t *x) {
-  uint64_t z = (*x += 0x9e3779b97f4a7c15ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
-static double unit_rand(uint64_t *x) { return (double)(splitmix(x) >> 11) * 0x1.0p-53; }
-
-/* Early layers lean to recent-scale attention, later ones spread out. */
-static int pick_pattern(uint64_t *rng, uint32_t l, uint32_t L) {
-  double depth = L > 1 ? (double)l / (L - 1) : 0.0, u = unit_rand(rng);
-  double recent = 0.7 - 0.5 * depth;
-  if (u < recent) return PAT_RECENT;
-  return PAT_SELF + (int)((u - recent) / (1.0 - recent) * (PAT_N - 1)) % (PAT_N - 1);
-}
-
-typedef struct scored {
-  double scas;  /* S-CAS of the pair for one source */
-  uint32_t l;   /* layer */
-  uint32_t h;   /* head */
-} scored;
-
-static int scored_cmp(const void *pa, const void *pb) {
-  const scored *a = pa, *b = pb;
-  if (a->scas != b->scas) return a->scas < b->scas ? -1 : 1;
-  if (a->h != b->h) return a->h < b->h ? -1 : 1;
-  return (a->l > b->l) - (a->l < b->l);
-}
-
-/* S-CAS of pair (pattern pat, noise stream rng) for paper source i. */
-static double scas_of(int pat, uint32_t i, uint32_t K, uint32_t s, uint64_t *rng) {
-  double sum = 0;
-  for (uint32_t tau = i + 1; tau <= K; tau++) {
-    double row = 0;
-    for (uint32_t j = 1; j <= tau; j++) row += pattern(pat, tau, j, s);
-    sum += pattern(pat, tau, i, s) * (0.75 + 0.5 * unit_rand(rng)) / row;
-  }
-  return sum / (K - i);
-}
-
-int kvp__orders_synthetic(kvp__orders *o, uint32_t L, uint32_t H, uint32_t K, uint32_t s, uint64_t seed,
-                          kvp__meta *m) {
-  int rc = orders_init(o, L, H, K, s, m);
-  if (rc) return rc;
-  uint32_t T = L * H;
-  scored *sc = malloc((size_t)T * sizeof *sc);
-  int *pat = malloc((size_t)T * sizeof *pat);
-  if (!sc || !pat) {
-    free(sc), free(pat), kvp__orders_free(o);
-    return kvp__err(KVP_ENOMEM, "orders: synthetic scratch for %u pairs", T);
-  }
-  uint64_t rng = seed;
-  for (uint32_t p = 0; p < T; p++) pat[p] = pick_pattern(&rng, p / H, L);
-  for (uint32_t j = 0; j < o->n_orders; j++) {
-    uint32_t i = kvp__heatkv_k1(s + j); /* paper source scale */
-    for (uint32_t p = 0; p < T; p++) sc[p] = (scored){scas_of(pat[p], i, K, s, &rng), p / H, p % H};
-    qsort(sc, T, sizeof *sc, scored_cmp);
-    for (uint32_t e = 0; e < T; e++) o->pairs[(size_t)j * T + e] = sc[e].l * H + sc[e].h;
-  }
-  free(sc), free(pat);
-  return KVP_OK;
+  bad |= fputs("]\n", f) == EOF;
+  bad |= fclose(f) != 0;
+  return bad ? kvp__err(KVP_EINVAL, "orders write: cannot write %s: %s", path, strerror(errno)) : KVP_OK;
 }

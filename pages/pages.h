@@ -140,6 +140,7 @@ struct kvp_pool {
   kvp__block *limbo;     /* blocks waiting for a grace period (onext chain); bytes in ledger.retired */
   kvp__block *orphans;   /* evicted blocks kept alive by view pins */
   struct kvp__policy *policy; /* the pool's policy (config.policy) */
+  struct kvp__heatkv_cache *heatkv_cache; /* HeatKV orders and plans shared by sequences, or NULL */
   uint32_t check_epoch;  /* for kvp_check's visit marks */
 };
 

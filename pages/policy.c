@@ -217,7 +217,8 @@ const kvp__policy_vt kvp__policy_multishot = {
 
 /* ---- registry and parser ----------------------------------------------------- */
 
-static const kvp__policy_vt *const policies[] = {&kvp__policy_window, &kvp__policy_multishot, &kvp__policy_heatkv};
+static const kvp__policy_vt *const policies[] = {&kvp__policy_window, &kvp__policy_multishot, &kvp__policy_heatkv,
+                                                 &kvp__policy_binary_heatkv};
 
 int kvp__policy_parse(const char *spec, kvp__policy *out) {
   memset(out, 0, sizeof *out);
@@ -233,7 +234,7 @@ int kvp__policy_parse(const char *spec, kvp__policy *out) {
     out->vt = policies[i];
     return KVP_OK;
   }
-  return kvp__err(KVP_EINVAL, "policy \"%s\": unknown policy \"%.*s\" (none, window, multishot, heatkv)", spec, (int)n, spec);
+  return kvp__err(KVP_EINVAL, "policy \"%s\": unknown policy \"%.*s\" (none, window, multishot, heatkv, binary-heatkv)", spec, (int)n, spec);
 }
 
 void kvp__policy_free(kvp__policy *p) {

@@ -50,6 +50,19 @@ void kvp__policy_free(kvp__policy *p);
 /* Evict (layer, head, step) if it is retained; no-op otherwise. For policies. */
 int kvp__policy_evict(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
 
-extern const kvp__policy_vt kvp__policy_window, kvp__policy_multishot, kvp__policy_heatkv;
+extern const kvp__policy_vt kvp__policy_window, kvp__policy_multishot, kvp__policy_heatkv,
+    kvp__policy_binary_heatkv;
+
+typedef struct kvp__heatkv_cache kvp__heatkv_cache;
+
+/* The pool's HeatKV plan cache (pages/policy_heatkv.c): freed at destroy,
+ * after the last sequence; counts of plans built and reused. */
+void kvp__heatkv_cache_fini(kvp_pool *pool);
+void kvp__heatkv_cache_counts(const kvp_pool *pool, uint64_t *builds, uint64_t *hits);
+/* Allocated bytes of every HeatKV atom [K][L][H] of a generation with
+ * schedule sched[K] under the pool's codecs: atom (t, l, h) weighs the
+ * size-class bytes of the blocks that hold step t's tokens of one head of
+ * layer l, K and V. malloc'd (free()); NULL when out of memory. */
+uint64_t *kvp__heatkv_atom_bytes(const kvp_pool *pool, const uint32_t *sched, uint32_t K);
 
 #endif /* KVP_POLICY_H */

@@ -57,7 +57,11 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens == 0) c->block_tokens = KVP__DEFAULT_BLOCK_TOKENS;
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
-  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE)) return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
+  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE | KVP_POOL_DRY))
+    return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
+  if ((c->flags & KVP_POOL_PREFAULT) && (c->flags & KVP_POOL_DRY))
+    return kvp__err(KVP_EINVAL, "config.flags: KVP_POOL_PREFAULT and KVP_POOL_DRY exclude each other (a dry "
+                                "region is never touched)");
   /* codecs and policy are parsed at create; the strings are not kept */
   return KVP_OK;
 }
@@ -109,7 +113,7 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
   if (!layout_ok(b, c->block_tokens))
     return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c", b->vt->name,
                     layer, "KV"[kv]);
-  if (c->memory == KVP_MEM_CUDA && !b->passthrough)
+  if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && !b->passthrough) /* dry: nothing is encoded */
     return kvp__err(KVP_ENOTSUP, "config.codecs: a CUDA region stores raw tokens in the appended dtype until device "
                                  "codecs exist (layer %u %c asks for %s)", layer, "KV"[kv], b->vt->name);
   return KVP_OK;
@@ -187,6 +191,7 @@ fail:
 KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   if (!pool) return;
   kvp__seqs_fini(pool);
+  kvp__heatkv_cache_fini(pool);
   kvp__policy_free(pool->policy);
   kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
@@ -254,10 +259,10 @@ KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t inde
   case KVP_DIM_HEAD: n = st->n_heads; u = index < n ? &st->heads[index] : NULL; break;
   case KVP_DIM_CODEC: n = KVP__MAX_CODECS; u = index < n ? &st->codecs[index] : NULL; break;
   case KVP_DIM_SEQ: {
-    kvp__lock(pool);
+    kvp__rcu_read_lock(); /* the per-sequence table may be rebuilt by the writer */
     const kvp__usage *su = kvp__stats_seq(st, index);
     if (su) kvp__usage_read(su, out);
-    kvp__unlock(pool);
+    kvp__rcu_read_unlock();
     if (su && out->npages) return KVP_OK;
     return kvp__err(KVP_ENOENT, "sequence %llu holds no pages", (unsigned long long)index);
   }
@@ -269,17 +274,28 @@ KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t inde
   return KVP_OK;
 }
 
+static const char *codec_name(uint32_t id) {
+  const kvp_codec_vtable *vt = kvp__codec_get(id);
+  return vt ? vt->name : NULL;
+}
+
 KVP_API int kvp_stats_write(kvp_pool *pool, kvp_stats_format fmt, char *buf, size_t cap, size_t *len) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   if (!buf && cap) return kvp__err(KVP_EINVAL, "buf is NULL with cap %zu", cap);
   kvp_stats s = {.struct_size = sizeof s};
   int rc = kvp_stats_get(pool, &s);
   if (rc) return rc;
-  kvp__emit_src src = {&s, &pool->stats};
-  kvp__lock(pool); /* the per-sequence table may be rebuilt by the writer */
+  kvp__emit_src src = {&s, &pool->stats, codec_name};
+  kvp__rcu_read_lock(); /* the per-sequence table may be rebuilt by the writer */
   rc = kvp__stats_emit(&src, fmt, buf, cap, len);
-  kvp__unlock(pool);
+  kvp__rcu_read_unlock();
   return rc;
+}
+
+KVP_API int kvp_stats_top_sequences(kvp_pool *pool, uint32_t n, kvp_seq_usage *out, uint32_t *n_out) {
+  if (!pool || !n_out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "n_out" : "pool");
+  if (n && !out) return kvp__err(KVP_EINVAL, "top sequences: out is NULL for n = %u", n);
+  return kvp__stats_top_seqs(&pool->stats, n, out, n_out);
 }
 
 typedef struct walk_sum {

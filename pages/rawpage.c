@@ -103,7 +103,7 @@ KVP_API int kvp_page_describe(kvp_pool *pool, kvp_page_id id, kvp_page_desc *out
   kvp__lock(pool);
   kvp__rawslot *s = lookup(pool, id);
   if (s) {
-    out->addr = kvp__page_addr(&pool->alloc, &s->page);
+    out->addr = pool->cfg.flags & KVP_POOL_DRY ? NULL : kvp__page_addr(&pool->alloc, &s->page); /* dry: no payload */
     out->requested_bytes = s->page.requested_bytes;
     out->allocated_bytes = kvp__page_alloc_bytes(&s->page);
   }

@@ -131,6 +131,9 @@ static int read_check(kvp_pool *pool, uint32_t layer, const kvp_read_req *q) {
 KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req *req) {
   int rc = read_check(pool, layer, req);
   if (rc) return rc;
+  if (pool->cfg.flags & KVP_POOL_DRY)
+    return kvp__err(KVP_ENOTSUP, "read seq %llu layer %u: the pool is dry (KVP_POOL_DRY): pages are counted, no "
+                                 "payload is stored", (unsigned long long)seq, layer);
   kvp__rcu_read_lock();
   kvp__seq *s = kvp__seq_find(pool, seq);
   if (!s) {
@@ -209,6 +212,9 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
   if (!pool || !out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "out" : "pool");
   *out = NULL;
   if (layer >= pool->cfg.n_layers) return kvp__err(KVP_EINVAL, "view: layer %u >= n_layers %u", layer, pool->cfg.n_layers);
+  if (pool->cfg.flags & KVP_POOL_DRY)
+    return kvp__err(KVP_ENOTSUP, "view of seq %llu layer %u: the pool is dry (KVP_POOL_DRY): its pages have no "
+                                 "addressable payload", (unsigned long long)seq, layer);
   kvp__rcu_read_lock();
   kvp__seq *s = kvp__seq_find(pool, seq);
   if (!s) {

@@ -478,7 +478,7 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
     rc = plan_take(pool, s, layer, pos, &pl);
   }
   if (rc) return rc;
-  if ((rc = fill_data(pool, s, layer, kv, &pl))) {
+  if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, kv, &pl))) { /* dry: no payload */
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;
   }

@@ -7,16 +7,18 @@
  *    "bytes.requested":{"current":N,"peak":N,"total":N},   <- GAUGE
  *    "ops.allocs":N,                                        <- COUNTER, VALUE
  *    ...
+ *    "savings.ratio":X.XXXXXX, "savings.bytes":N,           <- derived
  *    "page_types":{"raw":{"requested_bytes":N,"allocated_bytes":N,"pages":N},...},
  *    "kv":{"k":{...},"v":{...}},
  *    "layers":[{...},...], "heads":[{...},...],
- *    "codecs":{"<id>":{...}},        only codecs holding pages
+ *    "codecs":{"<id>":{"name":"int8",...}},  only codecs holding pages
  *    "sequences":{"<id>":{...}}}     only sequences holding pages
  *
  * Prometheus text exposition: the key with '.' -> '_' under the prefix
  * "kvpool_"; a gauge gives NAME, NAME_peak and NAME_increase_total; a counter
  * NAME_total; breakdowns are kvpool_{requested_bytes,allocated_bytes,pages}
- * with labels dim="page_type|kv|layer|head|codec|seq" and slice="...".
+ * with labels dim="page_type|kv|layer|head|codec|seq" and slice="..." (and
+ * codec="<name>" for dim="codec"). Every name is listed in docs/telemetry.md.
  *
  * Text: a two-part human table (ledger, then breakdown by page type and K/V).
  */
@@ -48,6 +50,18 @@ static const char *const page_type_keys[] = {
 #undef KVP__PT_KEY
 };
 
+/* Derived figures, computed from the snapshot (not counters of their own):
+ *   savings.ratio = bf16_equivalent / allocated (0 while nothing is allocated)
+ *   savings.bytes = bf16_equivalent - allocated (negative when pages hold
+ *                   more than bf16 would, e.g. raw fp32 or rounding) */
+static double savings_ratio(const kvp_stats *s) {
+  return s->bytes_allocated.current ? (double)s->bf16_equivalent_bytes.current / (double)s->bytes_allocated.current
+                                    : 0.0;
+}
+static long long savings_bytes(const kvp_stats *s) {
+  return (long long)s->bf16_equivalent_bytes.current - (long long)s->bytes_allocated.current;
+}
+
 static void prom_name(char *dst, size_t cap, const char *key) {
   size_t i = 0;
   for (; key[i] && i + 1 < cap; i++) dst[i] = key[i] == '.' ? '_' : key[i];
@@ -56,9 +70,15 @@ static void prom_name(char *dst, size_t cap, const char *key) {
 
 /* ---- JSON --------------------------------------------------------------- */
 
-static void json_usage(out *o, const kvp_usage *u) {
-  put(o, "{\"requested_bytes\":%llu,\"allocated_bytes\":%llu,\"pages\":%llu}", (unsigned long long)u->requested_bytes,
+static void json_usage_fields(out *o, const kvp_usage *u) {
+  put(o, "\"requested_bytes\":%llu,\"allocated_bytes\":%llu,\"pages\":%llu", (unsigned long long)u->requested_bytes,
       (unsigned long long)u->allocated_bytes, (unsigned long long)u->npages);
+}
+
+static void json_usage(out *o, const kvp_usage *u) {
+  put(o, "{");
+  json_usage_fields(o, u);
+  put(o, "}");
 }
 
 static void json_array(out *o, const char *name, const kvp__usage *arr, uint32_t n) {
@@ -89,6 +109,7 @@ static void emit_json(const kvp__emit_src *src, out *o) {
 #define KVP__EMIT_VALUE(f) C(f)
   KVP_STATS_LIST(X)
 #undef X
+  put(o, ",\"savings.ratio\":%.6f,\"savings.bytes\":%lld", savings_ratio(s), savings_bytes(s));
   put(o, ",\"page_types\":{");
   for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) {
     put(o, "%s\"%s\":", i ? "," : "", page_type_keys[i]);
@@ -107,17 +128,22 @@ static void emit_json(const kvp__emit_src *src, out *o) {
     kvp_usage u;
     kvp__usage_read(&st->codecs[i], &u);
     if (!u.npages) continue;
-    put(o, "%s\"%u\":", first ? "" : ",", i);
-    json_usage(o, &u);
+    const char *name = src->codec_name ? src->codec_name(i) : NULL; /* [a-z0-9_-]+: no escaping */
+    put(o, "%s\"%u\":{", first ? "" : ",", i);
+    if (name) put(o, "\"name\":\"%s\",", name);
+    json_usage_fields(o, &u);
+    put(o, "}");
     first = 0;
   }
   put(o, "},\"sequences\":{");
-  for (uint32_t i = 0, first = 1; i < st->seq_cap; i++) {
+  const kvp__seq_table *t = kvp__rcu_deref(((kvp__stats *)st)->seqt); /* the caller holds the RCU read lock */
+  for (uint32_t i = 0, first = 1; i < t->cap; i++) {
     kvp_usage u;
-    if (!st->seqs[i].used) continue;
-    kvp__usage_read(&st->seqs[i].u, &u);
+    if (!atomic_load_explicit(&t->slot[i].used, memory_order_acquire)) continue;
+    kvp__usage_read(&t->slot[i].u, &u);
     if (!u.npages) continue;
-    put(o, "%s\"%llu\":", first ? "" : ",", (unsigned long long)st->seqs[i].seq);
+    put(o, "%s\"%llu\":", first ? "" : ",",
+        (unsigned long long)atomic_load_explicit(&t->slot[i].seq, memory_order_relaxed));
     json_usage(o, &u);
     first = 0;
   }
@@ -126,10 +152,17 @@ static void emit_json(const kvp__emit_src *src, out *o) {
 
 /* ---- Prometheus --------------------------------------------------------- */
 
+/* extra: "" or more labels, each starting with a comma. */
+static void prom_usage_labels(out *o, const char *dim, const char *slice, const char *extra, const kvp_usage *u) {
+  put(o, "kvpool_requested_bytes{dim=\"%s\",slice=\"%s\"%s} %llu\n", dim, slice, extra,
+      (unsigned long long)u->requested_bytes);
+  put(o, "kvpool_allocated_bytes{dim=\"%s\",slice=\"%s\"%s} %llu\n", dim, slice, extra,
+      (unsigned long long)u->allocated_bytes);
+  put(o, "kvpool_pages{dim=\"%s\",slice=\"%s\"%s} %llu\n", dim, slice, extra, (unsigned long long)u->npages);
+}
+
 static void prom_usage(out *o, const char *dim, const char *slice, const kvp_usage *u) {
-  put(o, "kvpool_requested_bytes{dim=\"%s\",slice=\"%s\"} %llu\n", dim, slice, (unsigned long long)u->requested_bytes);
-  put(o, "kvpool_allocated_bytes{dim=\"%s\",slice=\"%s\"} %llu\n", dim, slice, (unsigned long long)u->allocated_bytes);
-  put(o, "kvpool_pages{dim=\"%s\",slice=\"%s\"} %llu\n", dim, slice, (unsigned long long)u->npages);
+  prom_usage_labels(o, dim, slice, "", u);
 }
 
 static void prom_array(out *o, const char *dim, const kvp__usage *arr, uint32_t n, bool skip_empty) {
@@ -164,6 +197,10 @@ static void emit_prometheus(const kvp__emit_src *src, out *o) {
       (unsigned long long)s->f);
   KVP_STATS_LIST(X)
 #undef X
+  put(o, "# HELP kvpool_savings_ratio bf16-equivalent bytes / allocated bytes (0 while nothing is allocated)\n"
+         "# TYPE kvpool_savings_ratio gauge\nkvpool_savings_ratio %.6f\n", savings_ratio(s));
+  put(o, "# HELP kvpool_savings_bytes bf16-equivalent bytes - allocated bytes\n"
+         "# TYPE kvpool_savings_bytes gauge\nkvpool_savings_bytes %lld\n", savings_bytes(s));
   put(o, "# HELP kvpool_requested_bytes requested bytes of live pages by dimension\n"
          "# TYPE kvpool_requested_bytes gauge\n"
          "# HELP kvpool_allocated_bytes allocated bytes of live pages by dimension\n"
@@ -175,14 +212,24 @@ static void emit_prometheus(const kvp__emit_src *src, out *o) {
   const kvp__stats *st = src->st;
   prom_array(o, "layer", st->layers, st->n_layers, false);
   prom_array(o, "head", st->heads, st->n_heads, false);
-  prom_array(o, "codec", st->codecs, KVP__MAX_CODECS, true);
-  for (uint32_t i = 0; i < st->seq_cap; i++) {
+  for (uint32_t i = 0; i < KVP__MAX_CODECS; i++) { /* slice = id; the name in a label of its own */
+    kvp_usage u;
+    char slice[24], extra[96] = "";
+    kvp__usage_read(&st->codecs[i], &u);
+    if (!u.npages) continue;
+    const char *cname = src->codec_name ? src->codec_name(i) : NULL; /* [a-z0-9_-]+: no escaping */
+    snprintf(slice, sizeof slice, "%u", i);
+    if (cname) snprintf(extra, sizeof extra, ",codec=\"%s\"", cname);
+    prom_usage_labels(o, "codec", slice, extra, &u);
+  }
+  const kvp__seq_table *t = kvp__rcu_deref(((kvp__stats *)st)->seqt); /* the caller holds the RCU read lock */
+  for (uint32_t i = 0; i < t->cap; i++) {
     kvp_usage u;
     char slice[24];
-    if (!st->seqs[i].used) continue;
-    kvp__usage_read(&st->seqs[i].u, &u);
+    if (!atomic_load_explicit(&t->slot[i].used, memory_order_acquire)) continue;
+    kvp__usage_read(&t->slot[i].u, &u);
     if (!u.npages) continue;
-    snprintf(slice, sizeof slice, "%llu", (unsigned long long)st->seqs[i].seq);
+    snprintf(slice, sizeof slice, "%llu", (unsigned long long)atomic_load_explicit(&t->slot[i].seq, memory_order_relaxed));
     prom_usage(o, "seq", slice, &u);
   }
 }
@@ -200,6 +247,8 @@ static void emit_text(const kvp__emit_src *src, out *o) {
 #define KVP__TEXT_VALUE(f, k) put(o, "%-22s %16llu\n", k, (unsigned long long)s->f);
   KVP_STATS_LIST(X)
 #undef X
+  put(o, "%-22s %16.3f   (bf16-equivalent / allocated)\n", "savings.ratio", savings_ratio(s));
+  put(o, "%-22s %16lld   (bf16-equivalent - allocated)\n", "savings.bytes", savings_bytes(s));
   put(o, "\n%-22s %16s %16s %18s\n", "by page type / side", "requested", "allocated", "pages");
   for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++)
     put(o, "%-22s %16llu %16llu %18llu\n", page_type_keys[i], (unsigned long long)s->page_types[i].requested_bytes,

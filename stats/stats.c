@@ -9,7 +9,10 @@
  * Sequences sit in an open-addressing table (linear probing, power-of-two
  * capacity, load <= 1/2). A sequence's slot stays once created (a
  * tombstone with zero usage) until the table is rebuilt on growth, which
- * drops the empty ones. Access to the table is under the writer lock.
+ * drops the empty ones. The writer changes the table under the pool's
+ * writer lock; readers (stats, breakdowns, top-N, emitters) walk it
+ * lock-free under RCU: a rebuilt table is published with a release store
+ * and the old one freed after a grace period.
  */
 #include "stats.h"
 
@@ -23,16 +26,34 @@
 #define SUB(field, n) \
   atomic_store_explicit(&(field), atomic_load_explicit(&(field), memory_order_relaxed) - (n), memory_order_relaxed)
 
+static kvp__seq_table *table_new(kvp__meta *meta, uint32_t cap) {
+  kvp__seq_table *t = kvp__meta_calloc(meta, sizeof *t + (size_t)cap * sizeof t->slot[0]);
+  if (t) {
+    t->meta = meta;
+    t->cap = cap;
+  }
+  return t;
+}
+
+static void table_free(kvp__seq_table *t) {
+  if (t) kvp__meta_free(t->meta, t, sizeof *t + (size_t)t->cap * sizeof t->slot[0]);
+}
+
+static void table_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
+  table_free(caa_container_of(h, kvp__seq_table, rcu));
+  kvp__rcu_cb_end(); /* its metadata count happens before kvp__stats_fini's barrier returns */
+}
+
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta) {
   memset(st, 0, sizeof *st);
   st->meta = meta;
   st->n_layers = n_layers;
   st->n_heads = n_heads;
-  st->seq_cap = 64;
   st->layers = kvp__meta_calloc(meta, n_layers * sizeof *st->layers);
   st->heads = kvp__meta_calloc(meta, n_heads * sizeof *st->heads);
-  st->seqs = kvp__meta_calloc(meta, st->seq_cap * sizeof *st->seqs);
-  if (!st->layers || !st->heads || !st->seqs) {
+  st->seqt = table_new(meta, 64);
+  if (!st->layers || !st->heads || !st->seqt) {
     kvp__stats_fini(st);
     return kvp__err(KVP_ENOMEM, "stats counters for %u layers x %u heads", n_layers, n_heads);
   }
@@ -40,11 +61,12 @@ int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__me
 }
 
 void kvp__stats_fini(kvp__stats *st) {
+  if (st->seq_deferred) kvp__rcu_barrier(); /* old tables are charged to st->meta */
   kvp__meta_free(st->meta, st->layers, st->n_layers * sizeof *st->layers);
   kvp__meta_free(st->meta, st->heads, st->n_heads * sizeof *st->heads);
-  kvp__meta_free(st->meta, st->seqs, st->seq_cap * sizeof *st->seqs);
+  table_free(st->seqt);
   st->layers = st->heads = NULL;
-  st->seqs = NULL;
+  st->seqt = NULL;
 }
 
 static uint32_t seq_hash(uint64_t seq) {
@@ -54,66 +76,137 @@ static uint32_t seq_hash(uint64_t seq) {
   return (uint32_t)seq;
 }
 
-static kvp__seq_usage *seq_find(kvp__seq_usage *t, uint32_t cap, uint64_t seq, bool *found) {
-  for (uint32_t i = seq_hash(seq) & (cap - 1);; i = (i + 1) & (cap - 1)) {
-    if (!t[i].used || t[i].seq == seq) {
-      *found = t[i].used;
-      return &t[i];
+static uint64_t load(const _Atomic uint64_t *x) { return atomic_load_explicit(x, memory_order_relaxed); }
+static bool slot_used(const kvp__seq_usage *e) { return atomic_load_explicit(&e->used, memory_order_acquire); }
+static uint64_t slot_seq(const kvp__seq_usage *e) { return load(&e->seq); }
+
+static kvp__seq_usage *seq_find(const kvp__seq_table *t, uint64_t seq, bool *found) {
+  uint32_t mask = t->cap - 1;
+  for (uint32_t i = seq_hash(seq) & mask;; i = (i + 1) & mask) {
+    const kvp__seq_usage *e = &t->slot[i];
+    bool used = slot_used(e);
+    if (!used || slot_seq(e) == seq) {
+      *found = used;
+      return (kvp__seq_usage *)e;
     }
   }
 }
 
-static uint64_t load(const _Atomic uint64_t *x) { return atomic_load_explicit(x, memory_order_relaxed); }
+static void slot_claim(kvp__seq_usage *e, uint64_t seq) {
+  atomic_store_explicit(&e->seq, seq, memory_order_relaxed);
+  atomic_store_explicit(&e->used, true, memory_order_release);
+}
 
-/* Rebuild at cap, keeping only sequences that hold pages. */
+/* Rebuild at cap, keeping only sequences that hold pages; publish the new
+ * table and free the old one after a grace period. */
 static int seq_rehash(kvp__stats *st, uint32_t cap) {
-  kvp__seq_usage *t = kvp__meta_calloc(st->meta, cap * sizeof *t);
+  kvp__seq_table *t = table_new(st->meta, cap), *old = st->seqt;
   if (!t) return kvp__err(KVP_ENOMEM, "per-sequence stats table of %u slots", cap);
   uint32_t used = 0;
-  for (uint32_t i = 0; i < st->seq_cap; i++) {
-    kvp__seq_usage *o = &st->seqs[i];
-    if (!o->used || !load(&o->u.npages)) continue;
+  for (uint32_t i = 0; i < old->cap; i++) {
+    kvp__seq_usage *o = &old->slot[i];
+    if (!slot_used(o) || !load(&o->u.npages)) continue;
     bool found;
-    kvp__seq_usage *n = seq_find(t, cap, o->seq, &found);
-    n->used = true;
-    n->seq = o->seq;
+    kvp__seq_usage *n = seq_find(t, slot_seq(o), &found);
     atomic_store_explicit(&n->u.requested_bytes, load(&o->u.requested_bytes), memory_order_relaxed);
     atomic_store_explicit(&n->u.allocated_bytes, load(&o->u.allocated_bytes), memory_order_relaxed);
     atomic_store_explicit(&n->u.npages, load(&o->u.npages), memory_order_relaxed);
+    slot_claim(n, slot_seq(o));
     used++;
   }
-  kvp__meta_free(st->meta, st->seqs, st->seq_cap * sizeof *st->seqs);
   st->seq_last = NULL;
-  st->seqs = t;
-  st->seq_cap = cap;
+  kvp__rcu_assign(st->seqt, t);
   st->seq_used = used;
+  st->seq_deferred = true;
+  kvp__rcu_call(&old->rcu, table_free_cb);
   return KVP_OK;
 }
 
 int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
-  if (KVP__LIKELY(st->seq_last && st->seq_last->seq == seq)) return KVP_OK;
+  if (KVP__LIKELY(st->seq_last && slot_seq(st->seq_last) == seq)) return KVP_OK;
   bool found;
-  kvp__seq_usage *e = seq_find(st->seqs, st->seq_cap, seq, &found);
+  kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   if (KVP__LIKELY(found)) return KVP_OK;
-  if ((st->seq_used + 1) * 2 > st->seq_cap) {
+  if ((st->seq_used + 1) * 2 > st->seqt->cap) {
     uint32_t live = 0;
-    for (uint32_t i = 0; i < st->seq_cap; i++) live += st->seqs[i].used && load(&st->seqs[i].u.npages);
-    uint32_t cap = st->seq_cap;
+    for (uint32_t i = 0; i < st->seqt->cap; i++)
+      live += slot_used(&st->seqt->slot[i]) && load(&st->seqt->slot[i].u.npages);
+    uint32_t cap = st->seqt->cap;
     while ((live + 1) * 4 > cap) cap *= 2; /* rebuild to load <= 1/4 */
     int rc = seq_rehash(st, cap);
     if (rc) return rc;
-    e = seq_find(st->seqs, st->seq_cap, seq, &found);
+    e = seq_find(st->seqt, seq, &found);
   }
-  e->used = true;
-  e->seq = seq;
+  slot_claim(e, seq);
   st->seq_used++;
   return KVP_OK;
 }
 
 const kvp__usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq) {
   bool found;
-  kvp__seq_usage *e = seq_find(st->seqs, st->seq_cap, seq, &found);
+  kvp__seq_usage *e = seq_find(kvp__rcu_deref(((kvp__stats *)st)->seqt), seq, &found);
   return found ? &e->u : NULL;
+}
+
+/* Heap order for top-N: a is "smaller" (evicted from the heap first) if it
+ * holds fewer allocated bytes, or as many and a larger id. */
+static bool top_less(const kvp_seq_usage *a, const kvp_seq_usage *b) {
+  if (a->usage.allocated_bytes != b->usage.allocated_bytes)
+    return a->usage.allocated_bytes < b->usage.allocated_bytes;
+  return a->seq > b->seq;
+}
+
+static void top_sift_down(kvp_seq_usage *h, uint32_t n, uint32_t i) {
+  for (;;) {
+    uint32_t l = 2 * i + 1, r = l + 1, m = i;
+    if (l < n && top_less(&h[l], &h[m])) m = l;
+    if (r < n && top_less(&h[r], &h[m])) m = r;
+    if (m == i) return;
+    kvp_seq_usage t = h[i];
+    h[i] = h[m];
+    h[m] = t;
+    i = m;
+  }
+}
+
+static void top_sift_up(kvp_seq_usage *h, uint32_t i) {
+  while (i && top_less(&h[i], &h[(i - 1) / 2])) {
+    kvp_seq_usage t = h[i];
+    h[i] = h[(i - 1) / 2];
+    h[(i - 1) / 2] = t;
+    i = (i - 1) / 2;
+  }
+}
+
+/* A min-heap of the n largest in out itself, then heap-sorted in place:
+ * O(slots x log n), no allocation. */
+int kvp__stats_top_seqs(const kvp__stats *st, uint32_t n, kvp_seq_usage *out, uint32_t *n_out) {
+  uint32_t k = 0;
+  kvp__rcu_read_lock();
+  const kvp__seq_table *t = kvp__rcu_deref(((kvp__stats *)st)->seqt);
+  for (uint32_t i = 0; n && i < t->cap; i++) {
+    const kvp__seq_usage *e = &t->slot[i];
+    if (!slot_used(e)) continue;
+    kvp_seq_usage c = {slot_seq(e), {0, 0, 0}};
+    kvp__usage_read(&e->u, &c.usage);
+    if (!c.usage.npages) continue;
+    if (k < n) {
+      out[k] = c;
+      top_sift_up(out, k++);
+    } else if (top_less(&out[0], &c)) {
+      out[0] = c;
+      top_sift_down(out, k, 0);
+    }
+  }
+  kvp__rcu_read_unlock();
+  for (uint32_t m = k; m > 1; m--) { /* smallest to the end: largest first */
+    kvp_seq_usage x = out[0];
+    out[0] = out[m - 1];
+    out[m - 1] = x;
+    top_sift_down(out, m - 1, 0);
+  }
+  *n_out = k;
+  return KVP_OK;
 }
 
 static void usage_move(kvp__usage *u, uint64_t req, uint64_t alloc, int sign) {
@@ -136,9 +229,9 @@ void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_by
   usage_move(&st->layers[tag->layer], requested_bytes, allocated_bytes, sign);
   usage_move(&st->heads[tag->head], requested_bytes, allocated_bytes, sign);
   kvp__seq_usage *e = st->seq_last;
-  if (!e || e->seq != tag->seq) {
+  if (!e || slot_seq(e) != tag->seq) {
     bool found;
-    e = seq_find(st->seqs, st->seq_cap, tag->seq, &found);
+    e = seq_find(st->seqt, tag->seq, &found);
     kvp__assert(found); /* reserved before the page was taken */
     st->seq_last = e;
   }
@@ -161,7 +254,7 @@ int kvp__stats_sum_init(const kvp__stats *st, kvp__stats_sum *s) {
   memset(s, 0, sizeof *s);
   s->layers = kvp__meta_calloc(NULL, st->n_layers * sizeof *s->layers);
   s->heads = kvp__meta_calloc(NULL, st->n_heads * sizeof *s->heads);
-  s->seqs = kvp__meta_calloc(NULL, st->seq_cap * sizeof *s->seqs);
+  s->seqs = kvp__meta_calloc(NULL, st->seqt->cap * sizeof *s->seqs);
   if (s->layers && s->heads && s->seqs) return KVP_OK;
   kvp__stats_sum_fini(st, s);
   return kvp__err(KVP_ENOMEM, "scratch for the stats check");
@@ -170,15 +263,15 @@ int kvp__stats_sum_init(const kvp__stats *st, kvp__stats_sum *s) {
 void kvp__stats_sum_fini(const kvp__stats *st, kvp__stats_sum *s) {
   kvp__meta_free(NULL, s->layers, st->n_layers * sizeof *s->layers);
   kvp__meta_free(NULL, s->heads, st->n_heads * sizeof *s->heads);
-  kvp__meta_free(NULL, s->seqs, st->seq_cap * sizeof *s->seqs);
+  kvp__meta_free(NULL, s->seqs, st->seqt->cap * sizeof *s->seqs);
   s->layers = s->heads = s->seqs = NULL;
 }
 
 void kvp__stats_sum_add(const kvp__stats *st, kvp__stats_sum *s, const kvp__tag *tag, uint64_t requested_bytes,
                         uint64_t allocated_bytes) {
   bool found;
-  kvp__seq_usage *e = seq_find(st->seqs, st->seq_cap, tag->seq, &found);
-  if (found) sum_add(&s->seqs[e - st->seqs], requested_bytes, allocated_bytes);
+  kvp__seq_usage *e = seq_find(st->seqt, tag->seq, &found);
+  if (found) sum_add(&s->seqs[e - st->seqt->slot], requested_bytes, allocated_bytes);
   else if (!s->has_unknown_seq) {
     s->has_unknown_seq = true;
     s->unknown_seq = tag->seq;
@@ -213,7 +306,7 @@ int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s) {
   if (!rc && s->has_unknown_seq)
     return kvp__err(KVP_ECORRUPT, "a page of sequence %llu is not in the per-sequence stats",
                     (unsigned long long)s->unknown_seq);
-  for (uint32_t i = 0; !rc && i < st->seq_cap; i++)
-    if (st->seqs[i].used) rc = cmp("sequence slot", i, &st->seqs[i].u, &s->seqs[i]);
+  for (uint32_t i = 0; !rc && i < st->seqt->cap; i++)
+    if (slot_used(&st->seqt->slot[i])) rc = cmp("sequence slot", i, &st->seqt->slot[i].u, &s->seqs[i]);
   return rc;
 }

@@ -10,6 +10,7 @@
 #ifndef KVP_STATS_H
 #define KVP_STATS_H
 
+#include "../util/rcu.h"
 #include "../util/util.h"
 
 #define KVP__MAX_CODECS 64u /* codec ids 0..63 */
@@ -30,12 +31,25 @@ typedef struct kvp__usage {
   _Atomic uint64_t npages;          /* live pages */
 } kvp__usage;
 
-/* One entry of the per-sequence table (open addressing, linear probing). */
+/* One entry of the per-sequence table (open addressing, linear probing).
+ * A slot's key is written once, before used is set (release), and never
+ * changes while the table lives: lock-free readers see a slot either free
+ * or holding its final key. */
 typedef struct kvp__seq_usage {
-  uint64_t seq;      /* key */
-  bool used;         /* slot holds a key (tombstones are used with 0 pages) */
-  kvp__usage u;      /* its usage */
+  _Atomic uint64_t seq; /* key */
+  _Atomic bool used;    /* slot holds a key (tombstones are used with 0 pages) */
+  kvp__usage u;         /* its usage */
 } kvp__seq_usage;
+
+/* The per-sequence table: replaced as a whole when it grows (RCU: readers
+ * load st->seqt under kvp__rcu_read_lock; the old table is freed after a
+ * grace period). */
+typedef struct kvp__seq_table {
+  kvp__rcu_head rcu;     /* deferred free */
+  kvp__meta *meta;       /* counter its bytes are charged to */
+  uint32_t cap;          /* slots, a power of two */
+  kvp__seq_usage slot[]; /* [cap] */
+} kvp__seq_table;
 
 typedef struct kvp__stats {
   kvp__meta *meta;                           /* metadata counter */
@@ -45,9 +59,9 @@ typedef struct kvp__stats {
   kvp__usage codecs[KVP__MAX_CODECS];
   kvp__usage *layers;                        /* [n_layers] */
   kvp__usage *heads;                         /* [n_heads] */
-  kvp__seq_usage *seqs;                      /* [seq_cap], writer lock for access */
-  uint32_t seq_cap;                          /* power of two */
+  kvp__seq_table *seqt;                      /* per-sequence table (RCU pointer; writer lock to change) */
   uint32_t seq_used;                         /* used slots (live and tombstone) */
+  bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
   kvp__seq_usage *seq_last;                  /* slot of the last sequence counted, or NULL */
 } kvp__stats;
 
@@ -62,12 +76,17 @@ void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_by
                       uint64_t allocated_bytes, int sign);
 /* Read one usage into the public struct. */
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out);
-/* The usage of a sequence, or NULL. Writer lock. */
+/* The usage of a sequence, or NULL. Writer lock, or inside
+ * kvp__rcu_read_lock (the pointer is valid until the unlock). */
 const kvp__usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq);
+/* The n sequences with the most allocated bytes (ties: lower id first),
+ * largest first, into out[0..*n_out). Lock-free (takes the RCU read lock);
+ * out doubles as the heap, nothing is allocated. */
+int kvp__stats_top_seqs(const kvp__stats *st, uint32_t n, kvp_seq_usage *out, uint32_t *n_out);
 /* Accumulator for checks: a plain (non-atomic) copy of every dimension. */
 typedef struct kvp__stats_sum {
   kvp_usage page_types[KVP_PAGE_TYPE_COUNT], kv[2], codecs[KVP__MAX_CODECS];
-  kvp_usage *layers, *heads, *seqs; /* [n_layers], [n_heads], [seq_cap]: slot of the table */
+  kvp_usage *layers, *heads, *seqs; /* [n_layers], [n_heads], [seqt->cap]: slot of the table */
   uint64_t unknown_seq;             /* a page whose sequence has no slot (0 = none) */
   bool has_unknown_seq;             /* unknown_seq is meaningful */
 } kvp__stats_sum;
@@ -84,6 +103,7 @@ int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s);
 typedef struct kvp__emit_src {
   const kvp_stats *s;       /* scalar figures and fixed breakdowns */
   const kvp__stats *st;     /* per-layer/head/codec/seq counters */
+  const char *(*codec_name)(uint32_t id); /* name of a codec id, or NULL if none is registered */
 } kvp__emit_src;
 int kvp__stats_emit(const kvp__emit_src *src, kvp_stats_format fmt, char *buf, size_t cap, size_t *len);
 

@@ -199,14 +199,16 @@ static int tour(int argc, char **argv) {
   printf("VAR: Infinity-2B, one 1024x1024 image (2 CFG rows, 13 scales); \"images fit\" counts how many\n"
          "images run side by side in %s, the bf16 cache of one image with no eviction.\n\n",
          sim_bytes(var_budget, a, sizeof a));
-  printf("%-16s %-11s %-13s %12s %8s  %-38s %s\n", "run", "codecs", "policy", "peak KV", "vs bf16", "served",
+  printf("%-16s %-13s %-13s %12s %8s  %-38s %s\n", "run", "codecs", "policy", "peak KV", "vs bf16", "served",
          "violations");
   for (int i = 0; i < n; i++)
-    printf("%-16s %-11s %-13s %12s %7.2fx  %-38s %llu\n", rows[i].run, rows[i].codecs, rows[i].policy,
+    printf("%-16s %-13s %-13s %12s %7.2fx  %-38s %llu\n", rows[i].run, rows[i].codecs, rows[i].policy,
            sim_bytes(rows[i].peak_bytes, a, sizeof a), rows[i].savings, rows[i].served,
            (unsigned long long)rows[i].violations);
   for (int i = 0; i < nnotes; i++) printf("note: %s\n", notes[i]);
-  printf("\npeak KV: the ledger's largest allocated bytes; vs bf16: the same tokens in raw bf16 over it;\n"
+  printf("\npeak KV: the ledger's largest allocated bytes; vs bf16: the same tokens in raw bf16 over it.\n"
+         "HeatKV b: the fraction of the full cache it may keep, evicting (layer, head, scale) units early.\n"
+         "(dry): the pool's dry mode, same pages and bytes without the payload (a slow CPU encode).\n"
          "violations: checkpoints (iterations, or layers of a scale) where the pool held more than the\n"
          "budget (for HeatKV also its own b x full-cache budget): must be 0. Took %.1f s.\n"
          "Next: " SIM_NAME " llm --help, " SIM_NAME " var --help, " SIM_NAME " video --help.\n",

@@ -138,6 +138,9 @@ static void probe(llm *m, const sim_common *com) {
   k.block_tokens = c->block_tokens;
   k.region_bytes = 256ull << 20;
   k.codecs = c->codecs;
+#ifdef KVP_POOL_DRY
+  if (com->dry) k.flags |= KVP_POOL_DRY; /* the same pages and bytes, no payload */
+#endif
   kvp_pool *p;
   int rc = kvp_pool_create(&k, &p);
   if (rc) sim_die_kvp("kvp_pool_create (probe)", rc);
@@ -159,7 +162,6 @@ static void probe(llm *m, const sim_common *com) {
   kvp_pool_destroy(p);
   free(kb);
   free(vb);
-  (void)com;
 }
 
 static void wait_push_back(llm *m, size_t i) {

@@ -66,12 +66,15 @@ int sim_var_preset(sim_var_cfg *c, const char *name) {
   return -1;
 }
 
-/* heatkv's b and unit from a policy spec (the pool validates the spec). */
+/* b and unit of a heatkv or binary-heatkv spec (the pool validates the
+ * spec; these are its defaults). 0 for any other policy. */
 static int heatkv_params(const char *policy, double *b, int *unit_bytes) {
-  if (!policy || strncmp(policy, "heatkv", 6) || (policy[6] && policy[6] != ':')) return 0;
+  if (!policy) return 0;
+  size_t n = !strncmp(policy, "heatkv", 6) ? 6 : !strncmp(policy, "binary-heatkv", 13) ? 13 : 0;
+  if (!n || (policy[n] && policy[n] != ':')) return 0;
   *b = 0.1;
   *unit_bytes = 0;
-  for (const char *p = policy + 6; p && *p; p = strchr(p + 1, ':')) {
+  for (const char *p = policy + n; p && *p; p = strchr(p + 1, ':')) {
     if (*p == ':') p++;
     if (!strncmp(p, "b=", 2)) *b = strtod(p + 2, NULL);
     if (!strncmp(p, "unit=bytes", 10)) *unit_bytes = 1;
@@ -275,9 +278,12 @@ static const char *const VAR_HELP =
     "  --images N         images, two CFG rows each (default 1)\n"
     "  --k-dtype D --v-dtype D   bf16 | fp16 | fp32: appended and raw-stored dtypes (default bf16)\n"
     "  --codecs SPEC      codec spec, e.g. k=nvfp4,v=nvfp4 (default: raw)\n"
-    "  --policy SPEC      e.g. heatkv:b=0.1:s=3:orders=synthetic:unit=bytes, or orders=FILE\n"
+    "  --policy SPEC      e.g. heatkv:b=0.1:s=3:orders=synthetic:unit=bytes, or orders=FILE;\n"
+    "                     binary-heatkv:b=0.1:s=3:scores=synthetic|FILE\n"
     "  --budget-bytes N   the budget checked at every layer checkpoint (K/M/G/T suffixes);\n"
-    "                     default: heatkv's own budget, else the cache with no eviction\n"
+    "                     default: heatkv's b x full cache in bytes, else the cache with no\n"
+    "                     eviction (with unit=slots the plan counts head-token slots, and small\n"
+    "                     scales' rounding can pass the byte budget: budget_violations shows it)\n"
     "  --check            kvp_check after every scale\n\n"
     "JSON keys: full_cache_bytes, peak_allocated_bytes, budget_bytes, budget_violations,\n"
     "images_that_fit, policy_budget, policy_budget_violations, savings_vs_bf16, ...\n\n";

@@ -87,28 +87,32 @@ static void fill_kv(uint32_t H, uint32_t D) {
 
 static const double BS[] = {0.2, 0.1, 0.04};
 
-/* Slots: retained head-token slots never pass b x T x c_{K-1}. */
-START_TEST(slots_budget_holds_synthetic) {
+/* Slots: retained head-token slots never pass b x T x c_{K-1}. variant is
+ * "heatkv" (orders=) or "binary-heatkv" (scores=). */
+static void slots_case(const char *variant, const char *src, double b) {
   enum { L = 8, H = 4, D = 16 };
   fill_kv(H, D);
-  double b = BS[_i];
   char policy[96];
-  snprintf(policy, sizeof policy, "heatkv:b=%g:s=3:orders=synthetic", b);
+  snprintf(policy, sizeof policy, "%s:b=%g:s=3:%s=synthetic", variant, b, src);
   kvp_pool *p = mkpool(L, H, D, NULL, policy, 0);
   add_var_seq(p, 1, 0);
   run_out o = run_image(p, 1, L, 1);
   double B = b * L * H * 6425.0; /* c_{K-1}: tokens of scales 0..11 */
-  printf("heatkv slots b=%.2f: peak %llu head-token slots of budget %.1f (%.1f%% used)\n", b,
+  printf("%s slots b=%.2f: peak %llu head-token slots of budget %.1f (%.1f%% used)\n", variant, b,
          (unsigned long long)o.max_tokens, B, 100.0 * (double)o.max_tokens / B);
   ck_assert_msg((double)o.max_tokens <= B, "peak %llu slots > budget %.1f", (unsigned long long)o.max_tokens, B);
   ck_assert_msg((double)o.max_tokens > 0.5 * B, "budget barely used: %llu of %.1f", (unsigned long long)o.max_tokens, B);
   kvp_pool_destroy(p);
 }
+
+START_TEST(slots_budget_holds_synthetic) { slots_case("heatkv", "orders", BS[_i]); }
+END_TEST
+START_TEST(binary_slots_budget_holds) { slots_case("binary-heatkv", "scores", BS[_i]); }
 END_TEST
 
 /* Bytes: mixed codecs; the pool's own budget is B, so an overshoot would be
  * an allocator refusal; the peak is reported against B. */
-START_TEST(bytes_budget_holds_mixed_codecs) {
+static void bytes_case(const char *variant, const char *src, double b) {
   enum { L = 8, H = 4, D = 32 };
   fill_kv(H, D);
   const char *codecs = "kv=nvfp4;layers=0-2:kv=bf16";
@@ -116,14 +120,13 @@ START_TEST(bytes_budget_holds_mixed_codecs) {
   add_var_seq(full, 1, 0);
   run_out f = run_image(full, 1, L, 0);
   kvp_pool_destroy(full);
-  double b = BS[_i];
   uint64_t B = (uint64_t)floor(b * (double)f.full_bytes);
   char policy[96];
-  snprintf(policy, sizeof policy, "heatkv:b=%g:s=3:orders=synthetic:unit=bytes", b);
+  snprintf(policy, sizeof policy, "%s:b=%g:s=3:%s=synthetic:unit=bytes", variant, b, src);
   kvp_pool *p = mkpool(L, H, D, codecs, policy, B);
   add_var_seq(p, 1, 0);
   run_out o = run_image(p, 1, L, 1);
-  printf("heatkv bytes b=%.2f: full cache %llu bytes, budget %llu, peak %llu (%.1f%% used)\n", b,
+  printf("%s bytes b=%.2f: full cache %llu bytes, budget %llu, peak %llu (%.1f%% used)\n", variant, b,
          (unsigned long long)f.full_bytes, (unsigned long long)B, (unsigned long long)o.max_bytes,
          100.0 * (double)o.max_bytes / (double)B);
   ck_assert_uint_le(o.max_bytes, B);
@@ -133,6 +136,10 @@ START_TEST(bytes_budget_holds_mixed_codecs) {
   ck_assert_uint_eq(s.budget_refusals, 0);
   kvp_pool_destroy(p);
 }
+
+START_TEST(bytes_budget_holds_mixed_codecs) { bytes_case("heatkv", "orders", BS[_i]); }
+END_TEST
+START_TEST(binary_bytes_budget_holds) { bytes_case("binary-heatkv", "scores", BS[_i]); }
 END_TEST
 
 START_TEST(infeasible_budget_refused) {
@@ -181,6 +188,8 @@ int main(void) {
   tcase_set_timeout(tc, 300);
   tcase_add_loop_test(tc, slots_budget_holds_synthetic, 0, 3);
   tcase_add_loop_test(tc, bytes_budget_holds_mixed_codecs, 0, 3);
+  tcase_add_loop_test(tc, binary_slots_budget_holds, 0, 3);
+  tcase_add_loop_test(tc, binary_bytes_budget_holds, 0, 3);
   tcase_add_test(tc, infeasible_budget_refused);
   tcase_add_loop_test(tc, shipped_infinity_2b_orders, 0, 3);
   suite_add_tcase(s, tc);
