@@ -265,9 +265,10 @@ static json_t *snapshot_json(const char *path, json_t *snap, size_t top) {
 /* ---- diff ---------------------------------------------------------------- */
 
 typedef struct flat {
-  char **keys;  /* dotted paths */
-  double *vals; /* their numbers */
+  char **keys;   /* dotted paths */
+  double *vals;  /* their numbers */
   size_t n, cap;
+  json_t *index; /* key -> position in keys (a hash: diffs of snapshots with many sequences stay linear) */
 } flat;
 
 static void flat_add(flat *f, const char *key, double v) {
@@ -278,6 +279,8 @@ static void flat_add(flat *f, const char *key, double v) {
     if (!f->keys || !f->vals) fail("out of memory");
   }
   if (!(f->keys[f->n] = strdup(key))) fail("out of memory");
+  if (!f->index && !(f->index = json_object())) fail("out of memory");
+  if (json_object_set_new(f->index, key, json_integer((json_int_t)f->n))) fail("out of memory");
   f->vals[f->n++] = v;
 }
 
@@ -303,15 +306,15 @@ static void flatten(json_t *j, const char *prefix, flat *f) {
 }
 
 static ssize_t flat_find(const flat *f, const char *key) {
-  for (size_t i = 0; i < f->n; i++)
-    if (!strcmp(f->keys[i], key)) return (ssize_t)i;
-  return -1;
+  json_t *i = f->index ? json_object_get(f->index, key) : NULL;
+  return i ? (ssize_t)json_integer_value(i) : -1;
 }
 
 static void flat_free(flat *f) {
   for (size_t i = 0; i < f->n; i++) free(f->keys[i]);
   free(f->keys);
   free(f->vals);
+  json_decref(f->index);
 }
 
 static int run_diff(const char *pa, const char *pb, bool json_out, bool all) {
