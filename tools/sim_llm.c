@@ -319,6 +319,8 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   while (m.done < m.n) {
     while (m.next_arrival < m.n && m.r[m.next_arrival].arrival_s <= now) wait_push_back(&m, m.next_arrival++);
     if (!m.nrun && m.wh == m.wt) { /* idle: jump to the next arrival */
+      if (m.next_arrival >= m.n) sim_die("internal: idle with %llu of %zu requests unaccounted for",
+                                         (unsigned long long)(m.n - m.done), m.n);
       now = m.r[m.next_arrival].arrival_s;
       continue;
     }
