@@ -80,7 +80,7 @@ static void tour_llm(const sim_common *com, const char *name, const char *codecs
            (unsigned long long)o.requests_finished, (unsigned long long)o.requests_total,
            (unsigned long long)o.max_running, o.throughput_tokens_per_s);
   r->peak_bytes = o.peak_allocated_bytes;
-  r->savings = o.peak_allocated_bytes ? (double)o.peak_bf16_equivalent_bytes / (double)o.peak_allocated_bytes : 0;
+  r->savings = o.savings_vs_bf16;
   r->violations = o.budget_violations;
 }
 

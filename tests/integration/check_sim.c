@@ -225,7 +225,7 @@ START_TEST(video_policies) {
   char args[512];
   const char *pol = VIDEO_POLICIES[_i];
   snprintf(args, sizeof args, "video --layers 2 --kv-heads 2 --head-dim 32 --frames-per-chunk 2 --tokens-per-frame 64 "
-           "--chunks 10 --scene-every 4 --codecs k=fp8,v=fp8 --policy %s --json --quiet", pol);
+           "--chunks 10 --scene-every 4 --codecs k=fp8,v=fp8 --policy %s --check --json --quiet", pol);
   json_t *j = run_json(args);
   uint64_t chunk_bf16 = 128ull * 2 * 2 * 32 * 2 * 2; /* tokens x L x H x D x 2 bytes x (K, V) */
   ck_assert_uint_eq(U(j, "full_cache_bytes"), 10 * chunk_bf16);
@@ -272,7 +272,7 @@ START_TEST(llm_trace_served) {
   write_trace(path, 40, 20, 1, &prompt, &output);
   /* 2 layers x 2 heads x 64 x 2 bytes x 2 = 1 KiB per bf16 token: 1 MiB holds ~1000 tokens */
   snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 64 --params 7e9 --trace %s --format azure --budget-bytes 2M "
-           "--max-batch-tokens 256 %s --csv %s --json --quiet", path, LLM_CASES[_i], csv);
+           "--max-batch-tokens 256 %s --csv %s --check --json --quiet", path, LLM_CASES[_i], csv);
   json_t *j = run_json(args);
   ck_assert_uint_eq(U(j, "requests_total"), 40);
   ck_assert_uint_eq(U(j, "requests_finished"), 40);
@@ -358,7 +358,7 @@ START_TEST(llm_preempts_under_pressure) {
    * ~2000 tokens and 30 requests of ~100 + ~300 tokens collide while decoding */
   write_trace(path, 30, 1, 280, &prompt, &output);
   snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 64 --params 7e9 --trace %s --format azure "
-           "--budget-bytes 2M --block-tokens 16 --json --quiet", path);
+           "--budget-bytes 2M --block-tokens 16 --check --json --quiet", path);
   json_t *j = run_json(args);
   ck_assert_uint_gt(U(j, "preemptions"), 0);
   ck_assert_uint_gt(U(j, "recomputed_tokens"), 0);
