@@ -12,6 +12,9 @@
  *   nvfp4  codecs/nvfp4.c  E2M1 + E4M3 per 16 + fp32 per block-head
  *   qvg    codecs/qvg.c    k-means smoothing stages + INT2/INT4, E4M3 per
  *                          group (qvg-pro: the same with 4 stages, g=16)
+ *   kvquant codecs/kvquant.c nuq 2/3/4-bit codebooks from calibration, K per
+ *                          channel (pre-RoPE option), V per token, sparse
+ *                          fp16 outliers, RAW sink tokens
  *
  * Parameters: the text after "name:" in a codec spec, fields "key=value"
  * separated by ':' ("bits=2:group=32"). Keys are exact and lower case; a
@@ -32,7 +35,7 @@
 #include <string.h>
 
 extern const kvp_codec_vtable kvp__codec_fp8, kvp__codec_int8, kvp__codec_kivi, kvp__codec_nvfp4, kvp__codec_qvg,
-    kvp__codec_qvg_pro;
+    kvp__codec_qvg_pro, kvp__codec_kvquant;
 
 /* ---- little-endian scalars in pages ------------------------------------ */
 

@@ -37,8 +37,13 @@ static int add(const kvp_codec_vtable *vt, uint32_t *id) {
     return kvp__err(KVP_EINVAL, "codec \"%s\": ABI version %u, this library speaks %u", vt->name ? vt->name : "?",
                     vt->abi_version, KVP_CODEC_ABI_VERSION);
   if (!name_ok(vt->name)) return kvp__err(KVP_EINVAL, "codec name must be 1..31 of [a-z0-9_-]");
-  if (!vt->create || !vt->destroy || !vt->group_tokens || !vt->layout || !vt->encode || !vt->decode)
-    return kvp__err(KVP_EINVAL, "codec \"%s\": every vtable function is required", vt->name);
+  if (!vt->create || !vt->destroy || !vt->group_tokens || !vt->layout || !(vt->encode || vt->encode_at) ||
+      !(vt->decode || vt->decode_at))
+    return kvp__err(KVP_EINVAL, "codec \"%s\": every vtable function is required (encode and decode may be "
+                                "replaced by encode_at and decode_at)", vt->name);
+  if (!vt->open_layout != !vt->encode_rows || (vt->open_layout && (!vt->encode_at || !vt->decode_at || !vt->layout_at)))
+    return kvp__err(KVP_EINVAL, "codec \"%s\": open_layout and encode_rows go together, with layout_at, encode_at and "
+                                "decode_at", vt->name);
   if (vt->state_bytes && !vt->encode_stateful)
     return kvp__err(KVP_EINVAL, "codec \"%s\": state_bytes needs encode_stateful", vt->name);
   pthread_mutex_lock(&reg_lock);
@@ -59,7 +64,7 @@ static int add(const kvp_codec_vtable *vt, uint32_t *id) {
 static void register_builtins(void) {
   static const kvp_codec_vtable *const builtin[] = {&kvp__codec_raw,    &kvp__codec_fp8,   &kvp__codec_int8,
                                                     &kvp__codec_kivi,   &kvp__codec_nvfp4, &kvp__codec_qvg,
-                                                    &kvp__codec_qvg_pro};
+                                                    &kvp__codec_qvg_pro, &kvp__codec_kvquant};
   for (size_t i = 0; i < KVP__ARRAY_LEN(builtin); i++) {
     int rc = add(builtin[i], NULL);
     kvp__assert(rc == KVP_OK);

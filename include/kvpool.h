@@ -147,7 +147,9 @@ KVP_API void kvp_config_init(kvp_config *cfg);
  * cudaMalloc), set up the allocator, ledger and stats.
  * Returns KVP_OK and *out, or KVP_EINVAL (bad field, named in
  * kvp_last_error), KVP_ENOMEM, KVP_EDEVICE, KVP_ENOTSUP (CUDA region in a
- * build without CUDA). Thread-safe. */
+ * build without CUDA), KVP_EFORMAT (a codec's data file, e.g. kvquant's
+ * calibration, is corrupt, truncated or does not match the pool: the
+ * message names the file and field). Thread-safe. */
 KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out);
 
 /* Destroy a pool and release its region and all metadata. NULL is fine. No
@@ -223,7 +225,8 @@ typedef struct kvp_usage {
   X(GAUGE, codec_state_bytes, "bytes.codec_state", "per-stream codec state (warm starts), host memory") \
   X(GAUGE, bytes_retired, "bytes.retired", "allocated bytes of unlinked blocks waiting for readers (RCU grace period)") \
   X(VALUE, device_used_bytes, "device.used_bytes", "device-level bytes in use (cudaMemGetInfo, or resident bytes of a host region)") \
-  X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)")
+  X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)") \
+  X(VALUE, codec_static_bytes, "bytes.codec_static", "static codec data (calibration: per-channel scales, codebooks), host memory")
 
 typedef struct kvp_stats {
   size_t struct_size; /* bytes; set by the caller (sizeof(kvp_stats)) */

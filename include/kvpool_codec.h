@@ -46,7 +46,18 @@ typedef struct kvp_codec_geom {
   kvp_dtype in_dtype; /* dtype of appended tokens */
   uint32_t layer;     /* the layer of the binding */
   uint32_t kv;        /* 0 = K, 1 = V */
+  /* Since 0.2.0 (appended; a pool fills them, older codecs ignore them): */
+  uint32_t n_layers;   /* layers of the pool (for calibration data per layer) */
+  uint32_t n_kv_heads; /* KV heads per layer (for calibration data per head) */
 } kvp_codec_geom;
+
+/* Where a block sits, for the *_at operations (since 0.2.0): the stream's
+ * head, and the sequence position of the block's row 0 (row t is at
+ * position pos0 + t: a block holds contiguous positions). */
+typedef struct kvp_codec_block {
+  uint32_t head; /* KV head of the stream, < n_kv_heads */
+  uint32_t pos0; /* position of the block's row 0 */
+} kvp_codec_block;
 
 /* Pages of one block side for cap tokens. */
 typedef struct kvp_codec_layout {
@@ -61,7 +72,10 @@ typedef struct kvp_codec_vtable {
   /* Parse params (the text after "name:" in the spec, "" if none) and make
    * an instance. On bad params return KVP_EINVAL and write a message naming
    * the parameter into err (errcap bytes); *err_at may be set to the byte
-   * offset in params where the problem starts. */
+   * offset in params where the problem starts. A codec that reads a data
+   * file named in params (calibration) returns KVP_EFORMAT for a corrupt,
+   * truncated or mismatched file, its message naming the file and field;
+   * kvp_pool_create then fails with KVP_EFORMAT. */
   int (*create)(const char *params, const kvp_codec_geom *geom, void **inst, char *err, size_t errcap,
                 size_t *err_at);
   void (*destroy)(void *inst);
@@ -90,6 +104,74 @@ typedef struct kvp_codec_vtable {
    * leave the state advanced (pages and ledger are unchanged). */
   int (*encode_stateful)(const void *inst, void *state, const void *src, size_t src_stride, uint32_t n,
                          uint32_t cap_tokens, void *const *pages);
+
+  /* ---- Optional, since 0.2.0 (still ABI version 1: a codec that leaves
+   * them NULL, e.g. one whose vtable initializer predates them, works as
+   * before). For codecs whose bytes depend on where a
+   * block sits: per-head calibration, sink tokens kept RAW, rotary
+   * position embedding applied at decode. */
+
+  /* Layout of a block of cap_tokens whose row 0 is at position pos0; the
+   * pool calls it instead of layout for every block (layout is still
+   * required: it answers for a block far from position 0, and the pool
+   * checks it at create). Deterministic in (pos0, cap_tokens); it may not
+   * depend on the head. */
+  void (*layout_at)(const void *inst, uint32_t pos0, uint32_t cap_tokens, kvp_codec_layout *out);
+  /* Encode as encode/encode_stateful, knowing the block's head and
+   * position; state is the stream's state (NULL without state_bytes). The
+   * pool calls it instead of encode and encode_stateful; with it set,
+   * encode may be NULL (the codec then cannot encode without a position). */
+  int (*encode_at)(const void *inst, const kvp_codec_block *blk, void *state, const void *src, size_t src_stride,
+                   uint32_t n, uint32_t cap_tokens, void *const *pages);
+  /* Decode as decode, knowing the block's head and position (a view gives
+   * both: kvp_view_block.head and block_pos0). The pool calls it instead
+   * of decode; with it set, decode may be NULL. */
+  int (*decode_at)(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n,
+                   uint32_t cap_tokens, uint32_t t0, uint32_t m, void *dst, size_t dst_stride, kvp_dtype out);
+  /* Host bytes of static data the instance holds (calibration: scales,
+   * codebooks), fixed from create to destroy; counted in the stats as
+   * bytes.codec_static. NULL: none. */
+  size_t (*static_bytes)(const void *inst);
+  /* Present m rows kept RAW in the appended dtype (src, rows src_stride
+   * bytes apart: an OPEN block of a stream-mode sequence, before it is
+   * encoded) as this codec's decode would: rows at positions blk->pos0 + t0
+   * onward. For codecs whose decode transforms values by position (keys
+   * stored before RoPE); the pool calls it when reading an OPEN block of a
+   * layer bound to this codec. NULL: raw rows are returned as stored. */
+  int (*decode_raw_at)(const void *inst, const kvp_codec_block *blk, uint32_t t0, const void *src, size_t src_stride,
+                       uint32_t m, void *dst, size_t dst_stride, kvp_dtype out);
+
+  /* Token-by-token blocks (both or neither; with encode_at, decode_at and
+   * layout_at). When the K and the V codec of a layer have them, every
+   * block of that layer is built row by row in the codec's pages: in step
+   * mode as appended, and in stream mode the OPEN block is encoded as its
+   * tokens arrive (no RAW tail, no re-encode at seal) while its pages
+   * grow. Growth: the pool asks open_layout for the bytes the block needs
+   * after the new rows; a page whose size class still holds them grows in
+   * place, else the block moves to new pages (the old ones are retired
+   * after readers leave: the ledger counts both meanwhile), and the budget
+   * may refuse the append (KVP_EBUDGET, nothing changed).
+   *
+   * open_layout: exact bytes of each page of the block (cap_tokens, at
+   * blk) once it holds n_have + n_new rows. pages hold the first n_have
+   * rows (NULL when n_have = 0); src has the n_new new rows (src_stride
+   * bytes apart; NULL with n_new = 0 asks the bytes of the rows held).
+   * Page types and order as layout_at's; every page at least 1 byte; the
+   * bytes may depend on the data (outliers over a threshold). The pool's
+   * check compares every block's pages with open_layout(pages, n, NULL, 0).
+   * A dry pool (KVP_POOL_DRY) holds no rows: it passes pages = NULL with
+   * n_have > 0, and a codec whose bytes depend only on the row counts
+   * answers as usual, while one that must read the rows it holds returns
+   * KVP_ENOTSUP (kvp_pool_create of a dry pool asks once and refuses it).
+   * Returns KVP_OK, KVP_ECODEC or KVP_ENOTSUP. */
+  int (*open_layout)(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
+                     const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens, kvp_codec_layout *out);
+  /* Encode rows [n_have, n_have + n_new) into pages sized by open_layout
+   * for n_have + n_new rows, leaving every byte that describes the first
+   * n_have rows as it is (readers may be decoding them). Returns KVP_OK or
+   * KVP_ECODEC. */
+  int (*encode_rows)(const void *inst, const kvp_codec_block *blk, void *state, void *const *pages, uint32_t n_have,
+                     const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens);
 } kvp_codec_vtable;
 
 /* Register a codec under vt->name for every pool created afterwards
@@ -104,6 +186,34 @@ KVP_API int kvp_codec_find(const char *name, uint32_t *id);
 /* The vtable of a registered id (e.g. a view's kvp_view_block.codec, to
  * decode pages on the host), or NULL. Lock-free. */
 KVP_API const kvp_codec_vtable *kvp_codec_get(uint32_t id);
+
+/* ------------------------------------------------------------------------
+ * KVQuant calibration (the built-in codec "kvquant", spec
+ * "kvquant:calib=PATH"): fit per-channel thresholds and non-uniform
+ * codebooks from K and V samples and write the calibration file (format in
+ * codecs/kvquant_calib.c). Since 0.2.0.
+ *
+ *   create     geometry, code width (2, 3, 4) and outlier fraction [0, 0.5)
+ *   add        every sample token of one (layer, head, K|V) at once: n_tokens
+ *              rows of head_dim floats, stride floats apart; w (same shape,
+ *              >= 0: Fisher information) weighs the codebook fit, NULL = 1.
+ *              Each (layer, head, side) exactly once.
+ *   synthetic  add every (layer, head, side) from the built-in generator:
+ *              n_seqs sequences of seq_tokens tokens (seeds seed..seed+n-1)
+ *   write      fit the codebooks and write the file (every head added)
+ *
+ * Errors: KVP_EINVAL (argument, non-finite sample, head added twice or
+ * missing, file not writable; named in kvp_last_error), KVP_ENOMEM. Not
+ * thread-safe on one object.
+ * ---------------------------------------------------------------------- */
+typedef struct kvp_kvquant_calib kvp_kvquant_calib; /* opaque */
+KVP_API int kvp_kvquant_calib_create(uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim, uint32_t bits,
+                                     double outlier_fraction, kvp_kvquant_calib **out);
+KVP_API int kvp_kvquant_calib_add(kvp_kvquant_calib *c, uint32_t layer, uint32_t head, uint32_t kv, const float *x,
+                                  const float *w, size_t stride, uint32_t n_tokens);
+KVP_API int kvp_kvquant_calib_synthetic(kvp_kvquant_calib *c, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens);
+KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path);
+KVP_API void kvp_kvquant_calib_destroy(kvp_kvquant_calib *c); /* NULL is fine */
 
 #ifdef __cplusplus
 }

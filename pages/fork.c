@@ -40,7 +40,9 @@ static void child_undo(kvp_pool *pool, kvp__seq *c) {
 /* Copy the OPEN block b of (layer, head) for the child. */
 static int copy_open(kvp_pool *pool, uint64_t child, uint32_t layer, uint32_t head, const kvp__block *b,
                      kvp__block **out) {
-  int rc = kvp__block_new(pool, child, layer, head, b->pos0, b->cap_tokens, b->raw, out);
+  kvp_codec_layout lay[2]; /* as the block has them now (a row-wise OPEN block's pages grow) */
+  kvp__block_layouts(b, lay);
+  int rc = kvp__block_new_sized(pool, child, layer, head, b->pos0, b->cap_tokens, b->raw, lay, out);
   if (rc) return rc;
   kvp__block *nb = *out;
   kvp__block_set_n(nb, b->n_tokens);
@@ -107,7 +109,9 @@ static uint64_t open_copy_bytes(kvp_pool *pool, const kvp__seq *p) {
   uint64_t sum = 0;
   for (uint32_t i = 0; i < pool->cfg.n_layers * pool->cfg.n_kv_heads; i++)
     for (const kvp__bref *b = p->streams[i].blocks; b; b = b->next)
-      if (!b->blk->sealed) sum += kvp__block_class_bytes(pool, i / pool->cfg.n_kv_heads, b->blk->raw, b->blk->cap_tokens);
+      if (!b->blk->sealed)
+        for (int kv = 0; kv < 2; kv++)
+          for (unsigned j = 0; j < b->blk->npages[kv]; j++) sum += kvp__page_alloc_bytes(&b->blk->pages[kv][j]);
   return sum;
 }
 
@@ -178,12 +182,23 @@ static int check_runs(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t *retaine
   return KVP_OK;
 }
 
-/* A block's pages are exactly its binding's layout for its capacity. */
-static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l) {
+/* A block's pages are exactly its binding's layout for its capacity (for a
+ * row-wise codec: its open layout for the rows it holds). */
+static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l, uint32_t h) {
   for (int kv = 0; kv < 2; kv++) {
     const kvp__binding *bd = kvp__block_binding(pool, l, kv, b);
     kvp_codec_layout lay;
-    bd->vt->layout(bd->inst, b->cap_tokens, &lay);
+    if (!b->raw && kvp__layer_rowwise(pool, l)) {
+      const void *pages[KVP_CODEC_MAX_PAGES];
+      bool dry = pool->cfg.flags & KVP_POOL_DRY; /* no rows held: sized by count */
+      for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+      kvp_codec_block where = {h, b->pos0};
+      if (bd->vt->open_layout(bd->inst, &where, dry ? NULL : pages, b->n_tokens, NULL, 0, 0, b->cap_tokens, &lay))
+        return CORRUPT("block at position %u of layer %u head %u: codec %s cannot lay out its %u rows", b->pos0, l, h,
+                       bd->vt->name, b->n_tokens);
+    } else {
+      kvp__bind_layout(bd, b->pos0, b->cap_tokens, &lay);
+    }
     if (lay.npages != b->npages[kv])
       return CORRUPT("block at position %u of layer %u: %u %c pages, codec %s lays out %u", b->pos0, l, b->npages[kv],
                      "KV"[kv], bd->vt->name, lay.npages);
@@ -211,9 +226,9 @@ static int check_stream(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t h, uin
                      (unsigned long long)s->id, l, h, blk->pos0, blk->n_tokens, blk->cap_tokens);
     if (s->mode == KVP_SEQ_STEP && !blk->sealed)
       return CORRUPT("seq %llu layer %u head %u: an OPEN block in step mode", (unsigned long long)s->id, l, h);
-    if (!blk->raw && !blk->sealed)
+    if (!blk->raw && !blk->sealed && !kvp__layer_rowwise(pool, l))
       return CORRUPT("seq %llu layer %u head %u: an encoded block that is not sealed", (unsigned long long)s->id, l, h);
-    int lrc = check_layout(pool, blk, l);
+    int lrc = check_layout(pool, blk, l, h);
     if (lrc) return lrc;
     end = blk->pos0 + blk->n_tokens;
     if (blk->check_epoch != cc->epoch) {

@@ -155,6 +155,11 @@ static inline const kvp__binding *kvp__block_binding(const kvp_pool *p, uint32_t
  * with relaxed atomics, readers that look at it load it so. */
 static inline void kvp__block_set_n(kvp__block *b, uint32_t n) { __atomic_store_n(&b->n_tokens, n, __ATOMIC_RELAXED); }
 static inline uint32_t kvp__block_n(const kvp__block *b) { return __atomic_load_n(&b->n_tokens, __ATOMIC_RELAXED); }
+/* Layout of a block of cap tokens whose row 0 is at pos0 under binding bd. */
+static inline void kvp__bind_layout(const kvp__binding *bd, uint32_t pos0, uint32_t cap, kvp_codec_layout *out) {
+  if (bd->vt->layout_at) bd->vt->layout_at(bd->inst, pos0, cap, out);
+  else bd->vt->layout(bd->inst, cap, out);
+}
 static inline bool kvp__run_has(const kvp__run *r, uint32_t head) { return (r->mask[head / 64] >> (head % 64)) & 1; }
 
 /* Visit every live page of the pool (for kvp_check). */
@@ -200,8 +205,27 @@ void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
  * (the tail binding) or the layer's codec; writer. */
 int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
                    kvp__block **out);
-/* Allocated bytes of one block, K + V. */
-uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t cap);
+/* A block with pages of the given layouts (lay[0] K, lay[1] V). */
+int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                         bool raw, const kvp_codec_layout *lay, kvp__block **out);
+/* The layouts a block's pages have now (types and requested bytes). */
+void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
+/* The last run of the layer ends at step and retains exactly mask's heads. */
+bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask);
+/* Make an append's positions visible: link run (new) or extend the last
+ * run to end_pos (run NULL); nothing when no head was stored. */
+void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored);
+
+/* pages/rowwise.c: appends to layers whose K and V codecs build blocks row
+ * by row (open_layout/encode_rows): no RAW tail, OPEN blocks grow. */
+static inline bool kvp__bind_rowwise(const kvp__binding *b) { return b->vt->open_layout && b->vt->encode_rows; }
+static inline bool kvp__layer_rowwise(const kvp_pool *p, uint32_t layer) {
+  return kvp__bind_rowwise(&p->bind[2 * layer]) && kvp__bind_rowwise(&p->bind[2 * layer + 1]);
+}
+int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
+
+/* Allocated bytes of one block at position pos0, K + V. */
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);
 
 /* pages/pool.c: codec bindings from the spec. */
 int kvp__bindings_init(kvp_pool *pool, const char *spec);

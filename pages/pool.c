@@ -96,13 +96,15 @@ static int layout_ok(const kvp__binding *b, uint32_t cap) {
 /* Instantiate e's codec for (layer, kv) into b; messages name the binding. */
 static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer, int kv, kvp__binding *b) {
   const kvp_config *c = &pool->cfg;
-  kvp_codec_geom g = {c->head_dim, kv ? c->v_dtype : c->k_dtype, layer, (uint32_t)kv};
+  kvp_codec_geom g = {c->head_dim, kv ? c->v_dtype : c->k_dtype, layer, (uint32_t)kv, c->n_layers, c->n_kv_heads};
   char err[256] = "";
   size_t at = 0;
   b->vt = kvp__codec_get(e->id);
   b->id = e->id;
   int rc = b->vt->create(e->params ? e->params : "", &g, &b->inst, err, sizeof err, &at);
   if (rc == KVP_ENOMEM) return kvp__err(KVP_ENOMEM, "codec %s instance", b->vt->name);
+  if (rc == KVP_EFORMAT)
+    return kvp__err(KVP_EFORMAT, "config.codecs: %s for layer %u %c: %s", b->vt->name, layer, "KV"[kv], err);
   if (rc) return kvp__err(KVP_EINVAL, "config.codecs: %s for layer %u %c (parameters \"%s\", at offset %zu): %s",
                           b->vt->name, layer, "KV"[kv], e->params ? e->params : "", at, err);
   b->group = b->vt->group_tokens(b->inst);
@@ -116,6 +118,19 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
   if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && !b->passthrough) /* dry: nothing is encoded */
     return kvp__err(KVP_ENOTSUP, "config.codecs: a CUDA region stores raw tokens in the appended dtype until device "
                                  "codecs exist (layer %u %c asks for %s)", layer, "KV"[kv], b->vt->name);
+  if ((c->flags & KVP_POOL_DRY) && kvp__bind_rowwise(b)) {
+    /* A dry pool holds no rows: a row-wise codec must size an OPEN block
+     * from its row count alone (pages = NULL), which it answers here. */
+    kvp_codec_layout lay;
+    kvp_codec_block where = {0, 0};
+    rc = b->vt->open_layout(b->inst, &where, NULL, 1, NULL, 0, 0, c->block_tokens, &lay);
+    if (rc) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", kvp_last_error()); /* kvp__err rewrites the message it reads */
+      return kvp__err(KVP_ENOTSUP, "config.codecs: %s for layer %u %c sizes its pages from the rows it holds, and a dry "
+                      "pool (KVP_POOL_DRY) holds none (%s)", b->vt->name, layer, "KV"[kv], why);
+    }
+  }
   return KVP_OK;
 }
 
@@ -238,9 +253,14 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->sequences = l.sequences;
   out->bytes_retired = l.retired;
   out->codec_state_bytes = l.codec_state;
+  for (uint32_t i = 0; i < 2 * pool->cfg.n_layers; i++) {
+    const kvp__binding *b = &pool->bind[i];
+    if (b->vt->static_bytes) out->codec_static_bytes += b->vt->static_bytes(b->inst);
+  }
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
-  if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
+  uint64_t span = atomic_load_explicit(&pool->alloc.ext.hwm_bytes, memory_order_relaxed);
+  if (r->ops->usage(r, span, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
     out->device_used_bytes = out->device_total_bytes = 0; /* probe failed: reported as unknown (0) */
   for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) kvp__usage_read(&pool->stats.page_types[i], &out->page_types[i]);
   for (uint32_t i = 0; i < 2; i++) kvp__usage_read(&pool->stats.kv[i], &out->kv[i]);

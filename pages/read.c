@@ -86,12 +86,25 @@ static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
       uint64_t row = (uint64_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
       rc = pool->alloc.region.ops->read2d(&pool->alloc.region, dst, orow, b->pages[kv][0].off + t0 * row, row, row, m,
                                           q->stream);
+    } else if (b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at) { /* the codec presents its raw rows */
+      const kvp__binding *lb = &pool->bind[2 * c->layer + kv];
+      size_t row = (size_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
+      kvp_codec_block where = {q->head, b->pos0};
+      rc = lb->vt->decode_raw_at(lb->inst, &where, t0, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[kv][0]) + t0 * row, row,
+                                 m, dst, orow, q->out_dtype);
+      if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to present raw rows of layer %u %c (status %d)", lb->vt->name,
+                            c->layer, "KV"[kv], rc);
     } else {
       const void *pages[KVP_CODEC_MAX_PAGES];
       for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
       /* an encoded block's count is fixed; a raw OPEN block's still grows (raw decode ignores it) */
       uint32_t n = kvp__block_n(b);
-      rc = bd->vt->decode(bd->inst, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
+      if (bd->vt->decode_at) {
+        kvp_codec_block where = {q->head, b->pos0};
+        rc = bd->vt->decode_at(bd->inst, &where, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
+      } else {
+        rc = bd->vt->decode(bd->inst, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
+      }
       if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to decode layer %u %c (status %d)", bd->vt->name, c->layer,
                             "KV"[kv], rc);
     }

@@ -73,12 +73,12 @@ void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
 
 /* ---- blocks ------------------------------------------------------------ */
 
-uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t cap) {
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap) {
   uint64_t sum = 0;
   for (int kv = 0; kv < 2; kv++) {
     const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
     kvp_codec_layout lay;
-    bd->vt->layout(bd->inst, cap, &lay);
+    kvp__bind_layout(bd, pos0, cap, &lay);
     for (unsigned i = 0; i < lay.npages; i++) sum += kvp__sc_size(kvp__sc_index(lay.bytes[i]));
   }
   return sum;
@@ -95,6 +95,25 @@ static void free_pages(kvp_pool *pool, kvp__block *b) {
 
 int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
                    kvp__block **out) {
+  kvp_codec_layout lay[2];
+  for (int kv = 0; kv < 2; kv++)
+    kvp__bind_layout(raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv], pos0, cap, &lay[kv]);
+  return kvp__block_new_sized(pool, seq, layer, head, pos0, cap, raw, lay, out);
+}
+
+void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay) {
+  for (int kv = 0; kv < 2; kv++) {
+    memset(&lay[kv], 0, sizeof lay[kv]);
+    lay[kv].npages = b->npages[kv];
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
+      lay[kv].types[i] = (kvp_page_type)b->pages[kv][i].tag.type;
+      lay[kv].bytes[i] = b->pages[kv][i].requested_bytes;
+    }
+  }
+}
+
+int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                         bool raw, const kvp_codec_layout *lays, kvp__block **out) {
   kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
   if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
   b->pos0 = pos0;
@@ -102,8 +121,7 @@ int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, 
   b->raw = raw;
   for (int kv = 0; kv < 2; kv++) {
     const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
-    kvp_codec_layout lay;
-    bd->vt->layout(bd->inst, cap, &lay);
+    const kvp_codec_layout lay = lays[kv];
     for (unsigned i = 0; i < lay.npages; i++) {
       kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
       int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pages[kv][i]);
@@ -190,7 +208,8 @@ typedef struct append_plan {
 
 static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
 
-static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, const uint64_t *skip, append_plan *pl) {
+static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const uint64_t *skip,
+                       append_plan *pl) {
   uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens, H = pool->cfg.n_kv_heads;
   kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
   bool stream = s->mode == KVP_SEQ_STREAM;
@@ -209,10 +228,12 @@ static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, const uint64
   pl->last_raw = stream && rest % bt != 0;
   pl->nb = pl->nnew + pl->reseal;
   uint64_t per_head = 0;
-  if (pl->nnew)
-    per_head = (uint64_t)(pl->nnew - 1) * kvp__block_class_bytes(pool, layer, false, bt) +
-               kvp__block_class_bytes(pool, layer, pl->last_raw, pl->last_cap);
-  if (pl->reseal) per_head += kvp__block_class_bytes(pool, layer, false, tail->blk->cap_tokens);
+  uint32_t start = pos + pl->fill;
+  for (uint32_t j = 0; j < pl->nnew; j++) {
+    bool last = j + 1 == pl->nnew;
+    per_head += kvp__block_class_bytes(pool, layer, last && pl->last_raw, start + j * bt, last ? pl->last_cap : bt);
+  }
+  if (pl->reseal) per_head += kvp__block_class_bytes(pool, layer, false, tail->blk->pos0, tail->blk->cap_tokens);
   pl->bytes = (uint64_t)(H - pl->nskip) * per_head;
 }
 
@@ -224,7 +245,7 @@ static void stored_mask(const kvp_pool *pool, const append_plan *pl, uint64_t *m
 }
 
 /* The last run ends at this step and retains exactly the stored heads. */
-static bool run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
+bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
   const kvp__run *r = L->last;
   if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
   return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
@@ -250,7 +271,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   bool ok = pl->blocks && pl->brefs;
   uint64_t mask[KVP_MAX_KV_HEADS / 64];
   stored_mask(pool, pl, mask);
-  if (ok && pl->nskip < H && !run_extends(pool, &s->layers[layer], step, mask))
+  if (ok && pl->nskip < H && !kvp__run_extends(pool, &s->layers[layer], step, mask))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
     ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
@@ -291,10 +312,10 @@ static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
   for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
 }
 
-/* Write n rows of one side into block b from token t0 (t0 > 0 only for a
- * raw OPEN block); rows src_stride bytes apart. */
-static int write_rows(kvp_pool *pool, uint32_t layer, kvp__block *b, int kv, uint32_t t0, const unsigned char *src,
-                      size_t stride, uint32_t n, void *stream, void *state) {
+/* Write n rows of one side into block b of head from token t0 (t0 > 0 only
+ * for a raw OPEN block); rows src_stride bytes apart. */
+static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block *b, int kv, uint32_t t0,
+                      const unsigned char *src, size_t stride, uint32_t n, void *stream, void *state) {
   const kvp__binding *bd = kvp__block_binding(pool, layer, kv, b);
   if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw in the appended dtype only: checked at create */
     uint64_t row = (uint64_t)pool->cfg.head_dim * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
@@ -308,8 +329,15 @@ static int write_rows(kvp_pool *pool, uint32_t layer, kvp__block *b, int kv, uin
     pages[0] = (unsigned char *)pages[0] + (size_t)t0 * pool->cfg.head_dim * kvp__dtype_bytes(
                                                kvp__raw_store_dtype(bd->inst));
   }
-  int rc = state && !b->raw ? bd->vt->encode_stateful(bd->inst, state, src, stride, n, b->cap_tokens, pages)
-                            : bd->vt->encode(bd->inst, src, stride, n, b->cap_tokens, pages);
+  int rc;
+  if (bd->vt->encode_at) {
+    kvp_codec_block where = {head, b->pos0};
+    rc = bd->vt->encode_at(bd->inst, &where, b->raw ? NULL : state, src, stride, n, b->cap_tokens, pages);
+  } else if (state && !b->raw) {
+    rc = bd->vt->encode_stateful(bd->inst, state, src, stride, n, b->cap_tokens, pages);
+  } else {
+    rc = bd->vt->encode(bd->inst, src, stride, n, b->cap_tokens, pages);
+  }
   return rc ? kvp__err(KVP_ECODEC, "codec %s failed to encode layer %u %c (status %d)", bd->vt->name, layer, "KV"[kv],
                        rc)
             : KVP_OK;
@@ -353,11 +381,11 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
   int rc = KVP_OK;
   if (pl->fill) {
     kvp__block *tail = st->tail->blk;
-    rc = write_rows(pool, layer, tail, side, tail->n_tokens, src, stride, pl->fill, stream, NULL);
+    rc = write_rows(pool, layer, h, tail, side, tail->n_tokens, src, stride, pl->fill, stream, NULL);
     if (!rc && pl->reseal) { /* encode the whole tail from its raw rows */
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
       size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
-      rc = write_rows(pool, layer, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pages[side][0]), row,
+      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pages[side][0]), row,
                       tail->cap_tokens, stream, state);
     }
   }
@@ -365,7 +393,7 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
   for (uint32_t j = 0; !rc && j < pl->nnew; j++) {
     kvp__block *b = pl->blocks[h * pl->nb + j];
     uint32_t m = s->cur_tokens - done < b->cap_tokens ? s->cur_tokens - done : b->cap_tokens;
-    rc = write_rows(pool, layer, b, side, 0, src + done * stride, stride, m, stream, state);
+    rc = write_rows(pool, layer, h, b, side, 0, src + done * stride, stride, m, stream, state);
     done += m;
   }
   return rc;
@@ -431,20 +459,24 @@ static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h
 static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
-  kvp__layer *L = &s->layers[layer];
-  if (pl->nskip == H) {
-  } else if (pl->run) {
-    if (L->last) kvp__rcu_assign(L->last->next, pl->run);
-    else kvp__rcu_assign(L->runs, pl->run);
-    L->last = pl->run;
-  } else {
-    atomic_store_explicit(&L->last->s1, atomic_load_explicit(&L->last->s1, memory_order_relaxed) + 1,
-                          memory_order_relaxed);
-    atomic_store_explicit(&L->last->p1, pos + n, memory_order_release);
-  }
+  kvp__run_publish(s, layer, pos + n, pl->run, pl->nskip == H);
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
+}
+
+void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored) {
+  kvp__layer *L = &s->layers[layer];
+  if (none_stored) {
+  } else if (run) {
+    if (L->last) kvp__rcu_assign(L->last->next, run);
+    else kvp__rcu_assign(L->runs, run);
+    L->last = run;
+  } else {
+    atomic_store_explicit(&L->last->s1, atomic_load_explicit(&L->last->s1, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&L->last->p1, end_pos, memory_order_release);
+  }
 }
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
@@ -461,10 +493,11 @@ int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv 
 }
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
+  if (kvp__layer_rowwise(pool, layer)) return kvp__append_rowwise(pool, s, layer, kv, skip);
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;
-  plan_shape(pool, s, layer, skip, &pl);
+  plan_shape(pool, s, layer, pos, skip, &pl);
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes))
     return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "

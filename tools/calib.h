@@ -11,6 +11,7 @@
 
 int kvp_calib_heatkv_main(int argc, char **argv); /* orders from attention mass */
 int kvp_calib_plan_main(int argc, char **argv);   /* inspect a HeatKV plan */
+int kvp_calib_kvquant_main(int argc, char **argv); /* kvquant codebooks and per-channel thresholds */
 
 /* A model whose geometry and generation schedule kvpool-calib knows. */
 typedef struct calib_preset {

@@ -4,7 +4,8 @@
  *
  *   kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]
  *
- * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs).
+ * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
+ * kvquant_calib_s).
  *
  * Figures
  *   alloc_free_pair_ns  median cost of one alloc + one free over a page-size
@@ -21,11 +22,19 @@
  *                       (seq, layer) in step mode; baseline: memcpy.
  *   read_ns_per_token   kvp_read of every head of a (seq, layer), per retained
  *                       token; baseline: memcpy of the same bytes.
+ *   dry_append_ns      a 4096-token step-mode append per (seq, layer) on a dry
+ *                       pool (KVP_POOL_DRY: counted, no payload), raw bf16 and
+ *                       nvfp4; baseline: the same append on a normal pool.
  *   codec_encode_gbs    host encode and decode throughput per codec, one core, in
  *   codec_decode_gbs    GB/s of bf16-equivalent bytes (D = 128, bf16 in and out,
  *                       4096-token blocks); baseline: memcpy of those bytes.
  *                       qvg and qvg-pro (k-means per block, cold start) run
- *                       one round.
+ *                       one round. kvquant (K side, 1% outliers) per bit
+ *                       width 2, 3, 4.
+ *   kvquant_calib_s     seconds to fit and write a kvquant calibration for
+ *                       L = 32, H = 32, D = 128 from 16 x 2048 synthetic
+ *                       tokens (--quick: L = 2), one round; baseline:
+ *                       memcpy of the samples' f32 bytes.
  * Each figure is the median of R rounds; rounds alternate kvpool and the
  * baseline so drift hits both alike. Public header only.
  */
@@ -34,6 +43,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "pagemix.h" /* first: it opts in to the experimental page API */
 #include "kvpool_codec.h"
@@ -252,6 +262,69 @@ static seq_figs bench_seqs(int rounds, int steps) {
   return f;
 }
 
+/* ---- dry pools: what an append costs without payload ------------------------ */
+
+typedef struct dry_fig {
+  double dry, normal; /* ns per (seq, layer) append of a 4096-token step */
+} dry_fig;
+
+/* A 4096-token step-mode append per (seq, layer) on a dry pool, against the
+ * same append on a normal (prefaulted) pool with the same codecs: the
+ * baseline. The dry pool still screens the input for NaN and runs the
+ * allocator, the ledger and the stats. */
+static dry_fig bench_dry(const char *codecs, int rounds) {
+  double a[32], b[32];
+  size_t elems = (size_t)4096 * BH * BD;
+  uint16_t *k = malloc(elems * 2), *v = malloc(elems * 2);
+  fill_bf16(k, elems, 3);
+  fill_bf16(v, elems, 4);
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  kvp_pool *pools[2];
+  for (int d = 0; d < 2; d++) {
+    kvp_config c;
+    kvp_config_init(&c);
+    c.n_layers = BL;
+    c.n_kv_heads = BH;
+    c.head_dim = BD;
+    c.region_bytes = 1ull << 30;
+    c.block_tokens = 4096;
+    c.codecs = codecs;
+    c.flags = d ? KVP_POOL_DRY : KVP_POOL_PREFAULT;
+    int rc = kvp_pool_create(&c, &pools[d]);
+    if (rc) die("kvp_pool_create (dry bench)", rc);
+  }
+  for (int r = -1; r < rounds; r++) /* round -1 warms both */
+    for (int d = 0; d < 2; d++) {
+      if (kvp_seq_add(pools[d], 1, &sc)) die("kvp_seq_add", -1);
+      double t0 = now_ns();
+      one_step(pools[d], 1, 4096, k, v);
+      double dt = (now_ns() - t0) / BL;
+      if (kvp_seq_free(pools[d], 1)) die("kvp_seq_free", -1);
+      if (r >= 0) (d ? a : b)[r] = dt;
+    }
+  for (int d = 0; d < 2; d++) kvp_pool_destroy(pools[d]);
+  free(k), free(v);
+  dry_fig f = {median(a, rounds), median(b, rounds)};
+  return f;
+}
+
+static void print_dry(int rounds, int json_only) {
+  static const struct {
+    const char *label, *codecs;
+  } cfg[] = {{"raw bf16", NULL}, {"nvfp4", "kv=nvfp4"}};
+  for (size_t i = 0; i < sizeof cfg / sizeof *cfg; i++) {
+    dry_fig f = bench_dry(cfg[i].codecs, rounds);
+    if (!json_only)
+      printf("%-34s %10.1f us %10.1f us %9.3fx   (4096-token step per (seq, layer); baseline: the same on a normal pool)\n",
+             cfg[i].codecs ? "dry append, nvfp4" : "dry append, raw bf16", f.dry / 1e3, f.normal / 1e3, f.dry / f.normal);
+    printf("{\"figure\":\"dry_append_ns\",\"codecs\":\"%s\",\"kvpool\":%.1f,\"baseline\":\"normal pool\","
+           "\"baseline_value\":%.1f,\"ratio\":%.4f,\"tokens\":4096}\n",
+           cfg[i].label, f.dry, f.normal, f.dry / f.normal);
+  }
+}
+
 /* ---- codecs: host encode/decode throughput --------------------------------- */
 
 typedef struct codec_fig {
@@ -268,13 +341,15 @@ static codec_fig bench_codec(const char *name, const char *params, int rounds, d
   uint32_t id;
   if (kvp_codec_find(name, &id)) die("kvp_codec_find", KVP_ENOENT);
   const kvp_codec_vtable *vt = kvp_codec_get(id);
-  kvp_codec_geom g = {CD, KVP_DTYPE_BF16, 0, 0};
+  kvp_codec_geom g = {CD, KVP_DTYPE_BF16, 0, 0, 1, 1};
   void *inst;
   char err[256];
   size_t at;
   if (vt->create(params, &g, &inst, err, sizeof err, &at)) die(err, KVP_EINVAL);
   kvp_codec_layout lay;
-  vt->layout(inst, CAP, &lay);
+  vt->layout(inst, CAP, &lay); /* a block far from position 0 (no sink rows) */
+  kvp_codec_block where[NB];
+  for (int b = 0; b < NB; b++) where[b] = (kvp_codec_block){0, (1u << 20) + (uint32_t)b * CAP};
   void *pages[NB][KVP_CODEC_MAX_PAGES];
   size_t bytes = (size_t)CAP * CD * 2;
   uint16_t *src = malloc(bytes * NB), *dst = malloc(bytes * NB);
@@ -286,11 +361,15 @@ static codec_fig bench_codec(const char *name, const char *params, int rounds, d
   for (int r = 0; r < rounds; r++) {
     double t0 = now_ns();
     for (int b = 0; b < NB; b++)
-      if (vt->encode(inst, src + (size_t)b * CAP * CD, CD * 2, CAP, CAP, pages[b])) die("encode", KVP_ECODEC);
+      if (vt->encode_at ? vt->encode_at(inst, &where[b], NULL, src + (size_t)b * CAP * CD, CD * 2, CAP, CAP, pages[b])
+                        : vt->encode(inst, src + (size_t)b * CAP * CD, CD * 2, CAP, CAP, pages[b]))
+        die("encode", KVP_ECODEC);
     double t1 = now_ns();
     for (int b = 0; b < NB; b++)
-      if (vt->decode(inst, (const void *const *)pages[b], CAP, CAP, 0, CAP, dst + (size_t)b * CAP * CD, CD * 2,
-                     KVP_DTYPE_BF16))
+      if (vt->decode_at ? vt->decode_at(inst, &where[b], (const void *const *)pages[b], CAP, CAP, 0, CAP,
+                                        dst + (size_t)b * CAP * CD, CD * 2, KVP_DTYPE_BF16)
+                        : vt->decode(inst, (const void *const *)pages[b], CAP, CAP, 0, CAP, dst + (size_t)b * CAP * CD,
+                                     CD * 2, KVP_DTYPE_BF16))
         die("decode", KVP_ECODEC);
     double t2 = now_ns();
     memcpy(dst, src, bytes * NB);
@@ -421,7 +500,10 @@ static void print_codecs(int quick, int json_only) {
                 {"nvfp4", "", "nvfp4 rule 6", 0},
                 {"nvfp4", "rule=4/6:ksmooth=store", "nvfp4 4/6 + ksmooth", 0},
                 {"qvg", "", "qvg s1 g64 b2 K256", 1},
-                {"qvg-pro", "", "qvg-pro s4 g16 b2 K256", 1}};
+                {"qvg-pro", "", "qvg-pro s4 g16 b2 K256", 1},
+                {"kvquant", "bits=2", "kvquant nuq2 1% (K)", 0},
+                {"kvquant", "bits=3", "kvquant nuq3 1% (K)", 0},
+                {"kvquant", "bits=4", "kvquant nuq4 1% (K)", 0}};
   for (size_t i = 0; i < sizeof codecs / sizeof codecs[0]; i++) {
     double mc;
     int crounds = codecs[i].rounds ? codecs[i].rounds : quick ? 3 : 9;
@@ -433,6 +515,44 @@ static void print_codecs(int quick, int json_only) {
            "\"baseline\":\"memcpy\",\"baseline_gbs\":%.3f,\"encode_ratio\":%.3f,\"decode_ratio\":%.3f}\n",
            codecs[i].label, cf.enc, cf.dec, mc, cf.enc / mc, cf.dec / mc);
   }
+}
+
+/* kvquant calibration: fitting per-channel thresholds and nuq3 codebooks
+ * for L x H heads of D channels, K and V, from S synthetic sequences of T
+ * tokens, and writing the file; baseline: memcpy of the samples' f32
+ * bytes (what the fit reads), through a 64 MiB buffer. One round (the fit
+ * is long); --quick fits 2 layers. */
+static void print_kvquant_calib(int quick, int json_only) {
+  const uint32_t L = quick ? 2 : 32, H = 32, D = 128, S = 16, T = 2048;
+  char path[] = "/tmp/kvpool-bench-kvqXXXXXX";
+  int fd = mkstemp(path);
+  if (fd < 0) die("mkstemp", KVP_EINVAL);
+  close(fd);
+  kvp_kvquant_calib *c;
+  double t0 = now_ns();
+  int rc = kvp_kvquant_calib_create(L, H, D, 3, 0.01, &c);
+  if (rc) die("kvp_kvquant_calib_create", rc);
+  if ((rc = kvp_kvquant_calib_synthetic(c, 0, S, T))) die("kvp_kvquant_calib_synthetic", rc);
+  if ((rc = kvp_kvquant_calib_write(c, path))) die("kvp_kvquant_calib_write", rc);
+  double fit_s = (now_ns() - t0) / 1e9;
+  kvp_kvquant_calib_destroy(c);
+  unlink(path);
+  size_t buf = 64u << 20;
+  uint64_t total = (uint64_t)L * H * 2 * S * T * D * sizeof(float);
+  char *a = malloc(buf), *b = malloc(buf);
+  memset(a, 1, buf), memset(b, 2, buf);
+  double t1 = now_ns();
+  for (uint64_t done = 0; done < total; done += buf) {
+    memcpy(b, a, buf);
+    __asm__ volatile("" : : "r"(b) : "memory");
+  }
+  double mc_s = (now_ns() - t1) / 1e9;
+  free(a), free(b);
+  if (!json_only)
+    printf("kvquant calibration L=%u H=%u D=%u, %u x %u synthetic tokens: %.1f s (memcpy of the %.1f GB of samples: "
+           "%.2f s, %.0fx)\n", L, H, D, S, T, fit_s, (double)total / 1e9, mc_s, fit_s / mc_s);
+  printf("{\"figure\":\"kvquant_calib_s\",\"layers\":%u,\"heads\":%u,\"head_dim\":%u,\"tokens\":%u,\"seconds\":%.3f,"
+         "\"baseline\":\"memcpy\",\"baseline_s\":%.3f,\"ratio\":%.1f}\n", L, H, D, S * T, fit_s, mc_s, fit_s / mc_s);
 }
 
 int main(int argc, char **argv) {
@@ -450,6 +570,7 @@ int main(int argc, char **argv) {
   }
   if (codecs_only) {
     print_codecs(quick, json_only);
+    print_kvquant_calib(quick, json_only);
     return 0;
   }
   if (heatkv_only) {
@@ -525,7 +646,9 @@ int main(int argc, char **argv) {
   printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
          "\"ratio\":%.3f,\"tokens\":4096}\n",
          f.var, f.var_base, f.var / f.var_base);
+  print_dry(rounds, json_only);
   print_codecs(quick, json_only);
+  print_kvquant_calib(quick, json_only);
   print_heatkv(quick, json_only);
   printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
          "\"ratio\":%.3f}\n",

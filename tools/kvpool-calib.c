@@ -7,6 +7,8 @@
  *                         or from the built-in synthetic generator
  *   kvpool-calib plan     the HeatKV plan of a model, schedule and budget:
  *                         N, |E| and the largest occupancy per scale
+ *   kvpool-calib kvquant  the kvquant codec's calibration file from K/V
+ *                         samples (.npy) or the synthetic generator
  *
  * `kvpool-calib <command> --help` documents each command.
  */
@@ -74,6 +76,7 @@ static const struct {
 } COMMANDS[] = {
     {"heatkv", kvp_calib_heatkv_main, "HeatKV removal orders (S-CAS, CAS) from attention-mass summaries"},
     {"plan", kvp_calib_plan_main, "a HeatKV plan: N, |E| and peak occupancy per scale against the budget"},
+    {"kvquant", kvp_calib_kvquant_main, "kvquant calibration: per-channel thresholds and nuq codebooks from K/V samples"},
 };
 
 static void usage(FILE *f) {

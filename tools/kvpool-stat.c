@@ -575,18 +575,27 @@ static int run_plot(const char *path, const series *s, const char *png, const ch
   const double *x = col(s, "sim_time_s");
   const char *xlabel = "simulated time (s)";
   if (!x) x = col(s, "iter"), xlabel = "iteration";
-  const double *stack[NPT];
-  const char *stack_name[NPT];
-  size_t ns = 0;
+  /* the stack: every alloc_<page type> column holding bytes, the known page
+   * types first in their order (each keeps its color), then any other */
+  const double *stack[MAX_COLS];
+  const char *stack_name[MAX_COLS];
+  size_t stack_color[MAX_COLS], ns = 0;
   double ymax = 0;
-  for (size_t p = 0; p < NPT; p++) {
-    char name[32];
-    snprintf(name, sizeof name, "alloc_%s", page_types[p]);
-    const double *c = col(s, name);
-    bool any = false;
-    for (size_t i = 0; c && i < s->nrows; i++) any |= c[i] != 0;
-    if (any) stack[ns] = c, stack_name[ns++] = page_types[p];
-  }
+  for (size_t pass = 0; pass < 2; pass++)
+    for (size_t c = 0; c < s->ncols; c++) {
+      const char *name = s->name[c];
+      if (strncmp(name, "alloc_", 6) || !name[6]) continue;
+      size_t pi = 0;
+      while (pi < NPT && strcmp(page_types[pi], name + 6)) pi++;
+      if ((pass == 0) != (pi < NPT)) continue;
+      bool any = false;
+      for (size_t i = 0; i < s->nrows; i++) any |= s->col[c][i] != 0;
+      if (!any) continue;
+      stack[ns] = s->col[c];
+      stack_name[ns] = name + 6;
+      stack_color[ns] = pi < NPT ? pi : NPT + ns;
+      ns++;
+    }
   static const char *const lines[] = {"device_used_bytes", "bf16_equivalent_bytes", "budget_bytes", "allocated_bytes"};
   static const char *const line_title[] = {"device-level bytes in use", "bf16-equivalent (uncompressed)",
                                            "budget", "allocated (total)"};
@@ -641,17 +650,17 @@ static int run_plot(const char *path, const series *s, const char *png, const ch
              "set key outside right top vertical box opaque spacing 1.3 width 1\nset yrange [0:*]\n"
              "set style fill solid 0.85 noborder\nset xrange [*:*] noextend\nset format y '%%g'\n",
           xlabel, uname);
-  static const char *const fill[] = {"#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f", "#b3b3b3"};
+  static const char *const fill[] = {"#66c2a5", "#fc8d62", "#8da0cb", "#e78ac3", "#a6d854", "#ffd92f",
+                                     "#b3b3b3", "#e5c494", "#8c564b", "#17becf", "#bcbd22", "#9467bd"};
   fprintf(g, "plot ");
   bool first = true;
   for (size_t p = 0; p < ns; p++) { /* each page type fills between the previous top and its own */
-    size_t pi = 0;
     char lower[24];
-    while (strcmp(page_types[pi], stack_name[p])) pi++;
     if (p) snprintf(lower, sizeof lower, "%zu", p + 1);
     else snprintf(lower, sizeof lower, "(0)");
     fprintf(g, "%s'%s' using 1:%s:%zu with filledcurves lc rgb '%s' title 'allocated: %s pages'",
-            first ? "" : ", \\\n  ", data, lower, p + 2, fill[pi], stack_name[p]);
+            first ? "" : ", \\\n  ", data, lower, p + 2, fill[stack_color[p] % (sizeof fill / sizeof *fill)],
+            stack_name[p]);
     first = false;
   }
   for (size_t l = 0; l < 4; l++) {

@@ -281,7 +281,7 @@ static uint64_t codec_state_bytes(const char *name, const char *params) {
   uint32_t id;
   ck_ok(kvp_codec_find(name, &id));
   const kvp_codec_vtable *vt = kvp_codec_get(id);
-  kvp_codec_geom g = {D, KVP_DTYPE_BF16, 0, 0};
+  kvp_codec_geom g = {D, KVP_DTYPE_BF16, 0, 0, L, H};
   void *inst;
   char err[128];
   size_t at;

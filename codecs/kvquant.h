@@ -1,0 +1,103 @@
+/*
+ * codecs/kvquant.h - what the KVQuant codec (codecs/kvquant.c) and its
+ * calibration (codecs/kvquant_calib.c) share: the calibration of one
+ * (layer, K|V) binding, the synthetic K/V generator, the fitter and the
+ * calibration file reader. Nothing of the pool.
+ *
+ * Calibration of one side of one layer, per head h and channel c:
+ *   off[h][c], rng[h][c]   K: the normalization n = (x - off) / rng
+ *                          (off, rng = middle and half-width of the
+ *                          percentile thresholds [q(f/2), q(1 - f/2)] of the
+ *                          channel's samples, f = the outlier fraction);
+ *                          V: the same figures rank a token's values for
+ *                          the outliers (|x - off| / rng, largest first)
+ *   lut[0 .. 2^b)          the layer's non-uniform codebook of the side, in
+ *                          the normalized domain [-1, 1], non-decreasing
+ */
+#ifndef KVP_CODECS_KVQUANT_H
+#define KVP_CODECS_KVQUANT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVP__KVQ_MAX_BITS 4u
+#define KVP__KVQ_LUT_MAX (1u << KVP__KVQ_MAX_BITS)
+
+/* One (layer, K|V) binding's calibration. */
+typedef struct kvp__kvq_side {
+  uint32_t n_heads;              /* H */
+  uint32_t head_dim;             /* D */
+  uint32_t bits;                 /* b: 2, 3 or 4 */
+  float *off;                    /* [H * D] per-channel offset (malloc) */
+  float *rng;                    /* [H * D] per-channel half range, > 0 (malloc) */
+  float lut[KVP__KVQ_LUT_MAX];   /* [2^b] codebook, non-decreasing, in [-1, 1] */
+} kvp__kvq_side;
+
+void kvp__kvq_side_free(kvp__kvq_side *s);
+
+/* Synthetic K or V of (seed, layer, head, kv) at positions pos0 .. pos0+n-1:
+ * rows of D floats, dst_stride floats apart: bias + scale z, z about
+ * N(0, 1). K has a per-channel bias and one channel in 32 (a phase per
+ * head) ten times larger; both sides have heavy tails (one value in 128,
+ * about, scaled by 2..5). Counter-based: any position can be regenerated
+ * alone. */
+void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
+                    uint32_t head_dim, float *dst, size_t dst_stride);
+
+/* The fitter of one side of one layer. */
+typedef struct kvp__kvq_fit {
+  uint32_t n_heads, head_dim, bits; /* H, D, b */
+  uint32_t kv;                      /* 0 = K (per channel), 1 = V (per token) */
+  double fraction;                  /* outlier fraction f */
+  float *off, *rng;                 /* [H * D], filled by fit_head */
+  float *inv;                       /* [H * D]: 1 / rng */
+  uint8_t *done;                    /* [H]: head fitted */
+  double *hw, *hwx;                 /* [KVP__KVQ_BINS]: weight and weighted sum per bin of [-1, 1] */
+} kvp__kvq_fit;
+
+#define KVP__KVQ_BINS 8192u
+
+/* k = ceil(f * D) outliers per token (f in [0, 0.5)). */
+uint32_t kvp__kvq_outliers_k(double fraction, uint32_t head_dim);
+
+int kvp__kvq_fit_init(kvp__kvq_fit *f, uint32_t n_heads, uint32_t head_dim, uint32_t bits, uint32_t kv, double fraction);
+void kvp__kvq_fit_free(kvp__kvq_fit *f);
+/* Fit head h from n samples (rows of D floats, x_stride floats apart) with
+ * optional weights w (same shape and stride, >= 0; NULL = 1): the
+ * per-channel figures, and the normalized dense values into the layer's
+ * histogram. KVP_EINVAL (message set) for n = 0, a head fitted twice, a
+ * non-finite sample or weight; KVP_ENOMEM. */
+int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, size_t x_stride, uint32_t n);
+/* The codebook: weighted Lloyd (k-means) in one dimension over the
+ * histogram, 2^b centroids seeded at the weighted quantiles (i + 1/2) / 2^b;
+ * an empty histogram gives the uniform codebook. Every head must be fitted. */
+int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut);
+
+/* The uniform codebook of 2^b entries: -1 + 2 i / (2^b - 1). */
+void kvp__kvq_uniform_lut(uint32_t bits, float *lut);
+
+/* Fit one binding from the synthetic generator: calib_tokens samples per
+ * head at positions 0.. of seed. Fills *out (owned). KVP_ENOMEM. */
+int kvp__kvq_fit_synthetic(uint64_t seed, uint32_t layer, uint32_t kv, uint32_t n_heads, uint32_t head_dim,
+                           uint32_t bits, double fraction, uint32_t calib_tokens, kvp__kvq_side *out);
+
+/* Load (layer, kv) from a calibration file for a pool of n_layers x
+ * n_heads x head_dim at b bits. KVP_EFORMAT with a message naming the file
+ * and the field (magic, version, n_layers, n_kv_heads, head_dim, bits,
+ * size, crc32, a layer's off/rng/lut), KVP_ENOENT-like open failures as
+ * KVP_EFORMAT too (the file is part of the configuration), KVP_ENOMEM. The
+ * message is written into err (errcap bytes). */
+int kvp__kvq_load(const char *path, uint32_t layer, uint32_t kv, uint32_t n_layers, uint32_t n_heads,
+                  uint32_t head_dim, uint32_t bits, kvp__kvq_side *out, char *err, size_t errcap);
+
+/* Decode rows [t0, t0 + m) of a kvquant block (inst: a kvquant instance)
+ * into f32 rows dst_stride floats apart; with_outliers 0 gives the dense
+ * part alone, rope 0 skips the rotation of pre-RoPE keys. */
+struct kvp_codec_block;
+int kvp__kvq_decode_f32(const void *inst, const struct kvp_codec_block *blk, const void *const *pages, uint32_t cap,
+                        uint32_t t0, uint32_t m, float *dst, size_t dst_stride, int with_outliers, int rope);
+
+/* CRC-32 (IEEE 802.3, reflected, the zlib one) of n bytes, continuing crc. */
+uint32_t kvp__crc32(uint32_t crc, const void *p, size_t n);
+
+#endif /* KVP_CODECS_KVQUANT_H */

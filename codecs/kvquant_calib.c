@@ -1,0 +1,636 @@
+/*
+ * codecs/kvquant_calib.c - KVQuant's offline calibration: the synthetic K/V
+ * generator, the fitter (per-channel thresholds, Fisher-weighted k-means
+ * codebooks), and the calibration file (writer in the public
+ * kvp_kvquant_calib_* API, reader for the codec).
+ *
+ * Fitting one side of one layer (kvp__kvq_fit):
+ *   per (head, channel), over the n samples, sorted: lo = s[i], hi =
+ *   s[n - 1 - i], i = floor(f/2 (n - 1)) (f = outlier fraction; found in
+ *   one pass with heaps of the i + 1 extremes); off = (hi + lo)/2,
+ *   rng = (hi - lo)/2, or 2^-24 when that is not positive.
+ *   dense values of every sample token, as the encoder picks them: the
+ *   k = ceil(f D) values of largest |x - off| / rng are outliers and left
+ *   out; K: n = (x - off) / rng; V: n = (x - m) / r with m, r the middle and
+ *   half-width of the token's dense values. n clipped to [-1, 1] goes into
+ *   a histogram of KVP__KVQ_BINS bins (weight w, weighted sum w n).
+ *   codebook: Lloyd in one dimension over the histogram (each bin a point at
+ *   its weighted mean), 2^b centroids seeded at the weighted quantiles
+ *   (i + 1/2) / 2^b, at most 100 rounds, until no bin changes centroid; an
+ *   empty centroid keeps its place; sorted at the end.
+ *
+ * Calibration file, version 1 (little-endian; f32 = IEEE binary32):
+ *
+ *   offset  bytes  field
+ *        0      8  magic "KVQCALIB"
+ *        8      4  version (1)
+ *       12      4  n_layers L
+ *       16      4  n_kv_heads H
+ *       20      4  head_dim D
+ *       24      4  bits b (2, 3 or 4)
+ *       28      4  outlier_fraction f (f32) the thresholds were fitted with
+ *       32      8  reserved (0)
+ *       40         layers: for l in 0..L-1, for side in K, V:
+ *                    off[H][D] f32, rng[H][D] f32, lut[2^b] f32
+ *      end      4  crc32 (IEEE, zlib's) of every byte before it
+ *
+ *   size = 40 + L * 2 * (2 H D + 2^b) * 4 + 4
+ *
+ * A reader checks, in order: magic, version, the size the header implies
+ * (truncated or grown), the crc32 (corrupt), the geometry and bits against
+ * the pool (mismatched), then the slice it loads (finite; rng > 0; lut
+ * non-decreasing in [-1, 1]). Every failure names the file and the field.
+ */
+#include "builtin.h"
+#include "kvquant.h"
+
+#include <errno.h>
+#include <float.h>
+
+/* ---- the synthetic generator ------------------------------------------------ */
+
+static inline uint64_t mix64(uint64_t z) { /* splitmix64's finalizer */
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+static inline float unit24(uint64_t u) { return (float)(u & 0xFFFFFF) * (1.0f / 16777216.0f); } /* [0, 1) */
+
+/* About N(0, 1): Irwin-Hall of four 16-bit uniforms, rescaled. */
+static inline float gauss4(uint64_t u) {
+  float s = 0;
+  for (int i = 0; i < 4; i++) s += (float)((u >> 16 * i) & 0xFFFF) * (1.0f / 65536.0f);
+  return (s - 2.0f) * 1.7320508f;
+}
+
+void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
+                    uint32_t head_dim, float *dst, size_t dst_stride) {
+  uint64_t base = mix64(mix64(mix64(seed) ^ layer) ^ ((uint64_t)head << 1 | kv));
+  uint32_t phase = (uint32_t)(base >> 59); /* K's outlier channels: c = phase mod 32 */
+  uint64_t ch[KVP_MAX_HEAD_DIM];
+  float bias[KVP_MAX_HEAD_DIM], scale[KVP_MAX_HEAD_DIM];
+  for (uint32_t c = 0; c < head_dim; c++) {
+    ch[c] = mix64(base ^ (0xC0FFEEull << 32 | c));
+    bias[c] = kv ? 0.1f * gauss4(ch[c]) : 0.5f * gauss4(ch[c]);
+    scale[c] = kv ? 0.5f + unit24(ch[c] >> 40) : 0.6f + 0.8f * unit24(ch[c] >> 40);
+    if (!kv && c % 32 == phase) scale[c] *= 10.0f; /* an outlier channel */
+  }
+  for (uint32_t t = 0; t < n; t++) {
+    uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
+    float *row = dst + (size_t)t * dst_stride;
+    for (uint32_t c = 0; c < head_dim; c++) {
+      uint64_t r = mix64(ch[c] ^ tk);
+      float z = gauss4(r);
+      uint64_t tail = mix64(r);
+      if ((tail & 127) == 0) z *= 2.0f + 3.0f * unit24(tail >> 8); /* heavy tail */
+      row[c] = bias[c] + scale[c] * z;
+    }
+  }
+}
+
+/* ---- fitting ------------------------------------------------------------------ */
+
+uint32_t kvp__kvq_outliers_k(double fraction, uint32_t head_dim) {
+  double k = ceil(fraction * head_dim - 1e-9);
+  return k <= 0 ? 0 : (uint32_t)k;
+}
+
+void kvp__kvq_uniform_lut(uint32_t bits, float *lut) {
+  uint32_t n = 1u << bits;
+  for (uint32_t i = 0; i < n; i++) lut[i] = -1.0f + 2.0f * (float)i / (float)(n - 1);
+}
+
+void kvp__kvq_side_free(kvp__kvq_side *s) {
+  free(s->off);
+  free(s->rng);
+  s->off = s->rng = NULL;
+}
+
+int kvp__kvq_fit_init(kvp__kvq_fit *f, uint32_t n_heads, uint32_t head_dim, uint32_t bits, uint32_t kv,
+                      double fraction) {
+  memset(f, 0, sizeof *f);
+  f->n_heads = n_heads;
+  f->head_dim = head_dim;
+  f->bits = bits;
+  f->kv = kv;
+  f->fraction = fraction;
+  size_t hd = (size_t)n_heads * head_dim;
+  f->off = malloc(hd * sizeof *f->off);
+  f->rng = malloc(hd * sizeof *f->rng);
+  f->inv = malloc(hd * sizeof *f->inv);
+  f->done = calloc(n_heads, 1);
+  f->hw = calloc(KVP__KVQ_BINS, sizeof *f->hw);
+  f->hwx = calloc(KVP__KVQ_BINS, sizeof *f->hwx);
+  if (!f->off || !f->rng || !f->inv || !f->done || !f->hw || !f->hwx) {
+    kvp__kvq_fit_free(f);
+    return kvp__err(KVP_ENOMEM, "kvquant: calibration of %u heads x %u channels", n_heads, head_dim);
+  }
+  return KVP_OK;
+}
+
+void kvp__kvq_fit_free(kvp__kvq_fit *f) {
+  free(f->off);
+  free(f->rng);
+  free(f->inv);
+  free(f->done);
+  free(f->hw);
+  free(f->hwx);
+  memset(f, 0, sizeof *f);
+}
+
+/* Per channel, the m smallest and the m largest samples seen, as heaps:
+ * lo[c] a max-heap (root: the m-th smallest so far), hi[c] a min-heap
+ * (root: the m-th largest). One pass over row-major samples; a value that
+ * cannot enter costs one compare. */
+typedef struct ext_heaps {
+  uint32_t m, D;  /* heap size (>= 1), channels */
+  uint32_t *len;  /* [D]: entries in each channel's heaps (both alike) */
+  float *lo, *hi; /* [D][m] */
+} ext_heaps;
+
+static void heap_push(float *h, uint32_t len, float v, int max) { /* sift up */
+  uint32_t i = len;
+  while (i > 0) {
+    uint32_t p = (i - 1) / 2;
+    if (max ? !(v > h[p]) : !(v < h[p])) break;
+    h[i] = h[p];
+    i = p;
+  }
+  h[i] = v;
+}
+
+static void heap_replace_root(float *h, uint32_t len, float v, int max) { /* sift down */
+  uint32_t i = 0;
+  for (;;) {
+    uint32_t l = 2 * i + 1, r = l + 1, b = i;
+    float bv = v;
+    if (l < len && (max ? h[l] > bv : h[l] < bv)) b = l, bv = h[l];
+    if (r < len && (max ? h[r] > bv : h[r] < bv)) b = r;
+    if (b == i) break;
+    h[i] = h[b];
+    i = b;
+  }
+  h[i] = v;
+}
+
+static void heaps_add(ext_heaps *e, const float *row) {
+  for (uint32_t c = 0; c < e->D; c++) {
+    float v = row[c], *lo = e->lo + (size_t)c * e->m, *hi = e->hi + (size_t)c * e->m;
+    uint32_t len = e->len[c];
+    if (len < e->m) {
+      heap_push(lo, len, v, 1);
+      heap_push(hi, len, v, 0);
+      e->len[c] = len + 1;
+      continue;
+    }
+    if (v < lo[0]) heap_replace_root(lo, len, v, 1);
+    if (v > hi[0]) heap_replace_root(hi, len, v, 0);
+  }
+}
+
+/* Indices of the k largest of score[0..D) into top (ties: lower channel),
+ * sorted by channel. */
+static void top_k(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
+  float best[KVP_MAX_HEAD_DIM];
+  uint32_t nb = 0;
+  for (uint32_t c = 0; c < D; c++) {
+    float s = score[c];
+    if (nb == k && !(s > best[k - 1])) continue;
+    uint32_t j = nb < k ? nb++ : k - 1;
+    while (j > 0 && s > best[j - 1]) {
+      best[j] = best[j - 1];
+      top[j] = top[j - 1];
+      j--;
+    }
+    best[j] = s;
+    top[j] = (uint16_t)c;
+  }
+  for (uint32_t i = 1; i < k; i++) /* by channel */
+    for (uint32_t j = i; j > 0 && top[j - 1] > top[j]; j--) {
+      uint16_t t = top[j];
+      top[j] = top[j - 1];
+      top[j - 1] = t;
+    }
+}
+
+static void hist_add(kvp__kvq_fit *f, float n, float w) {
+  if (n < -1.0f) n = -1.0f;
+  if (n > 1.0f) n = 1.0f;
+  uint32_t b = (uint32_t)((n + 1.0f) * 0.5f * KVP__KVQ_BINS);
+  if (b >= KVP__KVQ_BINS) b = KVP__KVQ_BINS - 1;
+  f->hw[b] += w;
+  f->hwx[b] += (double)w * n;
+}
+
+/* The normalized dense values of one token into the histogram. */
+static void fit_token(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, uint32_t k, float *score,
+                      uint16_t *top) {
+  uint32_t D = f->head_dim;
+  const float *off = f->off + (size_t)h * D, *inv = f->inv + (size_t)h * D;
+  for (uint32_t c = 0; c < D; c++) score[c] = fabsf(x[c] - off[c]) * inv[c];
+  if (k) top_k(score, D, k, top);
+  uint32_t j = 0;
+  float lo = INFINITY, hi = -INFINITY;
+  for (uint32_t c = 0; c < D; c++) { /* mark outliers with a negative score */
+    if (j < k && top[j] == c) {
+      score[c] = -1.0f;
+      j++;
+    } else if (f->kv) {
+      lo = x[c] < lo ? x[c] : lo;
+      hi = x[c] > hi ? x[c] : hi;
+    }
+  }
+  float m = (hi + lo) * 0.5f, r = (hi - lo) * 0.5f, ir = r > 0 ? 1.0f / r : 0.0f;
+  for (uint32_t c = 0; c < D; c++) {
+    if (score[c] < 0) continue;
+    float n = f->kv ? (x[c] - m) * ir : (x[c] - off[c]) * inv[c];
+    hist_add(f, n, w ? w[c] : 1.0f);
+  }
+}
+
+int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, size_t x_stride, uint32_t n) {
+  uint32_t D = f->head_dim;
+  if (h >= f->n_heads) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u >= %u", h, f->n_heads);
+  if (f->done[h]) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u fitted twice", h);
+  if (n == 0) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u has no samples", h);
+  for (uint32_t t = 0; t < n; t++)
+    for (uint32_t c = 0; c < D; c++) {
+      float a = x[(size_t)t * x_stride + c], b = w ? w[(size_t)t * x_stride + c] : 1.0f;
+      if (!isfinite(a)) return kvp__err(KVP_EINVAL, "kvquant calibration: sample token %u channel %u of head %u is not finite", t, c, h);
+      if (!isfinite(b) || b < 0)
+        return kvp__err(KVP_EINVAL, "kvquant calibration: weight of token %u channel %u of head %u is not a finite "
+                                    "non-negative number", t, c, h);
+    }
+  float score[KVP_MAX_HEAD_DIM];
+  uint16_t top[KVP_MAX_HEAD_DIM];
+  double f2 = f->fraction / 2;
+  size_t ilo = (size_t)floor(f2 * (n - 1)); /* s[ilo] and s[n - 1 - ilo]: roots of the ilo + 1 extremes */
+  ext_heaps e = {.m = (uint32_t)ilo + 1, .D = D};
+  e.len = calloc(D, sizeof *e.len);
+  e.lo = malloc((size_t)D * e.m * sizeof *e.lo);
+  e.hi = malloc((size_t)D * e.m * sizeof *e.hi);
+  if (!e.len || !e.lo || !e.hi) {
+    free(e.len), free(e.lo), free(e.hi);
+    return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
+  }
+  for (uint32_t t = 0; t < n; t++) heaps_add(&e, x + (size_t)t * x_stride);
+  for (uint32_t c = 0; c < D; c++) {
+    float lo = e.lo[(size_t)c * e.m], hi = e.hi[(size_t)c * e.m];
+    float off = (hi + lo) * 0.5f, rng = (hi - lo) * 0.5f;
+    f->off[(size_t)h * D + c] = off;
+    f->rng[(size_t)h * D + c] = rng > 0 && isfinite(rng) ? rng : 0x1p-24f;
+    f->inv[(size_t)h * D + c] = 1.0f / f->rng[(size_t)h * D + c];
+  }
+  free(e.len), free(e.lo), free(e.hi);
+  uint32_t k = kvp__kvq_outliers_k(f->fraction, D);
+  for (uint32_t t = 0; t < n; t++)
+    fit_token(f, h, x + (size_t)t * x_stride, w ? w + (size_t)t * x_stride : NULL, k, score, top);
+  f->done[h] = 1;
+  return KVP_OK;
+}
+
+int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
+  for (uint32_t h = 0; h < f->n_heads; h++)
+    if (!f->done[h]) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u has no samples", h);
+  uint32_t K = 1u << f->bits, B = KVP__KVQ_BINS;
+  double total = 0, c[KVP__KVQ_LUT_MAX];
+  for (uint32_t b = 0; b < B; b++) total += f->hw[b];
+  if (!(total > 0)) {
+    kvp__kvq_uniform_lut(f->bits, lut);
+    return KVP_OK;
+  }
+  /* seeds: weighted quantiles */
+  double acc = 0;
+  uint32_t i = 0;
+  for (uint32_t b = 0; b < B && i < K; b++) {
+    acc += f->hw[b];
+    while (i < K && acc >= (i + 0.5) / K * total) c[i++] = f->hw[b] > 0 ? f->hwx[b] / f->hw[b] : -1.0 + (b + 0.5) * 2.0 / B;
+  }
+  while (i < K) c[i] = c[i - 1], i++;
+  uint8_t *label = calloc(B, 1);
+  if (!label) return kvp__err(KVP_ENOMEM, "kvquant calibration: k-means labels");
+  for (int round = 0; round < 100; round++) {
+    int changed = 0;
+    double sw[KVP__KVQ_LUT_MAX] = {0}, swx[KVP__KVQ_LUT_MAX] = {0};
+    for (uint32_t b = 0; b < B; b++) {
+      if (f->hw[b] <= 0) continue;
+      double x = f->hwx[b] / f->hw[b], bd = INFINITY;
+      uint8_t bl = 0;
+      for (uint32_t j = 0; j < K; j++)
+        if (fabs(x - c[j]) < bd) bd = fabs(x - c[j]), bl = (uint8_t)j;
+      changed += round == 0 || bl != label[b];
+      label[b] = bl;
+      sw[bl] += f->hw[b];
+      swx[bl] += f->hwx[b];
+    }
+    for (uint32_t j = 0; j < K; j++)
+      if (sw[j] > 0) c[j] = swx[j] / sw[j];
+    if (!changed) break;
+  }
+  free(label);
+  for (uint32_t a = 1; a < K; a++) /* sort */
+    for (uint32_t j = a; j > 0 && c[j - 1] > c[j]; j--) {
+      double t = c[j];
+      c[j] = c[j - 1];
+      c[j - 1] = t;
+    }
+  for (uint32_t j = 0; j < K; j++) lut[j] = (float)fmin(1.0, fmax(-1.0, c[j]));
+  return KVP_OK;
+}
+
+int kvp__kvq_fit_synthetic(uint64_t seed, uint32_t layer, uint32_t kv, uint32_t n_heads, uint32_t head_dim,
+                           uint32_t bits, double fraction, uint32_t calib_tokens, kvp__kvq_side *out) {
+  kvp__kvq_fit f;
+  int rc = kvp__kvq_fit_init(&f, n_heads, head_dim, bits, kv, fraction);
+  if (rc) return rc;
+  float *x = malloc((size_t)calib_tokens * head_dim * sizeof *x);
+  if (!x) rc = kvp__err(KVP_ENOMEM, "kvquant: synthetic calibration samples");
+  for (uint32_t h = 0; !rc && h < n_heads; h++) {
+    kvp__kvq_synth(seed, layer, h, kv, 0, calib_tokens, head_dim, x, head_dim);
+    rc = kvp__kvq_fit_head(&f, h, x, NULL, head_dim, calib_tokens);
+  }
+  free(x);
+  float lut[KVP__KVQ_LUT_MAX];
+  if (!rc) rc = kvp__kvq_fit_lut(&f, lut);
+  if (!rc) {
+    *out = (kvp__kvq_side){.n_heads = n_heads, .head_dim = head_dim, .bits = bits, .off = f.off, .rng = f.rng};
+    memcpy(out->lut, lut, sizeof lut);
+    f.off = f.rng = NULL;
+  }
+  kvp__kvq_fit_free(&f);
+  return rc;
+}
+
+/* ---- the file ------------------------------------------------------------------ */
+
+uint32_t kvp__crc32(uint32_t crc, const void *p, size_t n) {
+  static uint32_t table[256];
+  static _Atomic int ready;
+  if (!atomic_load_explicit(&ready, memory_order_acquire)) { /* idempotent: racing writers store equal words */
+    for (uint32_t i = 0; i < 256; i++) {
+      uint32_t c = i;
+      for (int j = 0; j < 8; j++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      __atomic_store_n(&table[i], c, __ATOMIC_RELAXED);
+    }
+    atomic_store_explicit(&ready, 1, memory_order_release);
+  }
+  const uint8_t *b = p;
+  crc = ~crc;
+  for (size_t i = 0; i < n; i++) crc = __atomic_load_n(&table[(crc ^ b[i]) & 0xFF], __ATOMIC_RELAXED) ^ (crc >> 8);
+  return ~crc;
+}
+
+#define HDR_BYTES 40u
+
+static uint64_t file_bytes(uint64_t L, uint64_t H, uint64_t D, uint32_t bits) {
+  return HDR_BYTES + L * 2 * (2 * H * D + (1ull << bits)) * 4 + 4;
+}
+
+static int ffail(char *err, size_t errcap, const char *path, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static int ffail(char *err, size_t errcap, const char *path, const char *fmt, ...) {
+  int n = snprintf(err, errcap, "kvquant: calibration file \"%s\": ", path);
+  va_list ap;
+  va_start(ap, fmt);
+  if (n >= 0 && (size_t)n < errcap) vsnprintf(err + n, errcap - (size_t)n, fmt, ap);
+  va_end(ap);
+  return KVP_EFORMAT;
+}
+
+static int read_all(const char *path, uint8_t **buf, size_t *len, char *err, size_t errcap) {
+  FILE *fp = fopen(path, "rb");
+  if (!fp) return ffail(err, errcap, path, "cannot open: %s", strerror(errno));
+  size_t cap = 1 << 16, n = 0;
+  uint8_t *b = malloc(cap);
+  while (b) {
+    n += fread(b + n, 1, cap - n, fp);
+    if (n < cap) break;
+    uint8_t *nb = cap > (SIZE_MAX >> 1) ? NULL : realloc(b, cap * 2);
+    if (!nb) {
+      free(b);
+      b = NULL;
+      break;
+    }
+    b = nb;
+    cap *= 2;
+  }
+  int bad = ferror(fp);
+  fclose(fp);
+  if (!b) {
+    snprintf(err, errcap, "kvquant: calibration file \"%s\": out of memory", path);
+    return KVP_ENOMEM;
+  }
+  if (bad) {
+    free(b);
+    return ffail(err, errcap, path, "read error");
+  }
+  *buf = b;
+  *len = n;
+  return KVP_OK;
+}
+
+static int check_slice(const uint8_t *p, uint32_t H, uint32_t D, uint32_t bits, uint32_t layer, uint32_t kv,
+                       const char *path, char *err, size_t errcap) {
+  size_t hd = (size_t)H * D;
+  const char *side = kv ? "v" : "k";
+  for (size_t i = 0; i < hd; i++) {
+    float off = kvp__ld_lef32(p + 4 * i), rng = kvp__ld_lef32(p + 4 * (hd + i));
+    if (!isfinite(off))
+      return ffail(err, errcap, path, "field layers[%u].%s.off[head %zu][channel %zu] is not finite", layer, side,
+                   i / D, i % D);
+    if (!isfinite(rng) || !(rng > 0))
+      return ffail(err, errcap, path, "field layers[%u].%s.rng[head %zu][channel %zu] = %g is not a positive finite "
+                   "number", layer, side, i / D, i % D, (double)rng);
+  }
+  float prev = -1.0f;
+  for (uint32_t j = 0; j < 1u << bits; j++) {
+    float v = kvp__ld_lef32(p + 4 * (2 * hd + j));
+    if (!(v >= prev && v <= 1.0f))
+      return ffail(err, errcap, path, "field layers[%u].%s.lut[%u] = %g: the codebook must be non-decreasing in "
+                   "[-1, 1]", layer, side, j, (double)v);
+    prev = v;
+  }
+  return KVP_OK;
+}
+
+int kvp__kvq_load(const char *path, uint32_t layer, uint32_t kv, uint32_t n_layers, uint32_t n_heads,
+                  uint32_t head_dim, uint32_t bits, kvp__kvq_side *out, char *err, size_t errcap) {
+  uint8_t *b = NULL;
+  size_t len = 0;
+  int rc = read_all(path, &b, &len, err, errcap);
+  if (rc) return rc;
+  if (len < HDR_BYTES + 4) {
+    rc = ffail(err, errcap, path, "field size: %zu bytes, shorter than the %u-byte header and checksum", len,
+               HDR_BYTES + 4);
+    goto out;
+  }
+  if (memcmp(b, "KVQCALIB", 8) != 0) {
+    rc = ffail(err, errcap, path, "field magic: not \"KVQCALIB\"");
+    goto out;
+  }
+  uint32_t ver = kvp__ld_le32(b + 8), L = kvp__ld_le32(b + 12), H = kvp__ld_le32(b + 16), D = kvp__ld_le32(b + 20),
+           fb = kvp__ld_le32(b + 24);
+  if (ver != 1) {
+    rc = ffail(err, errcap, path, "field version = %u: this library reads version 1", ver);
+    goto out;
+  }
+  if (fb < 2 || fb > KVP__KVQ_MAX_BITS || L == 0 || H == 0 || D == 0 || L > KVP_MAX_LAYERS || H > KVP_MAX_KV_HEADS ||
+      D > KVP_MAX_HEAD_DIM) {
+    rc = ffail(err, errcap, path, "header fields out of range (n_layers %u, n_kv_heads %u, head_dim %u, bits %u): "
+               "corrupt", L, H, D, fb);
+    goto out;
+  }
+  uint64_t want = file_bytes(L, H, D, fb);
+  if (len != want) {
+    rc = ffail(err, errcap, path, "field size: %zu bytes, the header (n_layers %u, n_kv_heads %u, head_dim %u, bits %u)"
+               " implies %llu: %s", len, L, H, D, fb, (unsigned long long)want, len < want ? "truncated" : "trailing bytes");
+    goto out;
+  }
+  uint32_t crc = kvp__crc32(0, b, len - 4), stored = kvp__ld_le32(b + len - 4);
+  if (crc != stored) {
+    rc = ffail(err, errcap, path, "field crc32: stored %08x, computed %08x: corrupt", stored, crc);
+    goto out;
+  }
+  const char *field = L != n_layers ? "n_layers" : H != n_heads ? "n_kv_heads" : D != head_dim ? "head_dim"
+                      : fb != bits ? "bits" : NULL;
+  if (field) {
+    uint32_t got = L != n_layers ? L : H != n_heads ? H : D != head_dim ? D : fb;
+    uint32_t exp = L != n_layers ? n_layers : H != n_heads ? n_heads : D != head_dim ? head_dim : bits;
+    rc = ffail(err, errcap, path, "field %s = %u, the pool%s has %u", field, got,
+               fb != bits && !(L != n_layers || H != n_heads || D != head_dim) ? "'s codec spec" : "", exp);
+    goto out;
+  }
+  size_t hd = (size_t)H * D, slice = (2 * hd + (1u << fb)) * 4;
+  const uint8_t *p = b + HDR_BYTES + ((size_t)layer * 2 + kv) * slice;
+  if ((rc = check_slice(p, H, D, fb, layer, kv, path, err, errcap))) goto out;
+  *out = (kvp__kvq_side){.n_heads = H, .head_dim = D, .bits = fb};
+  out->off = malloc(hd * sizeof(float));
+  out->rng = malloc(hd * sizeof(float));
+  if (!out->off || !out->rng) {
+    kvp__kvq_side_free(out);
+    snprintf(err, errcap, "kvquant: out of memory for the calibration of layer %u", layer);
+    rc = KVP_ENOMEM;
+    goto out;
+  }
+  for (size_t i = 0; i < hd; i++) {
+    out->off[i] = kvp__ld_lef32(p + 4 * i);
+    out->rng[i] = kvp__ld_lef32(p + 4 * (hd + i));
+  }
+  for (uint32_t j = 0; j < 1u << fb; j++) out->lut[j] = kvp__ld_lef32(p + 4 * (2 * hd + j));
+out:
+  free(b);
+  return rc;
+}
+
+/* ---- the public fitter --------------------------------------------------------- */
+
+struct kvp_kvquant_calib {
+  uint32_t n_layers, n_heads, head_dim, bits; /* L, H, D, b */
+  double fraction;                            /* outlier fraction */
+  kvp__kvq_fit *fit;                          /* [2 L]: (layer, K|V) at 2 l + kv */
+};
+
+KVP_API void kvp_kvquant_calib_destroy(kvp_kvquant_calib *c) {
+  if (!c) return;
+  for (uint32_t i = 0; c->fit && i < 2 * c->n_layers; i++) kvp__kvq_fit_free(&c->fit[i]);
+  free(c->fit);
+  free(c);
+}
+
+KVP_API int kvp_kvquant_calib_create(uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim, uint32_t bits,
+                                     double outlier_fraction, kvp_kvquant_calib **out) {
+  if (!out) return kvp__err(KVP_EINVAL, "kvquant calibration: out is NULL");
+  *out = NULL;
+  if (n_layers < 1 || n_layers > KVP_MAX_LAYERS) return kvp__err(KVP_EINVAL, "kvquant calibration: n_layers = %u", n_layers);
+  if (n_kv_heads < 1 || n_kv_heads > KVP_MAX_KV_HEADS)
+    return kvp__err(KVP_EINVAL, "kvquant calibration: n_kv_heads = %u", n_kv_heads);
+  if (head_dim < 1 || head_dim > KVP_MAX_HEAD_DIM) return kvp__err(KVP_EINVAL, "kvquant calibration: head_dim = %u", head_dim);
+  if (bits < 2 || bits > 4) return kvp__err(KVP_EINVAL, "kvquant calibration: bits = %u: must be 2, 3 or 4", bits);
+  if (!(outlier_fraction >= 0 && outlier_fraction < 0.5))
+    return kvp__err(KVP_EINVAL, "kvquant calibration: outlier fraction %g not in [0, 0.5)", outlier_fraction);
+  kvp_kvquant_calib *c = calloc(1, sizeof *c);
+  if (!c || !(c->fit = calloc(2 * (size_t)n_layers, sizeof *c->fit))) {
+    free(c);
+    return kvp__err(KVP_ENOMEM, "kvquant calibration");
+  }
+  *c = (kvp_kvquant_calib){n_layers, n_kv_heads, head_dim, bits, outlier_fraction, c->fit};
+  for (uint32_t i = 0; i < 2 * n_layers; i++) {
+    int rc = kvp__kvq_fit_init(&c->fit[i], n_kv_heads, head_dim, bits, i % 2, outlier_fraction);
+    if (rc) {
+      kvp_kvquant_calib_destroy(c);
+      return rc;
+    }
+  }
+  *out = c;
+  return KVP_OK;
+}
+
+KVP_API int kvp_kvquant_calib_add(kvp_kvquant_calib *c, uint32_t layer, uint32_t head, uint32_t kv, const float *x,
+                                  const float *w, size_t stride, uint32_t n_tokens) {
+  if (!c || !x) return kvp__err(KVP_EINVAL, "kvquant calibration: %s is NULL", c ? "x" : "calibration");
+  if (layer >= c->n_layers || kv > 1)
+    return kvp__err(KVP_EINVAL, "kvquant calibration: layer %u (of %u) side %u", layer, c->n_layers, kv);
+  if (stride < c->head_dim) return kvp__err(KVP_EINVAL, "kvquant calibration: stride %zu < head_dim %u", stride, c->head_dim);
+  return kvp__kvq_fit_head(&c->fit[2 * layer + kv], head, x, w, stride, n_tokens);
+}
+
+KVP_API int kvp_kvquant_calib_synthetic(kvp_kvquant_calib *c, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens) {
+  if (!c) return kvp__err(KVP_EINVAL, "kvquant calibration is NULL");
+  uint64_t n = (uint64_t)n_seqs * seq_tokens;
+  if (n == 0 || n > UINT32_MAX) return kvp__err(KVP_EINVAL, "kvquant calibration: %u x %u synthetic tokens", n_seqs, seq_tokens);
+  float *x = malloc(n * c->head_dim * sizeof *x);
+  if (!x) return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu synthetic tokens", (unsigned long long)n);
+  int rc = KVP_OK;
+  for (uint32_t l = 0; !rc && l < c->n_layers; l++)
+    for (uint32_t h = 0; !rc && h < c->n_heads; h++)
+      for (uint32_t kv = 0; !rc && kv < 2; kv++) {
+        for (uint32_t s = 0; s < n_seqs; s++)
+          kvp__kvq_synth(seed + s, l, h, kv, 0, seq_tokens, c->head_dim, x + (size_t)s * seq_tokens * c->head_dim,
+                         c->head_dim);
+        rc = kvp__kvq_fit_head(&c->fit[2 * l + kv], h, x, NULL, c->head_dim, (uint32_t)n);
+      }
+  free(x);
+  return rc;
+}
+
+KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path) {
+  if (!c || !path) return kvp__err(KVP_EINVAL, "kvquant calibration: %s is NULL", c ? "path" : "calibration");
+  size_t hd = (size_t)c->n_heads * c->head_dim, nl = 1u << c->bits;
+  uint64_t bytes = file_bytes(c->n_layers, c->n_heads, c->head_dim, c->bits);
+  uint8_t *b = calloc(1, bytes);
+  if (!b) return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu-byte file image", (unsigned long long)bytes);
+  memcpy(b, "KVQCALIB", 8);
+  kvp__st_le32(b + 8, 1);
+  kvp__st_le32(b + 12, c->n_layers);
+  kvp__st_le32(b + 16, c->n_heads);
+  kvp__st_le32(b + 20, c->head_dim);
+  kvp__st_le32(b + 24, c->bits);
+  kvp__st_lef32(b + 28, (float)c->fraction);
+  uint8_t *p = b + HDR_BYTES;
+  int rc = KVP_OK;
+  for (uint32_t i = 0; !rc && i < 2 * c->n_layers; i++) {
+    float lut[KVP__KVQ_LUT_MAX];
+    if ((rc = kvp__kvq_fit_lut(&c->fit[i], lut))) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", kvp_last_error());
+      rc = kvp__err(rc, "layer %u %c: %s", i / 2, "KV"[i % 2], why);
+      break;
+    }
+    for (size_t j = 0; j < hd; j++) kvp__st_lef32(p + 4 * j, c->fit[i].off[j]);
+    for (size_t j = 0; j < hd; j++) kvp__st_lef32(p + 4 * (hd + j), c->fit[i].rng[j]);
+    for (size_t j = 0; j < nl; j++) kvp__st_lef32(p + 4 * (2 * hd + j), lut[j]);
+    p += (2 * hd + nl) * 4;
+  }
+  if (!rc) {
+    kvp__st_le32(p, kvp__crc32(0, b, bytes - 4));
+    FILE *fp = fopen(path, "wb");
+    if (!fp) rc = kvp__err(KVP_EINVAL, "kvquant calibration: cannot create \"%s\": %s", path, strerror(errno));
+    else {
+      size_t put = fwrite(b, 1, bytes, fp);
+      if (fclose(fp) != 0 || put != bytes) rc = kvp__err(KVP_EINVAL, "kvquant calibration: cannot write \"%s\"", path);
+    }
+  }
+  free(b);
+  return rc;
+}

@@ -1,0 +1,334 @@
+/*
+ * pages/rowwise.c - appends to a layer whose K and V codecs build blocks
+ * row by row (kvp_codec_vtable.open_layout and encode_rows, e.g. kvquant):
+ * every block is the codec's pages from its first token, and in stream
+ * mode the OPEN block is encoded as tokens arrive and its pages grow.
+ *
+ * One append, per stored head:
+ *   tail    (stream mode, the OPEN block) fill rows into it. Its pages
+ *           after the fill are open_layout(pages, n, new rows): when every
+ *           page's size class holds its new bytes it grows in place (only
+ *           requested bytes change; readers keep decoding rows < n); else a
+ *           replacement block takes pages of the new sizes, the old rows
+ *           are copied, the new ones encoded, and the replacement is
+ *           published in the old one's bref (RCU); the old block waits in
+ *           the limbo for readers, counted in the ledger (bytes.retired).
+ *   new     blocks of block_tokens positions (stream mode: the last one
+ *           OPEN, of full capacity; step mode: the last one short), sized
+ *           by open_layout(NULL, 0, rows).
+ * All or nothing, as pages/stream.c: plan every head's sizes, check the
+ * budget for every new page at once (a replacement counts whole, as both
+ * copies live until the grace period), take, encode, then publish. A
+ * failure before publishing leaves rows written past an OPEN block's n,
+ * which nobody reads, and nothing else.
+ *
+ * Invariant (kvp_check): every block's pages equal open_layout(pages, n).
+ *
+ * Dry pools (KVP_POOL_DRY) size the same way with pages = NULL (no rows are
+ * held; kvp_pool_create refused codecs that need them) and encode nothing.
+ */
+#include "../codecs/numeric.h"
+#include "pages.h"
+
+#include <string.h>
+
+/* One block of one head the append writes. */
+typedef struct rw_blk {
+  kvp__block *blk;         /* the OPEN tail (in place), or the new block */
+  kvp__block *rep;         /* the tail's replacement, or NULL */
+  uint32_t pos0, cap;      /* where the block sits, its capacity */
+  uint32_t n_have, n_new;  /* rows held before, rows appended */
+  uint32_t src_row;        /* first row of the step's input */
+  kvp_codec_layout lay[2]; /* K, V pages after the append */
+} rw_blk;
+
+typedef struct rw_plan {
+  bool tail;              /* the first entry of each head is its OPEN tail */
+  uint32_t nnew;          /* new blocks per head */
+  uint32_t per;           /* entries per head: tail + nnew */
+  rw_blk *e;              /* [H * per] */
+  kvp__bref **brefs;      /* [H * nnew] */
+  kvp__run *run;          /* new run, or NULL to extend the last */
+  const uint64_t *skip;   /* heads not stored (step mode), or NULL */
+  uint32_t nskip;         /* how many */
+  uint64_t bytes;         /* allocated bytes of every new page */
+} rw_plan;
+
+static bool rw_skipped(const rw_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
+
+static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
+  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+}
+
+static uint64_t class_bytes(const kvp_codec_layout *lay) {
+  uint64_t sum = 0;
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < lay[kv].npages; i++) sum += kvp__sc_size(kvp__sc_index(lay[kv].bytes[i]));
+  return sum;
+}
+
+/* The layout the codec gives must be well formed and keep the page types
+ * of the block it extends. */
+static int layout_sane(const kvp__binding *bd, const kvp_codec_layout *l, const kvp__block *old, int kv,
+                       uint32_t layer) {
+  bool ok = l->npages >= 1 && l->npages <= KVP_CODEC_MAX_PAGES;
+  for (unsigned i = 0; ok && i < l->npages; i++) {
+    ok = (unsigned)l->types[i] < KVP_PAGE_TYPE_COUNT && l->bytes[i] >= 1 && l->bytes[i] <= KVP_MAX_PAGE_BYTES;
+    if (ok && old) ok = old->npages[kv] == l->npages && old->pages[kv][i].tag.type == l->types[i];
+  }
+  return ok ? KVP_OK
+            : kvp__err(KVP_ECODEC, "codec %s gives a bad open layout for layer %u %c", bd->vt->name, layer, "KV"[kv]);
+}
+
+/* Sizes of one entry, both sides; in place or not for a tail. */
+static int rw_size(kvp_pool *pool, uint32_t layer, uint32_t h, const kvp_kv *kv, rw_blk *e, kvp__block *tail) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  bool in_place = tail != NULL;
+  for (int side = 0; side < 2; side++) {
+    const kvp__binding *bd = &pool->bind[2 * layer + side];
+    size_t esz = kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype), stride = (size_t)H * D * esz;
+    const unsigned char *src = (const unsigned char *)(side ? kv->v : kv->k) + (size_t)h * D * esz +
+                               (size_t)e->src_row * stride;
+    void *pages[KVP_CODEC_MAX_PAGES] = {0};
+    bool held = tail && !(pool->cfg.flags & KVP_POOL_DRY); /* a dry pool holds no rows: pages = NULL */
+    if (held) page_ptrs(pool, tail, side, pages);
+    kvp_codec_block where = {h, e->pos0};
+    int rc = bd->vt->open_layout(bd->inst, &where, held ? (const void *const *)pages : NULL, e->n_have, src, stride,
+                                 e->n_new, e->cap, &e->lay[side]);
+    if (rc) return kvp__err(KVP_ECODEC, "codec %s: open layout of layer %u %c head %u (status %d)", bd->vt->name, layer,
+                            "KV"[side], h, rc);
+    if ((rc = layout_sane(bd, &e->lay[side], tail, side, layer))) return rc;
+    for (unsigned i = 0; tail && i < e->lay[side].npages; i++)
+      in_place = in_place && e->lay[side].bytes[i] <= kvp__page_alloc_bytes(&tail->pages[side][i]);
+  }
+  e->rep = in_place ? NULL : (kvp__block *)1; /* marks "needs a replacement" until taken */
+  return KVP_OK;
+}
+
+static void rw_undo(kvp_pool *pool, rw_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  for (uint32_t i = 0; pl->e && i < H * pl->per; i++) {
+    rw_blk *e = &pl->e[i];
+    bool is_tail = pl->tail && i % pl->per == 0;
+    if (is_tail && e->rep && e->rep != (kvp__block *)1) kvp__block_destroy(pool, e->rep);
+    if (!is_tail && e->blk) kvp__block_destroy(pool, e->blk);
+  }
+  for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
+  if (pl->run) kvp__run_free_now(pool, pl->run);
+  kvp__meta_free(&pool->meta, pl->e, (size_t)H * pl->per * sizeof *pl->e + 1);
+  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+}
+
+/* Shape and sizes of every head's blocks, and the bytes to take. */
+static int rw_plan_make(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const kvp_kv *kv,
+                        const uint64_t *skip, rw_plan *pl) {
+  uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens, H = pool->cfg.n_kv_heads;
+  bool stream = s->mode == KVP_SEQ_STREAM;
+  kvp__bref *t0 = kvp__seq_stream(pool, s, layer, 0)->tail;
+  memset(pl, 0, sizeof *pl);
+  pl->skip = stream ? NULL : skip;
+  for (uint32_t h = 0; pl->skip && h < H; h++) pl->nskip += rw_skipped(pl, h);
+  pl->tail = stream && t0 && !t0->blk->sealed;
+  uint32_t fill = 0;
+  if (pl->tail) {
+    uint32_t room = t0->blk->cap_tokens - t0->blk->n_tokens;
+    fill = n < room ? n : room;
+  }
+  uint32_t rest = n - fill;
+  pl->nnew = (rest + bt - 1) / bt;
+  pl->per = pl->tail + pl->nnew;
+  pl->e = kvp__meta_calloc(&pool->meta, (size_t)H * pl->per * sizeof *pl->e + 1);
+  pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  if (!pl->e || !pl->brefs) {
+    rw_undo(pool, pl);
+    return kvp__err(KVP_ENOMEM, "plan of the append of seq %llu layer %u", (unsigned long long)s->id, layer);
+  }
+  for (uint32_t h = 0; h < H; h++) {
+    if (rw_skipped(pl, h)) continue;
+    rw_blk *e = &pl->e[h * pl->per];
+    kvp__block *tail = pl->tail ? kvp__seq_stream(pool, s, layer, h)->tail->blk : NULL;
+    int rc = KVP_OK;
+    if (tail) {
+      *e = (rw_blk){.blk = tail, .pos0 = tail->pos0, .cap = tail->cap_tokens, .n_have = tail->n_tokens, .n_new = fill};
+      if (!(rc = rw_size(pool, layer, h, kv, e, tail)) && e->rep) pl->bytes += class_bytes(e->lay);
+      e++;
+    }
+    for (uint32_t j = 0; !rc && j < pl->nnew; j++, e++) {
+      uint32_t m = rest - j * bt < bt ? rest - j * bt : bt;
+      *e = (rw_blk){.pos0 = pos + fill + j * bt, .cap = stream ? bt : m, .n_new = m, .src_row = fill + j * bt};
+      if (!(rc = rw_size(pool, layer, h, kv, e, NULL))) pl->bytes += class_bytes(e->lay);
+      e->rep = NULL;
+    }
+    if (rc) {
+      rw_undo(pool, pl);
+      return rc;
+    }
+  }
+  return KVP_OK;
+}
+
+/* Metadata, run and pages; on failure nothing is left taken. */
+static int rw_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
+  uint64_t mask[KVP_MAX_KV_HEADS / 64] = {0};
+  for (uint32_t h = 0; h < H; h++)
+    if (!rw_skipped(pl, h)) mask[h / 64] |= 1ull << (h % 64);
+  bool ok = true;
+  if (pl->nskip < H && !kvp__run_extends(pool, &s->layers[layer], step, mask))
+    ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
+  for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
+    ok = rw_skipped(pl, i / pl->nnew) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
+  if (!ok) {
+    rw_undo(pool, pl);
+    return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
+  }
+  for (uint32_t h = 0; h < H; h++)
+    for (int side = 0; side < 2 && !rw_skipped(pl, h); side++) {
+      void *st;
+      int rc = kvp__cstate_get(pool, kvp__seq_stream(pool, s, layer, h), layer, side, &st);
+      if (rc) {
+        rw_undo(pool, pl);
+        return rc;
+      }
+    }
+  for (uint32_t h = 0; h < H; h++)
+    for (uint32_t j = 0; j < pl->per && !rw_skipped(pl, h); j++) {
+      rw_blk *e = &pl->e[h * pl->per + j];
+      int rc = KVP_OK;
+      if (pl->tail && j == 0) {
+        if (e->rep) {
+          e->rep = NULL;
+          rc = kvp__block_new_sized(pool, s->id, layer, h, e->pos0, e->cap, false, e->lay, &e->rep);
+        }
+      } else {
+        rc = kvp__block_new_sized(pool, s->id, layer, h, e->pos0, e->cap, false, e->lay, &e->blk);
+      }
+      if (rc) {
+        rw_undo(pool, pl);
+        return rc;
+      }
+    }
+  return KVP_OK;
+}
+
+/* Encode one entry's new rows (a replacement first receives the rows the
+ * tail holds). */
+static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, const kvp_kv *kv, rw_blk *e) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  if (pool->cfg.flags & KVP_POOL_DRY) return KVP_OK; /* no payload: nothing to copy or encode */
+  kvp__block *dst = e->rep ? e->rep : e->blk;
+  for (int side = 0; side < 2; side++) {
+    const kvp__binding *bd = &pool->bind[2 * layer + side];
+    size_t esz = kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype), stride = (size_t)H * D * esz;
+    const unsigned char *src = (const unsigned char *)(side ? kv->v : kv->k) + (size_t)h * D * esz +
+                               (size_t)e->src_row * stride;
+    if (e->rep)
+      for (unsigned i = 0; i < e->blk->npages[side]; i++) {
+        uint64_t keep = e->blk->pages[side][i].requested_bytes < dst->pages[side][i].requested_bytes
+                            ? e->blk->pages[side][i].requested_bytes
+                            : dst->pages[side][i].requested_bytes;
+        int rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst->pages[side][i].off, e->blk->pages[side][i].off,
+                                              keep, NULL);
+        if (rc) return rc;
+      }
+    void *pages[KVP_CODEC_MAX_PAGES];
+    page_ptrs(pool, dst, side, pages);
+    kvp_codec_block where = {h, e->pos0};
+    int rc = bd->vt->encode_rows(bd->inst, &where, kvp__seq_stream(pool, s, layer, h)->cstate[side], pages, e->n_have,
+                                 src, stride, e->n_new, e->cap);
+    if (rc) return kvp__err(KVP_ECODEC, "codec %s failed to encode layer %u %c head %u (status %d): %s", bd->vt->name,
+                            layer, "KV"[side], h, rc, kvp_last_error());
+  }
+  return KVP_OK;
+}
+
+static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
+  bool stream = s->mode == KVP_SEQ_STREAM;
+  for (uint32_t h = 0; h < H; h++) {
+    kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
+    if (rw_skipped(pl, h)) {
+      atomic_store_explicit(&st->evicted_tokens, atomic_load_explicit(&st->evicted_tokens, memory_order_relaxed) + n,
+                            memory_order_relaxed);
+      continue;
+    }
+    for (uint32_t j = 0; j < pl->per; j++) {
+      rw_blk *e = &pl->e[h * pl->per + j];
+      uint32_t have = e->n_have + e->n_new;
+      bool sealed = !stream || have == e->cap;
+      if (pl->tail && j == 0 && !e->rep) { /* in place: only requested bytes move */
+        for (int side = 0; side < 2; side++)
+          for (unsigned i = 0; i < e->blk->npages[side]; i++) {
+            int rc = kvp__alloc_grow(&pool->alloc, &e->blk->pages[side][i], e->lay[side].bytes[i], NULL);
+            kvp__assert(rc == KVP_OK); /* the class holds it: never a move */
+            (void)rc;
+          }
+        kvp__block_set_n(e->blk, have);
+        e->blk->sealed = sealed;
+      } else if (pl->tail && j == 0) { /* the replacement takes the tail's place: each page that grew is a grow,
+                                          one that changed class a move */
+        kvp__ledger_begin(&pool->alloc.ledger);
+        for (int side = 0; side < 2; side++)
+          for (unsigned i = 0; i < e->blk->npages[side]; i++) {
+            const kvp__page *o = &e->blk->pages[side][i], *p = &e->rep->pages[side][i];
+            kvp__count_add(&pool->alloc.ledger.grows, p->requested_bytes != o->requested_bytes);
+            kvp__count_add(&pool->alloc.ledger.grow_moves, p->sc != o->sc);
+          }
+        kvp__ledger_end(&pool->alloc.ledger);
+        kvp__block_set_n(e->rep, have);
+        e->rep->sealed = sealed;
+        e->rep->owners = 1;
+        atomic_init(&e->rep->refs, 1);
+        kvp__rcu_assign(st->tail->blk, e->rep);
+        kvp__block_unown(pool, e->blk);
+      } else {
+        kvp__bref *r = pl->brefs[h * pl->nnew + (j - pl->tail)];
+        kvp__block_set_n(e->blk, have);
+        e->blk->sealed = sealed;
+        e->blk->owners = 1;
+        atomic_init(&e->blk->refs, 1);
+        r->blk = e->blk;
+        if (st->tail) kvp__rcu_assign(st->tail->next, r);
+        else kvp__rcu_assign(st->blocks, r);
+        st->tail = r;
+      }
+    }
+    atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) + n,
+                          memory_order_relaxed);
+  }
+  kvp__run_publish(s, layer, pos + n, pl->run, pl->nskip == H);
+  kvp__meta_free(&pool->meta, pl->e, (size_t)H * pl->per * sizeof *pl->e + 1);
+  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
+}
+
+int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
+  rw_plan pl;
+  int rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl);
+  if (rc) return rc;
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
+    rw_undo(pool, &pl);
+    return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
+                                 "the budget (%llu of %llu in use)",
+                    (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
+                    (unsigned long long)pool->alloc.ledger.allocated.current,
+                    (unsigned long long)pool->alloc.ledger.budget_bytes);
+  }
+  rc = rw_take(pool, s, layer, pos, &pl);
+  if (rc == KVP_ENOSPC && pool->limbo) {
+    kvp__reclaim(pool);
+    if (!(rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) rc = rw_take(pool, s, layer, pos, &pl);
+  }
+  if (rc) return rc;
+  for (uint32_t h = 0; h < pool->cfg.n_kv_heads && !rc; h++)
+    for (uint32_t j = 0; j < pl.per && !rc && !rw_skipped(&pl, h); j++) rc = rw_fill_one(pool, s, layer, h, kv, &pl.e[h * pl.per + j]);
+  if (rc) {
+    rw_undo(pool, &pl);
+    return rc;
+  }
+  rw_publish(pool, s, layer, pos, &pl);
+  return KVP_OK;
+}
