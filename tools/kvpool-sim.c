@@ -128,7 +128,8 @@ static int tour(int argc, char **argv) {
   char notes[4][200];
   int nnotes = 0;
   double t0 = sim_now();
-  /* slow: CPU encodes that take minutes on this load (QVG's k-means): these
+  /* slow: CPU encodes that take tens of seconds on this load (QVG's k-means,
+   * KVQuant's non-uniform codebooks and outliers): these
    * rows run in the pool's dry mode (same pages and bytes, no payload) when
    * it exists, else they are left out with a note. QVG gets 4 centroids per
    * block: 32-token blocks cannot carry 256 BF16 centroids of 128 channels. */
@@ -155,7 +156,7 @@ static int tour(int argc, char **argv) {
     }
     if (LLM[i].slow && !have_dry) {
       if (nnotes < 4)
-        snprintf(notes[nnotes++], sizeof notes[0], "%s left out (its CPU encode takes minutes here): " SIM_NAME
+        snprintf(notes[nnotes++], sizeof notes[0], "%s left out (its CPU encode is slow here): " SIM_NAME
                  " llm --codecs %s measures it", LLM[i].name, LLM[i].spec);
       continue;
     }
