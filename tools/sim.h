@@ -170,6 +170,7 @@ typedef struct sim_llm_cfg {
   double rate;                   /* synthetic arrivals per second (also for sharegpt) */
   double prompt_median, output_median; /* synthetic lengths (lognormal medians) */
   uint32_t max_prompt, max_output;     /* synthetic caps */
+  int check;                     /* kvp_check after every iteration */
 } sim_llm_cfg;
 
 typedef struct sim_llm_out {
@@ -178,7 +179,7 @@ typedef struct sim_llm_out {
   uint64_t peak_allocated_bytes, peak_bf16_equivalent_bytes, budget_bytes, budget_violations;
   uint64_t rejected;              /* requests that can never fit the budget */
   double sim_time_s, throughput_tokens_per_s, ttft_mean_s, ttft_p90_s, tpot_mean_s;
-  double savings_vs_bf16;         /* peak bf16-equivalent / allocated at the allocated peak */
+  double savings_vs_bf16;         /* bf16-equivalent / allocated, at the allocated peak */
   double wall_s;
 } sim_llm_out;
 
@@ -189,7 +190,8 @@ typedef struct sim_video_cfg {
   uint32_t frames_per_chunk, tokens_per_frame, chunks;
   uint32_t scene_every;          /* a KVP_STEP_SCENE_CUT every N chunks (0 = never) */
   const char *codecs, *policy;
-  uint64_t budget_bytes;         /* strict pool budget, 0 = none */
+  uint64_t budget_bytes;         /* the budget checked, 0 = the full cache */
+  int check;                     /* kvp_check after every chunk */
 } sim_video_cfg;
 
 typedef struct sim_video_out {

@@ -319,6 +319,8 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   while (m.done < m.n) {
     while (m.next_arrival < m.n && m.r[m.next_arrival].arrival_s <= now) wait_push_back(&m, m.next_arrival++);
     if (!m.nrun && m.wh == m.wt) { /* idle: jump to the next arrival */
+      if (m.next_arrival >= m.n) sim_die("internal: idle with %llu of %zu requests unaccounted for",
+                                         (unsigned long long)(m.n - m.done), m.n);
       now = m.r[m.next_arrival].arrival_s;
       continue;
     }
@@ -408,13 +410,17 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
     }
     kvp_stats s;
     sim_stats(m.pool, &s);
-    if (s.bytes_allocated.current > o->peak_allocated_bytes) o->peak_allocated_bytes = s.bytes_allocated.current;
+    if (s.bytes_allocated.current > o->peak_allocated_bytes) {
+      o->peak_allocated_bytes = s.bytes_allocated.current;
+      o->savings_vs_bf16 = (double)s.bf16_equivalent_bytes.current / (double)s.bytes_allocated.current;
+    }
     if (s.bf16_equivalent_bytes.current > o->peak_bf16_equivalent_bytes)
       o->peak_bf16_equivalent_bytes = s.bf16_equivalent_bytes.current;
     o->budget_violations += s.bytes_allocated.current > c->budget_bytes;
     if (sim_run_row(&run, &s, now, m.nrun, m.wt - m.wh, o->requests_finished, o->preemptions, c->budget_bytes))
       exit(1);
     sim_run_progress(&run, (double)m.done / (double)m.n);
+    if (c->check && (rc = kvp_check(m.pool))) sim_die_kvp("kvp_check", rc);
   }
   o->wall_s = sim_now() - t0;
   o->sim_time_s = now;
@@ -434,7 +440,6 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   o->ttft_mean_s = o->requests_finished ? sum / (double)o->requests_finished : 0;
   o->ttft_p90_s = percentile(ttft, o->requests_finished, 0.9);
   o->throughput_tokens_per_s = now > 0 ? (double)o->generated_tokens / now : 0;
-  o->savings_vs_bf16 = 0;
   if (sim_run_close(&run)) exit(1);
   kvp_pool_destroy(m.pool);
   free(ttft);
@@ -465,13 +470,14 @@ static const char *const LLM_HELP =
     "  --requests N          synthetic requests, or the first N rows of a trace (default 200; 0 = all)\n"
     "  --rate R              synthetic arrivals per second (default 4)\n"
     "  --prompt-median N --output-median N   synthetic lognormal medians (default 1020, 129)\n"
-    "  --max-prompt N --max-output N         synthetic caps (default 8192, 1024)\n\n"
+    "  --max-prompt N --max-output N         synthetic caps (default 8192, 1024)\n"
+    "  --check               kvp_check after every iteration\n\n"
     "JSON keys: requests_total, requests_finished, rejected, preemptions, max_running,\n"
     "peak_allocated_bytes, budget_bytes, budget_violations, throughput_tokens_per_s,\n"
     "ttft_mean_s, ttft_p90_s, tpot_mean_s, sim_time_s, ...\n\n";
 
 static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm_out *o) {
-  double savings = o->peak_allocated_bytes ? (double)o->peak_bf16_equivalent_bytes / (double)o->peak_allocated_bytes : 0;
+  double savings = o->savings_vs_bf16;
   if (com->json) {
     sim_json j;
     sim_json_begin(&j, stdout);
@@ -549,6 +555,10 @@ int sim_llm_main(int argc, char **argv) {
     if (r < 0) return 2;
     if (r) continue;
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) return fputs(LLM_HELP, stdout), fputs(sim_common_help, stdout), 0;
+    if (!strcmp(a, "--check")) {
+      c.check = 1;
+      continue;
+    }
     if (i + 1 >= argc) sim_usage_error("llm", "unknown option or missing value: %s", a);
     const char *v = argv[++i];
     if (!strcmp(a, "--model")) {

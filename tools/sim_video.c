@@ -91,6 +91,7 @@ void sim_video_run(const sim_video_cfg *c, const sim_common *com, sim_video_out 
       sim_run_progress(&run, (double)(ch * L + l + 1) / ((double)c->chunks * L));
     }
     if ((rc = kvp_step_end(p, 1))) sim_die_kvp("kvp_step_end", rc);
+    if (c->check && (rc = kvp_check(p))) sim_die_kvp("kvp_check", rc);
   }
   o->wall_s = sim_now() - t0;
   o->sim_time_s = sim_t;
@@ -119,7 +120,8 @@ static const char *const VIDEO_HELP =
     "  --codecs SPEC      codec spec (default raw bf16)\n"
     "  --policy SPEC      window:sink=T:recent=T (tokens) | multishot:global=S:shot=S:window=S\n"
     "                     (steps) | none (default multishot:global=1:shot=1:window=2)\n"
-    "  --budget-bytes N   the budget checked after every layer (default: the full cache)\n\n"
+    "  --budget-bytes N   the budget checked after every layer (default: the full cache)\n"
+    "  --check            kvp_check after every chunk\n\n"
     "JSON keys: full_cache_bytes, peak_allocated_bytes, budget_bytes, budget_violations,\n"
     "tokens_evicted, savings_vs_bf16, ...\n\n";
 
@@ -186,6 +188,10 @@ int sim_video_main(int argc, char **argv) {
     if (r < 0) return 2;
     if (r) continue;
     if (!strcmp(a, "--help") || !strcmp(a, "-h")) return fputs(VIDEO_HELP, stdout), fputs(sim_common_help, stdout), 0;
+    if (!strcmp(a, "--check")) {
+      c.check = 1;
+      continue;
+    }
     if (i + 1 >= argc) sim_usage_error("video", "unknown option or missing value: %s", a);
     const char *v = argv[++i];
     if (!strcmp(a, "--layers")) c.n_layers = opt_u32(a, v, 1, KVP_MAX_LAYERS), c.model = "custom";

@@ -142,6 +142,53 @@ START_TEST(var_infinity_2b_heatkv_nvfp4) {
 }
 END_TEST
 
+/* Infinity-8B in dry mode: the preset's geometry and the full cache from it. */
+START_TEST(var_infinity_8b_dry_preset) {
+  json_t *j = run_json("var --model infinity-8b --dry --policy heatkv:b=0.04:s=3:orders=synthetic:unit=bytes "
+                       "--json --quiet");
+  ck_assert_uint_eq(U(j, "n_layers"), 40);
+  ck_assert_uint_eq(U(j, "n_kv_heads"), 28);
+  ck_assert_uint_eq(U(j, "head_dim"), 128);
+  ck_assert_uint_eq(U(j, "n_scales"), 13);
+  ck_assert_uint_eq(U(j, "full_cache_requested_bytes"), 2ull * 40 * 28 * 6425 * 128 * 2 * 2);
+  ck_assert_uint_eq(U(j, "policy_budget_violations"), 0);
+  ck_assert_uint_le(U(j, "peak_allocated_bytes"), U(j, "policy_budget"));
+  json_decref(j);
+}
+END_TEST
+
+/* Raw storage dtypes: fp32 keys cost 4 bytes an element, bf16 values 2; the CSV has a row per
+ * layer checkpoint. */
+START_TEST(var_raw_dtypes_and_csv) {
+  char args[2 * PATH_MAX], csv[PATH_MAX + 16];
+  snprintf(csv, sizeof csv, "%s/var.csv", TMP);
+  snprintf(args, sizeof args, "var --layers 2 --kv-heads 3 --head-dim 16 --schedule 1,4,9,16 --k-dtype fp32 "
+           "--v-dtype bf16 --csv %s --json --quiet", csv);
+  json_t *j = run_json(args);
+  uint64_t per_head = (1 + 4 + 9) * 16 * (4 + 2); /* scales 0..K-2 */
+  ck_assert_uint_eq(U(j, "full_cache_requested_bytes"), 2ull * 2 * 3 * per_head);
+  ck_assert_uint_eq(U(j, "bf16_full_cache_bytes"), 2ull * 2 * 3 * (1 + 4 + 9) * 16 * 4);
+  ck_assert_uint_eq(U(j, "checkpoints"), 4 * 2);
+  FILE *f = fopen(csv, "r");
+  ck_assert_ptr_nonnull(f);
+  char line[1024];
+  int rows = -1;
+  uint64_t last_alloc = 0;
+  while (fgets(line, sizeof line, f)) {
+    if (rows++ < 0) continue;
+    unsigned long long it, running, alloc;
+    double t;
+    ck_assert_int_eq(sscanf(line, "%llu,%lf,%llu,%*u,%*u,%*u,%llu", &it, &t, &running, &alloc), 4);
+    ck_assert_uint_eq(running, 2); /* one image: two CFG rows */
+    last_alloc = alloc;
+  }
+  fclose(f);
+  ck_assert_int_eq(rows, 8);
+  ck_assert_uint_eq(last_alloc, U(j, "peak_allocated_bytes")); /* no eviction: the last checkpoint is the peak */
+  json_decref(j);
+}
+END_TEST
+
 /* Budget violations 0 under every policy and unit, small geometry. */
 static const char *const POLICIES[] = {
     "heatkv:b=0.2:s=3:orders=synthetic:unit=bytes", "heatkv:b=0.1:s=3:orders=synthetic:unit=bytes",
@@ -178,7 +225,7 @@ START_TEST(video_policies) {
   char args[512];
   const char *pol = VIDEO_POLICIES[_i];
   snprintf(args, sizeof args, "video --layers 2 --kv-heads 2 --head-dim 32 --frames-per-chunk 2 --tokens-per-frame 64 "
-           "--chunks 10 --scene-every 4 --codecs k=fp8,v=fp8 --policy %s --json --quiet", pol);
+           "--chunks 10 --scene-every 4 --codecs k=fp8,v=fp8 --policy %s --check --json --quiet", pol);
   json_t *j = run_json(args);
   uint64_t chunk_bf16 = 128ull * 2 * 2 * 32 * 2 * 2; /* tokens x L x H x D x 2 bytes x (K, V) */
   ck_assert_uint_eq(U(j, "full_cache_bytes"), 10 * chunk_bf16);
@@ -225,7 +272,7 @@ START_TEST(llm_trace_served) {
   write_trace(path, 40, 20, 1, &prompt, &output);
   /* 2 layers x 2 heads x 64 x 2 bytes x 2 = 1 KiB per bf16 token: 1 MiB holds ~1000 tokens */
   snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 64 --params 7e9 --trace %s --format azure --budget-bytes 2M "
-           "--max-batch-tokens 256 %s --csv %s --json --quiet", path, LLM_CASES[_i], csv);
+           "--max-batch-tokens 256 %s --csv %s --check --json --quiet", path, LLM_CASES[_i], csv);
   json_t *j = run_json(args);
   ck_assert_uint_eq(U(j, "requests_total"), 40);
   ck_assert_uint_eq(U(j, "requests_finished"), 40);
@@ -272,6 +319,36 @@ START_TEST(llm_trace_served) {
 }
 END_TEST
 
+/* The shared traces through the simulator, each format (skipped when absent). */
+static const char *const SHARED_TRACES[][2] = {
+    {"../shared/traces/AzureLLMInferenceTrace_conv.csv", "azure"},
+    {"../shared/traces/mooncake_conversation_trace.jsonl", "mooncake"},
+    {"../shared/traces/sharegpt_8k_filtered_stats_llama2_tokenizer.csv", "sharegpt"},
+};
+
+START_TEST(llm_shared_traces) {
+  const char *path = SHARED_TRACES[_i][0], *fmt = SHARED_TRACES[_i][1];
+  if (access(path, R_OK) != 0) {
+    printf("check_sim: skipped the %s trace: %s not found\n", fmt, path);
+    return;
+  }
+  char args[2 * PATH_MAX];
+  /* a 4-layer model with Llama's KV heads: real lengths and arrivals, small bytes */
+  snprintf(args, sizeof args, "llm --layers 4 --kv-heads 8 --head-dim 128 --params 8e9 --trace %s --format %s "
+           "--requests 25 --budget-bytes 256M --max-batch-tokens 8192 --dry --json --quiet", path, fmt);
+  json_t *j = run_json(args);
+  ck_assert_uint_eq(U(j, "requests_total"), 25);
+  ck_assert_uint_eq(U(j, "requests_finished") + U(j, "rejected"), 25);
+  ck_assert_uint_gt(U(j, "requests_finished"), 0);
+  ck_assert_uint_eq(U(j, "budget_violations"), 0);
+  ck_assert_uint_le(U(j, "peak_allocated_bytes"), 256u << 20);
+  printf("check_sim: %s trace, 25 requests: %llu finished, %llu preemptions, %.0f tokens/s simulated\n", fmt,
+         (unsigned long long)U(j, "requests_finished"), (unsigned long long)U(j, "preemptions"),
+         F(j, "throughput_tokens_per_s"));
+  json_decref(j);
+}
+END_TEST
+
 /* A budget too small for the batch: preemption by recompute, still all served. */
 START_TEST(llm_preempts_under_pressure) {
   char path[PATH_MAX + 16], args[2 * PATH_MAX];
@@ -281,7 +358,7 @@ START_TEST(llm_preempts_under_pressure) {
    * ~2000 tokens and 30 requests of ~100 + ~300 tokens collide while decoding */
   write_trace(path, 30, 1, 280, &prompt, &output);
   snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 64 --params 7e9 --trace %s --format azure "
-           "--budget-bytes 2M --block-tokens 16 --json --quiet", path);
+           "--budget-bytes 2M --block-tokens 16 --check --json --quiet", path);
   json_t *j = run_json(args);
   ck_assert_uint_gt(U(j, "preemptions"), 0);
   ck_assert_uint_gt(U(j, "recomputed_tokens"), 0);
@@ -396,10 +473,13 @@ int main(int argc, char **argv) {
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, var_raw_full_cache_from_geometry);
   tcase_add_test(tc, var_infinity_2b_heatkv_nvfp4);
+  tcase_add_test(tc, var_infinity_8b_dry_preset);
+  tcase_add_test(tc, var_raw_dtypes_and_csv);
   tcase_add_loop_test(tc, var_heatkv_no_violations, 0, (int)(sizeof POLICIES / sizeof *POLICIES));
   tcase_add_loop_test(tc, video_policies, 0, (int)(sizeof VIDEO_POLICIES / sizeof *VIDEO_POLICIES));
   tcase_add_loop_test(tc, llm_trace_served, 0, (int)(sizeof LLM_CASES / sizeof *LLM_CASES));
   tcase_add_test(tc, llm_preempts_under_pressure);
+  tcase_add_loop_test(tc, llm_shared_traces, 0, 3);
   tcase_add_test(tc, llm_synthetic_presets);
   tcase_add_test(tc, dry_plans_the_same_bytes);
   tcase_add_loop_test(tc, errors_exit_nonzero_with_a_message, 0, (int)(sizeof BAD_RUNS / sizeof *BAD_RUNS));
