@@ -12,6 +12,7 @@
  */
 #include "policy.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
