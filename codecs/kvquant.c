@@ -319,12 +319,6 @@ static void kvq_layout(const void *inst, uint32_t cap, kvp_codec_layout *out) {
 
 /* ---- one token ------------------------------------------------------------------ */
 
-static inline uint32_t nearest(const kvq_inst *q, float n) {
-  uint32_t c = 0, nm = (1u << q->bits) - 1;
-  for (uint32_t j = 0; j < nm; j++) c += q->mid[j] < n;
-  return c;
-}
-
 /* Indices of the k largest of score[0..D) (ties: lower channel), ascending. */
 static void kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
   float best[KVP_MAX_HEAD_DIM];
@@ -422,7 +416,12 @@ static int kvq_encode_token(const kvq_inst *q, uint32_t h, const float *x, uint8
     float ir = R > 0 ? 1.0f / R : 0.0f;
     for (uint32_t c = 0; c < D; c++) n[c] = (x[c] - M) * ir;
   }
-  for (uint32_t c = 0; c < D; c++) code[c] = (uint8_t)nearest(q, n[c]);
+  /* the nearest entry: midpoints below n, counted a midpoint at a time over the row (vectorizes) */
+  memset(code, 0, D);
+  for (uint32_t j = 0; j + 1 < 1u << q->bits; j++) {
+    float mj = q->mid[j];
+    for (uint32_t c = 0; c < D; c++) code[c] += mj < n[c];
+  }
   kvp__lsb32_pack(codes_row, code, D, q->bits);
   o->n = k;
   for (uint32_t j = 0; j < k; j++) {
