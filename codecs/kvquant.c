@@ -416,11 +416,11 @@ static int kvq_encode_token(const kvq_inst *q, uint32_t h, const float *x, uint8
     float ir = R > 0 ? 1.0f / R : 0.0f;
     for (uint32_t c = 0; c < D; c++) n[c] = (x[c] - M) * ir;
   }
-  /* the nearest entry: midpoints below n, counted a midpoint at a time over the row (vectorizes) */
-  memset(code, 0, D);
-  for (uint32_t j = 0; j + 1 < 1u << q->bits; j++) {
-    float mj = q->mid[j];
-    for (uint32_t c = 0; c < D; c++) code[c] += mj < n[c];
+  /* the nearest entry: the number of midpoints below n, by binary search over the sorted midpoints */
+  for (uint32_t c = 0; c < D; c++) {
+    uint32_t i = 0;
+    for (uint32_t s = 1u << (q->bits - 1); s; s >>= 1) i += q->mid[i + s - 1] < n[c] ? s : 0;
+    code[c] = (uint8_t)i;
   }
   kvp__lsb32_pack(codes_row, code, D, q->bits);
   o->n = k;
