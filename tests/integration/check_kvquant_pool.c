@@ -397,10 +397,8 @@ START_TEST(open_block_grows) {
   static float a[NTOK * D], b[NTOK * D];
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t h = 0; h < H; h++) {
-      kvp_read_req ra = {sizeof ra, h, KVP_DTYPE_F32, a, b + 0 * D, NULL, NTOK, 0, NULL};
-      ra.v_out = NULL;
-      kvp_read_req rb = ra;
-      rb.k_out = b;
+      kvp_read_req ra = {sizeof ra, h, KVP_DTYPE_F32, a, NULL, NULL, NTOK, 0, NULL};
+      kvp_read_req rb = {sizeof rb, h, KVP_DTYPE_F32, b, NULL, NULL, NTOK, 0, NULL};
       ck_ok(kvp_read(p, 1, l, &ra));
       ck_ok(kvp_read(p, 3, l, &rb));
       ck_assert_uint_eq(ra.n_tokens, 2 * GBT + 5);
