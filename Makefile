@@ -2,7 +2,7 @@
 #
 #   make               libraries (build/libkvpool.so, build/libkvpool.a) and tools
 #   make deps          install missing Debian packages (tools/deps.sh)
-#   make run           the main job on embedded defaults
+#   make run           kvpool-sim's embedded tour (build/kvpool-sim with no arguments)
 #   make test          every Check suite (unit + integration + a 2 s stress run)
 #   make asan | tsan   the suites under ASan+UBSan | TSan
 #   make stress        the reader/writer stress test for 30 s (stress-tsan: under TSan)
@@ -74,7 +74,9 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
-TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim
+SIM_SRC := tools/kvpool-sim.c tools/sim_common.c tools/sim_llm.c tools/sim_var.c tools/sim_video.c tools/traces.c
+SIM_HDRS := tools/sim.h tools/traces.h
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
 
 .PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports stress stress-tsan
@@ -117,7 +119,12 @@ PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
 PUB_HDRS := $(wildcard include/*.h)
 $(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -ljansson -lpthread $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< $(filter %.c,$(filter-out $<,$^)) -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool \
+	  $(CHECK_LIBS) -ljansson -lpthread -lm $(LDFLAGS)
+# The trace parsers are tools code, tested through their own header; the
+# simulator's suite runs the built binary.
+$(B)/tests/check_traces: tools/traces.c tools/traces.h
+$(B)/tests/check_sim: $(B)/kvpool-sim
 
 # Stress tests: public header only, like integration tests; `make test` runs
 # their short version (KVP_STRESS_SECONDS unset: 2 s).
@@ -128,9 +135,20 @@ $(STRESS_BIN): $(B)/tests/%: tests/stress/%.c tests/integration/kvgen.h $(SO) $(
 $(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
 
+# check_stat runs the tool.
+$(B)/tests/check_stat: | $(B)/kvpool-stat
+
+# kvpool-stat reads files only: neither the library nor its header.
+$(B)/kvpool-stat: tools/kvpool-stat.c
+	@mkdir -p $(dir $@)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -ljansson -lm $(LDFLAGS)
+
 # The bench links jemalloc directly for its baseline.
 $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljemalloc -lm $(LDFLAGS)
+
+$(B)/kvpool-sim: $(SIM_SRC) $(SIM_HDRS) $(SO) $(PUB_HDRS)
+	$(CC) $(PUB_CFLAGS) -o $@ $(SIM_SRC) -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljansson -lm $(LDFLAGS)
 
 # kvpool-calib works on the library's internals (planner, loaders, fitting):
 # it links the static library like the unit tests do.
@@ -138,8 +156,8 @@ CALIB_SRC := tools/kvpool-calib.c $(wildcard tools/calib_*.c)
 $(B)/kvpool-calib: $(CALIB_SRC) tools/calib.h $(A)
 	$(CC) $(CFLAGS) -fvisibility=default -o $@ $(CALIB_SRC) $(A) $(LIBS) $(LDFLAGS)
 
-run: deps $(B)/kvpool-demo
-	$(B)/kvpool-demo
+run: deps $(B)/kvpool-sim
+	$(B)/kvpool-sim
 
 test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
 	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
@@ -183,7 +201,7 @@ $(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integ
 
 install: lib
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
-	install -m 644 include/kvpool.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 include/kvpool.h include/kvpool_codec.h $(DESTDIR)$(PREFIX)/include/
 	install -m 755 $(SO) $(DESTDIR)$(PREFIX)/lib/
 	install -m 644 $(A) $(DESTDIR)$(PREFIX)/lib/
 	ln -sf libkvpool.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libkvpool.so.$(SOVERSION)

@@ -43,8 +43,11 @@ typedef struct kvp__region_ops {
    * pages are handed out again). Host: nothing to wait for. */
   int (*quiesce)(kvp__region *r);
   /* Device-level bytes in use and capacity (resident bytes of the host range;
-   * cudaMemGetInfo for CUDA). */
-  int (*usage)(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes);
+   * cudaMemGetInfo for CUDA). span_bytes: the region's first bytes that
+   * pages have ever occupied (the allocator's high-water mark): no byte
+   * beyond was ever written, so the host backend scans only these, unless
+   * the region was prefaulted. Lock-free. */
+  int (*usage)(kvp__region *r, uint64_t span_bytes, uint64_t *used_bytes, uint64_t *total_bytes);
 } kvp__region_ops;
 
 struct kvp__region {
@@ -117,13 +120,12 @@ typedef struct kvp__extent {
  * KVP__RMAP_CHUNK_UNITS entries (16 MiB of region, 32 KiB of metadata)
  * exists only while one of its units is used, so a huge region (a 1 TiB dry
  * pool) costs metadata in proportion to what is allocated, not to its size:
- * 8 bytes per 4 KiB unit of used extents, plus one pointer per 16 MiB. */
+ * 32 KiB per 16 MiB chunk holding a used unit, plus 12 bytes per 16 MiB. */
 #define KVP__RMAP_CHUNK_SHIFT 12u
 #define KVP__RMAP_CHUNK_UNITS (1u << KVP__RMAP_CHUNK_SHIFT)
 
 typedef struct kvp__rmap_chunk {
-  uint64_t nused;                                   /* non-NULL entries */
-  struct kvp__extent *unit[KVP__RMAP_CHUNK_UNITS];  /* owning extent of each unit, NULL if free */
+  struct kvp__extent *unit[KVP__RMAP_CHUNK_UNITS]; /* owning extent of each unit, NULL if free: 32 KiB */
 } kvp__rmap_chunk;
 
 typedef struct kvp__extents {
@@ -132,11 +134,13 @@ typedef struct kvp__extents {
   uint64_t nunits;              /* bytes / KVP__EXTENT_UNIT */
   uint64_t nchunks;             /* entries of rmap: ceil(nunits / KVP__RMAP_CHUNK_UNITS) */
   kvp__rmap_chunk **rmap;       /* [nchunks]: address map chunks, NULL where no unit is used */
+  uint32_t *rmap_nused;         /* [nchunks]: non-NULL entries of each chunk */
   kvp__extent *bins[KVP__SC_COUNT]; /* free extents by floor size class */
   uint64_t nonempty[(KVP__SC_COUNT + 63) / 64]; /* bit per non-empty bin */
   kvp__extent *first;           /* lowest-address extent */
   uint64_t nextents;            /* descriptors (free and used) */
   uint64_t used_bytes;          /* bytes of SLAB and LARGE extents */
+  _Atomic uint64_t hwm_bytes;   /* highest end offset a used extent ever had (never decreases; read lock-free) */
   uint64_t nlarge, nslab;       /* used extents by state */
 } kvp__extents;
 

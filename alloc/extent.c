@@ -13,7 +13,7 @@
  *   a FREE extent is in bins[floor_class(bytes)], and that bin's bit is set
  *   rmap[u] = e for every unit u of a used extent e; NULL for free units
  *   a chunk of the address map exists iff one of its units is used, and its
- *   nused = its non-NULL entries (so metadata follows use, not region size)
+ *   rmap_nused[c] = its non-NULL entries (so metadata follows use, not region size)
  *   used_bytes = sum of bytes of used extents
  *
  * Allocation is first fit over segregated bins: the bin of floor_class(n)
@@ -69,7 +69,7 @@ static uint64_t chunk_hi(uint64_t off, uint64_t bytes) {
 /* Free the chunks of the range that no longer map any unit. */
 static void rmap_trim(kvp__extents *x, uint64_t off, uint64_t bytes) {
   for (uint64_t c = chunk_lo(off); c < chunk_hi(off, bytes); c++)
-    if (x->rmap[c] && !x->rmap[c]->nused) {
+    if (x->rmap[c] && !x->rmap_nused[c]) {
       kvp__meta_free(x->meta, x->rmap[c], sizeof *x->rmap[c]);
       x->rmap[c] = NULL;
     }
@@ -87,11 +87,18 @@ static int rmap_ensure(kvp__extents *x, uint64_t off, uint64_t bytes) {
 }
 
 /* Map every unit of the range to v (chunks ensured when v != NULL). */
+/* The high-water mark of used bytes: readers (device-level usage) scan no
+ * further. Single writer: a relaxed load and store. */
+static void hwm_raise(kvp__extents *x, uint64_t end) {
+  if (end > atomic_load_explicit(&x->hwm_bytes, memory_order_relaxed))
+    atomic_store_explicit(&x->hwm_bytes, end, memory_order_relaxed);
+}
+
 static void rmap_set(kvp__extents *x, uint64_t off, uint64_t bytes, kvp__extent *v) {
   for (uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT, n = bytes >> KVP__EXTENT_UNIT_SHIFT; n; n--, u++) {
-    kvp__rmap_chunk *c = x->rmap[u >> KVP__RMAP_CHUNK_SHIFT];
-    kvp__extent **slot = &c->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)];
-    c->nused += (uint64_t)(v != NULL) - (uint64_t)(*slot != NULL);
+    uint64_t ci = u >> KVP__RMAP_CHUNK_SHIFT;
+    kvp__extent **slot = &x->rmap[ci]->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)];
+    x->rmap_nused[ci] += (uint32_t)(v != NULL) - (uint32_t)(*slot != NULL);
     *slot = v;
   }
   if (!v) rmap_trim(x, off, bytes);
@@ -104,9 +111,11 @@ int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta) {
   x->nunits = bytes >> KVP__EXTENT_UNIT_SHIFT;
   x->nchunks = (x->nunits + KVP__RMAP_CHUNK_UNITS - 1) >> KVP__RMAP_CHUNK_SHIFT;
   x->rmap = kvp__meta_calloc(meta, x->nchunks * sizeof *x->rmap);
+  x->rmap_nused = kvp__meta_calloc(meta, x->nchunks * sizeof *x->rmap_nused);
   kvp__extent *e = kvp__meta_calloc(meta, sizeof *e);
-  if (!x->rmap || !e) {
+  if (!x->rmap || !x->rmap_nused || !e) {
     kvp__meta_free(meta, x->rmap, x->nchunks * sizeof *x->rmap);
+    kvp__meta_free(meta, x->rmap_nused, x->nchunks * sizeof *x->rmap_nused);
     kvp__meta_free(meta, e, sizeof *e);
     return kvp__err(KVP_ENOMEM, "extent map for %llu bytes", (unsigned long long)bytes);
   }
@@ -124,6 +133,7 @@ void kvp__extents_fini(kvp__extents *x) {
   }
   for (uint64_t c = 0; x->rmap && c < x->nchunks; c++) kvp__meta_free(x->meta, x->rmap[c], sizeof *x->rmap[c]);
   kvp__meta_free(x->meta, x->rmap, x->nchunks * sizeof *x->rmap);
+  kvp__meta_free(x->meta, x->rmap_nused, x->nchunks * sizeof *x->rmap_nused);
   memset(x, 0, sizeof *x);
 }
 
@@ -194,6 +204,7 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
   e->state = (uint8_t)state;
   e->owner = NULL;
   rmap_set(x, e->off, e->bytes, e);
+  hwm_raise(x, e->off + e->bytes);
   x->used_bytes += bytes;
   if (state == KVP__EXT_SLAB) x->nslab++;
   else x->nlarge++;
@@ -249,6 +260,7 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) 
   }
   rmap_set(x, e->off + e->bytes, need, e);
   e->bytes = bytes;
+  hwm_raise(x, e->off + e->bytes);
   x->used_bytes += need;
   return true;
 }
@@ -290,16 +302,16 @@ static int check_rmap(const kvp__extents *x, const kvp__extent *e) {
   return KVP_OK;
 }
 
-/* Each chunk present maps some unit, and its nused counts its entries. */
+/* Each chunk present maps some unit, and rmap_nused counts its entries. */
 static int check_chunks(const kvp__extents *x) {
   for (uint64_t c = 0; c < x->nchunks; c++) {
     const kvp__rmap_chunk *k = x->rmap[c];
     if (!k) continue;
     uint64_t n = 0;
     for (uint32_t i = 0; i < KVP__RMAP_CHUNK_UNITS; i++) n += k->unit[i] != NULL;
-    if (!n || n != k->nused)
+    if (!n || n != x->rmap_nused[c])
       return CORRUPT("address map chunk %llu: %llu units mapped, it counts %llu%s", (unsigned long long)c,
-                     (unsigned long long)n, (unsigned long long)k->nused, n ? "" : " (an empty chunk is kept)");
+                     (unsigned long long)n, (unsigned long long)x->rmap_nused[c], n ? "" : " (an empty chunk is kept)");
   }
   return KVP_OK;
 }
@@ -325,6 +337,10 @@ int kvp__extents_check(const kvp__extents *x) {
   }
   if (off != x->bytes) return CORRUPT("extents cover %llu of %llu region bytes", (unsigned long long)off,
                                       (unsigned long long)x->bytes);
+  for (const kvp__extent *e = x->first; e; e = e->anext)
+    if (e->state != KVP__EXT_FREE && e->off + e->bytes > atomic_load_explicit(&x->hwm_bytes, memory_order_relaxed))
+      return CORRUPT("used extent at offset %llu ends past the high-water mark %llu", (unsigned long long)e->off,
+                     (unsigned long long)atomic_load_explicit(&x->hwm_bytes, memory_order_relaxed));
   if (n != x->nextents || used != x->used_bytes || nslab != x->nslab || nlarge != x->nlarge)
     return CORRUPT("extent counters drifted: %llu/%llu descriptors, %llu/%llu used bytes",
                    (unsigned long long)n, (unsigned long long)x->nextents, (unsigned long long)used,

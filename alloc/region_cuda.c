@@ -73,7 +73,8 @@ static int cuda_quiesce(kvp__region *r) {
   return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaDeviceSynchronize (page reuse)", r->device);
 }
 
-static int cuda_usage(kvp__region *r, uint64_t *used_bytes, uint64_t *total_bytes) {
+static int cuda_usage(kvp__region *r, uint64_t span_bytes, uint64_t *used_bytes, uint64_t *total_bytes) {
+  (void)span_bytes; /* the whole device is asked */
   int prev = 0;
   cudaGetDevice(&prev);
   cudaSetDevice(r->device);

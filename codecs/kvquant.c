@@ -574,8 +574,11 @@ static int kvq_encode_at(const void *inst, const kvp_codec_block *blk, void *sta
 static int kvq_open_layout(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
                            const void *src, size_t src_stride, uint32_t n_new, uint32_t cap, kvp_codec_layout *out) {
   const kvq_inst *q = inst;
-  if (cap < 1 || cap > 65536 || (uint64_t)n_have + n_new > cap || (n_have && !pages) || (n_new && !src))
+  if (cap < 1 || cap > 65536 || (uint64_t)n_have + n_new > cap || (n_new && !src))
     return kvp__err(KVP_EINVAL, "kvquant: %u + %u rows in a block of %u", n_have, n_new, cap);
+  if (n_have && !pages && q->thresh) /* a dry pool: fixed k sizes by count, threshold outliers cannot */
+    return kvp__err(KVP_ENOTSUP, "kvquant: threshold outliers size the OUTLIERS page from the rows held; without "
+                    "them (a dry pool) only a fixed outlier fraction can be sized");
   if (blk->head >= q->n_heads)
     return kvp__err(KVP_EINVAL, "kvquant: head %u >= the calibration's %u heads", blk->head, q->n_heads);
   kvq_layout_at(inst, blk->pos0, cap, out);

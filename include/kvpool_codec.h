@@ -163,7 +163,11 @@ typedef struct kvp_codec_vtable {
    * Page types and order as layout_at's; every page at least 1 byte; the
    * bytes may depend on the data (outliers over a threshold). The pool's
    * check compares every block's pages with open_layout(pages, n, NULL, 0).
-   * Returns KVP_OK or KVP_ECODEC. */
+   * A dry pool (KVP_POOL_DRY) holds no rows: it passes pages = NULL with
+   * n_have > 0, and a codec whose bytes depend only on the row counts
+   * answers as usual, while one that must read the rows it holds returns
+   * KVP_ENOTSUP (kvp_pool_create of a dry pool asks once and refuses it).
+   * Returns KVP_OK, KVP_ECODEC or KVP_ENOTSUP. */
   int (*open_layout)(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
                      const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens, kvp_codec_layout *out);
   /* Encode rows [n_have, n_have + n_new) into pages sized by open_layout

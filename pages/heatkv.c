@@ -404,7 +404,7 @@ int kvp__heatkv_key(const kvp__heatkv_in *in, uint64_t *key) {
   h = fnv64(fnv64(fnv64(h, 0x6865617401u /* "heat", v1 */), in->n_layers), in->n_heads);
   h = fnv64(fnv64(fnv64(fnv64(h, in->n_scales), in->n_sinks), bbits), (uint64_t)in->unit);
   for (uint32_t t = 0; t < in->n_scales; t++) h = fnv64(h, in->scale_tokens[t]);
-  h = fnv64(h, kvp__orders_checksum(in->orders));
+  h = fnv64(h, in->orders_checksum ? in->orders_checksum : kvp__orders_checksum(in->orders));
   for (uint32_t t = 0; in->unit == KVP__HEATKV_BYTES && t < in->n_scales; t++)
     for (uint32_t l = 0; l < in->n_layers; l++)
       for (uint32_t hd = 0; hd < in->n_heads; hd++) h = fnv64(h, atom_units(in, t, l, hd));

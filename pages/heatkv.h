@@ -167,6 +167,8 @@ typedef struct kvp__heatkv_in {
   const uint32_t *n_prune;        /* [K] heads per source in force during each 0-based scale,
                                      overriding Eq. 5 (experiments, tests); entries before s
                                      and the last are ignored; NULL = Eq. 5 */
+  uint64_t orders_checksum;       /* kvp__orders_checksum(orders) when the caller keeps it, else 0
+                                     (computed here: a pass over every list) */
   bool binary;                    /* Binary-HeatKV: orders->cas must be set; an early-pruned head
                                      loses every cached source at once (whole heads, CAS) */
 } kvp__heatkv_in;

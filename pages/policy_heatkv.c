@@ -59,6 +59,7 @@ typedef struct orders_entry {
   uint64_t seed;             /* synthetic seed */
   bool cas;                  /* one CAS order (binary) */
   kvp__orders orders;
+  uint64_t checksum;         /* kvp__orders_checksum(&orders), once */
 } orders_entry;
 
 typedef struct plan_entry {
@@ -138,7 +139,7 @@ void kvp__heatkv_cache_counts(const kvp_pool *pool, uint64_t *builds, uint64_t *
 
 /* The orders of cfg for L, H, K (loaded or made once per pool). */
 static int orders_get(kvp_pool *pool, kvp__heatkv_cache *c, const heatkv_cfg *cfg, uint32_t K,
-                      const kvp__orders **out) {
+                      const orders_entry **out) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
   bool synth = !strcmp(cfg->orders, "synthetic");
   for (orders_entry **pe = &c->orders; *pe; pe = &(*pe)->next) {
@@ -147,7 +148,7 @@ static int orders_get(kvp_pool *pool, kvp__heatkv_cache *c, const heatkv_cfg *cf
         e->cas != cfg->binary || (synth && e->seed != cfg->seed))
       continue;
     *pe = e->next, e->next = c->orders, c->orders = e; /* to the front */
-    *out = &e->orders;
+    *out = e;
     return KVP_OK;
   }
   orders_entry *e = kvp__meta_calloc(&pool->meta, sizeof *e);
@@ -167,8 +168,9 @@ static int orders_get(kvp_pool *pool, kvp__heatkv_cache *c, const heatkv_cfg *cf
   }
   snprintf(e->source, sizeof e->source, "%s", cfg->orders);
   e->L = L, e->H = H, e->K = K, e->s = cfg->sinks, e->seed = cfg->seed, e->cas = cfg->binary;
+  e->checksum = kvp__orders_checksum(&e->orders);
   e->next = c->orders, c->orders = e;
-  *out = &e->orders;
+  *out = e;
   return KVP_OK;
 }
 
@@ -290,7 +292,7 @@ static int heatkv_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, const k
     free(st);
     return kvp__err(KVP_ENOMEM, "%s state", name);
   }
-  const kvp__orders *orders = NULL;
+  const orders_entry *orders = NULL;
   uint64_t *ab = NULL;
   int rc = orders_get(pool, cache, c, K, &orders);
   if (!rc && c->unit == KVP__HEATKV_BYTES && !(ab = kvp__heatkv_atom_bytes(pool, sc->step_tokens, K)))
@@ -298,7 +300,8 @@ static int heatkv_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, const k
   if (!rc) {
     kvp__heatkv_in in = {.n_layers = L, .n_heads = H, .n_scales = K, .scale_tokens = sc->step_tokens,
                          .n_sinks = c->sinks, .b = sc->budget_fraction > 0 ? sc->budget_fraction : c->b,
-                         .orders = orders, .unit = c->unit, .atom_bytes = ab, .binary = c->binary};
+                         .orders = &orders->orders, .orders_checksum = orders->checksum, .unit = c->unit,
+                         .atom_bytes = ab, .binary = c->binary};
     rc = plan_get(pool, cache, &in, &st->pe);
   }
   free(ab);

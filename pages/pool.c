@@ -12,6 +12,7 @@
  */
 #include "policy.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -118,6 +119,19 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
   if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && !b->passthrough) /* dry: nothing is encoded */
     return kvp__err(KVP_ENOTSUP, "config.codecs: a CUDA region stores raw tokens in the appended dtype until device "
                                  "codecs exist (layer %u %c asks for %s)", layer, "KV"[kv], b->vt->name);
+  if ((c->flags & KVP_POOL_DRY) && kvp__bind_rowwise(b)) {
+    /* A dry pool holds no rows: a row-wise codec must size an OPEN block
+     * from its row count alone (pages = NULL), which it answers here. */
+    kvp_codec_layout lay;
+    kvp_codec_block where = {0, 0};
+    rc = b->vt->open_layout(b->inst, &where, NULL, 1, NULL, 0, 0, c->block_tokens, &lay);
+    if (rc) {
+      char why[256];
+      snprintf(why, sizeof why, "%s", kvp_last_error()); /* kvp__err rewrites the message it reads */
+      return kvp__err(KVP_ENOTSUP, "config.codecs: %s for layer %u %c sizes its pages from the rows it holds, and a dry "
+                      "pool (KVP_POOL_DRY) holds none (%s)", b->vt->name, layer, "KV"[kv], why);
+    }
+  }
   return KVP_OK;
 }
 
@@ -246,7 +260,8 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   }
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
-  if (r->ops->usage(r, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
+  uint64_t span = atomic_load_explicit(&pool->alloc.ext.hwm_bytes, memory_order_relaxed);
+  if (r->ops->usage(r, span, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
     out->device_used_bytes = out->device_total_bytes = 0; /* probe failed: reported as unknown (0) */
   for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) kvp__usage_read(&pool->stats.page_types[i], &out->page_types[i]);
   for (uint32_t i = 0; i < 2; i++) kvp__usage_read(&pool->stats.kv[i], &out->kv[i]);

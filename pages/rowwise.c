@@ -23,6 +23,9 @@
  * which nobody reads, and nothing else.
  *
  * Invariant (kvp_check): every block's pages equal open_layout(pages, n).
+ *
+ * Dry pools (KVP_POOL_DRY) size the same way with pages = NULL (no rows are
+ * held; kvp_pool_create refused codecs that need them) and encode nothing.
  */
 #include "../codecs/numeric.h"
 #include "pages.h"
@@ -87,9 +90,10 @@ static int rw_size(kvp_pool *pool, uint32_t layer, uint32_t h, const kvp_kv *kv,
     const unsigned char *src = (const unsigned char *)(side ? kv->v : kv->k) + (size_t)h * D * esz +
                                (size_t)e->src_row * stride;
     void *pages[KVP_CODEC_MAX_PAGES] = {0};
-    if (tail) page_ptrs(pool, tail, side, pages);
+    bool held = tail && !(pool->cfg.flags & KVP_POOL_DRY); /* a dry pool holds no rows: pages = NULL */
+    if (held) page_ptrs(pool, tail, side, pages);
     kvp_codec_block where = {h, e->pos0};
-    int rc = bd->vt->open_layout(bd->inst, &where, tail ? (const void *const *)pages : NULL, e->n_have, src, stride,
+    int rc = bd->vt->open_layout(bd->inst, &where, held ? (const void *const *)pages : NULL, e->n_have, src, stride,
                                  e->n_new, e->cap, &e->lay[side]);
     if (rc) return kvp__err(KVP_ECODEC, "codec %s: open layout of layer %u %c head %u (status %d)", bd->vt->name, layer,
                             "KV"[side], h, rc);
@@ -212,6 +216,7 @@ static int rw_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw
  * tail holds). */
 static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, const kvp_kv *kv, rw_blk *e) {
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  if (pool->cfg.flags & KVP_POOL_DRY) return KVP_OK; /* no payload: nothing to copy or encode */
   kvp__block *dst = e->rep ? e->rep : e->blk;
   for (int side = 0; side < 2; side++) {
     const kvp__binding *bd = &pool->bind[2 * layer + side];

@@ -42,6 +42,7 @@ static void table_free(kvp__seq_table *t) {
 static void table_free_cb(kvp__rcu_head *h) {
   kvp__rcu_cb_begin(h);
   table_free(caa_container_of(h, kvp__seq_table, rcu));
+  kvp__rcu_cb_end(); /* its metadata count happens before kvp__stats_fini's barrier returns */
 }
 
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta) {

@@ -2,7 +2,7 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json] [--codecs]
+ *   kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]
  *
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
  * kvquant_calib_s).
@@ -22,6 +22,9 @@
  *                       (seq, layer) in step mode; baseline: memcpy.
  *   read_ns_per_token   kvp_read of every head of a (seq, layer), per retained
  *                       token; baseline: memcpy of the same bytes.
+ *   dry_append_ns      a 4096-token step-mode append per (seq, layer) on a dry
+ *                       pool (KVP_POOL_DRY: counted, no payload), raw bf16 and
+ *                       nvfp4; baseline: the same append on a normal pool.
  *   codec_encode_gbs    host encode and decode throughput per codec, one core, in
  *   codec_decode_gbs    GB/s of bf16-equivalent bytes (D = 128, bf16 in and out,
  *                       4096-token blocks); baseline: memcpy of those bytes.
@@ -259,6 +262,69 @@ static seq_figs bench_seqs(int rounds, int steps) {
   return f;
 }
 
+/* ---- dry pools: what an append costs without payload ------------------------ */
+
+typedef struct dry_fig {
+  double dry, normal; /* ns per (seq, layer) append of a 4096-token step */
+} dry_fig;
+
+/* A 4096-token step-mode append per (seq, layer) on a dry pool, against the
+ * same append on a normal (prefaulted) pool with the same codecs: the
+ * baseline. The dry pool still screens the input for NaN and runs the
+ * allocator, the ledger and the stats. */
+static dry_fig bench_dry(const char *codecs, int rounds) {
+  double a[32], b[32];
+  size_t elems = (size_t)4096 * BH * BD;
+  uint16_t *k = malloc(elems * 2), *v = malloc(elems * 2);
+  fill_bf16(k, elems, 3);
+  fill_bf16(v, elems, 4);
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  kvp_pool *pools[2];
+  for (int d = 0; d < 2; d++) {
+    kvp_config c;
+    kvp_config_init(&c);
+    c.n_layers = BL;
+    c.n_kv_heads = BH;
+    c.head_dim = BD;
+    c.region_bytes = 1ull << 30;
+    c.block_tokens = 4096;
+    c.codecs = codecs;
+    c.flags = d ? KVP_POOL_DRY : KVP_POOL_PREFAULT;
+    int rc = kvp_pool_create(&c, &pools[d]);
+    if (rc) die("kvp_pool_create (dry bench)", rc);
+  }
+  for (int r = -1; r < rounds; r++) /* round -1 warms both */
+    for (int d = 0; d < 2; d++) {
+      if (kvp_seq_add(pools[d], 1, &sc)) die("kvp_seq_add", -1);
+      double t0 = now_ns();
+      one_step(pools[d], 1, 4096, k, v);
+      double dt = (now_ns() - t0) / BL;
+      if (kvp_seq_free(pools[d], 1)) die("kvp_seq_free", -1);
+      if (r >= 0) (d ? a : b)[r] = dt;
+    }
+  for (int d = 0; d < 2; d++) kvp_pool_destroy(pools[d]);
+  free(k), free(v);
+  dry_fig f = {median(a, rounds), median(b, rounds)};
+  return f;
+}
+
+static void print_dry(int rounds, int json_only) {
+  static const struct {
+    const char *label, *codecs;
+  } cfg[] = {{"raw bf16", NULL}, {"nvfp4", "kv=nvfp4"}};
+  for (size_t i = 0; i < sizeof cfg / sizeof *cfg; i++) {
+    dry_fig f = bench_dry(cfg[i].codecs, rounds);
+    if (!json_only)
+      printf("%-34s %10.1f us %10.1f us %9.3fx   (4096-token step per (seq, layer); baseline: the same on a normal pool)\n",
+             cfg[i].codecs ? "dry append, nvfp4" : "dry append, raw bf16", f.dry / 1e3, f.normal / 1e3, f.dry / f.normal);
+    printf("{\"figure\":\"dry_append_ns\",\"codecs\":\"%s\",\"kvpool\":%.1f,\"baseline\":\"normal pool\","
+           "\"baseline_value\":%.1f,\"ratio\":%.4f,\"tokens\":4096}\n",
+           cfg[i].label, f.dry, f.normal, f.dry / f.normal);
+  }
+}
+
 /* ---- codecs: host encode/decode throughput --------------------------------- */
 
 typedef struct codec_fig {
@@ -321,6 +387,105 @@ static codec_fig bench_codec(const char *name, const char *params, int rounds, d
   free(src), free(dst);
   vt->destroy(inst);
   return f;
+}
+
+/* ---- HeatKV: plan time, per-step policy overhead -------------------------- */
+
+static const uint32_t INF_SCHED[13] = {1, 4, 16, 36, 64, 144, 256, 400, 576, 1024, 1600, 2304, 4096};
+
+static kvp_pool *var_pool(uint32_t L, uint32_t H, uint32_t D, uint64_t region, const char *policy) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.region_bytes = region;
+  c.block_tokens = 4096; /* a scale per block and head */
+  c.policy = policy;
+  c.flags = KVP_POOL_PREFAULT;
+  kvp_pool *p;
+  int rc = kvp_pool_create(&c, &p);
+  if (rc) die("kvp_pool_create", rc);
+  return p;
+}
+
+static double seq_add_ns(kvp_pool *p, uint64_t id, double b) {
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP, sc.n_steps = 13, sc.step_tokens = INF_SCHED, sc.budget_fraction = b;
+  double t0 = now_ns();
+  int rc = kvp_seq_add(p, id, &sc);
+  double t1 = now_ns();
+  if (rc) die("kvp_seq_add", rc);
+  if ((rc = kvp_seq_free(p, id))) die("kvp_seq_free", rc);
+  return t1 - t0;
+}
+
+/* One generation of `steps` scales; ns per (seq, layer) append, hooks included. */
+static double var_gen_ns(kvp_pool *p, uint64_t id, uint32_t L, uint32_t steps, const uint16_t *kv, double b) {
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP, sc.n_steps = 13, sc.step_tokens = INF_SCHED, sc.budget_fraction = b;
+  int rc = kvp_seq_add(p, id, &sc);
+  if (rc) die("kvp_seq_add", rc);
+  kvp_kv in = {kv, kv, NULL};
+  double t0 = now_ns();
+  for (uint32_t k = 0; k < steps; k++) {
+    if ((rc = kvp_step_begin(p, id, INF_SCHED[k], 0))) die("kvp_step_begin", rc);
+    for (uint32_t l = 0; l < L; l++)
+      if ((rc = kvp_append(p, id, l, &in))) die("kvp_append", rc);
+    if ((rc = kvp_step_end(p, id))) die("kvp_step_end", rc);
+  }
+  double t1 = now_ns();
+  if ((rc = kvp_seq_free(p, id)) || (rc = kvp_reclaim(p))) die("kvp_seq_free", rc);
+  return (t1 - t0) / ((double)steps * L);
+}
+
+static void print_heatkv(int quick, int json_only) {
+  int rounds = quick ? 3 : 11, rc;
+  double plan[32], hit[32], plain[32];
+  /* plan time: Infinity-8B geometry; each b differs a little, so each add builds a plan */
+  kvp_pool *p8 = var_pool(40, 28, 128, 64u << 20, "heatkv:b=0.1:s=3:orders=synthetic");
+  kvp_pool *p0 = var_pool(40, 28, 128, 64u << 20, NULL);
+  seq_add_ns(p8, 1, 0.1); /* warm-up: the synthetic orders, made once per pool */
+  seq_add_ns(p0, 1, 0);
+  for (int r = 0; r < rounds; r++) {
+    plan[r] = seq_add_ns(p8, 2, 0.1 + 1e-6 * (r + 1));
+    hit[r] = seq_add_ns(p8, 3, 0.1); /* the warm-up's plan, from the cache */
+    plain[r] = seq_add_ns(p0, 4, 0);
+  }
+  double mp = median(plan, rounds), mh = median(hit, rounds), m0 = median(plain, rounds);
+  kvp_pool_destroy(p8), kvp_pool_destroy(p0);
+  /* per-step overhead: 12 cached scales of Infinity's schedule, L=8 H=8 D=64 */
+  enum { VL = 8, VH = 8, VD = 64 };
+  uint16_t *kv = malloc((size_t)4096 * VH * VD * 2);
+  if (!kv) die("malloc", KVP_ENOMEM);
+  fill_bf16(kv, (size_t)4096 * VH * VD, 77);
+  kvp_pool *pn = var_pool(VL, VH, VD, 512u << 20, NULL);
+  kvp_pool *pk = var_pool(VL, VH, VD, 512u << 20, "heatkv:b=0.1:s=3:orders=synthetic");
+  double none[32], keep[32], evict[32];
+  var_gen_ns(pn, 1, VL, 12, kv, 0), var_gen_ns(pk, 1, VL, 12, kv, 1.0); /* warm-up */
+  for (int r = 0; r < rounds; r++) {
+    none[r] = var_gen_ns(pn, 10 + r, VL, 12, kv, 0);
+    keep[r] = var_gen_ns(pk, 10 + r, VL, 12, kv, 1.0); /* b = 1: the plan evicts nothing */
+    evict[r] = var_gen_ns(pk, 100 + r, VL, 12, kv, 0.1);
+  }
+  if ((rc = kvp_check(pk))) die("kvp_check", rc);
+  double mn = median(none, rounds), mk = median(keep, rounds), me = median(evict, rounds);
+  kvp_pool_destroy(pn), kvp_pool_destroy(pk);
+  free(kv);
+  if (!json_only) {
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (kvp_seq_add building the plan vs without a policy, 40x28, 13 scales)\n",
+           "heatkv plan, Infinity-8B", mp / 1e3, m0 / 1e3, mp / m0);
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (the same plan from the pool's cache)\n", "heatkv plan, cached",
+           mh / 1e3, m0 / 1e3, mh / m0);
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (per (seq, layer), 12 scales, L=%d H=%d D=%d; b=1: nothing evicted)\n",
+           "heatkv step overhead", mk / 1e3, mn / 1e3, mk / mn, VL, VH, VD);
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (the same at b=0.1: evictions and skipped heads included)\n",
+           "heatkv b=0.1 append", me / 1e3, mn / 1e3, me / mn);
+  }
+  printf("{\"figure\":\"heatkv_plan_ns\",\"kvpool\":%.0f,\"baseline\":\"kvp_seq_add without policy\","
+         "\"baseline_value\":%.0f,\"ratio\":%.3f,\"cached_ns\":%.0f,\"layers\":40,\"heads\":28,\"scales\":13}\n",
+         mp, m0, mp / m0, mh);
+  printf("{\"figure\":\"heatkv_step_overhead_ns\",\"kvpool\":%.1f,\"baseline\":\"no policy\",\"baseline_value\":%.1f,"
+         "\"ratio\":%.4f,\"b01_ns\":%.1f,\"b01_ratio\":%.4f}\n", mk, mn, mk / mn, me, me / mn);
 }
 
 /* The codec figures: one table line and one JSON line per codec case. */
@@ -391,19 +556,25 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
     else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
+    else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
+    else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else {
-      fprintf(stderr, "usage: kvpool-bench [--quick] [--json] [--codecs]\n");
+      fprintf(stderr, "usage: kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]\n");
       return strcmp(argv[i], "--help") ? 2 : 0;
     }
   }
   if (codecs_only) {
     print_codecs(quick, json_only);
     print_kvquant_calib(quick, json_only);
+    return 0;
+  }
+  if (heatkv_only) {
+    print_heatkv(quick, json_only);
     return 0;
   }
   const int rounds = quick ? 3 : 11;
@@ -453,6 +624,7 @@ int main(int argc, char **argv) {
   free(ptrs);
   free(sizes);
   kvp_pool_destroy(p);
+  if (alloc_only) return 0;
 
   seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
   if (!json_only) {
@@ -474,8 +646,10 @@ int main(int argc, char **argv) {
   printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
          "\"ratio\":%.3f,\"tokens\":4096}\n",
          f.var, f.var_base, f.var / f.var_base);
+  print_dry(rounds, json_only);
   print_codecs(quick, json_only);
   print_kvquant_calib(quick, json_only);
+  print_heatkv(quick, json_only);
   printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
          "\"ratio\":%.3f}\n",
          f.read, f.read_base, f.read / f.read_base);

@@ -23,6 +23,8 @@
  *     writer frees after the grace period;
  *   - kvp__rcu_call releases the rcu_head and kvp__rcu_cb_begin acquires
  *     it: the caller's last writes happen before the callback's free;
+ *   - kvp__rcu_cb_end releases and kvp__rcu_barrier acquires: a callback
+ *     that ends so happens before the barrier's return;
  *   - publish/subscribe: the writer's initialization of a sequence happens
  *     before a reader that found it in the hash table reads it.
  */
@@ -83,7 +85,19 @@ static inline void kvp__rcu_cb_begin(kvp__rcu_head *h) {
   __tsan_acquire(&kvp__rcu_tsan_gp);
 #endif
 }
-static inline void kvp__rcu_barrier(void) { urcu_bp_barrier(); }
+/* A callback's last act, when what it did (a free, a counter update) must
+ * happen before kvp__rcu_barrier returns in TSan's eyes. */
+static inline void kvp__rcu_cb_end(void) {
+#ifdef KVP__TSAN
+  __tsan_release(&kvp__rcu_tsan_gp);
+#endif
+}
+static inline void kvp__rcu_barrier(void) {
+  urcu_bp_barrier();
+#ifdef KVP__TSAN
+  __tsan_acquire(&kvp__rcu_tsan_gp);
+#endif
+}
 #define kvp__rcu_publish(obj) KVP__TSAN_RELEASE(obj)
 #define kvp__rcu_subscribe(obj) KVP__TSAN_ACQUIRE(obj)
 /* A release store and a consume load: what rcu_assign_pointer and

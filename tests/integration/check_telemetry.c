@@ -282,15 +282,16 @@ END_TEST
 typedef struct reader_arg {
   kvp_pool *pool;
   atomic_int stop;
-  uint64_t rounds;
-  int bad; /* 0 = every snapshot was well-formed */
+  atomic_ullong rounds;
+  atomic_int bad; /* 0 = every snapshot was well-formed */
 } reader_arg;
 
 static void *top_reader(void *vp) {
   reader_arg *a = vp;
   kvp_seq_usage top[16];
-  static char buf[1 << 20];
-  while (!atomic_load(&a->stop)) {
+  char *buf = malloc(1 << 20);
+  if (!buf) a->bad = 6;
+  while (buf && !atomic_load(&a->stop)) {
     uint32_t n = 0;
     if (kvp_stats_top_sequences(a->pool, 16, top, &n) || n > 16) a->bad = 1;
     for (uint32_t i = 0; i < n; i++) {
@@ -298,13 +299,14 @@ static void *top_reader(void *vp) {
       if (i && top[i].usage.allocated_bytes > top[i - 1].usage.allocated_bytes) a->bad = 3;
     }
     size_t len;
-    int rc = kvp_stats_write(a->pool, KVP_STATS_JSON, buf, sizeof buf, &len);
+    int rc = kvp_stats_write(a->pool, KVP_STATS_JSON, buf, 1 << 20, &len);
     if (rc && rc != KVP_ENOSPC) a->bad = 4;
     kvp_usage u;
     rc = kvp_stats_breakdown(a->pool, KVP_DIM_SEQ, (a->rounds % 300) + 1, &u);
     if (rc && rc != KVP_ENOENT) a->bad = 5;
     a->rounds++;
   }
+  free(buf);
   return NULL;
 }
 
@@ -315,7 +317,9 @@ START_TEST(top_sequences_beside_a_writer) {
   kvp_seq_config sc;
   kvp_seq_config_init(&sc);
   sc.mode = KVP_SEQ_STEP;
-  reader_arg a = {.pool = p};
+  static reader_arg a;
+  a.pool = p;
+  atomic_store(&a.stop, 0);
   pthread_t th[2];
   for (int i = 0; i < 2; i++) ck_assert_int_eq(pthread_create(&th[i], NULL, top_reader, &a), 0);
   for (int round = 0; round < 2; round++) {

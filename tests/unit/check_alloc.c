@@ -114,6 +114,55 @@ START_TEST(extents_alignment_and_full) {
 }
 END_TEST
 
+/* The address map of a 1 TiB region is committed by chunks as extents are
+ * used and given back when they are freed: metadata follows use. */
+START_TEST(extents_address_map_is_lazy) {
+  kvp__sc_init();
+  kvp__meta m = {0};
+  kvp__extents x;
+  uint64_t tib = 1ull << 40, chunk_bytes = sizeof(kvp__rmap_chunk);
+  ck_ok(kvp__extents_init(&x, tib, &m));
+  uint64_t empty = m.bytes;
+  ck_assert_uint_lt(empty, 2 * MB); /* 12 bytes per 16 MiB: 768 KiB, not the 2 GiB of a flat map */
+  ck_ok(kvp__extents_check(&x));
+  /* 20 MiB from offset 0: chunks 0 and 1 of 16 MiB */
+  kvp__extent *a, *b;
+  ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
+  ck_assert_uint_ge(m.bytes, empty + 2 * chunk_bytes);
+  ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
+  ck_assert_ptr_eq(kvp__extent_at(&x, 17 * MB + 5), a); /* an interior unit in the second chunk */
+  ck_assert_ptr_null(kvp__extent_at(&x, 20 * MB));
+  ck_assert_ptr_null(kvp__extent_at(&x, tib - 1)); /* far away: no chunk, free */
+  ck_ok(kvp__extent_alloc(&x, 4 * KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &b)); /* in chunk 1 */
+  ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent_free(&x, a); /* chunk 0 goes, chunk 1 stays for b */
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_null(x.rmap[0]);
+  ck_assert_ptr_nonnull(x.rmap[1]);
+  ck_assert_ptr_eq(kvp__extent_at(&x, b->off + KVP__EXTENT_UNIT), b);
+  kvp__extent_free(&x, b);
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_null(x.rmap[1]);
+  ck_assert_uint_eq(m.bytes, empty); /* every chunk returned */
+  /* a large extent grown in place takes the chunks it reaches */
+  ck_ok(kvp__extent_alloc(&x, 15 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
+  ck_assert(kvp__extent_grow_in_place(&x, a, 40 * MB));
+  ck_ok(kvp__extents_check(&x));
+  ck_assert_ptr_eq(kvp__extent_at(&x, 39 * MB), a);
+  kvp__extent_free(&x, a);
+  ck_assert_uint_eq(m.bytes, empty);
+  /* a broken count is found */
+  ck_ok(kvp__extent_alloc(&x, 8 * KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
+  x.rmap_nused[0]++;
+  ck_status(kvp__extents_check(&x), KVP_ECORRUPT);
+  x.rmap_nused[0]--;
+  ck_ok(kvp__extents_check(&x));
+  kvp__extents_fini(&x);
+  ck_assert_uint_eq(m.bytes, 0);
+}
+END_TEST
+
 /* ---- pool-level fixtures ----------------------------------------------- */
 
 static kvp_pool *mkpool(uint64_t region, uint64_t budget, uint32_t layers, uint32_t heads) {
@@ -190,6 +239,42 @@ START_TEST(slab_bitmap_reuses_lowest) {
   ck_ok(kvp_page_describe(p, b, &db));
   ck_assert_ptr_eq(da.addr, d[7].addr);
   ck_assert_ptr_eq(db.addr, d[150].addr);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* Device-level bytes of a host region scan only up to the allocator's
+ * high-water mark: the same figure as a scan of the whole region, whatever
+ * was written, freed, or faulted in as huge pages. */
+START_TEST(host_usage_scans_the_high_water_mark) {
+  kvp_pool *p = mkpool(256 * MB, 0, 1, 1);
+  kvp__region *r = &p->alloc.region;
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  uint64_t used = 1, total = 0, full = 1;
+  ck_ok(r->ops->usage(r, atomic_load(&p->alloc.ext.hwm_bytes), &used, &total));
+  ck_assert_uint_eq(used, 0); /* nothing written yet */
+  ck_assert_uint_eq(total, 256 * MB);
+  static const uint64_t sizes[] = {100, 5000, 20000, 3 * MB, 40000, 17 * MB, 64};
+  kvp_page_id ids[7];
+  for (int i = 0; i < 7; i++) {
+    kvp_page_desc d;
+    ck_ok(kvp_page_alloc(p, sizes[i], &t, &ids[i]));
+    ck_ok(kvp_page_describe(p, ids[i], &d));
+    memset(d.addr, 0x5a, sizes[i]); /* faults the pages in */
+    uint64_t hwm = atomic_load(&p->alloc.ext.hwm_bytes);
+    ck_assert_uint_le(hwm, 256 * MB);
+    ck_ok(r->ops->usage(r, hwm, &used, &total));
+    ck_ok(r->ops->usage(r, r->bytes, &full, &total));
+    ck_assert_uint_eq(used, full);
+    ck_assert_uint_ge(used, sizes[i]);
+  }
+  ck_ok(kvp_page_free(p, ids[5]));
+  uint64_t hwm = atomic_load(&p->alloc.ext.hwm_bytes);
+  ck_ok(r->ops->usage(r, hwm, &used, &total));
+  ck_ok(r->ops->usage(r, r->bytes, &full, &total));
+  ck_assert_uint_eq(used, full); /* freed pages stay resident, and the mark stays */
+  ck_assert_uint_ge(used, 17 * MB);
   ck_pool(p);
   kvp_pool_destroy(p);
 }
@@ -480,6 +565,7 @@ static Suite *suite(void) {
   tc = tcase_create("extent");
   tcase_add_test(tc, extents_split_and_coalesce);
   tcase_add_test(tc, extents_alignment_and_full);
+  tcase_add_test(tc, extents_address_map_is_lazy);
   suite_add_tcase(s, tc);
   tc = tcase_create("slab");
   tcase_add_loop_test(tc, slab_fill_and_drain, 0, 6);
@@ -487,6 +573,7 @@ static Suite *suite(void) {
   suite_add_tcase(s, tc);
   tc = tcase_create("ledger");
   tcase_add_test(tc, budget_exactly_reachable_never_passable);
+  tcase_add_test(tc, host_usage_scans_the_high_water_mark);
   tcase_add_test(tc, region_full_is_enospc);
   tcase_add_test(tc, grow_moves_keep_payload);
   tcase_add_test(tc, large_grow_in_place);
