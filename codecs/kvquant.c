@@ -41,8 +41,9 @@
  * Outliers: per token the channels of largest score, |n_c| (K) or
  *   |x_c - off_c| inv_c (V): the k largest (topk) or those above 1
  *   (threshold; the D/2 largest when more), ties to the lower channel,
- *   listed by ascending channel. Their dense code is kept (the nearest entry to n_c);
- *   the outlier value is the residual e_c = fp16(x_c - dense_c), and decode
+ *   listed by ascending channel. Their dense code is kept (the nearest
+ *   entry to n_c); the outlier value is the residual e_c =
+ *   fp16(x_c - dense_c), and decode
  *   adds it back: x^_c = dense_c + e_c. So the dense-and-sparse split is
  *   exact: the full decode is the dense decode plus the sparse values at
  *   their channels (f32 addition). A residual beyond fp16's range
@@ -90,7 +91,8 @@
  * the block is exactly layout_at's (topk), or holds its entries (threshold).
  *
  * State: none per stream. Static data: the calibration of the binding's
- * layer and side, 2 H D floats (counted as bytes.codec_static).
+ * layer and side and the inverse ranges, 3 H D floats (counted as
+ * bytes.codec_static).
  */
 #include "builtin.h"
 #include "kvquant.h"
@@ -129,7 +131,7 @@ typedef struct kvq_params {
   uint32_t seed, calib_tokens;
   float fraction;
   bool uniform;
-  size_t bits_at, rope_at; /* offsets of bits= and rope_dims= for messages */
+  size_t rope_at;        /* offset of rope_dims= for messages */
 } kvq_params;
 
 static int kvq_param(kvq_inst *q, kvq_params *pp, const kvp__param *p, char *err, size_t errcap, size_t *err_at) {
@@ -140,7 +142,6 @@ static int kvq_param(kvq_inst *q, kvq_params *pp, const kvp__param *p, char *err
   case KEY_BITS:
     if (!kvp__param_u32(p, &v) || v < 2 || v > 4) return BAD("kvquant: bits=%.*s: want 2, 3 or 4", (int)p->val_len, p->val);
     q->bits = v;
-    pp->bits_at = p->at;
     break;
   case KEY_CALIB:
     if (p->val_len == 0 || p->val_len >= sizeof pp->calib)
@@ -319,12 +320,6 @@ static void kvq_layout(const void *inst, uint32_t cap, kvp_codec_layout *out) {
 
 /* ---- one token ------------------------------------------------------------------ */
 
-static inline uint32_t nearest(const kvq_inst *q, float n) {
-  uint32_t c = 0, nm = (1u << q->bits) - 1;
-  for (uint32_t j = 0; j < nm; j++) c += q->mid[j] < n;
-  return c;
-}
-
 /* Indices of the k largest of score[0..D) (ties: lower channel), ascending. */
 static void kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
   float best[KVP_MAX_HEAD_DIM];
@@ -422,7 +417,12 @@ static int kvq_encode_token(const kvq_inst *q, uint32_t h, const float *x, uint8
     float ir = R > 0 ? 1.0f / R : 0.0f;
     for (uint32_t c = 0; c < D; c++) n[c] = (x[c] - M) * ir;
   }
-  for (uint32_t c = 0; c < D; c++) code[c] = (uint8_t)nearest(q, n[c]);
+  /* the nearest entry: the number of midpoints below n, by binary search over the sorted midpoints */
+  for (uint32_t c = 0; c < D; c++) {
+    uint32_t i = 0;
+    for (uint32_t s = 1u << (q->bits - 1); s; s >>= 1) i += q->mid[i + s - 1] < n[c] ? s : 0;
+    code[c] = (uint8_t)i;
+  }
   kvp__lsb32_pack(codes_row, code, D, q->bits);
   o->n = k;
   for (uint32_t j = 0; j < k; j++) {

@@ -14,9 +14,13 @@
  * When it encodes. In KVP_SEQ_STEP mode a block is encoded as it is
  * appended. In KVP_SEQ_STREAM mode the OPEN block holds its tokens RAW (in
  * the appended dtype) and is encoded once, when it is sealed (full); until
- * then readers see the raw tokens. A codec that quantizes along the token
- * axis sets group_tokens: block_tokens must be a multiple of it, and encode
- * may receive a last group shorter than group_tokens only in step mode.
+ * then readers see the raw tokens (presented through decode_raw_at when the
+ * codec has it). Exception: a layer whose K and V codecs both build blocks
+ * row by row (open_layout, encode_rows; since 0.2.0) never holds RAW
+ * tails: its OPEN blocks are encoded as tokens arrive and their pages grow.
+ * A codec that quantizes along the token axis sets group_tokens:
+ * block_tokens must be a multiple of it, and encode may receive a last
+ * group shorter than group_tokens only in step mode.
  *
  * Page bit layouts are the codec's own and must be written in its header
  * comment. A codec knows nothing of the pool: tensors in, bytes out. Host

@@ -15,6 +15,8 @@
 #define KVP_EXPERIMENTAL_API /* raw pages: ballast that leaves an exact budget */
 #include <check.h>
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -395,10 +397,8 @@ START_TEST(open_block_grows) {
   static float a[NTOK * D], b[NTOK * D];
   for (uint32_t l = 0; l < L; l++)
     for (uint32_t h = 0; h < H; h++) {
-      kvp_read_req ra = {sizeof ra, h, KVP_DTYPE_F32, a, b + 0 * D, NULL, NTOK, 0, NULL};
-      ra.v_out = NULL;
-      kvp_read_req rb = ra;
-      rb.k_out = b;
+      kvp_read_req ra = {sizeof ra, h, KVP_DTYPE_F32, a, NULL, NULL, NTOK, 0, NULL};
+      kvp_read_req rb = {sizeof rb, h, KVP_DTYPE_F32, b, NULL, NULL, NTOK, 0, NULL};
       ck_ok(kvp_read(p, 1, l, &ra));
       ck_ok(kvp_read(p, 3, l, &rb));
       ck_assert_uint_eq(ra.n_tokens, 2 * GBT + 5);
@@ -575,6 +575,63 @@ START_TEST(threshold_growth_budget) {
 }
 END_TEST
 
+/* Readers beside a growing OPEN block: a thread reads every head of layer
+ * 0 while the writer appends one token at a time (pages grow in place or
+ * move); every row it gets equals, bit for bit, the row a finished
+ * reference pool returns for that position. */
+enum { RN = 160 };
+static float ref_k[H][RN * D], ref_v[H][RN * D];
+static atomic_int stop_reader;
+static atomic_long reads_done;
+
+static void *reader(void *arg) {
+  kvp_pool *p = arg;
+  static float k[RN * D], v[RN * D];
+  uint32_t pos[RN];
+  while (!atomic_load(&stop_reader)) {
+    for (uint32_t h = 0; h < H; h++) {
+      kvp_read_req q = {sizeof q, h, KVP_DTYPE_F32, k, v, pos, RN, 0, NULL};
+      int rc = kvp_read(p, 1, 0, &q);
+      if (rc == KVP_ENOENT) continue;
+      ck_assert_int_eq(rc, KVP_OK);
+      for (uint32_t t = 0; t < q.n_tokens; t++) {
+        ck_assert_uint_eq(pos[t], t);
+        ck_assert_msg(!memcmp(k + t * D, ref_k[h] + t * D, D * 4) && !memcmp(v + t * D, ref_v[h] + t * D, D * 4),
+                      "head %u token %u differs from the reference", h, t);
+      }
+      atomic_fetch_add(&reads_done, 1);
+    }
+  }
+  return NULL;
+}
+
+START_TEST(readers_beside_growth) {
+  const char *spec = "kv=kvquant:outliers=0.05";
+  kvp_pool *r, *p;
+  ck_ok(mkpool_bt(spec, 0, GBT, &r));
+  ck_ok(mkpool_bt(spec, 0, GBT, &p));
+  gen(12);
+  ck_ok(kvp_seq_add(r, 1, NULL));
+  append_step(r, 1, 0, RN);
+  for (uint32_t h = 0; h < H; h++) {
+    kvp_read_req q = {sizeof q, h, KVP_DTYPE_F32, ref_k[h], ref_v[h], NULL, RN, 0, NULL};
+    ck_ok(kvp_read(r, 1, 0, &q));
+    ck_assert_uint_eq(q.n_tokens, RN);
+  }
+  kvp_pool_destroy(r);
+  atomic_store(&stop_reader, 0);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  pthread_t th;
+  ck_assert_int_eq(pthread_create(&th, NULL, reader, p), 0);
+  for (uint32_t t = 0; t < RN; t++) append_step(p, 1, t, 1); /* kvp_check after each layer */
+  atomic_store(&stop_reader, 1);
+  ck_assert_int_eq(pthread_join(th, NULL), 0);
+  printf("readers beside growth: %ld reads while %u tokens were appended one by one\n", atomic_load(&reads_done), RN);
+  ck_assert_int_gt(atomic_load(&reads_done), 0);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("kvquant_pool");
   TCase *tc = tcase_create("pool");
@@ -586,6 +643,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, open_block_grows);
   tcase_add_test(tc, budget_stops_growth);
   tcase_add_test(tc, threshold_growth_budget);
+  tcase_add_test(tc, readers_beside_growth);
   suite_add_tcase(s, tc);
   return s;
 }
