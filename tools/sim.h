@@ -84,6 +84,14 @@ void sim_usage_error(const char *sub, const char *fmt, ...) __attribute__((noret
 /* Parse a number option value: unsigned integer (with optional K/M/G/T
  * binary suffix for byte sizes when bytes is set) or a finite double. */
 int sim_parse_u64(const char *s, int bytes, uint64_t *out);
+/* An option's value, or a usage error (exit 2) naming subcommand sub and
+ * the option: an integer in [lo, hi], or a positive number. */
+uint32_t sim_opt_u32(const char *sub, const char *opt, const char *v, uint32_t lo, uint32_t hi);
+double sim_opt_pos(const char *sub, const char *opt, const char *v);
+/* --layers, --kv-heads, --head-dim: 1 when a is one of them (its value
+ * stored, *model set to "custom"), else 0. */
+int sim_geom_opt(const char *sub, const char *a, const char *v, uint32_t *layers, uint32_t *kv_heads,
+                 uint32_t *head_dim, const char **model);
 int sim_parse_f64(const char *s, double *out);
 /* Comma-separated list of uint32 >= 1: "1,4,16"; count into *n (max cap). */
 int sim_parse_list(const char *s, uint32_t *out, uint32_t cap, uint32_t *n);

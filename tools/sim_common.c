@@ -332,3 +332,26 @@ int sim_run_close(sim_run *r) {
   r->csv = NULL;
   return rc;
 }
+
+uint32_t sim_opt_u32(const char *sub, const char *opt, const char *v, uint32_t lo, uint32_t hi) {
+  uint64_t x;
+  if (sim_parse_u64(v, 0, &x) || x < lo || x > hi)
+    sim_usage_error(sub, "%s %s: expected an integer in [%u, %u]", opt, v, lo, hi);
+  return (uint32_t)x;
+}
+
+double sim_opt_pos(const char *sub, const char *opt, const char *v) {
+  double x;
+  if (sim_parse_f64(v, &x) || !(x > 0)) sim_usage_error(sub, "%s %s: expected a positive number", opt, v);
+  return x;
+}
+
+int sim_geom_opt(const char *sub, const char *a, const char *v, uint32_t *layers, uint32_t *kv_heads,
+                 uint32_t *head_dim, const char **model) {
+  if (!strcmp(a, "--layers")) *layers = sim_opt_u32(sub, a, v, 1, KVP_MAX_LAYERS);
+  else if (!strcmp(a, "--kv-heads")) *kv_heads = sim_opt_u32(sub, a, v, 1, KVP_MAX_KV_HEADS);
+  else if (!strcmp(a, "--head-dim")) *head_dim = sim_opt_u32(sub, a, v, 1, KVP_MAX_HEAD_DIM);
+  else return 0;
+  *model = "custom";
+  return 1;
+}

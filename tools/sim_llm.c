@@ -529,19 +529,6 @@ static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm
   printf("  wall             %.2f s, %llu iterations\n", o->wall_s, (unsigned long long)o->iterations);
 }
 
-static uint32_t opt_u32(const char *opt, const char *v, uint32_t lo, uint32_t hi) {
-  uint64_t x;
-  if (sim_parse_u64(v, 0, &x) || x < lo || x > hi)
-    sim_usage_error("llm", "%s %s: expected an integer in [%u, %u]", opt, v, lo, hi);
-  return (uint32_t)x;
-}
-
-static double opt_pos(const char *opt, const char *v) {
-  double x;
-  if (sim_parse_f64(v, &x) || !(x > 0)) sim_usage_error("llm", "%s %s: expected a positive number", opt, v);
-  return x;
-}
-
 int sim_llm_main(int argc, char **argv) {
   sim_common com;
   sim_common_init(&com);
@@ -563,26 +550,25 @@ int sim_llm_main(int argc, char **argv) {
     const char *v = argv[++i];
     if (!strcmp(a, "--model")) {
       if (sim_llm_preset(&c, v)) sim_usage_error("llm", "--model %s: unknown (llama-2-7b | llama-3-8b | llama-2-70b)", v);
-    } else if (!strcmp(a, "--layers")) c.n_layers = opt_u32(a, v, 1, KVP_MAX_LAYERS), c.model = "custom";
-    else if (!strcmp(a, "--kv-heads")) c.n_kv_heads = opt_u32(a, v, 1, KVP_MAX_KV_HEADS), c.model = "custom";
-    else if (!strcmp(a, "--head-dim")) c.head_dim = opt_u32(a, v, 1, KVP_MAX_HEAD_DIM), c.model = "custom";
-    else if (!strcmp(a, "--params")) c.params = opt_pos(a, v), params_set = 1;
+    } else if (sim_geom_opt("llm", a, v, &c.n_layers, &c.n_kv_heads, &c.head_dim, &c.model)) {
+      /* geometry: stored */
+    } else if (!strcmp(a, "--params")) c.params = sim_opt_pos("llm", a, v), params_set = 1;
     else if (!strcmp(a, "--budget-bytes")) {
       if (sim_parse_u64(v, 1, &c.budget_bytes) || c.budget_bytes < KVP_MIN_REGION_BYTES)
         sim_usage_error("llm", "--budget-bytes %s: expected a byte count >= 2M (K/M/G/T suffixes)", v);
     } else if (!strcmp(a, "--codecs")) c.codecs = v;
     else if (!strcmp(a, "--policy")) c.policy = strcmp(v, "none") ? v : NULL;
-    else if (!strcmp(a, "--max-batch-tokens")) c.max_batch_tokens = opt_u32(a, v, 1, 1u << 20);
-    else if (!strcmp(a, "--block-tokens")) c.block_tokens = opt_u32(a, v, 1, 65536);
-    else if (!strcmp(a, "--max-running")) c.max_running = opt_u32(a, v, 1, 1u << 20);
+    else if (!strcmp(a, "--max-batch-tokens")) c.max_batch_tokens = sim_opt_u32("llm", a, v, 1, 1u << 20);
+    else if (!strcmp(a, "--block-tokens")) c.block_tokens = sim_opt_u32("llm", a, v, 1, 65536);
+    else if (!strcmp(a, "--max-running")) c.max_running = sim_opt_u32("llm", a, v, 1, 1u << 20);
     else if (!strcmp(a, "--trace")) c.trace_path = v;
     else if (!strcmp(a, "--format")) format = v;
-    else if (!strcmp(a, "--requests")) c.requests = opt_u32(a, v, 0, 1u << 30);
-    else if (!strcmp(a, "--rate")) c.rate = opt_pos(a, v);
-    else if (!strcmp(a, "--prompt-median")) c.prompt_median = opt_pos(a, v);
-    else if (!strcmp(a, "--output-median")) c.output_median = opt_pos(a, v);
-    else if (!strcmp(a, "--max-prompt")) c.max_prompt = opt_u32(a, v, 1, 1u << 24);
-    else if (!strcmp(a, "--max-output")) c.max_output = opt_u32(a, v, 1, 1u << 24);
+    else if (!strcmp(a, "--requests")) c.requests = sim_opt_u32("llm", a, v, 0, 1u << 30);
+    else if (!strcmp(a, "--rate")) c.rate = sim_opt_pos("llm", a, v);
+    else if (!strcmp(a, "--prompt-median")) c.prompt_median = sim_opt_pos("llm", a, v);
+    else if (!strcmp(a, "--output-median")) c.output_median = sim_opt_pos("llm", a, v);
+    else if (!strcmp(a, "--max-prompt")) c.max_prompt = sim_opt_u32("llm", a, v, 1, 1u << 24);
+    else if (!strcmp(a, "--max-output")) c.max_output = sim_opt_u32("llm", a, v, 1, 1u << 24);
     else sim_usage_error("llm", "unknown option %s", a);
   }
   if (format && !c.trace_path) sim_usage_error("llm", "--format needs --trace FILE");

@@ -348,13 +348,6 @@ static void var_print(const sim_var_cfg *c, const sim_common *com, const sim_var
   printf("  simulated time %.3f s, wall %.2f s\n", o->sim_time_s, o->wall_s);
 }
 
-static uint32_t opt_u32(const char *sub, const char *opt, const char *v, uint32_t lo, uint32_t hi) {
-  uint64_t x;
-  if (sim_parse_u64(v, 0, &x) || x < lo || x > hi)
-    sim_usage_error(sub, "%s %s: expected an integer in [%u, %u]", opt, v, lo, hi);
-  return (uint32_t)x;
-}
-
 int sim_var_main(int argc, char **argv) {
   sim_common com;
   sim_common_init(&com);
@@ -375,10 +368,9 @@ int sim_var_main(int argc, char **argv) {
     const char *v = argv[++i];
     if (!strcmp(a, "--model")) {
       if (sim_var_preset(&c, v)) sim_usage_error("var", "--model %s: unknown (infinity-2b | infinity-8b)", v);
-    } else if (!strcmp(a, "--layers")) c.n_layers = opt_u32("var", a, v, 1, KVP_MAX_LAYERS), c.model = "custom";
-    else if (!strcmp(a, "--kv-heads")) c.n_kv_heads = opt_u32("var", a, v, 1, KVP_MAX_KV_HEADS), c.model = "custom";
-    else if (!strcmp(a, "--head-dim")) c.head_dim = opt_u32("var", a, v, 1, KVP_MAX_HEAD_DIM), c.model = "custom";
-    else if (!strcmp(a, "--images")) c.images = opt_u32("var", a, v, 1, 1u << 20);
+    } else if (sim_geom_opt("var", a, v, &c.n_layers, &c.n_kv_heads, &c.head_dim, &c.model)) {
+      /* geometry: stored */
+    } else if (!strcmp(a, "--images")) c.images = sim_opt_u32("var", a, v, 1, 1u << 20);
     else if (!strcmp(a, "--schedule")) {
       if (sim_parse_list(v, c.schedule, SIM_MAX_SCALES, &c.n_scales) || c.n_scales < 2)
         sim_usage_error("var", "--schedule %s: expected 2 to %d comma-separated token counts >= 1", v, SIM_MAX_SCALES);

@@ -125,13 +125,6 @@ static const char *const VIDEO_HELP =
     "JSON keys: full_cache_bytes, peak_allocated_bytes, budget_bytes, budget_violations,\n"
     "tokens_evicted, savings_vs_bf16, ...\n\n";
 
-static uint32_t opt_u32(const char *opt, const char *v, uint32_t lo, uint32_t hi) {
-  uint64_t x;
-  if (sim_parse_u64(v, 0, &x) || x < lo || x > hi)
-    sim_usage_error("video", "%s %s: expected an integer in [%u, %u]", opt, v, lo, hi);
-  return (uint32_t)x;
-}
-
 static void video_print(const sim_video_cfg *c, const sim_common *com, const sim_video_out *o) {
   double savings = o->peak_allocated_bytes ? (double)o->full_cache_bytes / (double)o->peak_allocated_bytes : 0;
   if (com->json) {
@@ -194,16 +187,14 @@ int sim_video_main(int argc, char **argv) {
     }
     if (i + 1 >= argc) sim_usage_error("video", "unknown option or missing value: %s", a);
     const char *v = argv[++i];
-    if (!strcmp(a, "--layers")) c.n_layers = opt_u32(a, v, 1, KVP_MAX_LAYERS), c.model = "custom";
-    else if (!strcmp(a, "--kv-heads")) c.n_kv_heads = opt_u32(a, v, 1, KVP_MAX_KV_HEADS), c.model = "custom";
-    else if (!strcmp(a, "--head-dim")) c.head_dim = opt_u32(a, v, 1, KVP_MAX_HEAD_DIM), c.model = "custom";
-    else if (!strcmp(a, "--params")) {
-      if (sim_parse_f64(v, &c.params) || !(c.params > 0)) sim_usage_error("video", "--params %s: expected a positive number", v);
-      params_set = 1;
-    } else if (!strcmp(a, "--frames-per-chunk")) c.frames_per_chunk = opt_u32(a, v, 1, 1u << 16);
-    else if (!strcmp(a, "--tokens-per-frame")) c.tokens_per_frame = opt_u32(a, v, 1, 1u << 20);
-    else if (!strcmp(a, "--chunks")) c.chunks = opt_u32(a, v, 1, 1u << 20);
-    else if (!strcmp(a, "--scene-every")) c.scene_every = opt_u32(a, v, 0, 1u << 20);
+    if (sim_geom_opt("video", a, v, &c.n_layers, &c.n_kv_heads, &c.head_dim, &c.model)) {
+      /* geometry: stored */
+    } else if (!strcmp(a, "--params")) {
+      c.params = sim_opt_pos("video", a, v), params_set = 1;
+    } else if (!strcmp(a, "--frames-per-chunk")) c.frames_per_chunk = sim_opt_u32("video", a, v, 1, 1u << 16);
+    else if (!strcmp(a, "--tokens-per-frame")) c.tokens_per_frame = sim_opt_u32("video", a, v, 1, 1u << 20);
+    else if (!strcmp(a, "--chunks")) c.chunks = sim_opt_u32("video", a, v, 1, 1u << 20);
+    else if (!strcmp(a, "--scene-every")) c.scene_every = sim_opt_u32("video", a, v, 0, 1u << 20);
     else if (!strcmp(a, "--codecs")) c.codecs = v;
     else if (!strcmp(a, "--policy")) c.policy = strcmp(v, "none") ? v : NULL;
     else if (!strcmp(a, "--budget-bytes")) {
