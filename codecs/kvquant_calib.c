@@ -36,6 +36,9 @@
  *
  *   size = 40 + L * 2 * (2 H D + 2^b) * 4 + 4
  *
+ * kvp_kvquant_calib_synthetic fits the (layer, side) pairs in parallel, one
+ * worker per online CPU; the result does not depend on the worker count.
+ *
  * A reader checks, in order: magic, version, the size the header implies
  * (truncated or grown), the crc32 (corrupt), the geometry and bits against
  * the pool (mismatched), then the slice it loads (finite; rng > 0; lut
@@ -46,6 +49,9 @@
 
 #include <errno.h>
 #include <float.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <unistd.h>
 
 /* ---- the synthetic generator ------------------------------------------------ */
 
@@ -575,23 +581,67 @@ KVP_API int kvp_kvquant_calib_add(kvp_kvquant_calib *c, uint32_t layer, uint32_t
   return kvp__kvq_fit_head(&c->fit[2 * layer + kv], head, x, w, stride, n_tokens);
 }
 
+/* Synthetic fitting, one (layer, side) at a time per worker: each side of
+ * a layer is its own kvp__kvq_fit, so workers share nothing but the next
+ * index to take. The first failure (lowest index) is the one reported. */
+typedef struct synth_job {
+  kvp_kvquant_calib *c;
+  uint64_t seed;
+  uint32_t n_seqs, seq_tokens;
+  _Atomic uint32_t next;   /* next 2 * layer + side to fit */
+  pthread_mutex_t lock;    /* guards the failure below */
+  uint32_t fail_at;        /* lowest failed index, or UINT32_MAX */
+  int fail_rc;             /* its status */
+  char fail_msg[256];      /* its message */
+} synth_job;
+
+static void *synth_worker(void *arg) {
+  synth_job *j = arg;
+  kvp_kvquant_calib *c = j->c;
+  size_t n = (size_t)j->n_seqs * j->seq_tokens;
+  float *x = malloc(n * c->head_dim * sizeof *x);
+  for (uint32_t i; (i = atomic_fetch_add(&j->next, 1)) < 2 * c->n_layers;) {
+    uint32_t l = i / 2, kv = i % 2;
+    int rc = x ? KVP_OK : kvp__err(KVP_ENOMEM, "kvquant calibration: %zu synthetic tokens", n);
+    for (uint32_t h = 0; !rc && h < c->n_heads; h++) {
+      for (uint32_t s = 0; s < j->n_seqs; s++)
+        kvp__kvq_synth(j->seed + s, l, h, kv, 0, j->seq_tokens, c->head_dim,
+                       x + (size_t)s * j->seq_tokens * c->head_dim, c->head_dim);
+      rc = kvp__kvq_fit_head(&c->fit[i], h, x, NULL, c->head_dim, (uint32_t)n);
+    }
+    if (rc) {
+      pthread_mutex_lock(&j->lock);
+      if (i < j->fail_at) {
+        j->fail_at = i, j->fail_rc = rc;
+        snprintf(j->fail_msg, sizeof j->fail_msg, "%s", kvp_last_error());
+      }
+      pthread_mutex_unlock(&j->lock);
+      atomic_store(&j->next, 2 * c->n_layers); /* stop handing out work */
+    }
+  }
+  free(x);
+  return NULL;
+}
+
 KVP_API int kvp_kvquant_calib_synthetic(kvp_kvquant_calib *c, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens) {
   if (!c) return kvp__err(KVP_EINVAL, "kvquant calibration is NULL");
   uint64_t n = (uint64_t)n_seqs * seq_tokens;
   if (n == 0 || n > UINT32_MAX) return kvp__err(KVP_EINVAL, "kvquant calibration: %u x %u synthetic tokens", n_seqs, seq_tokens);
-  float *x = malloc(n * c->head_dim * sizeof *x);
-  if (!x) return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu synthetic tokens", (unsigned long long)n);
-  int rc = KVP_OK;
-  for (uint32_t l = 0; !rc && l < c->n_layers; l++)
-    for (uint32_t h = 0; !rc && h < c->n_heads; h++)
-      for (uint32_t kv = 0; !rc && kv < 2; kv++) {
-        for (uint32_t s = 0; s < n_seqs; s++)
-          kvp__kvq_synth(seed + s, l, h, kv, 0, seq_tokens, c->head_dim, x + (size_t)s * seq_tokens * c->head_dim,
-                         c->head_dim);
-        rc = kvp__kvq_fit_head(&c->fit[2 * l + kv], h, x, NULL, c->head_dim, (uint32_t)n);
-      }
-  free(x);
-  return rc;
+  synth_job j = {.c = c, .seed = seed, .n_seqs = n_seqs, .seq_tokens = seq_tokens, .fail_at = UINT32_MAX};
+  atomic_init(&j.next, 0);
+  pthread_mutex_init(&j.lock, NULL);
+  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+  uint32_t nt = cpus < 1 ? 1 : cpus > 64 ? 64 : (uint32_t)cpus;
+  if (nt > 2 * c->n_layers) nt = 2 * c->n_layers;
+  pthread_t tid[64];
+  uint32_t started = 0;
+  for (; started + 1 < nt; started++) /* the caller is the last worker */
+    if (pthread_create(&tid[started], NULL, synth_worker, &j)) break;
+  synth_worker(&j);
+  for (uint32_t t = 0; t < started; t++) pthread_join(tid[t], NULL);
+  pthread_mutex_destroy(&j.lock);
+  if (j.fail_at != UINT32_MAX) return kvp__err(j.fail_rc, "%s", j.fail_msg);
+  return KVP_OK;
 }
 
 KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path) {
