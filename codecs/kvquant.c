@@ -320,8 +320,9 @@ static void kvq_layout(const void *inst, uint32_t cap, kvp_codec_layout *out) {
 
 /* ---- one token ------------------------------------------------------------------ */
 
-/* Indices of the k largest of score[0..D) (ties: lower channel), ascending. */
-static void kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
+/* Indices of the k largest of score[0..D) (ties: lower channel), ascending
+ * by channel: the encoder's outlier pick, which the fitter repeats. */
+void kvp__kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
   float best[KVP_MAX_HEAD_DIM];
   uint32_t nb = 0;
   for (uint32_t c = 0; c < D; c++) {
@@ -350,12 +351,12 @@ static void kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
 static uint32_t kvq_pick(const kvq_inst *q, const float *score, uint16_t *top) {
   uint32_t D = q->head_dim, cnt = 0;
   if (!q->thresh) {
-    if (q->k) kvq_top(score, D, q->k, top);
+    if (q->k) kvp__kvq_top(score, D, q->k, top);
     return q->k;
   }
   for (uint32_t c = 0; c < D; c++) cnt += score[c] > 1.0f;
   if (cnt > q->kmax) {
-    kvq_top(score, D, q->kmax, top);
+    kvp__kvq_top(score, D, q->kmax, top);
     return q->kmax;
   }
   for (uint32_t c = 0, j = 0; c < D; c++)

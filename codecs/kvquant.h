@@ -41,6 +41,11 @@ void kvp__kvq_side_free(kvp__kvq_side *s);
  * head) ten times larger; both sides have heavy tails (one value in 128,
  * about, scaled by 2..5). Counter-based: any position can be regenerated
  * alone. */
+/* Indices of the k largest of score[0..D) (ties: the lower channel) into
+ * top, ascending by channel: the outliers of a token, for the encoder and
+ * the fitter alike. */
+void kvp__kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top);
+
 void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
                     uint32_t head_dim, float *dst, size_t dst_stride);
 

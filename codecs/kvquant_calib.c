@@ -196,31 +196,6 @@ static void heaps_add(ext_heaps *e, const float *row) {
   }
 }
 
-/* Indices of the k largest of score[0..D) into top (ties: lower channel),
- * sorted by channel. */
-static void top_k(const float *score, uint32_t D, uint32_t k, uint16_t *top) {
-  float best[KVP_MAX_HEAD_DIM];
-  uint32_t nb = 0;
-  for (uint32_t c = 0; c < D; c++) {
-    float s = score[c];
-    if (nb == k && !(s > best[k - 1])) continue;
-    uint32_t j = nb < k ? nb++ : k - 1;
-    while (j > 0 && s > best[j - 1]) {
-      best[j] = best[j - 1];
-      top[j] = top[j - 1];
-      j--;
-    }
-    best[j] = s;
-    top[j] = (uint16_t)c;
-  }
-  for (uint32_t i = 1; i < k; i++) /* by channel */
-    for (uint32_t j = i; j > 0 && top[j - 1] > top[j]; j--) {
-      uint16_t t = top[j];
-      top[j] = top[j - 1];
-      top[j - 1] = t;
-    }
-}
-
 static void hist_add(kvp__kvq_fit *f, float n, float w) {
   if (n < -1.0f) n = -1.0f;
   if (n > 1.0f) n = 1.0f;
@@ -236,7 +211,7 @@ static void fit_token(kvp__kvq_fit *f, uint32_t h, const float *x, const float *
   uint32_t D = f->head_dim;
   const float *off = f->off + (size_t)h * D, *inv = f->inv + (size_t)h * D;
   for (uint32_t c = 0; c < D; c++) score[c] = fabsf(x[c] - off[c]) * inv[c];
-  if (k) top_k(score, D, k, top);
+  if (k) kvp__kvq_top(score, D, k, top); /* as the encoder picks */
   uint32_t j = 0;
   float lo = INFINITY, hi = -INFINITY;
   for (uint32_t c = 0; c < D; c++) { /* mark outliers with a negative score */

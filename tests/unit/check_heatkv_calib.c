@@ -567,20 +567,7 @@ END_TEST
 /* ---- kvpool-calib ------------------------------------------------------------
  * The binary sits next to the tests' folder (build/kvpool-calib). */
 
-static int run_calib(const char *args, char *out, size_t cap) {
-  char self[512], cmd[2048];
-  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-  ck_assert_int_gt(n, 0);
-  self[n] = 0;
-  *strrchr(self, '/') = 0; /* build/tests */
-  snprintf(cmd, sizeof cmd, "%s/../kvpool-calib %s 2>&1", self, args);
-  FILE *p = popen(cmd, "r");
-  ck_assert_ptr_nonnull(p);
-  size_t got = fread(out, 1, cap - 1, p);
-  out[got] = 0;
-  int st = pclose(p);
-  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
+static int run_calib(const char *args, char *out, size_t cap) { return t_run_tool("kvpool-calib", args, out, cap); }
 
 START_TEST(calib_cli) {
   tmp_setup();

@@ -6,6 +6,10 @@
 
 #include <check.h>
 #include <stdint.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvpool.h"
 
@@ -26,6 +30,24 @@ static inline uint64_t t_rand(uint64_t *s) {
   *s ^= *s << 25;
   *s ^= *s >> 27;
   return *s * 0x2545F4914F6CDD1DULL;
+}
+
+/* Run tool (a program in the build folder above the tests', e.g.
+ * "kvpool-calib") with args through the shell; its stdout and stderr into
+ * out (cap bytes, NUL-terminated). Returns its exit status, -1 if killed. */
+static inline int t_run_tool(const char *tool, const char *args, char *out, size_t cap) {
+  char self[512], cmd[2048];
+  ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+  ck_assert_int_gt(n, 0);
+  self[n] = 0;
+  *strrchr(self, '/') = 0; /* build/tests */
+  snprintf(cmd, sizeof cmd, "%s/../%s %s 2>&1", self, tool, args);
+  FILE *p = popen(cmd, "r");
+  ck_assert_ptr_nonnull(p);
+  size_t got = fread(out, 1, cap - 1, p);
+  out[got] = 0;
+  int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 static inline int t_run(Suite *s) {
