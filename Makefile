@@ -52,17 +52,27 @@ endif
 
 LIB_SRC := $(wildcard util/*.c alloc/*.c stats/*.c codecs/*.c pages/*.c)
 CUDA_CFLAGS := -DKVP_HAVE_CUDA -I$(CUDA_HOME)/include
-CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart
+CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
+# Device kernels (kernels/*.cu): nvcc, no FMA contraction and no fast math, so
+# the device numeric core rounds as the host's (bit-exact codecs). CUDA_ARCH:
+# the SASS targets (default Hopper and Ampere); PTX of the newest rides along.
+CUDA_ARCH ?= 90 80
+NVCC := $(CUDA_HOME)/bin/nvcc
+NVCCFLAGS := -std=c++17 $(O) -g --fmad=false -Xcompiler -fPIC,-fvisibility=hidden -DKVP_BUILDING \
+  -DKVP_HAVE_CUDA -Iinclude -Ikernels $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
+  -gencode arch=compute_$(firstword $(CUDA_ARCH)),code=compute_$(firstword $(CUDA_ARCH))
+KERN_SRC :=
 ifeq ($(HAVE_CUDA),1)
   CFLAGS_BASE += $(CUDA_CFLAGS)
   LIBS += $(CUDA_LIBS)
+  KERN_SRC := $(wildcard kernels/*.cu)
 else
   LIB_SRC := $(filter-out %_cuda.c,$(LIB_SRC))
 endif
 CFLAGS := $(CFLAGS_BASE) $(SAN) $(EXTRA_CFLAGS)
 LDFLAGS := $(SAN)
 
-LIB_OBJ := $(LIB_SRC:%.c=$(B)/obj/%.o)
+LIB_OBJ := $(LIB_SRC:%.c=$(B)/obj/%.o) $(KERN_SRC:%.cu=$(B)/obj/%.o)
 SO := $(B)/libkvpool.so.$(VERSION)
 A := $(B)/libkvpool.a
 
@@ -74,12 +84,13 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
-TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim \
+  $(if $(filter 1,$(HAVE_CUDA)),$(B)/kvpool-bench-gpu)
 SIM_SRC := tools/kvpool-sim.c tools/sim_common.c tools/sim_llm.c tools/sim_var.c tools/sim_video.c tools/traces.c
 SIM_HDRS := tools/sim.h tools/traces.h
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
 
-.PHONY: all deps run test asan tsan valgrind bench test-gpu install clean lib check-exports stress stress-tsan
+.PHONY: all deps run test asan tsan valgrind bench test-gpu test-gpu-sanitize bench-gpu install clean lib check-exports stress stress-tsan
 all: deps lib $(TOOLS)
 lib: $(SO) $(A)
 
@@ -89,6 +100,11 @@ deps:
 $(B)/obj/%.o: %.c $(wildcard include/*.h */*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -c $< -o $@
+
+# Kernels are built the same for every VARIANT (sanitizers instrument host code).
+$(B)/obj/kernels/%.o: kernels/%.cu $(wildcard kernels/*.cuh kernels/*.h include/*.h)
+	@mkdir -p $(dir $@)
+	$(NVCC) $(NVCCFLAGS) -c $< -o $@
 
 $(SO): $(LIB_OBJ) tools/exports.map
 	$(CC) -shared -Wl,-soname,libkvpool.so.$(SOVERSION) -Wl,--version-script=tools/exports.map \
@@ -186,9 +202,30 @@ valgrind:
 bench: deps $(B)/kvpool-bench
 	$(B)/kvpool-bench
 
+# GPU benchmarks: the device codecs, the paged gather and the device append
+# against a device copy in the same run, then the same quantizers in PyTorch
+# on the same shapes (skipped, with a message, where torch or CUDA is absent).
+$(B)/kvpool-bench-gpu: tools/kvpool-bench-gpu.c $(SO) $(PUB_HDRS)
+	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(CUDA_LIBS) $(LDFLAGS)
+ifeq ($(HAVE_CUDA),1)
+bench-gpu: deps $(B)/kvpool-bench-gpu
+	$(B)/kvpool-bench-gpu | tee $(B)/bench-gpu.txt
+	@python3 tools/bench_torch.py $(B)/bench-gpu.txt || echo "bench-gpu: torch comparison skipped (python3 with torch and CUDA needed)"
+else
+bench-gpu:
+	@echo "bench-gpu: skipped: built without CUDA"
+endif
+
 ifeq ($(HAVE_CUDA),1)
 test-gpu: deps lib $(GPU_BIN)
 	@CK_FORK=no tools/run-tests.sh $(GPU_BIN)
+	@echo "test-gpu: under compute-sanitizer: make test-gpu-sanitize (memcheck, then racecheck)"
+# KVP_GPU_SPEC narrows check_gpu_codecs' sweep (sanitizers run it 10-50x slower).
+test-gpu-sanitize: deps lib $(GPU_BIN)
+	@for t in $(GPU_BIN); do for tool in memcheck racecheck; do \
+	  echo "== compute-sanitizer --tool $$tool $$t"; extra=""; [ $$tool = memcheck ] && extra="--leak-check full"; \
+	  KVP_GPU_SPEC=$${KVP_GPU_SPEC:-nvfp4:rule} CK_FORK=no $(CUDA_HOME)/bin/compute-sanitizer --tool $$tool \
+	    --error-exitcode 9 $$extra $$t | tail -4; [ $${PIPESTATUS[0]} -eq 0 ] || exit 1; done; done
 else
 test-gpu:
 	@echo "test-gpu: skipped: built without CUDA (no nvcc; set CUDA=1 CUDA_HOME=...)"

@@ -274,6 +274,21 @@ static int fp8_decode(const void *inst, const void *const *pages, uint32_t n, ui
   return fp8_dec_rows(f, pages[0], f->dynamic ? pages[1] : NULL, t0, m, dst, dst_stride, out);
 }
 
+#ifdef KVP_HAVE_CUDA
+void kvp__fp8_kparams(const void *inst, kvp__kparams *k) {
+  const fp8_inst *f = inst;
+  memset(k, 0, sizeof *k);
+  k->codec = KVP__K_FP8;
+  k->head_dim = f->head_dim;
+  k->in_dtype = f->in_dtype;
+  k->fp8_dynamic = (uint32_t)f->dynamic;
+  k->fp8_static_scale = f->static_scale;
+}
+#endif
+/* fp8_encode_dev, fp8_decode_dev: kernels/fp8.cuh through KVP__DEV_OPS (codecs/builtin.h); a
+ * built-in fills kvp__NAME_kparams and names itself in kvp__codec_kparams (codecs/device_cuda.c). */
+KVP__DEV_OPS(fp8)
+
 const kvp_codec_vtable kvp__codec_fp8 = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "fp8",
@@ -283,4 +298,5 @@ const kvp_codec_vtable kvp__codec_fp8 = {
     .layout = fp8_layout,
     .encode = fp8_encode,
     .decode = fp8_decode,
+    KVP__DEV_VT(fp8)
 };

@@ -232,6 +232,20 @@ static int int8_decode(const void *inst, const void *const *pages, uint32_t n, u
   return int8_dec_rows(q, pages[0], pages[1], t0, m, dst, dst_stride, out);
 }
 
+#ifdef KVP_HAVE_CUDA
+void kvp__int8_kparams(const void *inst, kvp__kparams *k) {
+  const int8_inst *q = inst;
+  memset(k, 0, sizeof *k);
+  k->codec = KVP__K_INT8;
+  k->head_dim = q->head_dim;
+  k->in_dtype = q->in_dtype;
+  k->int8_clip = q->pct < 100.0f;
+  k->int8_clip_j = q->clip_j;
+  k->int8_clip_frac = q->clip_frac;
+}
+#endif
+KVP__DEV_OPS(int8)
+
 const kvp_codec_vtable kvp__codec_int8 = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "int8",
@@ -241,4 +255,5 @@ const kvp_codec_vtable kvp__codec_int8 = {
     .layout = int8_layout,
     .encode = int8_encode,
     .decode = int8_decode,
+    KVP__DEV_VT(int8)
 };

@@ -596,6 +596,21 @@ static int kivi_decode(const void *inst, const void *const *pages, uint32_t n, u
   return kivi_dec_rows(k, pages[0], pages[1], t0, m, dst, dst_stride, out);
 }
 
+#ifdef KVP_HAVE_CUDA
+void kvp__kivi_kparams(const void *inst, kvp__kparams *k) {
+  const kivi_inst *q = inst;
+  memset(k, 0, sizeof *k);
+  k->codec = KVP__K_KIVI;
+  k->head_dim = q->head_dim;
+  k->in_dtype = q->in_dtype;
+  k->kivi_kv = q->kv;
+  k->kivi_bits = q->bits;
+  k->kivi_group = q->group;
+}
+#endif
+/* kivi_encode_dev, kivi_decode_dev: kernels/kivi.cuh through KVP__DEV_OPS (codecs/builtin.h). */
+KVP__DEV_OPS(kivi)
+
 const kvp_codec_vtable kvp__codec_kivi = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "kivi",
@@ -605,4 +620,5 @@ const kvp_codec_vtable kvp__codec_kivi = {
     .layout = kivi_layout,
     .encode = kivi_encode,
     .decode = kivi_decode,
+    KVP__DEV_VT(kivi)
 };

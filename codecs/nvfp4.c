@@ -496,6 +496,20 @@ static int nvfp4_decode(const void *inst, const void *const *pages, uint32_t n, 
                         dst_stride, out);
 }
 
+#ifdef KVP_HAVE_CUDA
+void kvp__nvfp4_kparams(const void *inst, kvp__kparams *k) {
+  const nvfp4_inst *f = inst;
+  memset(k, 0, sizeof *k);
+  k->codec = KVP__K_NVFP4;
+  k->head_dim = f->head_dim;
+  k->in_dtype = f->in_dtype;
+  k->nvfp4_rule46 = (uint32_t)f->rule46;
+  k->nvfp4_ksmooth = (uint32_t)f->ksmooth;
+}
+#endif
+/* nvfp4_encode_dev, nvfp4_decode_dev: kernels/nvfp4.cuh through KVP__DEV_OPS (codecs/builtin.h). */
+KVP__DEV_OPS(nvfp4)
+
 const kvp_codec_vtable kvp__codec_nvfp4 = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "nvfp4",
@@ -505,4 +519,5 @@ const kvp_codec_vtable kvp__codec_nvfp4 = {
     .layout = nvfp4_layout,
     .encode = nvfp4_encode,
     .decode = nvfp4_decode,
+    KVP__DEV_VT(nvfp4)
 };

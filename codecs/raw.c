@@ -11,6 +11,7 @@
  * of a stream (the RAW tail every codec's tokens wait in until the block is
  * sealed).
  */
+#include "builtin.h"
 #include "codecs.h"
 #include "numeric.h"
 
@@ -115,6 +116,18 @@ static int raw_decode(const void *inst, const void *const *pages, uint32_t n, ui
 
 kvp_dtype kvp__raw_store_dtype(const void *inst) { return ((const raw_inst *)inst)->store; }
 
+#ifdef KVP_HAVE_CUDA
+void kvp__raw_kparams(const void *inst, kvp__kparams *k) {
+  const raw_inst *r = inst;
+  memset(k, 0, sizeof *k);
+  k->codec = KVP__K_RAW;
+  k->head_dim = r->d;
+  k->in_dtype = r->in;
+  k->store_dtype = r->store;
+}
+#endif
+KVP__DEV_OPS(raw)
+
 const kvp_codec_vtable kvp__codec_raw = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "raw",
@@ -124,4 +137,5 @@ const kvp_codec_vtable kvp__codec_raw = {
     .layout = raw_layout,
     .encode = raw_encode,
     .decode = raw_decode,
+    KVP__DEV_VT(raw)
 };

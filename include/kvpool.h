@@ -414,6 +414,54 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
 /* Release a view (NULL is fine). */
 KVP_API void kvp_view_release(kvp_pool *pool, kvp_view *view);
 
+/* ---- Paged gather (CUDA regions; since 0.3.0) ------------------------------
+ * Decode the retained tokens of many (seq, layer) pairs, every KV head,
+ * into contiguous bf16 device buffers: what an engine calls before running
+ * its own attention kernel over a dense K/V.
+ *
+ * Output: k_out and v_out are bf16 [capacity_rows][n_kv_heads][head_dim].
+ * Item i occupies rows [row0, row0 + n_rows) (set by the call, items in
+ * order, no gaps); row row0 + r of head h is the r-th retained token of
+ * that head, in position order, and positions_out[(row0 + r) * n_kv_heads
+ * + h] is its position. After per-head eviction the heads of one layer
+ * hold different counts: n_rows is the largest, and the rows a head does
+ * not fill are zeros with position UINT32_MAX.
+ *
+ * Work: the block table is built on the host under RCU, copied to
+ * workspace (device memory of the caller, at least workspace_needed bytes)
+ * in one transfer, then one kernel launch per distinct layer decodes K and
+ * V of every block of that layer (raw, fp8, int8, kivi, nvfp4; a
+ * third-party device codec costs a launch per 320 blocks instead). Ordered
+ * on stream; the call returns before the device finished.
+ *
+ * KVP_ENOSPC: capacity_rows (n_rows says how many are needed) or the
+ * workspace (workspace_needed says how much) is too small; nothing was
+ * written. KVP_ENOTSUP on a host region. Lock-free, like kvp_read. */
+typedef struct kvp_gather_item {
+  uint64_t seq;    /* in: sequence */
+  uint32_t layer;  /* in: layer */
+  uint32_t row0;   /* out: first output row of this item */
+  uint32_t n_rows; /* out: its rows (the most tokens any of its heads retains) */
+} kvp_gather_item;
+
+typedef struct kvp_gather_req {
+  size_t struct_size;         /* sizeof(kvp_gather_req) */
+  kvp_gather_item *items;     /* [n_items] */
+  uint32_t n_items;
+  void *k_out, *v_out;        /* device, bf16 [capacity_rows][n_kv_heads][head_dim]; 16-byte aligned */
+  uint32_t *positions_out;    /* host, [capacity_rows][n_kv_heads]; may be NULL */
+  uint32_t capacity_rows;     /* rows the buffers hold */
+  void *workspace;            /* device scratch for the block table */
+  uint64_t workspace_bytes;   /* its size */
+  uint32_t n_rows;            /* out: rows written (or needed, on KVP_ENOSPC) */
+  uint32_t n_launches;        /* out: kernel launches made */
+  uint64_t workspace_needed;  /* out: bytes of workspace this call needs */
+  void *stream;               /* cudaStream_t */
+} kvp_gather_req;
+
+KVP_API void kvp_gather_req_init(kvp_gather_req *req);
+KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req);
+
 typedef struct kvp_seq_desc {
   size_t struct_size;          /* sizeof(kvp_seq_desc) */
   kvp_seq_mode mode;           /* out: mode */

@@ -23,8 +23,14 @@
  * group shorter than group_tokens only in step mode.
  *
  * Page bit layouts are the codec's own and must be written in its header
- * comment. A codec knows nothing of the pool: tensors in, bytes out. Host
- * pointers only in this version (device ops come with kernels/).
+ * comment. A codec knows nothing of the pool: tensors in, bytes out.
+ *
+ * Device ops (since 0.3.0): a codec may also encode and decode blocks that
+ * live in device memory (encode_dev, decode_dev: a batch of blocks per
+ * call, on a cudaStream_t passed as void *). A pool on a CUDA region
+ * accepts only codecs that have both; a codec without them stays
+ * host-only. Device pages must be byte-identical to what encode writes for
+ * the same rows, so a view's pages decode the same on either side.
  *
  * Threads: create/destroy/encode are called under the pool's writer lock;
  * decode may be called from any reader thread concurrently, so it must not
@@ -62,6 +68,32 @@ typedef struct kvp_codec_block {
   uint32_t head; /* KV head of the stream, < n_kv_heads */
   uint32_t pos0; /* position of the block's row 0 */
 } kvp_codec_block;
+
+/* One block of a device batch (encode_dev, decode_dev). Every pointer is a
+ * device address. Since 0.3.0. */
+typedef struct kvp_codec_dev_job {
+  void *pages[KVP_CODEC_MAX_PAGES]; /* the block's pages, as layout orders them */
+  const void *src;                  /* encode: row 0 of the rows to write; decode: unused */
+  void *dst;                        /* decode: where row t0 goes; encode: unused */
+  uint64_t stride_bytes;            /* bytes between rows of src (encode) or dst (decode) */
+  uint32_t n;                       /* rows the block holds once encoded (encode) / holds (decode) */
+  uint32_t cap_tokens;              /* the block's capacity */
+  uint32_t t0;                      /* first row written (encode: > 0 only for raw rows into an OPEN
+                                       block) or read (decode) */
+  uint32_t m;                       /* rows written (encode: n - t0) or read (decode) */
+  uint32_t head;                    /* KV head of the stream (kvp_codec_block.head) */
+  uint32_t pos0;                    /* position of the block's row 0 (kvp_codec_block.pos0) */
+} kvp_codec_dev_job;
+
+/* What a device encode found wrong, written by the device into a 64-bit
+ * word the pool sets to KVP_DEV_STATUS_OK before the launch; each failing
+ * element does atomicMin of
+ *   kind << 60 | job << 32 | (row * head_dim + channel)
+ * (job: index in the batch, row: of the block), so the word ends as the
+ * first failure of the most serious kind. Kinds: */
+#define KVP_DEV_STATUS_OK UINT64_MAX
+#define KVP_DEV_BAD_NONFINITE 0u /* NaN or +-Inf in the input */
+#define KVP_DEV_BAD_RANGE 1u     /* finite, but beyond what the codec's format holds */
 
 /* Pages of one block side for cap tokens. */
 typedef struct kvp_codec_layout {
@@ -176,6 +208,31 @@ typedef struct kvp_codec_vtable {
    * KVP_ECODEC. */
   int (*encode_rows)(const void *inst, const kvp_codec_block *blk, void *state, void *const *pages, uint32_t n_have,
                      const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens);
+
+  /* ---- Optional, since 0.3.0: device ops (both or neither). A pool on a
+   * CUDA region requires them (kvp_pool_create names a codec without
+   * them). jobs is a HOST array of njobs blocks whose pointers are device
+   * addresses; the call only enqueues work on stream (a cudaStream_t, NULL
+   * the legacy default stream) and returns: nothing may be read back, and
+   * the jobs array may be reused as soon as it returns.
+   *
+   * encode_dev: encode rows [t0, t0 + m) of each job's block from src
+   * (geom.in_dtype, rows stride_bytes apart) into its pages, as encode
+   * would for the block's n = t0 + m rows (t0 = 0 for a codec block; the
+   * pool writes rows into an OPEN block only through the raw codec), rows
+   * n..cap_tokens-1 as encode leaves them. Every non-finite input
+   * element, and every element the format cannot hold, is reported in
+   * *status (a device address; see KVP_DEV_STATUS_OK above); the pages
+   * of such a job are then unspecified (the pool frees them).
+   * decode_dev: decode rows [t0, t0 + m) of each block into dst (out
+   * dtype, rows stride_bytes apart), bit for bit as decode would.
+   * Returns KVP_OK, KVP_EDEVICE (a launch failed; message set) or
+   * KVP_ENOTSUP. The pool calls them under the same locks as their host
+   * twins, and with state NULL (device codec state comes with the codecs
+   * that keep it). */
+  int (*encode_dev)(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, uint64_t *status,
+                    void *stream);
+  int (*decode_dev)(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, kvp_dtype out, void *stream);
 } kvp_codec_vtable;
 
 /* Register a codec under vt->name for every pool created afterwards

@@ -142,6 +142,7 @@ struct kvp_pool {
   struct kvp__policy *policy; /* the pool's policy (config.policy) */
   struct kvp__heatkv_cache *heatkv_cache; /* HeatKV orders and plans shared by sequences, or NULL */
   uint32_t check_epoch;  /* for kvp_check's visit marks */
+  struct kvp__dev *dev;  /* CUDA region (not dry): the device control block; else NULL */
 };
 
 static inline kvp__stream *kvp__seq_stream(const kvp_pool *p, kvp__seq *s, uint32_t layer, uint32_t head) {
@@ -193,6 +194,64 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orpha
 /* Append layer's tokens of the open step; skip (H bits, or NULL) names heads
  * not to store (step mode only: a policy drops the step there at once). */
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
+
+/* ---- the device path (pages/device_cuda.c; CUDA builds) -------------------
+ * An append on a CUDA region collects one device job per block write, by
+ * binding, and runs them at the end of the layer: the RAW-tail groups first
+ * (an OPEN block's rows reach its pages before its reseal reads them), then
+ * the layer's codecs, all on the caller's stream, then reads the status
+ * words back once (the only wait of an append): a non-finite input or a
+ * value out of a codec's range fails the append before anything is
+ * published. */
+#ifdef KVP_HAVE_CUDA
+typedef struct kvp__dev_group {
+  const kvp__binding *bd; /* the binding the jobs run with, or NULL (empty) */
+  int kv;                 /* side */
+  kvp_codec_dev_job *jobs; /* [cap] */
+  uint32_t n, cap;        /* jobs held, allocated */
+} kvp__dev_group;
+typedef struct kvp__dev_batch {
+  kvp__dev_group g[4];    /* RAW tail K, RAW tail V, codec K, codec V (launch order) */
+  uint32_t cap;           /* jobs per group at most */
+  kvp__meta *meta;        /* where the job arrays are counted (NULL: a reader's scratch) */
+} kvp__dev_batch;
+void kvp__dev_batch_init(kvp__dev_batch *db, uint32_t max_jobs_per_group, kvp__meta *meta);
+int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j);
+/* Run every group on stream, wait for it, check the status words (errors
+ * name layer, head, position and the step's token, pos = the step's first
+ * position). */
+int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint32_t pos, void *stream);
+void kvp__dev_batch_fini(kvp_pool *pool, kvp__dev_batch *db);
+/* Reads: decode jobs, launched by group when one fills and at the flush
+ * (enqueued only: kvp_read returns before the device finished). */
+int kvp__dev_read_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j,
+                      kvp_dtype out, void *stream);
+int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void *stream);
+/* The paged gather's table (kvp_gather in pages/read.c walks, this builds
+ * and runs): jobs tagged by (layer segment, group), counting-sorted into
+ * one host table, copied to the caller's workspace once, one launch per
+ * segment. Groups: 0 codec K, 1 RAW tail K, 2 codec V, 3 RAW tail V. */
+typedef struct kvp__dev_gather {
+  const kvp_gather_req *req; /* the call */
+  kvp_codec_dev_job *jobs;   /* [cap] in walk order */
+  uint32_t *tags;            /* [cap]: segment * 4 + group */
+  uint64_t n, cap;           /* jobs held, allocated */
+  uint32_t *seg_of_layer;    /* [n_layers]: segment of a layer, UINT32_MAX before its first item */
+  uint32_t *seg_layer;       /* [n_layers]: layer of each segment */
+  uint32_t nseg;             /* segments (distinct layers) */
+} kvp__dev_gather;
+uint64_t kvp__dev_gather_bytes(uint64_t njobs);
+int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_req *req, uint64_t max_jobs);
+uint32_t kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer);
+void kvp__dev_gather_add(kvp__dev_gather *g, uint32_t seg, uint32_t group, const kvp_codec_dev_job *j);
+/* Zero rows [row0, row0 + n) of k_out and v_out (heads that fill fewer). */
+int kvp__dev_gather_zero(kvp_pool *pool, kvp__dev_gather *g, uint32_t row0, uint32_t n);
+int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g);
+void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
+/* The device control block of a CUDA pool (status words); 0 or an error. */
+int kvp__dev_init(kvp_pool *pool);
+void kvp__dev_fini(kvp_pool *pool);
+#endif
 int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
 bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
 kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);

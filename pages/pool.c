@@ -63,6 +63,9 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if ((c->flags & KVP_POOL_PREFAULT) && (c->flags & KVP_POOL_DRY))
     return kvp__err(KVP_EINVAL, "config.flags: KVP_POOL_PREFAULT and KVP_POOL_DRY exclude each other (a dry "
                                 "region is never touched)");
+  if ((c->flags & KVP_POOL_SANITIZE) && c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY))
+    return kvp__err(KVP_ENOTSUP, "config.flags: KVP_POOL_SANITIZE needs host input; a CUDA pool refuses non-finite "
+                                 "K/V instead (kvp_append fails naming layer, head and token)");
   /* codecs and policy are parsed at create; the strings are not kept */
   return KVP_OK;
 }
@@ -116,9 +119,10 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
   if (!layout_ok(b, c->block_tokens))
     return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c", b->vt->name,
                     layer, "KV"[kv]);
-  if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && !b->passthrough) /* dry: nothing is encoded */
-    return kvp__err(KVP_ENOTSUP, "config.codecs: a CUDA region stores raw tokens in the appended dtype until device "
-                                 "codecs exist (layer %u %c asks for %s)", layer, "KV"[kv], b->vt->name);
+  if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && (!b->vt->encode_dev || !b->vt->decode_dev))
+    return kvp__err(KVP_ENOTSUP, "config.codecs: codec %s (layer %u %c) has no device ops (encode_dev, decode_dev), "
+                                 "so a CUDA region cannot hold it; it works on a host region", b->vt->name, layer,
+                    "KV"[kv]); /* dry: nothing is encoded */
   if ((c->flags & KVP_POOL_DRY) && kvp__bind_rowwise(b)) {
     /* A dry pool holds no rows: a row-wise codec must size an OPEN block
      * from its row count alone (pages = NULL), which it answers here. */
@@ -196,6 +200,12 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
     goto fail;
   }
   p->cfg.policy = NULL;
+#ifdef KVP_HAVE_CUDA
+  if (c.memory == KVP_MEM_CUDA && !(c.flags & KVP_POOL_DRY) && (rc = kvp__dev_init(p))) {
+    kvp_pool_destroy(p);
+    return rc;
+  }
+#endif
   *out = p;
   return KVP_OK;
 fail:
@@ -211,6 +221,9 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__policy_free(pool->policy);
   kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
+#ifdef KVP_HAVE_CUDA
+  kvp__dev_fini(pool);
+#endif
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
   kvp__stats_fini(&pool->stats);

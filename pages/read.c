@@ -68,6 +68,9 @@ typedef struct read_ctx {
   kvp_read_req *req;
   uint64_t out_tokens; /* rows written so far */
   int rc;              /* first failure */
+#ifdef KVP_HAVE_CUDA
+  kvp__dev_batch *db;  /* CUDA region: the decode jobs */
+#endif
 } read_ctx;
 
 static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
@@ -82,10 +85,15 @@ static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
     size_t orow = (size_t)D * kvp__dtype_bytes(q->out_dtype);
     unsigned char *dst = (unsigned char *)outs[kv] + c->out_tokens * orow;
     int rc;
-    if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw in the stored dtype only */
-      uint64_t row = (uint64_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
-      rc = pool->alloc.region.ops->read2d(&pool->alloc.region, dst, orow, b->pages[kv][0].off + t0 * row, row, row, m,
-                                          q->stream);
+    if (pool->cfg.memory == KVP_MEM_CUDA) {
+#ifdef KVP_HAVE_CUDA
+      kvp_codec_dev_job j = {.dst = dst, .stride_bytes = orow, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
+                             .t0 = t0, .m = m, .head = q->head, .pos0 = b->pos0};
+      for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+      rc = kvp__dev_read_add(pool, c->db, bd, kv, &j, q->out_dtype, q->stream);
+#else
+      rc = kvp__err(KVP_ENOTSUP, "read: built without CUDA");
+#endif
     } else if (b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at) { /* the codec presents its raw rows */
       const kvp__binding *lb = &pool->bind[2 * c->layer + kv];
       size_t row = (size_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
@@ -131,13 +139,6 @@ static int read_check(kvp_pool *pool, uint32_t layer, const kvp_read_req *q) {
   size_t align = kvp__dtype_bytes(q->out_dtype);
   if ((uintptr_t)q->k_out % align || (uintptr_t)q->v_out % align)
     return kvp__err(KVP_EINVAL, "read: k_out/v_out not aligned to the out dtype (%zu bytes)", align);
-  if (pool->cfg.memory == KVP_MEM_CUDA)
-    for (int kv = 0; kv < 2; kv++) {
-      kvp_dtype st = kvp__raw_store_dtype(pool->bind[2 * layer + kv].inst);
-      if ((kv ? q->v_out : q->k_out) && st != q->out_dtype)
-        return kvp__err(KVP_ENOTSUP, "read: a CUDA region returns the stored dtype; out_dtype %d differs from %c's %d",
-                        (int)q->out_dtype, "KV"[kv], (int)st);
-    }
   return KVP_OK;
 }
 
@@ -160,8 +161,20 @@ KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req 
     return kvp__err(KVP_ENOSPC, "read seq %llu layer %u head %u: needs %llu tokens, capacity_tokens is %u",
                     (unsigned long long)seq, layer, req->head, (unsigned long long)need, req->capacity_tokens);
   }
-  read_ctx c = {pool, layer, req, 0, KVP_OK};
+  read_ctx c = {.pool = pool, .layer = layer, .req = req, .out_tokens = 0, .rc = KVP_OK};
+#ifdef KVP_HAVE_CUDA
+  kvp__dev_batch db;
+  kvp__dev_batch_init(&db, 256, NULL);
+  c.db = &db;
+#endif
   walk_ranges(s, pool, layer, req->head, need, read_range, &c);
+#ifdef KVP_HAVE_CUDA
+  if (pool->cfg.memory == KVP_MEM_CUDA) {
+    int rc2 = kvp__dev_read_flush(pool, &db, req->out_dtype, req->stream);
+    if (!c.rc) c.rc = rc2;
+  }
+  kvp__dev_batch_fini(pool, &db);
+#endif
   kvp__rcu_read_unlock();
   req->n_tokens = (uint32_t)c.out_tokens;
   return c.rc;
@@ -326,3 +339,131 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info) {
   kvp__rcu_read_unlock();
   return KVP_OK;
 }
+
+/* ---- kvp_gather ---------------------------------------------------------- */
+
+KVP_API void kvp_gather_req_init(kvp_gather_req *req) {
+  if (!req) return;
+  memset(req, 0, sizeof *req);
+  req->struct_size = sizeof *req;
+}
+
+#ifdef KVP_HAVE_CUDA
+/* The walk of one head of one item: its jobs go to the item's layer
+ * segment, by group (codec K, RAW tail K, codec V, RAW tail V). */
+typedef struct gather_ctx {
+  kvp_pool *pool;
+  const kvp_gather_req *req;
+  uint32_t layer, head;   /* being walked */
+  uint32_t row;           /* output row of the next token of this head */
+  uint64_t nblocks;       /* counting pass: blocks seen */
+  kvp__dev_gather *g;     /* fill pass: the table */
+  uint32_t seg;           /* fill pass: the item's layer segment */
+} gather_ctx;
+
+static int gather_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
+  gather_ctx *c = vctx;
+  if (!c->g) {
+    c->nblocks++;
+    return 0;
+  }
+  kvp_pool *pool = c->pool;
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, m = e - a;
+  size_t row_bytes = (size_t)H * D * 2;
+  for (int kv = 0; kv < 2; kv++) {
+    kvp_codec_dev_job j = {.stride_bytes = row_bytes, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
+                           .t0 = a - b->pos0, .m = m, .head = c->head, .pos0 = b->pos0};
+    j.dst = (unsigned char *)(kv ? c->req->v_out : c->req->k_out) + (size_t)c->row * row_bytes + (size_t)c->head * D * 2;
+    for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+    kvp__dev_gather_add(c->g, c->seg, 2 * kv + (b->raw ? 1 : 0), &j);
+  }
+  if (c->req->positions_out)
+    for (uint32_t i = 0; i < m; i++) c->req->positions_out[(size_t)(c->row + i) * H + c->head] = a + i;
+  c->row += m;
+  return 0;
+}
+
+static int gather_check(kvp_pool *pool, const kvp_gather_req *q) {
+  if (!pool || !q) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "gather request" : "pool");
+  if (q->struct_size < sizeof *q)
+    return kvp__err(KVP_EINVAL, "gather_req.struct_size %zu < %zu", q->struct_size, sizeof *q);
+  if (pool->cfg.memory != KVP_MEM_CUDA || !pool->dev)
+    return kvp__err(KVP_ENOTSUP, "gather: the pool's region is not a CUDA region with payload (use kvp_read)");
+  if (q->n_items && !q->items) return kvp__err(KVP_EINVAL, "gather: items is NULL with n_items = %u", q->n_items);
+  if (!q->k_out || !q->v_out || (uintptr_t)q->k_out % 16 || (uintptr_t)q->v_out % 16)
+    return kvp__err(KVP_EINVAL, "gather: k_out and v_out must be device buffers aligned to 16 bytes");
+  for (uint32_t i = 0; i < q->n_items; i++)
+    if (q->items[i].layer >= pool->cfg.n_layers)
+      return kvp__err(KVP_EINVAL, "gather: items[%u].layer = %u >= n_layers %u", i, q->items[i].layer,
+                      pool->cfg.n_layers);
+  return KVP_OK;
+}
+
+KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req) {
+  int rc = gather_check(pool, req);
+  if (rc) return rc;
+  uint32_t H = pool->cfg.n_kv_heads, n = req->n_items;
+  size_t ncounts = n && H ? (size_t)n * H : 1;
+  kvp__rcu_read_lock();
+  /* counting pass: rows per item, blocks per item */
+  uint64_t rows = 0, blocks = 0;
+  kvp__seq **seqs = kvp__meta_calloc(NULL, (n ? n : 1) * sizeof *seqs);
+  uint32_t *counts = kvp__meta_calloc(NULL, ncounts * sizeof *counts);
+  if (!seqs || !counts) rc = kvp__err(KVP_ENOMEM, "gather scratch for %u items", n);
+  for (uint32_t i = 0; !rc && i < n; i++) {
+    kvp_gather_item *it = &req->items[i];
+    if (!(seqs[i] = kvp__seq_find(pool, it->seq))) {
+      rc = kvp__err(KVP_ENOENT, "gather: items[%u]: sequence %llu does not exist", i, (unsigned long long)it->seq);
+      break;
+    }
+    uint32_t most = 0;
+    for (uint32_t h = 0; h < H; h++) {
+      uint64_t t = count_retained(&seqs[i]->layers[it->layer], h);
+      counts[(size_t)i * H + h] = (uint32_t)t;
+      most = t > most ? (uint32_t)t : most;
+      gather_ctx c = {.pool = pool, .req = req, .layer = it->layer, .head = h};
+      walk_ranges(seqs[i], pool, it->layer, h, t, gather_range, &c);
+      blocks += c.nblocks;
+    }
+    it->row0 = (uint32_t)rows;
+    it->n_rows = most;
+    rows += most;
+  }
+  req->n_rows = (uint32_t)rows;
+  req->workspace_needed = kvp__dev_gather_bytes(2 * blocks);
+  req->n_launches = 0;
+  if (!rc && rows > req->capacity_rows)
+    rc = kvp__err(KVP_ENOSPC, "gather: needs %llu rows, capacity_rows is %u", (unsigned long long)rows,
+                  req->capacity_rows);
+  if (!rc && req->workspace_needed > req->workspace_bytes)
+    rc = kvp__err(KVP_ENOSPC, "gather: the block table of %llu blocks needs %llu bytes of workspace, %llu given",
+                  (unsigned long long)(2 * blocks), (unsigned long long)req->workspace_needed,
+                  (unsigned long long)req->workspace_bytes);
+  kvp__dev_gather g = {0};
+  if (!rc) rc = kvp__dev_gather_begin(pool, &g, req, 2 * blocks);
+  for (uint32_t i = 0; !rc && i < n; i++) { /* fill pass, bounded by the counts */
+    kvp_gather_item *it = &req->items[i];
+    bool ragged = false;
+    if (req->positions_out)
+      for (size_t r = 0; r < (size_t)it->n_rows * H; r++) req->positions_out[(size_t)it->row0 * H + r] = UINT32_MAX;
+    for (uint32_t h = 0; h < H; h++) {
+      gather_ctx c = {.pool = pool, .req = req, .layer = it->layer, .head = h, .row = it->row0, .g = &g,
+                      .seg = kvp__dev_gather_segment(&g, it->layer)};
+      walk_ranges(seqs[i], pool, it->layer, h, counts[(size_t)i * H + h], gather_range, &c);
+      ragged |= c.row != it->row0 + it->n_rows;
+    }
+    if (ragged) rc = kvp__dev_gather_zero(pool, &g, it->row0, it->n_rows);
+  }
+  if (!rc) rc = kvp__dev_gather_run(pool, &g);
+  if (g.jobs) kvp__dev_gather_end(pool, &g);
+  kvp__rcu_read_unlock();
+  kvp__meta_free(NULL, seqs, (n ? n : 1) * sizeof *seqs);
+  kvp__meta_free(NULL, counts, ncounts * sizeof *counts);
+  return rc;
+}
+#else
+KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req) {
+  (void)pool, (void)req;
+  return kvp__err(KVP_ENOTSUP, "gather: kvpool was built without CUDA");
+}
+#endif

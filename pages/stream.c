@@ -313,17 +313,23 @@ static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
 }
 
 /* Write n rows of one side into block b of head from token t0 (t0 > 0 only
- * for a raw OPEN block); rows src_stride bytes apart. */
+ * for a raw OPEN block); rows src_stride bytes apart. On a CUDA region the
+ * write is a job of db, run once per append (kvp__dev_batch_run). */
 static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block *b, int kv, uint32_t t0,
-                      const unsigned char *src, size_t stride, uint32_t n, void *stream, void *state) {
+                      const unsigned char *src, size_t stride, uint32_t n, void *state, kvp__dev_batch *db) {
   const kvp__binding *bd = kvp__block_binding(pool, layer, kv, b);
-  if (pool->cfg.memory == KVP_MEM_CUDA) { /* raw in the appended dtype only: checked at create */
-    uint64_t row = (uint64_t)pool->cfg.head_dim * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
-    return pool->alloc.region.ops->write2d(&pool->alloc.region, b->pages[kv][0].off + t0 * row, row, src, stride, row,
-                                           n, stream);
-  }
   void *pages[KVP_CODEC_MAX_PAGES];
   page_ptrs(pool, b, kv, pages);
+#ifdef KVP_HAVE_CUDA
+  if (db) {
+    kvp_codec_dev_job j = {.src = src, .stride_bytes = stride, .n = t0 + n, .cap_tokens = b->cap_tokens, .t0 = t0,
+                           .m = n, .head = head, .pos0 = b->pos0};
+    memcpy(j.pages, pages, sizeof j.pages);
+    return kvp__dev_batch_add(pool, db, bd, kv, &j);
+  }
+#else
+  (void)db;
+#endif
   if (t0) { /* raw: one page, rows at t0 x row bytes */
     kvp__assert(b->raw);
     pages[0] = (unsigned char *)pages[0] + (size_t)t0 * pool->cfg.head_dim * kvp__dtype_bytes(
@@ -375,43 +381,54 @@ static int screen_input(kvp_pool *pool, uint32_t layer, const kvp_kv *kv, uint32
 
 /* All payload of one head and side: tail fill, its reseal, the new blocks. */
 static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, int side, const unsigned char *src,
-                     size_t stride, const append_plan *pl, void *stream) {
+                     size_t stride, const append_plan *pl, kvp__dev_batch *db) {
   kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
   void *state = st->cstate[side]; /* allocated by plan_take when the codec keeps state */
   int rc = KVP_OK;
   if (pl->fill) {
     kvp__block *tail = st->tail->blk;
-    rc = write_rows(pool, layer, h, tail, side, tail->n_tokens, src, stride, pl->fill, stream, NULL);
-    if (!rc && pl->reseal) { /* encode the whole tail from its raw rows */
+    rc = write_rows(pool, layer, h, tail, side, tail->n_tokens, src, stride, pl->fill, NULL, db);
+    if (!rc && pl->reseal) { /* encode the whole tail from its raw rows (on the device: after the fill, in
+                                stream order) */
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
       size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
       rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pages[side][0]), row,
-                      tail->cap_tokens, stream, state);
+                      tail->cap_tokens, state, db);
     }
   }
   uint32_t done = pl->fill;
   for (uint32_t j = 0; !rc && j < pl->nnew; j++) {
     kvp__block *b = pl->blocks[h * pl->nb + j];
     uint32_t m = s->cur_tokens - done < b->cap_tokens ? s->cur_tokens - done : b->cap_tokens;
-    rc = write_rows(pool, layer, h, b, side, 0, src + done * stride, stride, m, stream, state);
+    rc = write_rows(pool, layer, h, b, side, 0, src + done * stride, stride, m, state, db);
     done += m;
   }
   return rc;
 }
 
-static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const append_plan *pl) {
+static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const kvp_kv *kv,
+                     const append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
-  for (int side = 0; side < 2; side++) {
+  kvp__dev_batch *db = NULL;
+#ifdef KVP_HAVE_CUDA
+  kvp__dev_batch batch;
+  if (pool->cfg.memory == KVP_MEM_CUDA) kvp__dev_batch_init(&batch, H * (pl->nb + 1), &pool->meta), db = &batch;
+#endif
+  int rc = KVP_OK;
+  for (int side = 0; !rc && side < 2; side++) {
     kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
     size_t esz = kvp__dtype_bytes(dt), stride = (size_t)H * D * esz;
     const unsigned char *base = side ? kv->v : kv->k;
-    for (uint32_t h = 0; h < H; h++) {
-      if (skipped(pl, h)) continue;
-      int rc = fill_head(pool, s, layer, h, side, base + (size_t)h * D * esz, stride, pl, kv->stream);
-      if (rc) return rc;
-    }
+    for (uint32_t h = 0; !rc && h < H; h++)
+      if (!skipped(pl, h)) rc = fill_head(pool, s, layer, h, side, base + (size_t)h * D * esz, stride, pl, db);
   }
-  return KVP_OK;
+#ifdef KVP_HAVE_CUDA
+  if (db) {
+    if (!rc) rc = kvp__dev_batch_run(pool, db, layer, pos, kv->stream);
+    kvp__dev_batch_fini(pool, db);
+  }
+#endif
+  return rc;
 }
 
 /* Make one head's part visible: tail, its encoded copy, the new brefs. */
@@ -511,7 +528,7 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
     rc = plan_take(pool, s, layer, pos, &pl);
   }
   if (rc) return rc;
-  if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, kv, &pl))) { /* dry: no payload */
+  if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, pos, kv, &pl))) { /* dry: no payload */
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;
   }

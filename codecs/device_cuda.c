@@ -1,0 +1,35 @@
+/*
+ * codecs/device_cuda.c - the built-in codecs' device ops, host side: the
+ * launch of their kernels (kernels/codec.cu) with a message on failure,
+ * and the kernels' parameters of a binding for the paged gather. Built only
+ * with CUDA (files ending in _cuda.c are left out otherwise).
+ */
+#include "builtin.h"
+#include "codecs.h"
+
+int kvp__dev_encode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs, uint32_t njobs,
+                    uint64_t *status, void *stream) {
+  int e = kvp__kern_encode(k, jobs, njobs, status, stream);
+  return e ? kvp__err(KVP_EDEVICE, "%s device encode of %u blocks: %s", codec, njobs, kvp__kern_errstr(e)) : KVP_OK;
+}
+
+int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs, uint32_t njobs,
+                    kvp_dtype out, void *stream) {
+  int e = kvp__kern_decode(k, jobs, njobs, (uint32_t)out, stream);
+  return e ? kvp__err(KVP_EDEVICE, "%s device decode of %u blocks: %s", codec, njobs, kvp__kern_errstr(e)) : KVP_OK;
+}
+
+int kvp__codec_kparams(const kvp_codec_vtable *vt, const void *inst, kvp__kparams *out) {
+  static const struct {
+    const kvp_codec_vtable *vt;
+    void (*fill)(const void *, kvp__kparams *);
+  } twins[] = {{&kvp__codec_raw, kvp__raw_kparams},   {&kvp__codec_fp8, kvp__fp8_kparams},
+               {&kvp__codec_int8, kvp__int8_kparams}, {&kvp__codec_kivi, kvp__kivi_kparams},
+               {&kvp__codec_nvfp4, kvp__nvfp4_kparams}};
+  for (size_t i = 0; i < sizeof twins / sizeof twins[0]; i++)
+    if (twins[i].vt == vt) {
+      twins[i].fill(inst, out);
+      return KVP_OK;
+    }
+  return KVP_ENOTSUP;
+}

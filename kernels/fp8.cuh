@@ -1,0 +1,83 @@
+/*
+ * kernels/fp8.cuh - the fp8 codec on the device (host twin codecs/fp8.c):
+ * E4M3 codes, per token-head fp32 scale s = max(absmax / 448, FLT_MIN)
+ * (0 for a token of zeros) or one static scale.
+ *
+ *   CODES   cap x D bytes, row t at byte t*D
+ *   SCALES  cap x 4 bytes, s_t fp32 little-endian (dynamic only)
+ *
+ * One warp per token. Encode: absmax by warp shuffle (max is exact in any
+ * order), then code_i = E4M3(x_i / s) with IEEE division, as the host.
+ * Decode: E4M3 value * s in f32, rounded to the out dtype; 4 codes per
+ * lane (one 32-bit load) when D % 4 == 0.
+ * Traffic per token-head: encode D*esize read + D + 4 written; decode
+ * D + 4 read + D*esize(out) written.
+ */
+#ifndef KVP_KERNELS_FP8_CUH
+#define KVP_KERNELS_FP8_CUH
+
+#include "common.cuh"
+
+namespace kvpk {
+
+KVP_D float fp8_token_scale(float amax) {
+  if (amax == 0.0f) return 0.0f;
+  float s = __fdiv_rn(amax, kFp8Max);
+  return s > 0x1p-126f ? s : 0x1p-126f;
+}
+
+KVP_D void fp8_encode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t job, unsigned long long *status) {
+  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim;
+  uint8_t *codes = (uint8_t *)j.pages[0];
+  uint8_t *scales = p.fp8_dynamic ? (uint8_t *)j.pages[1] : nullptr;
+  uint32_t n = j.t0 + j.m;
+  for (uint32_t t = warp; t < j.cap_tokens; t += kWarps) {
+    uint8_t *q = codes + (size_t)t * D;
+    if (t >= n) { /* rows past n: zeros, as the host's memset */
+      for (uint32_t i = lane; i < D; i += 32) q[i] = 0;
+      if (scales && lane == 0) st_f32(scales, (size_t)t * 4, 0.0f);
+      continue;
+    }
+    const char *src = (const char *)j.src + (size_t)t * j.stride_bytes;
+    float amax = 0.0f;
+    for (uint32_t i = lane; i < D; i += 32) {
+      float x = load_elem(src, p.in_dtype, i);
+      check_finite(x, status, job, t, D, i);
+      amax = fmaxf(amax, fabsf(x));
+    }
+    amax = warp_max(amax);
+    float s = p.fp8_dynamic ? fp8_token_scale(amax) : p.fp8_static_scale;
+    if (scales && lane == 0) st_f32(scales, (size_t)t * 4, s);
+    for (uint32_t i = lane; i < D; i += 32)
+      q[i] = s == 0.0f ? 0 : (uint8_t)fp8_from_f32(__fdiv_rn(load_elem(src, p.in_dtype, i), s));
+  }
+}
+
+KVP_D void fp8_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim;
+  const uint8_t *codes = (const uint8_t *)j.pages[0];
+  const uint8_t *scales = p.fp8_dynamic ? (const uint8_t *)j.pages[1] : nullptr;
+  bool vec = D % 4 == 0 && out == kBF16 && j.stride_bytes % 8 == 0 && (uintptr_t)j.dst % 8 == 0;
+  for (uint32_t r = warp; r < j.m; r += kWarps) {
+    uint32_t t = j.t0 + r;
+    float s = scales ? ld_f32(scales, (size_t)t * 4) : p.fp8_static_scale;
+    const uint8_t *q = codes + (size_t)t * D;
+    char *dst = (char *)j.dst + (size_t)r * j.stride_bytes;
+    if (vec) {
+      for (uint32_t i = lane * 4; i < D; i += 128) {
+        uint32_t c4 = *(const uint32_t *)(q + i);
+        uint32_t o0 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 & 0xFF), s));
+        uint32_t o1 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 8 & 0xFF), s));
+        uint32_t o2 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 16 & 0xFF), s));
+        uint32_t o3 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 24), s));
+        *(uint2 *)(dst + (size_t)i * 2) = make_uint2(o0 | o1 << 16, o2 | o3 << 16);
+      }
+      continue;
+    }
+    for (uint32_t i = lane; i < D; i += 32) store_elem(dst, out, i, __fmul_rn(fp8_to_f32(q[i]), s));
+  }
+}
+
+} // namespace kvpk
+
+#endif /* KVP_KERNELS_FP8_CUH */

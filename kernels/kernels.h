@@ -1,0 +1,91 @@
+/*
+ * kernels/kernels.h - what the host side (codecs/, pages/) calls in
+ * kernels/: the built-in codecs' device encode and decode over a batch of
+ * blocks, and the paged gather. C linkage; no CUDA type crosses it
+ * (streams are void *, errors are ints with a message from kvp__kern_errstr).
+ *
+ * kernels/ knows nothing of pages: it takes device pointers, layouts
+ * (kvp__kparams: a codec's parameters, flattened) and job tables
+ * (kvp_codec_dev_job, include/kvpool_codec.h).
+ *
+ *   kernels/numeric.cuh  device numeric core: FP8 E4M3, BF16, FP16, E2M1,
+ *                        bit for bit as codecs/numeric.h
+ *   kernels/common.cuh   rows of any dtype in and out, status reporting
+ *   kernels/<codec>.cuh  one codec's encode and decode of one block
+ *   kernels/codec.cu     the batch kernels and their launchers
+ *                        and the paged gather (many blocks, K and V, one launch)
+ *
+ * Built only with CUDA (make CUDA=1 or nvcc found); without it the codecs
+ * have no device ops and a CUDA pool cannot be created anyway.
+ */
+#ifndef KVP_KERNELS_H
+#define KVP_KERNELS_H
+
+#include <stdint.h>
+
+#include "kvpool_codec.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The built-in codecs the kernels implement. */
+typedef enum kvp__kcodec {
+  KVP__K_RAW = 0,
+  KVP__K_FP8 = 1,
+  KVP__K_INT8 = 2,
+  KVP__K_KIVI = 3,
+  KVP__K_NVFP4 = 4,
+} kvp__kcodec;
+
+/* A binding's parameters as the kernels need them (filled by the codec's
+ * file in codecs/ from its instance; unused fields 0). */
+typedef struct kvp__kparams {
+  uint32_t codec;      /* kvp__kcodec */
+  uint32_t head_dim;   /* D, elements per token */
+  uint32_t in_dtype;   /* kvp_dtype of the rows encode reads */
+  uint32_t store_dtype; /* raw: the stored dtype */
+  /* fp8 */
+  uint32_t fp8_dynamic;    /* 1: per-token scale in SCALES; 0: static_scale */
+  float fp8_static_scale;  /* static: the divisor */
+  /* int8 */
+  uint32_t int8_clip;      /* 1: percentile clip (pct < 100); 0: absmax */
+  uint32_t int8_clip_j;    /* lower order statistic of the clip */
+  float int8_clip_frac;    /* interpolation weight of the upper one */
+  /* kivi */
+  uint32_t kivi_kv;        /* 0: K (per channel over G tokens); 1: V (per token over G channels) */
+  uint32_t kivi_bits;      /* 2 or 4 */
+  uint32_t kivi_group;     /* G */
+  /* nvfp4 */
+  uint32_t nvfp4_rule46;   /* 1: rule 4/6 */
+  uint32_t nvfp4_ksmooth;  /* 1: per-token mean stored */
+} kvp__kparams;
+
+/* Enqueue the encode of njobs blocks on stream (see encode_dev in
+ * kvpool_codec.h); status: device word, see KVP_DEV_STATUS_OK. Returns 0
+ * or a cudaError_t value (kvp__kern_errstr names it). */
+int kvp__kern_encode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, uint64_t *status,
+                     void *stream);
+/* Enqueue the decode of njobs blocks into out dtype. */
+int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, uint32_t out,
+                     void *stream);
+
+/* Paged gather of one layer: jobs_dev is a DEVICE array of end[3] jobs in
+ * four groups decoded with p[0..3] (codec K, RAW tail K, codec V, RAW tail
+ * V; group g ends at end[g]) into bf16 at each job's dst. One launch. */
+int kvp__kern_gather(const kvp__kparams p[4], const uint32_t end[4], const kvp_codec_dev_job *jobs_dev, void *stream);
+
+/* "cudaErrorInvalidValue: invalid argument" for a value the calls above
+ * returned. */
+const char *kvp__kern_errstr(int err);
+
+/* Jobs per launch: the batch rides in the kernel's parameters (CUDA 12.1+
+ * allows 32 KiB of them), so no device memory is needed per call. */
+#define KVP__KERN_JOBS_PER_LAUNCH 320u
+/* Threads of the CTA that runs one job. */
+#define KVP__KERN_THREADS 256u
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVP_KERNELS_H */

@@ -1,0 +1,107 @@
+/*
+ * kernels/numeric.cuh - the device numeric core: the branch-free scalar
+ * forms of codecs/numeric.h, ported operation for operation, so device and
+ * host produce the same bits for every input (tests/gpu/check_gpu_codecs.c
+ * sweeps every bf16 pattern, every code and the rounding midpoints).
+ *
+ *   FP8 E4M3 "fn"  saturating RNE encode (NaN -> 0x7F), decode
+ *   BF16, FP16     RNE encode (NaN keeps sign and payload), decode
+ *   E2M1           RNE encode saturating at 6 (NaN -> 0x7), decode
+ *
+ * Float arithmetic here is IEEE single with round-to-nearest-even: the
+ * kernels are compiled with --fmad=false (no contraction into FMA, as the
+ * host's -std=c11) and without fast-math (no flush to zero).
+ */
+#ifndef KVP_KERNELS_NUMERIC_CUH
+#define KVP_KERNELS_NUMERIC_CUH
+
+#include <stdint.h>
+
+#define KVP_D __device__ __forceinline__
+
+namespace kvpk {
+
+constexpr float kFp8Max = 448.0f;
+constexpr uint32_t kFp8Nan = 0x7Fu;
+constexpr float kE2m1Max = 6.0f;
+constexpr uint32_t kFp8MinNormalBits = 0x3C800000u; /* 2^-6 */
+constexpr uint32_t kF16MinNormalBits = 0x38800000u; /* 2^-14 */
+constexpr uint32_t kE2m1MinNormalBits = 0x3F800000u; /* 1 */
+
+KVP_D uint32_t bits(float x) { return __float_as_uint(x); }
+KVP_D float f32(uint32_t u) { return __uint_as_float(u); }
+KVP_D uint32_t mask(bool c) { return 0u - (uint32_t)c; }
+KVP_D bool lt(uint32_t a, uint32_t b) { return (int32_t)a < (int32_t)b; }
+KVP_D uint32_t sel(uint32_t m, uint32_t a, uint32_t b) { return (a & m) | (b & ~m); }
+
+/* w rounded to the nearest integer, ties to even; 0 <= w < 2^31. */
+KVP_D uint32_t rne_u32(float w) {
+  uint32_t t = (uint32_t)(int32_t)w;
+  uint32_t f = bits(__fsub_rn(w, (float)(int32_t)t));
+  return t + (uint32_t)lt(0x3F000000u, f + (t & 1u));
+}
+
+KVP_D uint32_t fp8_from_f32(float x) {
+  uint32_t u = bits(x), a = u & 0x7FFFFFFFu;
+  uint32_t nrm = ((a + 0x7FFFFu + (a >> 20 & 1u)) >> 20) - (120u << 3);
+  nrm = nrm < 0x7Eu ? nrm : 0x7Eu;
+  uint32_t as = a < kFp8MinNormalBits ? a : kFp8MinNormalBits;
+  uint32_t sub = rne_u32(__fmul_rn(f32(as), 0x1p9f));
+  uint32_t code = sel(mask(lt(a, kFp8MinNormalBits)), sub, nrm) | (u >> 24 & 0x80u);
+  return sel(mask(lt(0x7F800000u, a)), kFp8Nan, code) & 0xFFu;
+}
+
+KVP_D float fp8_to_f32(uint32_t c) {
+  uint32_t s = (c & 0x80u) << 24, em = c & 0x7Fu;
+  uint32_t nrm = (em << 20) + (120u << 23);
+  uint32_t sub = bits(__fsub_rn(f32(em << 20 | 121u << 23), 0x1p-6f));
+  uint32_t r = sel(mask(em < 8u), sub, nrm);
+  return f32(sel(mask(em == 0x7Fu), 0x7FC00000u, r) | s);
+}
+
+KVP_D uint32_t bf16_from_f32(float x) {
+  uint32_t u = bits(x);
+  uint32_t rne = (u + 0x7FFFu + (u >> 16 & 1u)) >> 16, qnan = u >> 16 | 0x0040u;
+  return sel(mask(lt(0x7F800000u, u & 0x7FFFFFFFu)), qnan, rne) & 0xFFFFu;
+}
+KVP_D float bf16_to_f32(uint32_t c) { return f32(c << 16); }
+
+KVP_D uint32_t f16_from_f32(float x) {
+  uint32_t u = bits(x), a = u & 0x7FFFFFFFu, s = u >> 16 & 0x8000u;
+  uint32_t nrm = ((a + 0xFFFu + (a >> 13 & 1u)) >> 13) - (112u << 10);
+  nrm = nrm < 0x7C00u ? nrm : 0x7C00u;
+  uint32_t as = a < kF16MinNormalBits ? a : kF16MinNormalBits;
+  uint32_t sub = rne_u32(__fmul_rn(f32(as), 0x1p24f));
+  uint32_t code = sel(mask(lt(a, kF16MinNormalBits)), sub, nrm);
+  uint32_t qnan = 0x7E00u | (a >> 13 & 0x03FFu);
+  return (s | sel(mask(lt(0x7F800000u, a)), qnan, code)) & 0xFFFFu;
+}
+
+KVP_D float f16_to_f32(uint32_t c) {
+  uint32_t s = (c & 0x8000u) << 16, em = c & 0x7FFFu;
+  uint32_t nrm = (em << 13) + (112u << 23) + (mask(lt(0x7BFFu, em)) & (112u << 23));
+  uint32_t sub = bits(__fsub_rn(f32(em << 13 | 113u << 23), 0x1p-14f));
+  return f32(sel(mask(lt(em, 0x0400u)), sub, nrm) | s);
+}
+
+KVP_D uint32_t e2m1_from_f32(float x) {
+  uint32_t u = bits(x), a = u & 0x7FFFFFFFu;
+  uint32_t nrm = ((a + 0x1FFFFFu + (a >> 22 & 1u)) >> 22) - (126u << 1);
+  nrm = nrm < 7u ? nrm : 7u;
+  uint32_t sub = (uint32_t)lt(0x3E800000u, a) + (uint32_t)lt(0x3F3FFFFFu, a);
+  uint32_t code = sel(mask(lt(a, kE2m1MinNormalBits)), sub, nrm) | (u >> 28 & 0x8u);
+  return sel(mask(lt(0x7F800000u, a)), 0x7u, code);
+}
+
+KVP_D float e2m1_to_f32(uint32_t c) {
+  uint32_t em = c & 0x7u, s = (c & 0x8u) << 28;
+  uint32_t nrm = (em << 22) + (126u << 23);
+  uint32_t sub = bits(__fsub_rn(f32(((em | 2u) << 22) + (126u << 23)), 1.0f));
+  return f32(sel(mask(lt(em, 2u)), sub, nrm) | s);
+}
+
+KVP_D bool finite(float x) { return lt(bits(x) & 0x7FFFFFFFu, 0x7F800000u); }
+
+} // namespace kvpk
+
+#endif /* KVP_KERNELS_NUMERIC_CUH */

@@ -1,0 +1,74 @@
+/*
+ * kernels/raw.cuh - the raw codec on the device (host twin codecs/raw.c):
+ * rows copied, or converted between fp32, bf16 and fp16 with the host's
+ * round-to-nearest-even.
+ *
+ *   RAW page: cap rows of D elements of the stored dtype, row t at byte
+ *   t * D * esize. Encode writes rows [t0, t0 + m) only (an OPEN block's
+ *   rows arrive a step at a time); decode reads rows [t0, t0 + m).
+ *
+ * Traffic per token-head: D*esize(in) read + D*esize(store) written.
+ * Same dtype and 16-byte aligned rows: 16-byte vector copies, one warp
+ * per row; otherwise one element per lane per iteration.
+ */
+#ifndef KVP_KERNELS_RAW_CUH
+#define KVP_KERNELS_RAW_CUH
+
+#include "common.cuh"
+
+namespace kvpk {
+
+/* Rows [0, m) of src (sdt, spitch bytes apart) into dst (ddt, dpitch);
+ * with check, every element must be finite (reported as row r0 + r). */
+KVP_D void rows_convert(const void *src, size_t spitch, uint32_t sdt, void *dst, size_t dpitch, uint32_t ddt,
+                        uint32_t D, uint32_t m, bool check, unsigned long long *status, uint32_t job, uint32_t r0) {
+  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  size_t srow = (size_t)D * dtype_bytes(sdt), drow = (size_t)D * dtype_bytes(ddt);
+  bool vec = sdt == ddt && srow % 16 == 0 && spitch % 16 == 0 && dpitch % 16 == 0 && (uintptr_t)src % 16 == 0 &&
+             (uintptr_t)dst % 16 == 0;
+  if (vec) {
+    uint32_t nv = (uint32_t)(srow / 16), per = dtype_bytes(sdt) == 4 ? 4u : 8u;
+    for (uint32_t r = warp; r < m; r += kWarps) {
+      const uint4 *s = (const uint4 *)((const char *)src + r * spitch);
+      uint4 *d = (uint4 *)((char *)dst + r * dpitch);
+      for (uint32_t i = lane; i < nv; i += 32) {
+        uint4 v = s[i];
+        if (check) {
+          uint32_t w[4] = {v.x, v.y, v.z, v.w};
+          for (uint32_t e = 0; e < per; e++) {
+            float x = per == 4 ? f32(w[e]) : load_elem(w, sdt, e);
+            check_finite(x, status, job, r0 + r, D, i * per + e);
+          }
+        }
+        d[i] = v;
+      }
+    }
+    return;
+  }
+  for (uint32_t r = warp; r < m; r += kWarps) {
+    const char *s = (const char *)src + r * spitch;
+    char *d = (char *)dst + r * dpitch;
+    for (uint32_t i = lane; i < D; i += 32) {
+      float x = load_elem(s, sdt, i);
+      if (check) check_finite(x, status, job, r0 + r, D, i);
+      store_elem(d, ddt, i, x);
+    }
+  }
+  (void)drow;
+}
+
+KVP_D void raw_encode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t job, unsigned long long *status) {
+  size_t row = (size_t)p.head_dim * dtype_bytes(p.store_dtype);
+  rows_convert(j.src, j.stride_bytes, p.in_dtype, (char *)j.pages[0] + j.t0 * row, row, p.store_dtype, p.head_dim,
+               j.m, true, status, job, j.t0);
+}
+
+KVP_D void raw_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  size_t row = (size_t)p.head_dim * dtype_bytes(p.store_dtype);
+  rows_convert((const char *)j.pages[0] + j.t0 * row, row, p.store_dtype, j.dst, j.stride_bytes, out, p.head_dim, j.m,
+               false, nullptr, 0, 0);
+}
+
+} // namespace kvpk
+
+#endif /* KVP_KERNELS_RAW_CUH */

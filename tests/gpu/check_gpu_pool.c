@@ -1,0 +1,409 @@
+/*
+ * tests/gpu/check_gpu_pool.c - device codecs through a pool on a CUDA
+ * region, against a host pool of the same configuration fed the same K/V:
+ *
+ *   append (stream and step mode, prefill, decode tokens, chunks; K/V in
+ *   device memory on a stream), read in every out dtype (device buffers),
+ *   views (device page addresses), evict, fork: after every call both pools
+ *   pass kvp_check, hold the same ledger, and read the same bytes;
+ *   a NaN or Inf in device input fails the append naming layer, head and
+ *   token, and leaves the pool as before;
+ *   kvp_gather gives, per (seq, layer) and head, the rows kvp_read gives,
+ *   with their positions, zeros where a head holds fewer tokens.
+ *
+ * Public headers only. NOFORK; skips with a message without a GPU.
+ */
+#include <check.h>
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvpool.h"
+
+#define ck_ok(expr)                                                                                  \
+  do {                                                                                               \
+    int rc_ = (expr);                                                                                \
+    ck_assert_msg(rc_ == KVP_OK, "%s: %s (%s)", #expr, kvp_err_name(rc_), kvp_last_error());          \
+  } while (0)
+#define ck_cuda(expr)                                                                                \
+  do {                                                                                               \
+    cudaError_t e_ = (expr);                                                                         \
+    ck_assert_msg(e_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(e_));                        \
+  } while (0)
+
+enum { L = 3, H = 4, D = 128, MAXTOK = 512 };
+
+static const char *const specs[] = {
+    "kv=bf16",
+    "kv=fp8",
+    "k=fp8:scale=0.05,v=int8:pct=99.5",
+    "kv=int8",
+    "kv=kivi:bits=2:group=16",
+    "k=kivi:bits=4:group=16,v=kivi:bits=2:group=32",
+    "kv=nvfp4",
+    "k=nvfp4:rule=4/6:ksmooth=store,v=nvfp4:rule=4/6",
+    "k=nvfp4:ksmooth=store,v=kivi;layers=1-1:k=fp8,v=int8;layers=2-2:kv=fp32",
+};
+#define NSPECS (sizeof specs / sizeof specs[0])
+
+typedef struct pair {
+  kvp_pool *host, *dev;
+  cudaStream_t stream;
+  uint16_t *hk, *hv; /* host K/V of a step [MAXTOK][H][D] bf16 */
+  void *dk, *dv;     /* device copies */
+  uint64_t seed;
+} pair;
+
+static uint16_t bf16_of(float x) {
+  uint32_t u;
+  memcpy(&u, &x, 4);
+  return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
+}
+
+static float rnd(pair *p) {
+  p->seed = p->seed * 6364136223846793005ull + 1442695040888963407ull;
+  double u1 = ((p->seed >> 11) + 1.0) / 9007199254740993.0;
+  p->seed = p->seed * 6364136223846793005ull + 1442695040888963407ull;
+  double u2 = (p->seed >> 11) / 9007199254740992.0;
+  return (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
+}
+
+/* KVP_GPU_SPEC=text runs only the specs that contain it. */
+static int spec_off(const char *spec) {
+  const char *only = getenv("KVP_GPU_SPEC");
+  return only && !strstr(spec, only);
+}
+
+static void pair_open(pair *p, const char *spec, uint32_t block_tokens) {
+  memset(p, 0, sizeof *p);
+  p->seed = 7;
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.k_dtype = c.v_dtype = KVP_DTYPE_BF16;
+  c.region_bytes = 64ull << 20;
+  c.block_tokens = block_tokens;
+  c.codecs = spec;
+  ck_ok(kvp_pool_create(&c, &p->host));
+  c.memory = KVP_MEM_CUDA;
+  ck_ok(kvp_pool_create(&c, &p->dev));
+  ck_cuda(cudaStreamCreate(&p->stream));
+  size_t bytes = (size_t)MAXTOK * H * D * 2;
+  p->hk = malloc(bytes);
+  p->hv = malloc(bytes);
+  ck_cuda(cudaMalloc(&p->dk, bytes));
+  ck_cuda(cudaMalloc(&p->dv, bytes));
+}
+
+static void pair_close(pair *p) {
+  ck_ok(kvp_check(p->host));
+  ck_ok(kvp_check(p->dev));
+  kvp_pool_destroy(p->host);
+  kvp_pool_destroy(p->dev);
+  cudaStreamDestroy(p->stream);
+  free(p->hk);
+  free(p->hv);
+  cudaFree(p->dk);
+  cudaFree(p->dv);
+}
+
+/* Both pools hold the same ledger and pass their checks. */
+static void same_ledger(pair *p) {
+  ck_ok(kvp_check(p->host));
+  ck_ok(kvp_check(p->dev));
+  kvp_stats a = {.struct_size = sizeof a}, b = {.struct_size = sizeof b};
+  ck_ok(kvp_stats_get(p->host, &a));
+  ck_ok(kvp_stats_get(p->dev, &b));
+  ck_assert_uint_eq(a.bytes_allocated.current, b.bytes_allocated.current);
+  ck_assert_uint_eq(a.bytes_requested.current, b.bytes_requested.current);
+  ck_assert_uint_eq(a.tokens_retained.current, b.tokens_retained.current);
+  ck_assert_uint_eq(a.pages.current, b.pages.current);
+}
+
+/* One step of n tokens appended to seq in both pools. */
+static void step(pair *p, uint64_t seq, uint32_t n) {
+  ck_assert_uint_le(n, MAXTOK);
+  ck_ok(kvp_step_begin(p->host, seq, n, 0));
+  ck_ok(kvp_step_begin(p->dev, seq, n, 0));
+  for (uint32_t l = 0; l < L; l++) {
+    for (size_t i = 0; i < (size_t)n * H * D; i++) {
+      p->hk[i] = bf16_of(rnd(p) * (i % D < 3 ? 6.0f : 1.0f));
+      p->hv[i] = bf16_of(rnd(p));
+    }
+    size_t bytes = (size_t)n * H * D * 2;
+    ck_cuda(cudaMemcpyAsync(p->dk, p->hk, bytes, cudaMemcpyHostToDevice, p->stream));
+    ck_cuda(cudaMemcpyAsync(p->dv, p->hv, bytes, cudaMemcpyHostToDevice, p->stream));
+    kvp_kv hkv = {p->hk, p->hv, NULL}, dkv = {p->dk, p->dv, p->stream};
+    ck_ok(kvp_append(p->host, seq, l, &hkv));
+    ck_ok(kvp_append(p->dev, seq, l, &dkv));
+  }
+  ck_ok(kvp_step_end(p->host, seq));
+  ck_ok(kvp_step_end(p->dev, seq));
+  same_ledger(p);
+}
+
+/* Every head of every layer of seq reads the same bytes from both pools. */
+static void same_reads(pair *p, uint64_t seq) {
+  enum { CAP = 2048 };
+  uint32_t *hpos = malloc(CAP * 4), *dpos = malloc(CAP * 4);
+  void *dbuf[2];
+  ck_cuda(cudaMalloc(&dbuf[0], (size_t)CAP * D * 4));
+  ck_cuda(cudaMalloc(&dbuf[1], (size_t)CAP * D * 4));
+  unsigned char *hb[2] = {malloc((size_t)CAP * D * 4), malloc((size_t)CAP * D * 4)};
+  unsigned char *got = malloc((size_t)CAP * D * 4);
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++)
+      for (int out = 0; out < 3; out++) {
+        size_t esz = out == KVP_DTYPE_F32 ? 4 : 2;
+        kvp_read_req hq = {sizeof hq, h, (kvp_dtype)out, hb[0], hb[1], hpos, CAP, 0, NULL};
+        kvp_read_req dq = {sizeof dq, h, (kvp_dtype)out, dbuf[0], dbuf[1], dpos, CAP, 0, p->stream};
+        ck_ok(kvp_read(p->host, seq, l, &hq));
+        ck_ok(kvp_read(p->dev, seq, l, &dq));
+        ck_assert_uint_eq(hq.n_tokens, dq.n_tokens);
+        ck_assert_int_eq(memcmp(hpos, dpos, hq.n_tokens * 4), 0);
+        for (int kv = 0; kv < 2; kv++) {
+          ck_cuda(cudaMemcpyAsync(got, dbuf[kv], hq.n_tokens * D * esz, cudaMemcpyDeviceToHost, p->stream));
+          ck_cuda(cudaStreamSynchronize(p->stream));
+          for (size_t i = 0; memcmp(got, hb[kv], hq.n_tokens * D * esz) && i < hq.n_tokens * D * esz; i++)
+            ck_assert_msg(got[i] == hb[kv][i], "seq %llu layer %u head %u %c out %d: byte %zu (token %zu) differs: "
+                          "device %02x host %02x", (unsigned long long)seq, l, h, "KV"[kv], out, i, i / (D * esz),
+                          got[i], hb[kv][i]);
+        }
+      }
+  cudaFree(dbuf[0]);
+  cudaFree(dbuf[1]);
+  free(hb[0]);
+  free(hb[1]);
+  free(got);
+  free(hpos);
+  free(dpos);
+}
+
+START_TEST(pool_matches_host) {
+  if (spec_off(specs[_i])) return;
+  pair p;
+  pair_open(&p, specs[_i], 32);
+  /* stream mode: a prefill across blocks, decode tokens that fill and seal blocks, a chunk */
+  ck_ok(kvp_seq_add(p.host, 1, NULL));
+  ck_ok(kvp_seq_add(p.dev, 1, NULL));
+  step(&p, 1, 77);
+  for (int t = 0; t < 40; t++) step(&p, 1, 1);
+  step(&p, 1, 45);
+  same_reads(&p, 1);
+  /* step mode */
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  ck_ok(kvp_seq_add(p.host, 2, &sc));
+  ck_ok(kvp_seq_add(p.dev, 2, &sc));
+  step(&p, 2, 16);
+  step(&p, 2, 100);
+  step(&p, 2, 1);
+  same_reads(&p, 2);
+  /* evict a unit of each mode */
+  ck_ok(kvp_evict(p.host, 2, 1, 2, 1));
+  ck_ok(kvp_evict(p.dev, 2, 1, 2, 1));
+  ck_ok(kvp_evict(p.host, 1, 0, 1, 0));
+  ck_ok(kvp_evict(p.dev, 1, 0, 1, 0));
+  same_ledger(&p);
+  same_reads(&p, 1);
+  same_reads(&p, 2);
+  /* fork: the OPEN block is copied on the device */
+  ck_ok(kvp_seq_fork(p.host, 1, 3));
+  ck_ok(kvp_seq_fork(p.dev, 1, 3));
+  same_ledger(&p);
+  step(&p, 3, 5);
+  step(&p, 1, 3);
+  same_reads(&p, 3);
+  same_reads(&p, 1);
+  /* views: device addresses of the pages */
+  kvp_view *v;
+  ck_ok(kvp_view_acquire(p.dev, 1, 2, &v));
+  ck_assert_uint_gt(v->n_blocks, 0);
+  for (uint32_t i = 0; i < v->n_blocks; i++)
+    for (int kv = 0; kv < 2; kv++)
+      for (int t = 0; t < KVP_PAGE_TYPE_COUNT; t++)
+        if (v->blocks[i].page[kv][t]) {
+          struct cudaPointerAttributes a;
+          ck_cuda(cudaPointerGetAttributes(&a, v->blocks[i].page[kv][t]));
+          ck_assert_int_eq(a.type, cudaMemoryTypeDevice);
+        }
+  kvp_view_release(p.dev, v);
+  ck_ok(kvp_seq_free(p.host, 2));
+  ck_ok(kvp_seq_free(p.dev, 2));
+  same_ledger(&p);
+  printf("%-70s device pool == host pool (append, read x3 dtypes, evict, fork, view)\n", specs[_i]);
+  fflush(stdout);
+  pair_close(&p);
+}
+END_TEST
+
+/* A NaN or Inf in device input: KVP_EINVAL naming layer, head, token; nothing changed. */
+START_TEST(nonfinite_append_refused) {
+  if (spec_off(specs[_i])) return;
+  pair p;
+  pair_open(&p, specs[_i], 16);
+  ck_ok(kvp_seq_add(p.dev, 1, NULL));
+  ck_ok(kvp_seq_add(p.host, 1, NULL));
+  kvp_stats before = {.struct_size = sizeof before}, after = {.struct_size = sizeof after};
+  int rc;
+  uint32_t n = 40;
+  for (size_t i = 0; i < (size_t)n * H * D; i++) p.hk[i] = p.hv[i] = bf16_of(rnd(&p));
+  const uint32_t bad_tok = 33, bad_head = 2, bad_ch = 9;
+  p.hv[((size_t)bad_tok * H + bad_head) * D + bad_ch] = _i % 2 ? 0x7F80 /* +Inf */ : 0xFFC1 /* NaN */;
+  ck_cuda(cudaMemcpy(p.dk, p.hk, (size_t)n * H * D * 2, cudaMemcpyHostToDevice));
+  ck_cuda(cudaMemcpy(p.dv, p.hv, (size_t)n * H * D * 2, cudaMemcpyHostToDevice));
+  kvp_kv dkv = {p.dk, p.dv, p.stream};
+  kvp_pool_destroy(p.dev);
+  p.dev = NULL;
+  /* fresh pool: the first layer with the bad value fails, names it, changes nothing */
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.k_dtype = c.v_dtype = KVP_DTYPE_BF16;
+  c.region_bytes = 64ull << 20, c.block_tokens = 16, c.codecs = specs[_i], c.memory = KVP_MEM_CUDA;
+  ck_ok(kvp_pool_create(&c, &p.dev));
+  ck_ok(kvp_seq_add(p.dev, 1, NULL));
+  ck_ok(kvp_step_begin(p.dev, 1, 7, 0));
+  for (uint32_t l = 0; l < L; l++) ck_ok(kvp_append(p.dev, 1, l, &(kvp_kv){p.dk, p.dk, p.stream}));
+  ck_ok(kvp_step_end(p.dev, 1));
+  ck_ok(kvp_stats_get(p.dev, &before));
+  ck_ok(kvp_step_begin(p.dev, 1, n, 0));
+  rc = kvp_append(p.dev, 1, 0, &dkv);
+  ck_assert_int_eq(rc, KVP_EINVAL);
+  char want[64];
+  snprintf(want, sizeof want, "head %u, token %u", bad_head, bad_tok);
+  ck_assert_msg(strstr(kvp_last_error(), want) && strstr(kvp_last_error(), "V of layer 0"), "message: %s",
+                kvp_last_error());
+  ck_ok(kvp_check(p.dev));
+  ck_ok(kvp_stats_get(p.dev, &after));
+  ck_assert_uint_eq(before.bytes_allocated.current, after.bytes_allocated.current);
+  ck_assert_uint_eq(before.tokens_retained.current, after.tokens_retained.current);
+  ck_assert_uint_eq(before.pages.current, after.pages.current);
+  /* the same layer appended again with clean input succeeds */
+  p.hv[((size_t)bad_tok * H + bad_head) * D + bad_ch] = 0;
+  ck_cuda(cudaMemcpy(p.dv, p.hv, (size_t)n * H * D * 2, cudaMemcpyHostToDevice));
+  for (uint32_t l = 0; l < L; l++) ck_ok(kvp_append(p.dev, 1, l, &dkv));
+  ck_ok(kvp_step_end(p.dev, 1));
+  ck_ok(kvp_check(p.dev));
+  kvp_pool_destroy(p.host);
+  p.host = NULL;
+  kvp_pool_destroy(p.dev);
+  p.dev = NULL;
+  cudaStreamDestroy(p.stream);
+  free(p.hk), free(p.hv), cudaFree(p.dk), cudaFree(p.dv);
+}
+END_TEST
+
+/* kvp_gather == kvp_read (bf16) per item and head, positions, zero padding. */
+START_TEST(gather_matches_read) {
+  if (spec_off(specs[_i])) return;
+  pair p;
+  pair_open(&p, specs[_i], 16);
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  ck_ok(kvp_seq_add(p.dev, 1, NULL));
+  ck_ok(kvp_seq_add(p.host, 1, NULL));
+  ck_ok(kvp_seq_add(p.dev, 2, &sc));
+  ck_ok(kvp_seq_add(p.host, 2, &sc));
+  step(&p, 1, 100);
+  for (int t = 0; t < 9; t++) step(&p, 1, 1);
+  step(&p, 2, 48);
+  step(&p, 2, 17);
+  ck_ok(kvp_evict(p.dev, 2, 1, 3, 0)); /* head 3 of layer 1 holds 17 tokens, the others 65 */
+  ck_ok(kvp_evict(p.host, 2, 1, 3, 0));
+  kvp_gather_item items[] = {{.seq = 1, .layer = 0}, {.seq = 2, .layer = 1}, {.seq = 1, .layer = 2},
+                             {.seq = 2, .layer = 0}};
+  enum { NI = 4, CAPR = 512 };
+  kvp_gather_req g;
+  kvp_gather_req_init(&g);
+  g.items = items;
+  g.n_items = NI;
+  ck_cuda(cudaMalloc(&g.k_out, (size_t)CAPR * H * D * 2));
+  ck_cuda(cudaMalloc(&g.v_out, (size_t)CAPR * H * D * 2));
+  ck_cuda(cudaMemset(g.k_out, 0x7F, (size_t)CAPR * H * D * 2));
+  ck_cuda(cudaMemset(g.v_out, 0x7F, (size_t)CAPR * H * D * 2));
+  g.positions_out = malloc((size_t)CAPR * H * 4);
+  g.capacity_rows = CAPR;
+  g.stream = p.stream;
+  ck_assert_int_eq(kvp_gather(p.dev, &g), KVP_ENOSPC); /* no workspace yet: it says how much */
+  ck_assert_uint_gt(g.workspace_needed, 0);
+  ck_cuda(cudaMalloc(&g.workspace, g.workspace_needed));
+  g.workspace_bytes = g.workspace_needed;
+  ck_ok(kvp_gather(p.dev, &g));
+  ck_assert_uint_le(g.n_launches, 3); /* one per distinct layer */
+  ck_assert_uint_eq(g.n_rows, 109 + 65 + 109 + 65); /* seq 1: 100 + 9 tokens; seq 2: 48 + 17 */
+  size_t rowb = (size_t)H * D * 2;
+  unsigned char *gk = malloc(g.n_rows * rowb), *gv = malloc(g.n_rows * rowb);
+  ck_cuda(cudaMemcpyAsync(gk, g.k_out, g.n_rows * rowb, cudaMemcpyDeviceToHost, p.stream));
+  ck_cuda(cudaMemcpyAsync(gv, g.v_out, g.n_rows * rowb, cudaMemcpyDeviceToHost, p.stream));
+  ck_cuda(cudaStreamSynchronize(p.stream));
+  uint16_t *rk = malloc(CAPR * D * 2), *rv = malloc(CAPR * D * 2);
+  uint32_t *pos = malloc(CAPR * 4);
+  for (int i = 0; i < NI; i++)
+    for (uint32_t h = 0; h < H; h++) {
+      kvp_read_req q = {sizeof q, h, KVP_DTYPE_BF16, rk, rv, pos, CAPR, 0, NULL};
+      ck_ok(kvp_read(p.host, items[i].seq, items[i].layer, &q));
+      for (uint32_t r = 0; r < items[i].n_rows; r++) {
+        size_t off = (items[i].row0 + r) * rowb + (size_t)h * D * 2;
+        uint32_t gp = g.positions_out[(size_t)(items[i].row0 + r) * H + h];
+        if (r < q.n_tokens) {
+          ck_assert_uint_eq(gp, pos[r]);
+          ck_assert_msg(!memcmp(gk + off, rk + (size_t)r * D, D * 2) && !memcmp(gv + off, rv + (size_t)r * D, D * 2),
+                        "item %d head %u row %u differs from kvp_read", i, h, r);
+        } else {
+          ck_assert_uint_eq(gp, UINT32_MAX);
+          int nz = 0;
+          for (uint32_t k = 0; k < D * 2; k++) nz |= gk[off + k] | gv[off + k];
+          ck_assert_msg(!nz, "item %d head %u row %u: padding is not zero", i, h, r);
+        }
+      }
+    }
+  printf("%-70s gather == read (%u rows, %u launches, %llu B table)\n", specs[_i], g.n_rows, g.n_launches,
+         (unsigned long long)g.workspace_needed);
+  free(gk), free(gv), free(rk), free(rv), free(pos), free(g.positions_out);
+  cudaFree(g.k_out), cudaFree(g.v_out), cudaFree(g.workspace);
+  pair_close(&p);
+}
+END_TEST
+
+/* Codecs without device ops are refused by name on a CUDA region. */
+START_TEST(host_only_codec_refused) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 2, c.n_kv_heads = 2, c.head_dim = 64, c.region_bytes = 16ull << 20, c.memory = KVP_MEM_CUDA;
+  c.codecs = "k=fp8,v=qvg";
+  kvp_pool *p = NULL;
+  ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_ENOTSUP);
+  ck_assert_msg(strstr(kvp_last_error(), "qvg"), "%s", kvp_last_error());
+  c.codecs = "kv=fp8";
+  c.flags = KVP_POOL_SANITIZE;
+  ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_ENOTSUP);
+}
+END_TEST
+
+int main(void) {
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    printf("check_gpu_pool: skipped: no CUDA device visible\n");
+    return 0;
+  }
+  Suite *s = suite_create("gpu_pool");
+  TCase *tc = tcase_create("pool");
+  tcase_set_timeout(tc, 600);
+  tcase_add_loop_test(tc, pool_matches_host, 0, NSPECS);
+  tcase_add_loop_test(tc, nonfinite_append_refused, 0, NSPECS);
+  tcase_add_loop_test(tc, gather_matches_read, 0, NSPECS);
+  tcase_add_test(tc, host_only_codec_refused);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_set_fork_status(sr, CK_NOFORK);
+  srunner_run_all(sr, CK_NORMAL);
+  int nf = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return nf ? 1 : 0;
+}

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""The torch side of `make bench-gpu`: the same quantizers as kvpool's device
+encoders, written in plain PyTorch ops, on tensors of the same shape and
+distribution (65,536 token-heads of D = 128, bf16, on the GPU), timed with
+CUDA events (median of 15 after warm-up). Reads kvpool's figures from the
+JSON lines kvpool-bench-gpu printed (argument 1) and prints the ratio
+torch time / kvpool time per codec (target: >= 2), as a table and as JSON.
+
+Exit 0 with a message when torch or CUDA is missing (make prints it)."""
+import json
+import sys
+
+try:
+    import torch
+except ImportError:
+    print("bench_torch: skipped: no torch")
+    sys.exit(1)
+if not torch.cuda.is_available():
+    print("bench_torch: skipped: no CUDA device")
+    sys.exit(1)
+
+N, D, BT = 65536, 128, 16
+dev = torch.device("cuda")
+gen = torch.Generator(device=dev).manual_seed(1)
+X = (torch.randn(N, D, device=dev, generator=gen)).to(torch.bfloat16)
+
+
+def fp8(x):
+    xf = x.float()
+    s = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(2.0 ** -126)
+    q = (xf / s).to(torch.float8_e4m3fn)
+    return q, s
+
+
+def int8(x):
+    xf = x.float()
+    s = (xf.abs().amax(dim=1, keepdim=True) / 127.0).to(torch.bfloat16).float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round(xf / s).clamp(-127, 127).to(torch.int8)
+    return q, s.to(torch.bfloat16)
+
+
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device=dev)
+MID = (E2M1[1:] + E2M1[:-1]) / 2
+
+
+def nvfp4(x):
+    xf = x.float().view(N // BT, BT, D // 16, 16)
+    g = (xf.abs().amax(dim=(1, 2, 3), keepdim=True) / (6.0 * 448.0)).clamp_min(2.0 ** -126)
+    u = xf / g
+    s = (u.abs().amax(dim=3, keepdim=True) / 6.0).to(torch.float8_e4m3fn).float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    y = u / s
+    code = torch.bucketize(y.abs(), MID).to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
+    code = code.view(N, D // 2, 2)
+    packed = code[..., 0] | (code[..., 1] << 4)
+    return packed, s.to(torch.float8_e4m3fn), g
+
+
+def kivi_k2(x):  # K per channel over 16 tokens, 2 bits
+    xf = x.float().view(N // BT, BT, D)
+    mn = xf.amin(dim=1, keepdim=True).half().float()
+    mx = xf.amax(dim=1, keepdim=True)
+    s = ((mx - mn) / 3.0).half().float()
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    q = torch.round((xf - mn) / s).clamp(0, 3).to(torch.int32).view(N, D // 16, 16)
+    sh = torch.arange(0, 32, 2, device=dev, dtype=torch.int32)
+    packed = (q << sh).sum(dim=2, dtype=torch.int32)
+    return packed, mn.half(), s.half()
+
+
+def timeit(fn):
+    for _ in range(3):
+        fn(X)
+    t = []
+    for _ in range(15):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn(X)
+        b.record()
+        b.synchronize()
+        t.append(a.elapsed_time(b) * 1e3)
+    t.sort()
+    return t[len(t) // 2]
+
+
+kv = {}
+for line in open(sys.argv[1]):
+    if line.startswith("{"):
+        o = json.loads(line)
+        if o.get("figure") == "gpu_codec":
+            kv[o["codec"]] = o["encode_us"]
+rows = [("fp8", fp8), ("int8", int8), ("nvfp4", nvfp4), ("kivi:bits=2:group=16", kivi_k2)]
+print(f"{'encode vs torch':24s} {'kvpool us':>10s} {'torch us':>10s} {'torch/kvpool':>13s}   (target >= 2)")
+for name, fn in rows:
+    tt = timeit(fn)
+    k = kv.get(name)
+    if k is None:
+        continue
+    print(f"{name:24s} {k:10.1f} {tt:10.1f} {tt / k:12.2f}x")
+    print(json.dumps({"figure": "gpu_encode_vs_torch", "codec": name, "token_heads": N, "kvpool_us": k,
+                      "torch_us": round(tt, 1), "speedup": round(tt / k, 2), "target": 2.0}))

@@ -1,0 +1,313 @@
+/*
+ * kvpool-bench-gpu - the device codecs and the paged gather, as ratios
+ * against a device-to-device copy measured in the same run (cudaEvents on
+ * one stream; each figure the median of R rounds, rounds alternating kvpool
+ * and the baseline). Prints a table, then one JSON object per figure.
+ *
+ *   kvpool-bench-gpu [--rounds R] [--json]
+ *
+ * Figures (D = 128, bf16 in and out)
+ *   gpu_decode     decode_dev of B blocks of 16 tokens (64 Ki token-heads)
+ *                  to bf16: (page bytes read + bf16 bytes written) / time,
+ *                  against cudaMemcpyAsync D2D (2 x bytes / time); target
+ *                  >= 0.85 of the copy.
+ *   gpu_encode     encode_dev of the same blocks from bf16: (bf16 read + page
+ *                  bytes written) / time, against the copy; the torch
+ *                  versions of the same quantizers (tools/bench_torch.py,
+ *                  run after this by make bench-gpu) compare against these
+ *                  times.
+ *   gpu_gather     kvp_gather of one 32,768-token llama-3-8b layer (H = 8,
+ *                  16-token blocks) per codec, against a copy of the decoded
+ *                  bytes (K and V bf16: 128 MiB); target >= 0.8.
+ *   gpu_append_host_us  host time of a decode-step append on a CUDA pool,
+ *                  64 sequences x 32 layers, per (seq, layer): kvp_append
+ *                  of one token (its one status read-back included), per
+ *                  codec; baseline: cudaMemcpyAsync of the same K/V bytes.
+ */
+#include <cuda_runtime_api.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "kvpool_codec.h"
+
+#define CK(e)                                                                                         \
+  do {                                                                                                \
+    cudaError_t x_ = (e);                                                                             \
+    if (x_ != cudaSuccess) {                                                                          \
+      fprintf(stderr, "kvpool-bench-gpu: %s: %s\n", #e, cudaGetErrorString(x_));                     \
+      exit(1);                                                                                        \
+    }                                                                                                 \
+  } while (0)
+#define KV(e)                                                                                         \
+  do {                                                                                                \
+    int r_ = (e);                                                                                     \
+    if (r_) {                                                                                         \
+      fprintf(stderr, "kvpool-bench-gpu: %s: %s (%s)\n", #e, kvp_err_name(r_), kvp_last_error());   \
+      exit(1);                                                                                        \
+    }                                                                                                 \
+  } while (0)
+
+static int cmp_f(const void *a, const void *b) {
+  float x = *(const float *)a, y = *(const float *)b;
+  return (x > y) - (x < y);
+}
+static float median(float *v, int n) {
+  qsort(v, n, sizeof *v, cmp_f);
+  return n % 2 ? v[n / 2] : 0.5f * (v[n / 2 - 1] + v[n / 2]);
+}
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+static cudaStream_t S;
+static cudaEvent_t E0, E1;
+static float ms_since_start(void) {
+  float ms;
+  CK(cudaEventRecord(E1, S));
+  CK(cudaEventSynchronize(E1));
+  CK(cudaEventElapsedTime(&ms, E0, E1));
+  return ms;
+}
+
+static const char *const codecs[] = {"raw", "fp8", "fp8:scale=0.05", "int8", "int8:pct=99", "kivi:bits=2:group=16",
+                                     "kivi:bits=4:group=16", "nvfp4", "nvfp4:rule=4/6", "nvfp4:ksmooth=store"};
+#define NC (sizeof codecs / sizeof codecs[0])
+
+static const kvp_codec_vtable *codec(const char *spec, int kv, void **inst) {
+  char name[32];
+  const char *c = strchr(spec, ':');
+  snprintf(name, sizeof name, "%.*s", (int)(c ? c - spec : (long)strlen(spec)), spec);
+  uint32_t id;
+  KV(kvp_codec_find(name, &id));
+  const kvp_codec_vtable *vt = kvp_codec_get(id);
+  kvp_codec_geom g = {128, KVP_DTYPE_BF16, 0, (uint32_t)kv, 1, 1};
+  char err[200];
+  size_t at;
+  if (vt->create(c ? c + 1 : "", &g, inst, err, sizeof err, &at)) {
+    fprintf(stderr, "kvpool-bench-gpu: %s: %s\n", spec, err);
+    exit(1);
+  }
+  return vt;
+}
+
+/* Median ms of a D2D copy of bytes. */
+static float copy_ms(void *dst, const void *src, size_t bytes, int rounds) {
+  float t[64];
+  for (int r = 0; r < rounds; r++) {
+    CK(cudaEventRecord(E0, S));
+    CK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, S));
+    t[r] = ms_since_start();
+  }
+  return median(t, rounds);
+}
+
+static void codec_figures(int rounds, int json) {
+  enum { BT = 16, D = 128, NB = 4096 }; /* 64 Ki token-heads */
+  size_t in_bytes = (size_t)NB * BT * D * 2;
+  void *src, *dst, *cbuf;
+  CK(cudaMalloc(&src, in_bytes));
+  CK(cudaMalloc(&dst, in_bytes));
+  CK(cudaMalloc(&cbuf, 4 * in_bytes));
+  uint16_t *h = malloc(in_bytes);
+  uint64_t s = 1;
+  for (size_t i = 0; i < in_bytes / 2; i++) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    h[i] = (uint16_t)(0x3C00u + (s >> 56) - 128u) ^ (uint16_t)(s >> 40 & 0x8000u); /* bf16 in about [-2, 2] */
+  }
+  CK(cudaMemcpy(src, h, in_bytes, cudaMemcpyHostToDevice));
+  free(h);
+  uint64_t *status;
+  CK(cudaMalloc((void **)&status, 8));
+  kvp_codec_dev_job *jobs = calloc(NB, sizeof *jobs);
+  if (!json) printf("%-24s %12s %12s %12s %10s %10s\n", "codec (K side)", "enc GB/s", "dec GB/s", "copy GB/s",
+                    "enc/copy", "dec/copy");
+  for (unsigned c = 0; c < NC; c++) {
+    void *inst;
+    const kvp_codec_vtable *vt = codec(codecs[c], 0, &inst);
+    kvp_codec_layout lay;
+    vt->layout(inst, BT, &lay);
+    size_t page_bytes = 0, off = 0;
+    for (unsigned i = 0; i < lay.npages; i++) page_bytes += (lay.bytes[i] + 15) & ~(size_t)15;
+    for (uint32_t b = 0; b < NB; b++) {
+      jobs[b] = (kvp_codec_dev_job){.src = (char *)src + (size_t)b * BT * D * 2, .dst = (char *)dst + (size_t)b * BT * D * 2,
+                                    .stride_bytes = D * 2, .n = BT, .cap_tokens = BT, .m = BT};
+      off = (size_t)b * page_bytes;
+      for (unsigned i = 0; i < lay.npages; i++) {
+        jobs[b].pages[i] = (char *)cbuf + off;
+        off += (lay.bytes[i] + 15) & ~(size_t)15;
+      }
+    }
+    size_t codes = 0;
+    for (unsigned i = 0; i < lay.npages; i++) codes += lay.bytes[i];
+    codes *= NB;
+    float te[64], td[64], tc[64];
+    for (int r = 0; r < rounds; r++) {
+      CK(cudaEventRecord(E0, S));
+      KV(vt->encode_dev(inst, jobs, NB, status, S));
+      te[r] = ms_since_start();
+      CK(cudaEventRecord(E0, S));
+      KV(vt->decode_dev(inst, jobs, NB, KVP_DTYPE_BF16, S));
+      td[r] = ms_since_start();
+      tc[r] = copy_ms(dst, src, in_bytes, 1);
+    }
+    float me = median(te, rounds), md = median(td, rounds), mc = median(tc, rounds);
+    double moved = (double)(in_bytes + codes);
+    double gbe = moved / me / 1e6, gbd = moved / md / 1e6, gbc = 2.0 * in_bytes / mc / 1e6;
+    if (!json)
+      printf("%-24s %12.1f %12.1f %12.1f %9.3fx %9.3fx   (enc %.1f us, dec %.1f us, copy %.1f us, %zu B codes)\n",
+             codecs[c], gbe, gbd, gbc, gbe / gbc, gbd / gbc, me * 1e3, md * 1e3, mc * 1e3, codes);
+    printf("{\"figure\":\"gpu_codec\",\"codec\":\"%s\",\"token_heads\":%d,\"encode_us\":%.2f,\"decode_us\":%.2f,"
+           "\"copy_us\":%.2f,\"encode_gbs\":%.1f,\"decode_gbs\":%.1f,\"copy_gbs\":%.1f,\"encode_vs_copy\":%.3f,"
+           "\"decode_vs_copy\":%.3f,\"decode_target\":0.85}\n",
+           codecs[c], NB * BT, me * 1e3, md * 1e3, mc * 1e3, gbe, gbd, gbc, gbe / gbc, gbd / gbc);
+    vt->destroy(inst);
+  }
+  free(jobs);
+  cudaFree(src), cudaFree(dst), cudaFree(cbuf), cudaFree(status);
+}
+
+static const char *const pool_codecs[] = {"kv=bf16", "kv=fp8", "kv=int8", "kv=kivi:bits=2:group=16", "kv=nvfp4",
+                                          "k=nvfp4:ksmooth=store,v=nvfp4"};
+#define NPC (sizeof pool_codecs / sizeof pool_codecs[0])
+
+static kvp_pool *cuda_pool(const char *spec, uint32_t L, uint64_t region) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = 8, c.head_dim = 128;
+  c.k_dtype = c.v_dtype = KVP_DTYPE_BF16;
+  c.memory = KVP_MEM_CUDA, c.region_bytes = region, c.block_tokens = 16, c.codecs = spec;
+  kvp_pool *p;
+  KV(kvp_pool_create(&c, &p));
+  return p;
+}
+
+static void gather_figures(int rounds, int json) {
+  enum { T = 32768, H = 8, D = 128 };
+  size_t bytes = (size_t)T * H * D * 2;
+  void *k, *v, *ko, *vo, *ws;
+  CK(cudaMalloc(&k, bytes));
+  CK(cudaMalloc(&v, bytes));
+  CK(cudaMalloc(&ko, bytes));
+  CK(cudaMalloc(&vo, bytes));
+  uint16_t *h = malloc(bytes);
+  for (size_t i = 0; i < bytes / 2; i++) h[i] = (uint16_t)(0x3E00u + (i * 2654435761u >> 24) % 256u);
+  CK(cudaMemcpy(k, h, bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(v, h, bytes, cudaMemcpyHostToDevice));
+  free(h);
+  for (unsigned c = 0; c < NPC; c++) {
+    kvp_pool *p = cuda_pool(pool_codecs[c], 1, 1ull << 30);
+    kvp_seq_config sc;
+    kvp_seq_config_init(&sc);
+    sc.mode = KVP_SEQ_STEP;
+    KV(kvp_seq_add(p, 1, &sc));
+    KV(kvp_step_begin(p, 1, T, 0));
+    KV(kvp_append(p, 1, 0, &(kvp_kv){k, v, S}));
+    KV(kvp_step_end(p, 1));
+    kvp_gather_item it = {.seq = 1, .layer = 0};
+    kvp_gather_req g;
+    kvp_gather_req_init(&g);
+    g.items = &it, g.n_items = 1, g.k_out = ko, g.v_out = vo, g.capacity_rows = T, g.stream = S;
+    if (kvp_gather(p, &g) != KVP_ENOSPC) exit(1);
+    CK(cudaMalloc(&ws, g.workspace_needed));
+    g.workspace = ws, g.workspace_bytes = g.workspace_needed;
+    float tg[64], tc[64], th[64];
+    for (int r = 0; r < rounds; r++) {
+      CK(cudaEventRecord(E0, S));
+      double h0 = now_us();
+      KV(kvp_gather(p, &g));
+      th[r] = (float)(now_us() - h0);
+      tg[r] = ms_since_start();
+      tc[r] = copy_ms(ko, k, bytes, 1) + copy_ms(vo, v, bytes, 1);
+    }
+    float mg = median(tg, rounds), mc = median(tc, rounds), mh = median(th, rounds);
+    if (!json)
+      printf("gather %-34s %8.1f us  copy %8.1f us  %6.3fx of the copy  (host part %.0f us, %u launch, table %llu KiB)\n",
+             pool_codecs[c], mg * 1e3, mc * 1e3, mc / mg, mh, g.n_launches,
+             (unsigned long long)g.workspace_needed >> 10);
+    printf("{\"figure\":\"gpu_gather\",\"codecs\":\"%s\",\"tokens\":%d,\"heads\":%d,\"gather_us\":%.1f,\"copy_us\":%.1f,"
+           "\"vs_copy\":%.3f,\"host_us\":%.1f,\"launches\":%u,\"table_bytes\":%llu,\"target\":0.8}\n",
+           pool_codecs[c], T, H, mg * 1e3, mc * 1e3, mc / mg, mh, g.n_launches,
+           (unsigned long long)g.workspace_needed);
+    cudaFree(ws);
+    kvp_pool_destroy(p);
+  }
+  cudaFree(k), cudaFree(v), cudaFree(ko), cudaFree(vo);
+}
+
+static void append_figures(int rounds, int json) {
+  enum { NS = 64, L = 32, H = 8, D = 128, PRE = 100 };
+  size_t bytes = (size_t)H * D * 2;
+  void *k, *v, *scratch;
+  CK(cudaMalloc(&k, bytes * PRE));
+  CK(cudaMalloc(&v, bytes * PRE));
+  CK(cudaMalloc(&scratch, bytes * 2));
+  CK(cudaMemset(k, 0x3C, bytes * PRE));
+  CK(cudaMemset(v, 0x3C, bytes * PRE));
+  for (unsigned c = 0; c < NPC; c++) {
+    kvp_pool *p = cuda_pool(pool_codecs[c], L, 4ull << 30);
+    for (uint64_t s = 0; s < NS; s++) { /* a 100-token prefill each */
+      KV(kvp_seq_add(p, s, NULL));
+      KV(kvp_step_begin(p, s, PRE, 0));
+      for (uint32_t l = 0; l < L; l++) KV(kvp_append(p, s, l, &(kvp_kv){k, v, S}));
+      KV(kvp_step_end(p, s));
+    }
+    float ta[64], tb[64];
+    for (int r = 0; r < rounds; r++) {
+      double t0 = now_us();
+      for (uint64_t s = 0; s < NS; s++) {
+        KV(kvp_step_begin(p, s, 1, 0));
+        for (uint32_t l = 0; l < L; l++) KV(kvp_append(p, s, l, &(kvp_kv){k, v, S}));
+        KV(kvp_step_end(p, s));
+      }
+      ta[r] = (float)((now_us() - t0) / (NS * L));
+      t0 = now_us();
+      for (int i = 0; i < NS * L; i++) {
+        CK(cudaMemcpyAsync(scratch, k, bytes, cudaMemcpyDeviceToDevice, S));
+        CK(cudaMemcpyAsync((char *)scratch + bytes, v, bytes, cudaMemcpyDeviceToDevice, S));
+      }
+      CK(cudaStreamSynchronize(S));
+      tb[r] = (float)((now_us() - t0) / (NS * L));
+    }
+    float ma = median(ta, rounds), mb = median(tb, rounds);
+    if (!json)
+      printf("append (decode step) %-24s %7.2f us per (seq, layer)  copy of its K/V %6.2f us  %6.2fx\n", pool_codecs[c],
+             ma, mb, ma / mb);
+    printf("{\"figure\":\"gpu_append_host_us\",\"codecs\":\"%s\",\"seqs\":%d,\"layers\":%d,\"kvpool_us\":%.2f,"
+           "\"baseline\":\"cudaMemcpyAsync of the K/V\",\"baseline_us\":%.2f,\"ratio\":%.2f}\n",
+           pool_codecs[c], NS, L, ma, mb, ma / mb);
+    kvp_pool_destroy(p);
+  }
+  cudaFree(k), cudaFree(v), cudaFree(scratch);
+}
+
+int main(int argc, char **argv) {
+  int rounds = 15, json = 0;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--json")) json = 1;
+    else {
+      fprintf(stderr, "usage: kvpool-bench-gpu [--rounds R] [--json]\n");
+      return 2;
+    }
+  }
+  if (rounds < 1 || rounds > 64) rounds = 15;
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || !n) {
+    printf("kvpool-bench-gpu: skipped: no CUDA device visible\n");
+    return 0;
+  }
+  CK(cudaStreamCreate(&S));
+  CK(cudaEventCreate(&E0));
+  CK(cudaEventCreate(&E1));
+  struct cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  if (!json) printf("kvpool-bench-gpu on %s, %d rounds, medians\n", prop.name, rounds);
+  codec_figures(rounds, json);
+  gather_figures(rounds, json);
+  append_figures(rounds < 5 ? rounds : 5, json);
+  return 0;
+}
