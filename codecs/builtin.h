@@ -45,10 +45,10 @@ extern const kvp_codec_vtable kvp__codec_fp8, kvp__codec_int8, kvp__codec_kivi, 
  * KVP__DEV_VT(NAME) puts them in the vtable (nothing without CUDA). */
 #ifdef KVP_HAVE_CUDA
 #include "../kernels/kernels.h"
-int kvp__dev_encode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs, uint32_t njobs,
-                    uint64_t *status, void *stream);
-int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs, uint32_t njobs,
-                    kvp_dtype out, void *stream);
+int kvp__dev_encode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs,
+                    const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint64_t *status, void *stream);
+int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs,
+                    const kvp_codec_dev_job *jobs_dev, uint32_t njobs, kvp_dtype out, void *stream);
 /* The kernels' parameters of a built-in binding: KVP_OK, or KVP_ENOTSUP for
  * a codec without a built-in device twin. */
 int kvp__codec_kparams(const kvp_codec_vtable *vt, const void *inst, kvp__kparams *out);
@@ -58,17 +58,17 @@ void kvp__int8_kparams(const void *inst, kvp__kparams *k);
 void kvp__kivi_kparams(const void *inst, kvp__kparams *k);
 void kvp__nvfp4_kparams(const void *inst, kvp__kparams *k);
 #define KVP__DEV_OPS(name)                                                                                           \
-  static int name##_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, uint64_t *status,   \
-                               void *stream) {                                                                       \
+  static int name##_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,  \
+                               uint32_t njobs, uint64_t *status, void *stream) {                                     \
     kvp__kparams k;                                                                                                  \
     kvp__##name##_kparams(inst, &k);                                                                                 \
-    return kvp__dev_encode(#name, &k, jobs, njobs, status, stream);                                                  \
+    return kvp__dev_encode(#name, &k, jobs, jobs_dev, njobs, status, stream);                                        \
   }                                                                                                                  \
-  static int name##_decode_dev(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, kvp_dtype out,      \
-                               void *stream) {                                                                       \
+  static int name##_decode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,  \
+                               uint32_t njobs, kvp_dtype out, void *stream) {                                        \
     kvp__kparams k;                                                                                                  \
     kvp__##name##_kparams(inst, &k);                                                                                 \
-    return kvp__dev_decode(#name, &k, jobs, njobs, out, stream);                                                     \
+    return kvp__dev_decode(#name, &k, jobs, jobs_dev, njobs, out, stream);                                           \
   }
 #define KVP__DEV_VT(name) .encode_dev = name##_encode_dev, .decode_dev = name##_decode_dev,
 #else

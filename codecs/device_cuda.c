@@ -7,15 +7,15 @@
 #include "builtin.h"
 #include "codecs.h"
 
-int kvp__dev_encode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs, uint32_t njobs,
-                    uint64_t *status, void *stream) {
-  int e = kvp__kern_encode(k, jobs, njobs, status, stream);
+int kvp__dev_encode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs,
+                    const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint64_t *status, void *stream) {
+  int e = kvp__kern_encode(k, jobs, jobs_dev, njobs, status, stream);
   return e ? kvp__err(KVP_EDEVICE, "%s device encode of %u blocks: %s", codec, njobs, kvp__kern_errstr(e)) : KVP_OK;
 }
 
-int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs, uint32_t njobs,
-                    kvp_dtype out, void *stream) {
-  int e = kvp__kern_decode(k, jobs, njobs, (uint32_t)out, stream);
+int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs,
+                    const kvp_codec_dev_job *jobs_dev, uint32_t njobs, kvp_dtype out, void *stream) {
+  int e = kvp__kern_decode(k, jobs, jobs_dev, njobs, (uint32_t)out, stream);
   return e ? kvp__err(KVP_EDEVICE, "%s device decode of %u blocks: %s", codec, njobs, kvp__kern_errstr(e)) : KVP_OK;
 }
 

@@ -212,9 +212,12 @@ typedef struct kvp_codec_vtable {
   /* ---- Optional, since 0.3.0: device ops (both or neither). A pool on a
    * CUDA region requires them (kvp_pool_create names a codec without
    * them). jobs is a HOST array of njobs blocks whose pointers are device
-   * addresses; the call only enqueues work on stream (a cudaStream_t, NULL
-   * the legacy default stream) and returns: nothing may be read back, and
-   * the jobs array may be reused as soon as it returns.
+   * addresses; jobs_dev is NULL or a DEVICE copy of that array, written
+   * earlier on stream (then a codec may read the jobs there, in one launch,
+   * instead of passing them in kernel parameters: the pool stages large
+   * batches so). The call only enqueues work on stream (a cudaStream_t,
+   * NULL the legacy default stream) and returns: nothing may be read back,
+   * and the jobs array may be reused as soon as it returns.
    *
    * encode_dev: encode rows [t0, t0 + m) of each job's block from src
    * (geom.in_dtype, rows stride_bytes apart) into its pages, as encode
@@ -230,9 +233,10 @@ typedef struct kvp_codec_vtable {
    * KVP_ENOTSUP. The pool calls them under the same locks as their host
    * twins, and with state NULL (device codec state comes with the codecs
    * that keep it). */
-  int (*encode_dev)(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, uint64_t *status,
-                    void *stream);
-  int (*decode_dev)(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, kvp_dtype out, void *stream);
+  int (*encode_dev)(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
+                    uint64_t *status, void *stream);
+  int (*decode_dev)(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
+                    kvp_dtype out, void *stream);
 } kvp_codec_vtable;
 
 /* Register a codec under vt->name for every pool created afterwards

@@ -3,11 +3,12 @@
  * encode_dev and decode_dev, and their launchers.
  *
  * Launch: one CTA of KVP__KERN_THREADS threads per job (one block of one
- * head and side); the jobs ride in the kernel's parameters (a
- * __grid_constant__ batch of up to KVP__KERN_JOBS_PER_LAUNCH, about 26 KiB,
- * within CUDA 12.1's 32 KiB), so a call needs no device memory and no copy:
- * a decode-step append of H heads is one launch per side. Larger batches
- * are split into launches of that many jobs, in order on the stream.
+ * head and side). The jobs come either from a device table the caller
+ * staged (one launch for any batch), or in the kernel's parameters (a
+ * __grid_constant__ batch of 8, 64 or up to KVP__KERN_JOBS_PER_LAUNCH jobs,
+ * about 26 KiB, within CUDA 12.1's 32 KiB), so a call needs no device
+ * memory: a decode-step append of H heads is one small launch per side.
+ * Larger parameter batches are split into launches, in order on the stream.
  * The codec is picked by a uniform switch on p.codec (one kernel for all
  * built-ins, so a gather can mix codecs of K and V in one launch).
  *
@@ -26,12 +27,15 @@
 
 namespace kvpk {
 
-struct Batch {
+/* Jobs in kernel parameters: a __grid_constant__ batch of up to N jobs
+ * (N = 8, 64 or KVP__KERN_JOBS_PER_LAUNCH: the parameter copy grows with
+ * N, so a decode step's few jobs launch a small one). */
+template <uint32_t N> struct Batch {
   kvp__kparams p;                 /* the codec binding */
   unsigned long long *status;     /* encode: the status word */
   uint32_t out;                   /* decode: out dtype */
   uint32_t job0;                  /* index of jobs[0] in the caller's batch */
-  kvp_codec_dev_job jobs[KVP__KERN_JOBS_PER_LAUNCH];
+  kvp_codec_dev_job jobs[N];
 };
 
 __device__ void encode_one(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t job,
@@ -57,47 +61,94 @@ __device__ void decode_one(const kvp__kparams &p, const kvp_codec_dev_job &j, ui
   }
 }
 
-__global__ void __launch_bounds__(kThreads) encode_kernel(const __grid_constant__ Batch b) {
+template <uint32_t N>
+__global__ void __launch_bounds__(kThreads) encode_kernel(const __grid_constant__ Batch<N> b) {
   encode_one(b.p, b.jobs[blockIdx.x], b.job0 + blockIdx.x, b.status);
 }
 
-__global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant__ Batch b) {
+template <uint32_t N>
+__global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant__ Batch<N> b) {
   decode_one(b.p, b.jobs[blockIdx.x], b.out);
 }
 
-/* The gather: jobs in device memory in four groups (codec K, RAW tail K,
- * codec V, RAW tail V: job i is in the first group g with i < end[g]),
- * bf16 out. */
-struct GatherParams {
-  kvp__kparams p[4];
-  uint32_t end[4];
-};
-
-__global__ void __launch_bounds__(kThreads)
-    gather_kernel(const __grid_constant__ GatherParams g, const kvp_codec_dev_job *__restrict__ jobs) {
-  uint32_t i = blockIdx.x;
-  __shared__ kvp_codec_dev_job j;
+/* Jobs in device memory: one launch for any batch. The CTA copies its job
+ * to shared memory first (one 64-bit word per thread). */
+__device__ __forceinline__ void load_job(kvp_codec_dev_job &j, const kvp_codec_dev_job *jobs, uint32_t i) {
   if (threadIdx.x < sizeof j / 8) ((uint64_t *)&j)[threadIdx.x] = ((const uint64_t *)&jobs[i])[threadIdx.x];
   __syncthreads();
-  uint32_t grp = i < g.end[0] ? 0 : i < g.end[1] ? 1 : i < g.end[2] ? 2 : 3;
-  decode_one(g.p[grp], j, kBF16);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    encode_kernel_dev(const __grid_constant__ kvp__kparams p, const kvp_codec_dev_job *__restrict__ jobs,
+                      unsigned long long *status) {
+  __shared__ kvp_codec_dev_job j;
+  load_job(j, jobs, blockIdx.x);
+  encode_one(p, j, blockIdx.x, status);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    decode_kernel_dev(const __grid_constant__ kvp__kparams p, const kvp_codec_dev_job *__restrict__ jobs,
+                      uint32_t out) {
+  __shared__ kvp_codec_dev_job j;
+  load_job(j, jobs, blockIdx.x);
+  decode_one(p, j, out);
+}
+
+/* The gather: jobs in device memory in walk order, each with a tag that
+ * picks its codec binding among P (segment * 4 + group); bf16 out. */
+template <uint32_t P> struct GatherParams {
+  kvp__kparams p[P];
+};
+
+template <uint32_t P>
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(const __grid_constant__ GatherParams<P> g, const kvp_codec_dev_job *__restrict__ jobs,
+                  const uint16_t *__restrict__ tags) {
+  __shared__ kvp_codec_dev_job j;
+  load_job(j, jobs, blockIdx.x);
+  decode_one(g.p[tags[blockIdx.x]], j, kBF16);
+}
+
+template <uint32_t P>
+cudaError_t gather_launch(const kvp__kparams *p, uint32_t np, const kvp_codec_dev_job *jobs, const uint16_t *tags,
+                          uint32_t njobs, cudaStream_t s) {
+  static_assert(sizeof(GatherParams<P>) <= 32000, "gather parameters must fit the 32 KiB parameter space");
+  GatherParams<P> g;
+  memcpy(g.p, p, np * sizeof *p);
+  gather_kernel<P><<<njobs, kThreads, 0, s>>>(g, jobs, tags);
+  return cudaGetLastError();
+}
+
+template <bool Enc, uint32_t N>
+cudaError_t launch_params(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t at, uint32_t n,
+                          uint64_t *status, uint32_t out, cudaStream_t stream) {
+  static_assert(sizeof(Batch<N>) <= 32000, "a batch must fit the 32 KiB parameter space");
+  Batch<N> b;
+  b.p = *p;
+  b.status = (unsigned long long *)status;
+  b.out = out;
+  b.job0 = at;
+  memcpy(b.jobs, jobs + at, n * sizeof *jobs);
+  if (Enc) encode_kernel<N><<<n, kThreads, 0, stream>>>(b);
+  else decode_kernel<N><<<n, kThreads, 0, stream>>>(b);
+  return cudaGetLastError();
 }
 
 template <bool Enc>
-int launch(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, uint64_t *status, uint32_t out,
-           void *stream) {
-  static_assert(sizeof(Batch) <= 32000, "batch must fit the 32 KiB parameter space");
+int launch(const kvp__kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
+           uint64_t *status, uint32_t out, void *stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  if (!njobs) return 0;
+  if (jobs_dev) {
+    if (Enc) encode_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, (unsigned long long *)status);
+    else decode_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, out);
+    return (int)cudaGetLastError();
+  }
   for (uint32_t at = 0; at < njobs; at += KVP__KERN_JOBS_PER_LAUNCH) {
     uint32_t n = njobs - at < KVP__KERN_JOBS_PER_LAUNCH ? njobs - at : KVP__KERN_JOBS_PER_LAUNCH;
-    Batch b;
-    b.p = *p;
-    b.status = (unsigned long long *)status;
-    b.out = out;
-    b.job0 = at;
-    memcpy(b.jobs, jobs + at, n * sizeof *jobs);
-    if (Enc) encode_kernel<<<n, kThreads, 0, (cudaStream_t)stream>>>(b);
-    else decode_kernel<<<n, kThreads, 0, (cudaStream_t)stream>>>(b);
-    cudaError_t e = cudaGetLastError();
+    cudaError_t e = n <= 8    ? launch_params<Enc, 8>(p, jobs, at, n, status, out, s)
+                    : n <= 64 ? launch_params<Enc, 64>(p, jobs, at, n, status, out, s)
+                              : launch_params<Enc, KVP__KERN_JOBS_PER_LAUNCH>(p, jobs, at, n, status, out, s);
     if (e != cudaSuccess) return (int)e;
   }
   return 0;
@@ -108,23 +159,23 @@ int launch(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs,
 static_assert(sizeof(kvp_codec_dev_job) % 8 == 0 && sizeof(kvp_codec_dev_job) / 8 <= KVP__KERN_THREADS,
               "the gather loads a job as 64-bit words");
 
-extern "C" int kvp__kern_encode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs,
-                                uint64_t *status, void *stream) {
-  return kvpk::launch<true>(p, jobs, njobs, status, 0, stream);
+extern "C" int kvp__kern_encode(const kvp__kparams *p, const kvp_codec_dev_job *jobs,
+                                const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint64_t *status, void *stream) {
+  return kvpk::launch<true>(p, jobs, jobs_dev, njobs, status, 0, stream);
 }
 
-extern "C" int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, uint32_t out,
-                                void *stream) {
-  return kvpk::launch<false>(p, jobs, njobs, nullptr, out, stream);
+extern "C" int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *jobs,
+                                const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint32_t out, void *stream) {
+  return kvpk::launch<false>(p, jobs, jobs_dev, njobs, nullptr, out, stream);
 }
 
-extern "C" int kvp__kern_gather(const kvp__kparams p[4], const uint32_t end[4], const kvp_codec_dev_job *jobs_dev,
-                                void *stream) {
-  if (!end[3]) return 0;
-  kvpk::GatherParams g;
-  for (int i = 0; i < 4; i++) g.p[i] = p[i], g.end[i] = end[i];
-  kvpk::gather_kernel<<<end[3], kvpk::kThreads, 0, (cudaStream_t)stream>>>(g, jobs_dev);
-  return (int)cudaGetLastError();
+extern "C" int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const kvp_codec_dev_job *jobs_dev,
+                                const uint16_t *tags_dev, uint32_t njobs, void *stream) {
+  if (!njobs) return 0;
+  cudaStream_t s = (cudaStream_t)stream;
+  if (np > KVP__KERN_GATHER_PARAMS) return (int)cudaErrorInvalidValue;
+  return (int)(np <= 4 ? kvpk::gather_launch<4>(p, np, jobs_dev, tags_dev, njobs, s)
+                       : kvpk::gather_launch<KVP__KERN_GATHER_PARAMS>(p, np, jobs_dev, tags_dev, njobs, s));
 }
 
 extern "C" const char *kvp__kern_errstr(int err) {

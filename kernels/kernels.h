@@ -64,16 +64,20 @@ typedef struct kvp__kparams {
 /* Enqueue the encode of njobs blocks on stream (see encode_dev in
  * kvpool_codec.h); status: device word, see KVP_DEV_STATUS_OK. Returns 0
  * or a cudaError_t value (kvp__kern_errstr names it). */
-int kvp__kern_encode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, uint64_t *status,
-                     void *stream);
-/* Enqueue the decode of njobs blocks into out dtype. */
-int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, uint32_t out,
-                     void *stream);
+int kvp__kern_encode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                     uint32_t njobs, uint64_t *status, void *stream);
+/* Enqueue the decode of njobs blocks into out dtype. With jobs_dev (a
+ * device copy of jobs) one launch reads the jobs there; without, they ride
+ * in kernel parameters, KVP__KERN_JOBS_PER_LAUNCH per launch at most. */
+int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                     uint32_t njobs, uint32_t out, void *stream);
 
-/* Paged gather of one layer: jobs_dev is a DEVICE array of end[3] jobs in
- * four groups decoded with p[0..3] (codec K, RAW tail K, codec V, RAW tail
- * V; group g ends at end[g]) into bf16 at each job's dst. One launch. */
-int kvp__kern_gather(const kvp__kparams p[4], const uint32_t end[4], const kvp_codec_dev_job *jobs_dev, void *stream);
+/* Paged gather: jobs_dev and tags_dev are DEVICE arrays of njobs jobs and
+ * their tags; job i is decoded with p[tags[i]] (np <= KVP__KERN_GATHER_PARAMS
+ * bindings) into bf16 at its dst. One launch. */
+#define KVP__KERN_GATHER_PARAMS 512u
+int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const kvp_codec_dev_job *jobs_dev, const uint16_t *tags_dev,
+                     uint32_t njobs, void *stream);
 
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above
  * returned. */

@@ -28,12 +28,26 @@
 #include "pages.h"
 
 #include <cuda_runtime_api.h>
+#include <pthread.h>
 #include <string.h>
 
+/* Appends of more than this many jobs in a group stage them in the pool's
+ * device table (one copy, one launch); fewer ride in kernel parameters. */
+#define STAGE_MIN_JOBS 64u
+#define STAGE_JOBS 8192u /* jobs the staging table holds (640 KiB) */
+
 struct kvp__dev {
-  uint64_t *status;      /* device: 4 status words, one per group of an append */
-  uint64_t *host_status; /* pinned host: their copy */
+  pthread_mutex_t gstage_lock;    /* held by the gather that builds in the stage */
+  kvp_codec_dev_job *gstage_jobs; /* pinned host: GSTAGE_JOBS jobs, then as many uint16 tags */
+  cudaEvent_t gstage_done;        /* recorded after the last copy from the stage */
+  uint64_t *status;              /* device: 4 status words, one per group of an append */
+  uint64_t *host_status;         /* pinned host: their copy */
+  kvp_codec_dev_job *stage_dev;  /* device: staged job tables of an append */
+  kvp_codec_dev_job *stage_host; /* pinned host: what is copied there */
 };
+
+static int gstage_init(struct kvp__dev *d);
+static void gstage_fini(struct kvp__dev *d);
 
 static int cuda_fail(cudaError_t e, const char *what) {
   return kvp__err(KVP_EDEVICE, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
@@ -60,12 +74,19 @@ int kvp__dev_init(kvp_pool *pool) {
   }
   cudaError_t e = cudaMalloc((void **)&d->status, 4 * sizeof(uint64_t));
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->host_status, 4 * sizeof(uint64_t));
+  if (e == cudaSuccess) e = cudaMalloc((void **)&d->stage_dev, STAGE_JOBS * sizeof(kvp_codec_dev_job));
+  if (e == cudaSuccess) e = cudaMallocHost((void **)&d->stage_host, STAGE_JOBS * sizeof(kvp_codec_dev_job));
+  int grc = e == cudaSuccess ? gstage_init(d) : KVP_OK;
   dev_leave(pool, prev);
-  if (e != cudaSuccess) {
+  if (e != cudaSuccess || grc) {
+    gstage_fini(d);
     cudaFree(d->status);
+    cudaFreeHost(d->host_status);
+    cudaFree(d->stage_dev);
+    cudaFreeHost(d->stage_host);
     kvp__meta_free(&pool->meta, d, sizeof *d);
     cudaGetLastError();
-    return cuda_fail(e, "the pool's device status words");
+    return grc ? grc : cuda_fail(e, "the pool's device status words");
   }
   pool->dev = d;
   return KVP_OK;
@@ -78,6 +99,9 @@ void kvp__dev_fini(kvp_pool *pool) {
   dev_enter(pool, &prev);
   cudaFree(d->status);
   cudaFreeHost(d->host_status);
+  cudaFree(d->stage_dev);
+  cudaFreeHost(d->stage_host);
+  gstage_fini(d);
   dev_leave(pool, prev);
   kvp__meta_free(&pool->meta, d, sizeof *d);
   pool->dev = NULL;
@@ -139,9 +163,23 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
   cudaStream_t s = (cudaStream_t)stream;
   cudaError_t e = cudaMemsetAsync(d->status, 0xFF, 4 * sizeof(uint64_t), s);
   if (e != cudaSuccess) rc = cuda_fail(e, "cudaMemsetAsync (append status)");
+  /* large groups: their jobs staged in one copy (the previous append's
+   * copy is done: it waited for its stream) */
+  const kvp_codec_dev_job *staged[4] = {NULL, NULL, NULL, NULL};
+  uint32_t used = 0;
+  for (int i = 0; i < 4; i++) {
+    kvp__dev_group *g = &db->g[i];
+    if (g->n < STAGE_MIN_JOBS || used + g->n > STAGE_JOBS) continue;
+    memcpy(d->stage_host + used, g->jobs, g->n * sizeof *g->jobs);
+    staged[i] = d->stage_dev + used;
+    used += g->n;
+  }
+  if (!rc && used && (e = cudaMemcpyAsync(d->stage_dev, d->stage_host, used * sizeof *d->stage_host,
+                                          cudaMemcpyHostToDevice, s)) != cudaSuccess)
+    rc = cuda_fail(e, "cudaMemcpyAsync (append jobs)");
   for (int i = 0; !rc && i < 4; i++) {
     kvp__dev_group *g = &db->g[i];
-    if (g->n) rc = g->bd->vt->encode_dev(g->bd->inst, g->jobs, g->n, d->status + i, stream);
+    if (g->n) rc = g->bd->vt->encode_dev(g->bd->inst, g->jobs, staged[i], g->n, d->status + i, stream);
   }
   if (!rc && (e = cudaMemcpyAsync(d->host_status, d->status, 4 * sizeof(uint64_t), cudaMemcpyDeviceToHost, s)))
     rc = cuda_fail(e, "cudaMemcpyAsync (append status)");
@@ -156,7 +194,7 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
 /* ---- reads ------------------------------------------------------------------ */
 
 static int decode_group(kvp_pool *pool, kvp__dev_group *g, kvp_dtype out, void *stream) {
-  int rc = g->n ? g->bd->vt->decode_dev(g->bd->inst, g->jobs, g->n, out, stream) : KVP_OK;
+  int rc = g->n ? g->bd->vt->decode_dev(g->bd->inst, g->jobs, NULL, g->n, out, stream) : KVP_OK;
   if (rc && rc != KVP_EDEVICE)
     rc = kvp__err(rc, "codec %s failed to decode %u blocks on the device (status %d)", g->bd->vt->name, g->n, rc);
   g->n = 0;
@@ -183,118 +221,163 @@ int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void 
 
 /* ---- the paged gather ------------------------------------------------------ */
 
-uint64_t kvp__dev_gather_bytes(uint64_t njobs) { return njobs * sizeof(kvp_codec_dev_job); }
+/* The pool's pinned stage for gather tables: one call at a time holds it
+ * (others build on the heap); its event tells when the last copy from it
+ * finished, so it is not rewritten while the device still reads it. */
+#define GSTAGE_JOBS 65536u /* 5 MiB of jobs + 128 KiB of tags, pinned */
 
-int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_req *req, uint64_t max_jobs) {
+static int gstage_init(struct kvp__dev *d) {
+  pthread_mutex_init(&d->gstage_lock, NULL);
+  cudaError_t e = cudaMallocHost((void **)&d->gstage_jobs, GSTAGE_JOBS * (sizeof(kvp_codec_dev_job) + 2));
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->gstage_done, cudaEventDisableTiming);
+  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "the pool's pinned gather stage");
+}
+
+static void gstage_fini(struct kvp__dev *d) {
+  cudaFreeHost(d->gstage_jobs);
+  if (d->gstage_done) cudaEventDestroy(d->gstage_done);
+  pthread_mutex_destroy(&d->gstage_lock);
+}
+
+int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_req *req) {
+  struct kvp__dev *d = pool->dev;
   uint32_t L = pool->cfg.n_layers;
   memset(g, 0, sizeof *g);
   g->req = req;
-  g->cap = max_jobs ? max_jobs : 1;
-  g->jobs = kvp__meta_alloc(NULL, g->cap * sizeof *g->jobs);
-  g->tags = kvp__meta_alloc(NULL, g->cap * sizeof *g->tags);
-  g->seg_of_layer = kvp__meta_alloc(NULL, L * sizeof *g->seg_of_layer);
-  g->seg_layer = kvp__meta_alloc(NULL, L * sizeof *g->seg_layer);
-  if (!g->jobs || !g->tags || !g->seg_of_layer || !g->seg_layer) {
-    if (!g->jobs) g->jobs = (kvp_codec_dev_job *)g; /* so that end frees the rest */
-    kvp__dev_gather_end(pool, g);
-    return kvp__err(KVP_ENOMEM, "gather table of %llu blocks", (unsigned long long)max_jobs);
-  }
+  if (!(g->seg_of_layer = kvp__meta_alloc(NULL, L * sizeof *g->seg_of_layer)))
+    return kvp__err(KVP_ENOMEM, "gather segments");
   for (uint32_t l = 0; l < L; l++) g->seg_of_layer[l] = UINT32_MAX;
+  if (pthread_mutex_trylock(&d->gstage_lock) == 0) {
+    cudaEventSynchronize(d->gstage_done); /* the previous copy from the stage is done */
+    g->staged = true;
+    g->jobs = d->gstage_jobs;
+    g->tags = (uint16_t *)(d->gstage_jobs + GSTAGE_JOBS);
+    g->cap = GSTAGE_JOBS;
+  }
   return KVP_OK;
 }
 
 void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g) {
-  uint32_t L = pool->cfg.n_layers;
-  if (g->jobs != (kvp_codec_dev_job *)g) kvp__meta_free(NULL, g->jobs, g->cap * sizeof *g->jobs);
-  kvp__meta_free(NULL, g->tags, g->cap * sizeof *g->tags);
-  kvp__meta_free(NULL, g->seg_of_layer, L * sizeof *g->seg_of_layer);
-  kvp__meta_free(NULL, g->seg_layer, L * sizeof *g->seg_layer);
+  if (g->staged) pthread_mutex_unlock(&pool->dev->gstage_lock);
+  else {
+    kvp__meta_free(NULL, g->jobs, g->cap * sizeof *g->jobs);
+    kvp__meta_free(NULL, g->tags, g->cap * sizeof *g->tags);
+  }
+  kvp__meta_free(NULL, g->seg_of_layer, pool->cfg.n_layers * sizeof *g->seg_of_layer);
   memset(g, 0, sizeof *g);
 }
 
-uint32_t kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer) {
-  if (g->seg_of_layer[layer] == UINT32_MAX) {
-    g->seg_layer[g->nseg] = layer;
-    g->seg_of_layer[layer] = g->nseg++;
-  }
-  return g->seg_of_layer[layer];
-}
-
-void kvp__dev_gather_add(kvp__dev_gather *g, uint32_t seg, uint32_t group, const kvp_codec_dev_job *j) {
-  if (g->n == g->cap) return; /* bounded by the counting pass; cannot happen */
-  g->jobs[g->n] = *j;
-  g->tags[g->n++] = seg * 4 + group;
-}
-
-int kvp__dev_gather_zero(kvp_pool *pool, kvp__dev_gather *g, uint32_t row0, uint32_t n) {
-  size_t row = (size_t)pool->cfg.n_kv_heads * pool->cfg.head_dim * 2;
-  cudaStream_t s = (cudaStream_t)g->req->stream;
-  int prev, rc = dev_enter(pool, &prev);
-  if (rc) return rc;
-  cudaError_t e = cudaMemsetAsync((char *)g->req->k_out + row0 * row, 0, n * row, s);
-  if (e == cudaSuccess) e = cudaMemsetAsync((char *)g->req->v_out + row0 * row, 0, n * row, s);
-  dev_leave(pool, prev);
-  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "cudaMemsetAsync (gather padding)");
-}
-
-/* Launch one segment: its four groups at table[0..end[3]). */
-static int gather_segment(kvp_pool *pool, kvp__dev_gather *g, uint32_t seg, const kvp_codec_dev_job *host,
-                          const kvp_codec_dev_job *dev, const uint32_t end[4]) {
-  uint32_t layer = g->seg_layer[seg];
-  const kvp__binding *bd[4] = {&pool->bind[2 * layer], &pool->tail[0], &pool->bind[2 * layer + 1], &pool->tail[1]};
-  kvp__kparams p[4];
-  bool builtin = true;
-  for (int i = 0; i < 4; i++) builtin &= kvp__codec_kparams(bd[i]->vt, bd[i]->inst, &p[i]) == KVP_OK;
-  void *stream = g->req->stream;
-  if (builtin) {
-    int e = kvp__kern_gather(p, end, dev, stream);
-    if (e) return kvp__err(KVP_EDEVICE, "gather kernel of layer %u: %s", layer, kvp__kern_errstr(e));
-    ((kvp_gather_req *)g->req)->n_launches++;
-    return KVP_OK;
-  }
-  /* a third-party device codec: its own decode_dev, group by group */
-  for (int i = 0, at = 0; i < 4; at = end[i++]) {
-    if (end[i] == (uint32_t)at) continue;
-    int rc = bd[i]->vt->decode_dev(bd[i]->inst, host + at, end[i] - at, KVP_DTYPE_BF16, stream);
-    if (rc) return rc == KVP_EDEVICE ? rc : kvp__err(rc, "codec %s failed to decode for the gather", bd[i]->vt->name);
-    ((kvp_gather_req *)g->req)->n_launches += (end[i] - at + KVP__KERN_JOBS_PER_LAUNCH - 1) / KVP__KERN_JOBS_PER_LAUNCH;
-  }
+int kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer, uint32_t item) {
+  if (g->seg_of_layer[layer] != UINT32_MAX) return KVP_OK;
+  if (g->nseg == KVP__GATHER_SEGMENTS)
+    return kvp__err(KVP_EINVAL, "gather: items[%u] names layer %u, the %u-th distinct layer of the call (at most %u)",
+                    item, layer, g->nseg + 1, KVP__GATHER_SEGMENTS);
+  g->seg_layer[g->nseg] = layer;
+  g->seg_of_layer[layer] = g->nseg++;
   return KVP_OK;
 }
 
+/* Grow the table onto the heap (leaving the stage, if it was there). */
+static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
+  uint64_t cap = g->cap ? 2 * g->cap : 1024;
+  kvp_codec_dev_job *jobs = kvp__meta_alloc(NULL, cap * sizeof *jobs);
+  uint16_t *tags = kvp__meta_alloc(NULL, cap * sizeof *tags);
+  if (!jobs || !tags) {
+    kvp__meta_free(NULL, jobs, cap * sizeof *jobs);
+    kvp__meta_free(NULL, tags, cap * sizeof *tags);
+    return KVP_ENOMEM;
+  }
+  if (g->n) memcpy(jobs, g->jobs, g->n * sizeof *jobs), memcpy(tags, g->tags, g->n * sizeof *tags);
+  if (g->staged) pthread_mutex_unlock(&pool->dev->gstage_lock);
+  else {
+    kvp__meta_free(NULL, g->jobs, g->cap * sizeof *g->jobs);
+    kvp__meta_free(NULL, g->tags, g->cap * sizeof *g->tags);
+  }
+  g->staged = false;
+  g->jobs = jobs, g->tags = tags, g->cap = cap;
+  return KVP_OK;
+}
+
+kvp_codec_dev_job *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g, uint32_t tag) {
+  if (g->n == g->cap && gather_grow(pool, g)) return NULL;
+  g->tags[g->n] = (uint16_t)tag;
+  return &g->jobs[g->n++];
+}
+
+void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n) {
+  if (g->nragged < 64) g->ragged[0][g->nragged] = row0, g->ragged[1][g->nragged] = n;
+  g->nragged++;
+}
+
+static uint64_t align16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
+
+/* A binding without a built-in twin: its own decode_dev, tag by tag, from
+ * host copies of the jobs (jobs in parameters). */
+static int gather_fallback(kvp_pool *pool, kvp__dev_gather *g, const kvp__binding *const *bd, uint32_t nb) {
+  kvp_codec_dev_job *tmp = kvp__meta_alloc(NULL, (g->n ? g->n : 1) * sizeof *tmp);
+  if (!tmp) return kvp__err(KVP_ENOMEM, "gather scratch");
+  int rc = KVP_OK;
+  for (uint32_t t = 0; !rc && t < nb; t++) {
+    uint32_t k = 0;
+    for (uint64_t i = 0; i < g->n; i++)
+      if (g->tags[i] == t) tmp[k++] = g->jobs[i];
+    if (!k) continue;
+    rc = bd[t]->vt->decode_dev(bd[t]->inst, tmp, NULL, k, KVP_DTYPE_BF16, g->req->stream);
+    if (rc && rc != KVP_EDEVICE) rc = kvp__err(rc, "codec %s failed to decode for the gather", bd[t]->vt->name);
+    ((kvp_gather_req *)g->req)->n_launches += (k + KVP__KERN_JOBS_PER_LAUNCH - 1) / KVP__KERN_JOBS_PER_LAUNCH;
+  }
+  kvp__meta_free(NULL, tmp, (g->n ? g->n : 1) * sizeof *tmp);
+  return rc;
+}
+
 int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
+  kvp_gather_req *req = (kvp_gather_req *)g->req;
+  struct kvp__dev *d = pool->dev;
+  uint64_t tags_at = align16(g->n * sizeof *g->jobs);
+  req->workspace_needed = tags_at + align16(g->n * sizeof *g->tags);
   if (!g->n) return KVP_OK;
+  if (req->workspace_needed > req->workspace_bytes)
+    return kvp__err(KVP_ENOSPC, "gather: the block table of %llu blocks needs %llu bytes of workspace, %llu given",
+                    (unsigned long long)g->n, (unsigned long long)req->workspace_needed,
+                    (unsigned long long)req->workspace_bytes);
   uint32_t nb = g->nseg * 4;
-  uint64_t *start = kvp__meta_calloc(NULL, (nb + 1) * sizeof *start);
-  kvp_codec_dev_job *table = kvp__meta_alloc(NULL, g->n * sizeof *table);
-  int rc = start && table ? KVP_OK : kvp__err(KVP_ENOMEM, "gather table of %llu blocks", (unsigned long long)g->n);
-  if (!rc) { /* counting sort by (segment, group), stable */
-    for (uint64_t i = 0; i < g->n; i++) start[g->tags[i] + 1]++;
-    for (uint32_t b = 0; b < nb; b++) start[b + 1] += start[b];
-    uint64_t *at = kvp__meta_alloc(NULL, nb * sizeof *at);
-    if (!at) rc = kvp__err(KVP_ENOMEM, "gather scratch");
-    else {
-      memcpy(at, start, nb * sizeof *at);
-      for (uint64_t i = 0; i < g->n; i++) table[at[g->tags[i]]++] = g->jobs[i];
-      kvp__meta_free(NULL, at, nb * sizeof *at);
-    }
+  const kvp__binding *bd[KVP__KERN_GATHER_PARAMS];
+  kvp__kparams kp[KVP__KERN_GATHER_PARAMS];
+  bool builtin = true;
+  for (uint32_t s = 0; s < g->nseg; s++) {
+    uint32_t l = g->seg_layer[s];
+    bd[4 * s] = &pool->bind[2 * l], bd[4 * s + 1] = &pool->tail[0];
+    bd[4 * s + 2] = &pool->bind[2 * l + 1], bd[4 * s + 3] = &pool->tail[1];
   }
-  int prev = 0;
-  if (!rc) rc = dev_enter(pool, &prev);
-  if (!rc) {
-    cudaError_t e = cudaMemcpyAsync(g->req->workspace, table, g->n * sizeof *table, cudaMemcpyHostToDevice,
-                                    (cudaStream_t)g->req->stream);
-    if (e != cudaSuccess) rc = cuda_fail(e, "cudaMemcpyAsync (gather block table)");
-    for (uint32_t seg = 0; !rc && seg < g->nseg; seg++) {
-      uint64_t s0 = start[seg * 4];
-      uint32_t end[4];
-      for (int i = 0; i < 4; i++) end[i] = (uint32_t)(start[seg * 4 + i + 1] - s0);
-      rc = gather_segment(pool, g, seg, table + s0, (const kvp_codec_dev_job *)g->req->workspace + s0, end);
-    }
-    /* the table was copied from pageable memory: staged before the call returned */
-    dev_leave(pool, prev);
+  for (uint32_t t = 0; t < nb; t++) builtin &= kvp__codec_kparams(bd[t]->vt, bd[t]->inst, &kp[t]) == KVP_OK;
+  cudaStream_t s = (cudaStream_t)req->stream;
+  int prev, rc = dev_enter(pool, &prev);
+  if (rc) return rc;
+  cudaError_t e = cudaSuccess;
+  size_t row = (size_t)pool->cfg.n_kv_heads * pool->cfg.head_dim * 2;
+  if (g->nragged > 64) { /* many ragged items: zero every row once */
+    e = cudaMemsetAsync(req->k_out, 0, req->n_rows * row, s);
+    if (e == cudaSuccess) e = cudaMemsetAsync(req->v_out, 0, req->n_rows * row, s);
   }
-  kvp__meta_free(NULL, start, (nb + 1) * sizeof *start);
-  kvp__meta_free(NULL, table, g->n * sizeof *table);
+  for (uint32_t i = 0; e == cudaSuccess && g->nragged <= 64 && i < g->nragged; i++) {
+    e = cudaMemsetAsync((char *)req->k_out + g->ragged[0][i] * row, 0, g->ragged[1][i] * row, s);
+    if (e == cudaSuccess) e = cudaMemsetAsync((char *)req->v_out + g->ragged[0][i] * row, 0, g->ragged[1][i] * row, s);
+  }
+  if (e == cudaSuccess && builtin) { /* the table: two copies from one host buffer set, one launch */
+    e = cudaMemcpyAsync(req->workspace, g->jobs, g->n * sizeof *g->jobs, cudaMemcpyHostToDevice, s);
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync((char *)req->workspace + tags_at, g->tags, g->n * sizeof *g->tags, cudaMemcpyHostToDevice, s);
+    if (e == cudaSuccess && g->staged) e = cudaEventRecord(d->gstage_done, s);
+    if (e == cudaSuccess) {
+      int k = kvp__kern_gather(kp, nb, req->workspace, (const uint16_t *)((char *)req->workspace + tags_at),
+                               (uint32_t)g->n, s);
+      if (k) rc = kvp__err(KVP_EDEVICE, "gather kernel of %llu blocks: %s", (unsigned long long)g->n, kvp__kern_errstr(k));
+      else req->n_launches++;
+    }
+  } else if (e == cudaSuccess) {
+    rc = gather_fallback(pool, g, bd, nb);
+  }
+  if (e != cudaSuccess) rc = cuda_fail(e, "gather copies");
+  dev_leave(pool, prev);
   return rc;
 }

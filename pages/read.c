@@ -349,36 +349,38 @@ KVP_API void kvp_gather_req_init(kvp_gather_req *req) {
 }
 
 #ifdef KVP_HAVE_CUDA
-/* The walk of one head of one item: its jobs go to the item's layer
- * segment, by group (codec K, RAW tail K, codec V, RAW tail V). */
+/* The walk of one head of one item: a K and a V job per block, tagged with
+ * the item's layer segment and the block's binding group. */
 typedef struct gather_ctx {
   kvp_pool *pool;
   const kvp_gather_req *req;
-  uint32_t layer, head;   /* being walked */
+  uint32_t head;          /* being walked */
   uint32_t row;           /* output row of the next token of this head */
-  uint64_t nblocks;       /* counting pass: blocks seen */
-  kvp__dev_gather *g;     /* fill pass: the table */
-  uint32_t seg;           /* fill pass: the item's layer segment */
+  kvp__dev_gather *g;     /* the table */
+  uint32_t seg;           /* the item's layer segment */
+  int rc;                 /* first failure */
 } gather_ctx;
 
 static int gather_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   gather_ctx *c = vctx;
-  if (!c->g) {
-    c->nblocks++;
-    return 0;
-  }
   kvp_pool *pool = c->pool;
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, m = e - a;
   size_t row_bytes = (size_t)H * D * 2;
   for (int kv = 0; kv < 2; kv++) {
-    kvp_codec_dev_job j = {.stride_bytes = row_bytes, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
-                           .t0 = a - b->pos0, .m = m, .head = c->head, .pos0 = b->pos0};
-    j.dst = (unsigned char *)(kv ? c->req->v_out : c->req->k_out) + (size_t)c->row * row_bytes + (size_t)c->head * D * 2;
-    for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
-    kvp__dev_gather_add(c->g, c->seg, 2 * kv + (b->raw ? 1 : 0), &j);
+    kvp_codec_dev_job *j = kvp__dev_gather_slot(pool, c->g, c->seg * 4 + 2 * kv + (b->raw ? 1 : 0));
+    if (!j) {
+      c->rc = kvp__err(KVP_ENOMEM, "gather table");
+      return 1;
+    }
+    *j = (kvp_codec_dev_job){.stride_bytes = row_bytes, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
+                             .t0 = a - b->pos0, .m = m, .head = c->head, .pos0 = b->pos0};
+    j->dst = (unsigned char *)(kv ? c->req->v_out : c->req->k_out) + (size_t)c->row * row_bytes + (size_t)c->head * D * 2;
+    for (unsigned i = 0; i < b->npages[kv]; i++) j->pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
   }
-  if (c->req->positions_out)
-    for (uint32_t i = 0; i < m; i++) c->req->positions_out[(size_t)(c->row + i) * H + c->head] = a + i;
+  if (c->req->positions_out) {
+    uint32_t *pos = c->req->positions_out + (size_t)c->row * H + c->head;
+    for (uint32_t i = 0; i < m; i++) pos[(size_t)i * H] = a + i;
+  }
   c->row += m;
   return 0;
 }
@@ -399,65 +401,65 @@ static int gather_check(kvp_pool *pool, const kvp_gather_req *q) {
   return KVP_OK;
 }
 
-KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req) {
-  int rc = gather_check(pool, req);
-  if (rc) return rc;
-  uint32_t H = pool->cfg.n_kv_heads, n = req->n_items;
-  size_t ncounts = n && H ? (size_t)n * H : 1;
-  kvp__rcu_read_lock();
-  /* counting pass: rows per item, blocks per item */
-  uint64_t rows = 0, blocks = 0;
-  kvp__seq **seqs = kvp__meta_calloc(NULL, (n ? n : 1) * sizeof *seqs);
-  uint32_t *counts = kvp__meta_calloc(NULL, ncounts * sizeof *counts);
-  if (!seqs || !counts) rc = kvp__err(KVP_ENOMEM, "gather scratch for %u items", n);
-  for (uint32_t i = 0; !rc && i < n; i++) {
+/* Rows of each item (the most tokens a head retains) and the output rows
+ * in all; heads' counts in counts[i * H + h]. Under the read lock. */
+static int gather_rows(kvp_pool *pool, kvp_gather_req *req, kvp__seq **seqs, uint32_t *counts, uint64_t *rows) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  *rows = 0;
+  for (uint32_t i = 0; i < req->n_items; i++) {
     kvp_gather_item *it = &req->items[i];
-    if (!(seqs[i] = kvp__seq_find(pool, it->seq))) {
-      rc = kvp__err(KVP_ENOENT, "gather: items[%u]: sequence %llu does not exist", i, (unsigned long long)it->seq);
-      break;
-    }
+    if (!(seqs[i] = kvp__seq_find(pool, it->seq)))
+      return kvp__err(KVP_ENOENT, "gather: items[%u]: sequence %llu does not exist", i, (unsigned long long)it->seq);
     uint32_t most = 0;
     for (uint32_t h = 0; h < H; h++) {
       uint64_t t = count_retained(&seqs[i]->layers[it->layer], h);
       counts[(size_t)i * H + h] = (uint32_t)t;
       most = t > most ? (uint32_t)t : most;
-      gather_ctx c = {.pool = pool, .req = req, .layer = it->layer, .head = h};
-      walk_ranges(seqs[i], pool, it->layer, h, t, gather_range, &c);
-      blocks += c.nblocks;
     }
-    it->row0 = (uint32_t)rows;
+    it->row0 = (uint32_t)*rows;
     it->n_rows = most;
-    rows += most;
+    *rows += most;
   }
-  req->n_rows = (uint32_t)rows;
-  req->workspace_needed = kvp__dev_gather_bytes(2 * blocks);
+  return KVP_OK;
+}
+
+KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req) {
+  int rc = gather_check(pool, req);
+  if (rc) return rc;
+  uint32_t H = pool->cfg.n_kv_heads, n = req->n_items;
+  size_t nseqs = n ? n : 1, ncounts = n && H ? (size_t)n * H : 1;
+  kvp__seq **seqs = kvp__meta_calloc(NULL, nseqs * sizeof *seqs);
+  uint32_t *counts = kvp__meta_calloc(NULL, ncounts * sizeof *counts);
   req->n_launches = 0;
+  uint64_t rows = 0;
+  kvp__dev_gather g;
+  memset(&g, 0, sizeof g);
+  kvp__rcu_read_lock();
+  if (!seqs || !counts) rc = kvp__err(KVP_ENOMEM, "gather scratch for %u items", n);
+  if (!rc) rc = gather_rows(pool, req, seqs, counts, &rows);
+  req->n_rows = (uint32_t)rows;
   if (!rc && rows > req->capacity_rows)
     rc = kvp__err(KVP_ENOSPC, "gather: needs %llu rows, capacity_rows is %u", (unsigned long long)rows,
                   req->capacity_rows);
-  if (!rc && req->workspace_needed > req->workspace_bytes)
-    rc = kvp__err(KVP_ENOSPC, "gather: the block table of %llu blocks needs %llu bytes of workspace, %llu given",
-                  (unsigned long long)(2 * blocks), (unsigned long long)req->workspace_needed,
-                  (unsigned long long)req->workspace_bytes);
-  kvp__dev_gather g = {0};
-  if (!rc) rc = kvp__dev_gather_begin(pool, &g, req, 2 * blocks);
-  for (uint32_t i = 0; !rc && i < n; i++) { /* fill pass, bounded by the counts */
+  if (!rc) rc = kvp__dev_gather_begin(pool, &g, req);
+  for (uint32_t i = 0; !rc && i < n; i++) { /* one walk per head, bounded by the counts */
     kvp_gather_item *it = &req->items[i];
     bool ragged = false;
     if (req->positions_out)
       for (size_t r = 0; r < (size_t)it->n_rows * H; r++) req->positions_out[(size_t)it->row0 * H + r] = UINT32_MAX;
-    for (uint32_t h = 0; h < H; h++) {
-      gather_ctx c = {.pool = pool, .req = req, .layer = it->layer, .head = h, .row = it->row0, .g = &g,
-                      .seg = kvp__dev_gather_segment(&g, it->layer)};
+    if ((rc = kvp__dev_gather_segment(&g, it->layer, i))) break;
+    for (uint32_t h = 0; !rc && h < H; h++) {
+      gather_ctx c = {.pool = pool, .req = req, .head = h, .row = it->row0, .g = &g, .seg = g.seg_of_layer[it->layer]};
       walk_ranges(seqs[i], pool, it->layer, h, counts[(size_t)i * H + h], gather_range, &c);
+      rc = c.rc;
       ragged |= c.row != it->row0 + it->n_rows;
     }
-    if (ragged) rc = kvp__dev_gather_zero(pool, &g, it->row0, it->n_rows);
+    if (!rc && ragged) kvp__dev_gather_ragged(&g, it->row0, it->n_rows);
   }
   if (!rc) rc = kvp__dev_gather_run(pool, &g);
-  if (g.jobs) kvp__dev_gather_end(pool, &g);
+  kvp__dev_gather_end(pool, &g);
   kvp__rcu_read_unlock();
-  kvp__meta_free(NULL, seqs, (n ? n : 1) * sizeof *seqs);
+  kvp__meta_free(NULL, seqs, nseqs * sizeof *seqs);
   kvp__meta_free(NULL, counts, ncounts * sizeof *counts);
   return rc;
 }

@@ -169,7 +169,7 @@ static void one_case(const char *spec, int kv, kvp_dtype in, uint32_t D, uint32_
     ck_cuda(cudaMemset(st, 0xFF, 8));
     kvp_codec_dev_job j = {.src = dsrc, .stride_bytes = row, .n = n, .cap_tokens = cap, .m = n};
     memcpy(j.pages, b.dev, sizeof j.pages);
-    ck_assert_int_eq(vt->encode_dev(inst, &j, 1, st, NULL), KVP_OK);
+    ck_assert_int_eq(vt->encode_dev(inst, &j, NULL, 1, st, NULL), KVP_OK);
     ck_cuda(cudaMemcpy(&hst, st, 8, cudaMemcpyDeviceToHost));
     ck_assert_msg(hst != KVP_DEV_STATUS_OK && (hst >> 60) == KVP_DEV_BAD_RANGE,
                   "%s %c in=%d D=%u n=%u pattern %d: host encode refused the input (%d), device status %016llx", spec,
@@ -187,7 +187,7 @@ static void one_case(const char *spec, int kv, kvp_dtype in, uint32_t D, uint32_
   ck_cuda(cudaMemset(st, 0xFF, 8));
   kvp_codec_dev_job j = {.src = dsrc, .stride_bytes = row, .n = n, .cap_tokens = cap, .m = n};
   memcpy(j.pages, b.dev, sizeof j.pages);
-  ck_assert_int_eq(vt->encode_dev(inst, &j, 1, st, NULL), KVP_OK);
+  ck_assert_int_eq(vt->encode_dev(inst, &j, NULL, 1, st, NULL), KVP_OK);
   ck_cuda(cudaDeviceSynchronize());
   ck_cuda(cudaMemcpy(&hst, st, 8, cudaMemcpyDeviceToHost));
   if (hst != KVP_DEV_STATUS_OK) {
@@ -224,7 +224,7 @@ static void one_case(const char *spec, int kv, kvp_dtype in, uint32_t D, uint32_
     ddst = dalloc(m * orow);
     kvp_codec_dev_job dj = {.dst = ddst, .stride_bytes = orow, .n = n, .cap_tokens = cap, .t0 = t0, .m = m};
     memcpy(dj.pages, b.dev, sizeof dj.pages);
-    ck_assert_int_eq(vt->decode_dev(inst, &dj, 1, (kvp_dtype)out, NULL), KVP_OK);
+    ck_assert_int_eq(vt->decode_dev(inst, &dj, NULL, 1, (kvp_dtype)out, NULL), KVP_OK);
     ck_cuda(cudaMemcpy(got, ddst, m * orow, cudaMemcpyDeviceToHost));
     for (size_t k = 0; memcmp(got, want, m * orow) && k < m * orow; k++)
       ck_assert_msg(got[k] == want[k], "%s %c in=%d D=%u cap=%u n=%u pattern %d: decode out=%d byte %zu: device %02x, host %02x",
@@ -292,10 +292,19 @@ START_TEST(nonfinite_reported) {
                                     .cap_tokens = cap, .m = n};
       for (unsigned i = 0; i < lay.npages; i++) jobs[k].pages[i] = (char *)pages[i] + lay.bytes[i] * k;
     }
-    ck_assert_int_eq(vt->encode_dev(inst, jobs, njobs, st, NULL), KVP_OK);
-    ck_cuda(cudaMemcpy(&hst, st, 8, cudaMemcpyDeviceToHost));
-    ck_assert_msg(hst == ((uint64_t)KVP_DEV_BAD_NONFINITE << 60 | (uint64_t)bad_job << 32 | (bad_row * D + bad_ch)),
-                  "%s: status %016llx", names[c], (unsigned long long)hst);
+    /* jobs in parameters (two launches), then from a device table (one) */
+    kvp_codec_dev_job *jobs_dev;
+    ck_cuda(cudaMalloc((void **)&jobs_dev, njobs * sizeof *jobs));
+    ck_cuda(cudaMemcpy(jobs_dev, jobs, njobs * sizeof *jobs, cudaMemcpyHostToDevice));
+    for (int staged = 0; staged < 2; staged++) {
+      ck_cuda(cudaMemset(st, 0xFF, 8));
+      ck_assert_int_eq(vt->encode_dev(inst, jobs, staged ? jobs_dev : NULL, njobs, st, NULL), KVP_OK);
+      ck_cuda(cudaMemcpy(&hst, st, 8, cudaMemcpyDeviceToHost));
+      ck_assert_msg(hst == ((uint64_t)KVP_DEV_BAD_NONFINITE << 60 | (uint64_t)bad_job << 32 | (bad_row * D + bad_ch)),
+                    "%s (jobs %s): status %016llx", names[c], staged ? "staged" : "in parameters",
+                    (unsigned long long)hst);
+    }
+    cudaFree(jobs_dev);
     for (unsigned i = 0; i < lay.npages; i++) cudaFree(pages[i]);
     cudaFree(dsrc);
     cudaFree(st);
