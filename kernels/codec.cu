@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(kThreads) encode_kernel(const __grid_constant_
 }
 
 template <uint32_t N>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const __grid_constant__ Batch<N> b) {
+__global__ void __launch_bounds__(kDecodeThreads, 12) decode_kernel(const __grid_constant__ Batch<N> b) {
   decode_one(b.p, b.jobs[blockIdx.x], b.out);
 }
 
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads)
   encode_one(p, j, blockIdx.x, status);
 }
 
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kDecodeThreads, 12)
     decode_kernel_dev(const __grid_constant__ kvp__kparams p, const kvp_codec_dev_job *__restrict__ jobs,
                       uint32_t out) {
   __shared__ kvp_codec_dev_job j;
@@ -101,7 +101,7 @@ template <uint32_t P> struct GatherParams {
 };
 
 template <uint32_t P>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kDecodeThreads, 12)
     gather_kernel(const __grid_constant__ GatherParams<P> g, const kvp_codec_dev_job *__restrict__ jobs,
                   const uint16_t *__restrict__ tags) {
   __shared__ kvp_codec_dev_job j;
@@ -115,7 +115,7 @@ cudaError_t gather_launch(const kvp__kparams *p, uint32_t np, const kvp_codec_de
   static_assert(sizeof(GatherParams<P>) <= 32000, "gather parameters must fit the 32 KiB parameter space");
   GatherParams<P> g;
   memcpy(g.p, p, np * sizeof *p);
-  gather_kernel<P><<<njobs, kThreads, 0, s>>>(g, jobs, tags);
+  gather_kernel<P><<<njobs, kDecodeThreads, 0, s>>>(g, jobs, tags);
   return cudaGetLastError();
 }
 
@@ -130,7 +130,7 @@ cudaError_t launch_params(const kvp__kparams *p, const kvp_codec_dev_job *jobs, 
   b.job0 = at;
   memcpy(b.jobs, jobs + at, n * sizeof *jobs);
   if (Enc) encode_kernel<N><<<n, kThreads, 0, stream>>>(b);
-  else decode_kernel<N><<<n, kThreads, 0, stream>>>(b);
+  else decode_kernel<N><<<n, kDecodeThreads, 0, stream>>>(b);
   return cudaGetLastError();
 }
 
@@ -141,7 +141,7 @@ int launch(const kvp__kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec
   if (!njobs) return 0;
   if (jobs_dev) {
     if (Enc) encode_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, (unsigned long long *)status);
-    else decode_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, out);
+    else decode_kernel_dev<<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     return (int)cudaGetLastError();
   }
   for (uint32_t at = 0; at < njobs; at += KVP__KERN_JOBS_PER_LAUNCH) {

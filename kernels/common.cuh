@@ -16,8 +16,10 @@
  *     rows [j.t0, j.t0 + j.m) of the block into j.dst (out dtype, rows
  *     j.stride_bytes apart), bit for bit as the host decode.
  *
- * Both may use __syncthreads (every thread of the CTA calls them) and
- * static shared memory.
+ * Encode runs with KVP__KERN_THREADS threads and may use __syncthreads
+ * (every thread of the CTA calls it) and static shared memory. Decode runs
+ * with blockDim.x threads (kDecodeThreads), a multiple of 32, without
+ * barriers.
  */
 #ifndef KVP_KERNELS_COMMON_CUH
 #define KVP_KERNELS_COMMON_CUH
@@ -27,8 +29,12 @@
 
 namespace kvpk {
 
-constexpr uint32_t kThreads = KVP__KERN_THREADS;
+constexpr uint32_t kThreads = KVP__KERN_THREADS; /* encode CTAs */
 constexpr uint32_t kWarps = KVP__KERN_THREADS / 32;
+/* Decode CTAs are smaller: decode is row-parallel (no barrier), and a
+ * 16-token block is little work, so more blocks in flight per SM hide the
+ * latency of loading each job. Decode functions use blockDim.x. */
+constexpr uint32_t kDecodeThreads = 128;
 
 /* dtype codes (kvp_dtype) */
 constexpr uint32_t kF32 = KVP_DTYPE_F32, kBF16 = KVP_DTYPE_BF16, kF16 = KVP_DTYPE_F16;

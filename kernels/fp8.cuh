@@ -54,26 +54,32 @@ KVP_D void fp8_encode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_
 }
 
 KVP_D void fp8_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
-  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim;
-  const uint8_t *codes = (const uint8_t *)j.pages[0];
-  const uint8_t *scales = p.fp8_dynamic ? (const uint8_t *)j.pages[1] : nullptr;
+  uint32_t D = p.head_dim;
+  const uint8_t *__restrict__ codes = (const uint8_t *)j.pages[0];
+  const uint8_t *__restrict__ scales = p.fp8_dynamic ? (const uint8_t *)j.pages[1] : nullptr;
   bool vec = D % 4 == 0 && out == kBF16 && j.stride_bytes % 8 == 0 && (uintptr_t)j.dst % 8 == 0;
-  for (uint32_t r = warp; r < j.m; r += kWarps) {
+  if (vec) { /* one item = 4 codes of a row: a 4-byte load, an 8-byte store; read-only loads (__ldg) so the
+                unrolled loop issues its loads before its stores */
+    uint32_t per_row = D / 4, total = j.m * per_row;
+#pragma unroll 4
+    for (uint32_t w = threadIdx.x; w < total; w += blockDim.x) {
+      uint32_t r = w / per_row, c = w % per_row, t = j.t0 + r;
+      uint32_t c4 = __ldg((const unsigned int *)(codes + (size_t)t * D) + c);
+      float s = scales ? __ldg((const float *)scales + t) : p.fp8_static_scale;
+      uint32_t o0 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 & 0xFF), s));
+      uint32_t o1 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 8 & 0xFF), s));
+      uint32_t o2 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 16 & 0xFF), s));
+      uint32_t o3 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 24), s));
+      *(uint2 *)((char *)j.dst + (size_t)r * j.stride_bytes + (size_t)c * 8) = make_uint2(o0 | o1 << 16, o2 | o3 << 16);
+    }
+    return;
+  }
+  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  for (uint32_t r = warp; r < j.m; r += nwarps) {
     uint32_t t = j.t0 + r;
     float s = scales ? ld_f32(scales, (size_t)t * 4) : p.fp8_static_scale;
     const uint8_t *q = codes + (size_t)t * D;
     char *dst = (char *)j.dst + (size_t)r * j.stride_bytes;
-    if (vec) {
-      for (uint32_t i = lane * 4; i < D; i += 128) {
-        uint32_t c4 = *(const uint32_t *)(q + i);
-        uint32_t o0 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 & 0xFF), s));
-        uint32_t o1 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 8 & 0xFF), s));
-        uint32_t o2 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 16 & 0xFF), s));
-        uint32_t o3 = bf16_from_f32(__fmul_rn(fp8_to_f32(c4 >> 24), s));
-        *(uint2 *)(dst + (size_t)i * 2) = make_uint2(o0 | o1 << 16, o2 | o3 << 16);
-      }
-      continue;
-    }
     for (uint32_t i = lane; i < D; i += 32) store_elem(dst, out, i, __fmul_rn(fp8_to_f32(q[i]), s));
   }
 }

@@ -92,23 +92,29 @@ KVP_D void int8_encode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32
 }
 
 KVP_D void int8_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
-  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, D = p.head_dim;
-  const uint8_t *codes = (const uint8_t *)j.pages[0], *scales = (const uint8_t *)j.pages[1];
+  uint32_t D = p.head_dim;
+  const uint8_t *__restrict__ codes = (const uint8_t *)j.pages[0], *__restrict__ scales = (const uint8_t *)j.pages[1];
   bool vec = D % 4 == 0 && out == kBF16 && j.stride_bytes % 8 == 0 && (uintptr_t)j.dst % 8 == 0;
-  for (uint32_t r = warp; r < j.m; r += kWarps) {
+  if (vec) { /* as fp8_decode: items of 4 codes, read-only loads first */
+    uint32_t per_row = D / 4, total = j.m * per_row;
+#pragma unroll 4
+    for (uint32_t w = threadIdx.x; w < total; w += blockDim.x) {
+      uint32_t r = w / per_row, c = w % per_row, t = j.t0 + r;
+      uint32_t c4 = __ldg((const unsigned int *)(codes + (size_t)t * D) + c);
+      float s = bf16_to_f32(__ldg((const unsigned short *)scales + t));
+      uint32_t o[4];
+#pragma unroll
+      for (int e = 0; e < 4; e++) o[e] = bf16_from_f32(__fmul_rn((float)(int8_t)(c4 >> 8 * e), s));
+      *(uint2 *)((char *)j.dst + (size_t)r * j.stride_bytes + (size_t)c * 8) = make_uint2(o[0] | o[1] << 16, o[2] | o[3] << 16);
+    }
+    return;
+  }
+  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+  for (uint32_t r = warp; r < j.m; r += nwarps) {
     uint32_t t = j.t0 + r;
     float s = bf16_to_f32(ld_u16(scales, (size_t)t * 2));
     const int8_t *q = (const int8_t *)codes + (size_t)t * D;
     char *dst = (char *)j.dst + (size_t)r * j.stride_bytes;
-    if (vec) {
-      for (uint32_t i = lane * 4; i < D; i += 128) {
-        uint32_t c4 = *(const uint32_t *)(q + i);
-        uint32_t o[4];
-        for (int e = 0; e < 4; e++) o[e] = bf16_from_f32(__fmul_rn((float)(int8_t)(c4 >> 8 * e), s));
-        *(uint2 *)(dst + (size_t)i * 2) = make_uint2(o[0] | o[1] << 16, o[2] | o[3] << 16);
-      }
-      continue;
-    }
     for (uint32_t i = lane; i < D; i += 32) store_elem(dst, out, i, __fmul_rn((float)q[i], s));
   }
 }

@@ -283,7 +283,7 @@ template <uint32_t B> KVP_D void decode_b(const kvp__kparams &p, const kvp_codec
   bool vec = (uintptr_t)dst % 16 == 0 && j.stride_bytes % 16 == 0;
   bool rvec = (uintptr_t)scales % 16 == 0; /* K: P records, P/4 16-byte loads */
   bool kside = p.kivi_kv == 0;
-  for (uint32_t w = threadIdx.x; w < j.m * words; w += kThreads) {
+  for (uint32_t w = threadIdx.x; w < j.m * words; w += blockDim.x) {
     uint32_t r = w / words, c = w % words, t = j.t0 + r, i0 = c * P;
     uint32_t cw = ldg_u32(codes, (size_t)t * row_bytes + 4 * c);
     float x[P];

@@ -261,7 +261,7 @@ KVP_D void nvfp4_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint3
   bool ks = p.nvfp4_ksmooth != 0;
   char *dst = (char *)j.dst;
   bool vec = (uintptr_t)dst % 16 == 0 && j.stride_bytes % 16 == 0;
-  for (uint32_t w = threadIdx.x; w < j.m * per_row; w += kThreads) {
+  for (uint32_t w = threadIdx.x; w < j.m * per_row; w += blockDim.x) {
     uint32_t r = w / per_row, c = w % per_row, t = j.t0 + r;
     uint32_t cw = __ldg((const unsigned int *)(codes + (size_t)t * (D / 2) + 4 * c));
     float s = fp8_to_f32(__ldg(scales + (size_t)t * nsc + c / 2));

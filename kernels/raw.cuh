@@ -22,13 +22,23 @@ namespace kvpk {
  * with check, every element must be finite (reported as row r0 + r). */
 KVP_D void rows_convert(const void *src, size_t spitch, uint32_t sdt, void *dst, size_t dpitch, uint32_t ddt,
                         uint32_t D, uint32_t m, bool check, unsigned long long *status, uint32_t job, uint32_t r0) {
-  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
   size_t srow = (size_t)D * dtype_bytes(sdt), drow = (size_t)D * dtype_bytes(ddt);
   bool vec = sdt == ddt && srow % 16 == 0 && spitch % 16 == 0 && dpitch % 16 == 0 && (uintptr_t)src % 16 == 0 &&
              (uintptr_t)dst % 16 == 0;
+  if (vec && !check) { /* a copy: items of 16 bytes over the whole block, read-only loads first */
+    uint32_t nv = (uint32_t)(srow / 16), total = m * nv;
+#pragma unroll 4
+    for (uint32_t w = threadIdx.x; w < total; w += blockDim.x) {
+      uint32_t r = w / nv, i = w % nv;
+      uint4 v = __ldg((const uint4 *)((const char *)src + r * spitch) + i);
+      *((uint4 *)((char *)dst + r * dpitch) + i) = v;
+    }
+    return;
+  }
   if (vec) {
     uint32_t nv = (uint32_t)(srow / 16), per = dtype_bytes(sdt) == 4 ? 4u : 8u;
-    for (uint32_t r = warp; r < m; r += kWarps) {
+    for (uint32_t r = warp; r < m; r += nwarps) {
       const uint4 *s = (const uint4 *)((const char *)src + r * spitch);
       uint4 *d = (uint4 *)((char *)dst + r * dpitch);
       for (uint32_t i = lane; i < nv; i += 32) {
@@ -45,7 +55,7 @@ KVP_D void rows_convert(const void *src, size_t spitch, uint32_t sdt, void *dst,
     }
     return;
   }
-  for (uint32_t r = warp; r < m; r += kWarps) {
+  for (uint32_t r = warp; r < m; r += nwarps) {
     const char *s = (const char *)src + r * spitch;
     char *d = (char *)dst + r * dpitch;
     for (uint32_t i = lane; i < D; i += 32) {
