@@ -89,6 +89,18 @@ def numpy_accepts(code: int):
     return (numpy_dtype(code),)
 
 
+#: numpy dtype -> kvp_dtype of read buffers (uint16 holds bf16 bit patterns)
+NP_CODE = {}
+if np is not None:
+    NP_CODE = {np.dtype(np.float32): _lib.DTYPE_F32, np.dtype(np.float16): _lib.DTYPE_F16,
+               np.dtype(np.uint16): _lib.DTYPE_BF16}
+    try:
+        import ml_dtypes
+        NP_CODE[np.dtype(ml_dtypes.bfloat16)] = _lib.DTYPE_BF16
+    except ImportError:
+        pass
+
+
 def torch_dtype(code: int):
     torch = torch_module()
     return {_lib.DTYPE_F32: torch.float32, _lib.DTYPE_BF16: torch.bfloat16, _lib.DTYPE_F16: torch.float16}[code]

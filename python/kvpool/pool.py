@@ -12,16 +12,24 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import threading
 from ctypes import byref, c_size_t, c_uint32, c_void_p
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from . import _arrays, _lib
+from . import _arrays, _fast, _lib
 from ._arrays import np
 from .errors import InvalidError, RegionFullError, error_for
 
 lib = _lib.lib
 _ENOSPC = -4
+_ffi, _C = _fast.ffi, _fast.C
+_ndarray = np.ndarray if np is not None else type(None)
+_get_ident = threading.get_ident
+_READ_REQ_BYTES = ctypes.sizeof(_lib.ReadReq)
+_U32 = np.dtype(np.uint32) if np is not None else None
+if _ffi is not None:  # parsed once: a type given as a string is parsed on every call
+    _REQ_T, _KV_T, _U32_ARR = _ffi.typeof("kvp_read_req *"), _ffi.typeof("kvp_kv *"), _ffi.typeof("uint32_t[]")
 
 DIMS = {"page_type": _lib.DIM_PAGE_TYPE, "kv": _lib.DIM_KV, "layer": _lib.DIM_LAYER, "head": _lib.DIM_HEAD,
         "codec": _lib.DIM_CODEC, "seq": _lib.DIM_SEQ}
@@ -216,8 +224,15 @@ class Pool:
         self._in = _arrays.Input(c.k_dtype, c.v_dtype, self._cuda, c.device, c.n_kv_heads, c.head_dim)
         self._open: Dict[int, int] = {}  # seq -> tokens of its open step
         self._npos: Dict[int, int] = {}  # seq -> positions used (tokens appended), a read capacity hint
+        self._owner = _get_ident()  # the thread whose appends reuse one kvp_kv
         self._kv = _lib.KV()
         self._kv_ref = byref(self._kv)
+        H, D = c.n_kv_heads, c.head_dim
+        self._hd = (H, D)
+        self._knp = self._in.k_np
+        self._vnp = self._in.v_np
+        self._fh = _ffi.cast("void *", self._h) if _ffi is not None else None
+        self._fkv = _ffi.new(_KV_T) if _ffi is not None else None
         self._stats_cap = 1 << 16
 
     # ---- lifetime -------------------------------------------------------------------------------
@@ -226,6 +241,7 @@ class Pool:
         """Destroy the pool (kvp_pool_destroy) and its region. Idempotent. No other thread may
         use the pool meanwhile or afterwards."""
         if self._h is not None:
+            self._fh = None
             lib.kvp_pool_destroy(self._h)
             self._h = None
 
@@ -374,7 +390,10 @@ class Pool:
         KVP_STEP_SCENE_CUT (the multishot policy re-binds its shot sink)."""
         if scene_cut:
             flags |= _lib.STEP_SCENE_CUT
-        rc = lib.kvp_step_begin(self._handle(), seq, n_tokens, flags)
+        if self._fh is not None:
+            rc = _C.kvp_step_begin(self._fh, seq, n_tokens, flags)
+        else:
+            rc = lib.kvp_step_begin(self._handle(), seq, n_tokens, flags)
         if rc:
             raise error_for(rc, "kvp_step_begin")
         self._open[seq] = n_tokens
@@ -382,7 +401,10 @@ class Pool:
 
     def step_end(self, seq: int) -> None:
         """End the open step of ``seq`` (kvp_step_end); every layer must have been appended."""
-        rc = lib.kvp_step_end(self._handle(), seq)
+        if self._fh is not None:
+            rc = _C.kvp_step_end(self._fh, seq)
+        else:
+            rc = lib.kvp_step_end(self._handle(), seq)
         if rc:
             raise error_for(rc, "kvp_step_end")
         del self._open[seq]
@@ -409,19 +431,41 @@ class Pool:
         All or nothing: on failure (BudgetError, RegionFullError, InvalidError for NaN input, ...)
         the pool is as before and the same layer may be appended again.
         """
-        h = self._h
-        if h is None:
-            raise InvalidError("the pool is closed", "kvpool.Pool")
         n = self._open.get(seq)
-        kv = self._kv
-        if n is None:  # no open step here: the library says why (unknown sequence, outside a step)
-            kv.k = kv.v = kv.stream = None
-        else:
+        # fast path: host numpy arrays of the right dtype, shape and layout (a decode step)
+        if (n is not None and type(k) is _ndarray and type(v) is _ndarray and k.dtype in self._knp
+                and v.dtype in self._vnp and k.shape == v.shape == (n, *self._hd) and k.flags.c_contiguous
+                and v.flags.c_contiguous and not self._cuda and self._h is not None):
+            if self._fh is not None:
+                if _get_ident() == self._owner:
+                    kv = self._fkv
+                else:
+                    kv = _ffi.new(_KV_T)
+                kv.k = _ffi.from_buffer(k)
+                kv.v = _ffi.from_buffer(v)
+                rc = _C.kvp_append(self._fh, seq, layer, kv)
+            else:
+                kv = self._kv if _get_ident() == self._owner else _lib.KV()
+                kv.k = _arrays.numpy_ptr(k)
+                kv.v = _arrays.numpy_ptr(v)
+                rc = lib.kvp_append(self._h, seq, layer, byref(kv))
+            if rc:
+                raise error_for(rc, "kvp_append")
+            return
+        self._append_checked(seq, layer, k, v, n)
+
+    def _append_checked(self, seq: int, layer: int, k: Any, v: Any, n: Optional[int]) -> None:
+        """append for everything but the fast path: torch tensors, and the checks that name
+        what is wrong."""
+        h = self._handle()
+        kv = _lib.KV()
+        if n is not None:
             inp = self._in
             kv.k, stream = inp.pointer(k, n, "k", "kvp_append")
             kv.v, _ = inp.pointer(v, n, "v", "kvp_append")
             kv.stream = stream
-        rc = lib.kvp_append(h, seq, layer, self._kv_ref)
+        # else: no open step here; the library says why (unknown sequence, outside a step)
+        rc = lib.kvp_append(h, seq, layer, byref(kv))
         if rc:
             raise error_for(rc, "kvp_append")
 
@@ -463,63 +507,45 @@ class Pool:
         Returns ``(k, v, positions)``: ``[n, head_dim]`` arrays (None for a side not asked with
         ``k=False``/``v=False``) and the ``[n]`` token positions. Host pools return numpy arrays
         (``as_torch=True``: CPU torch tensors); CUDA pools return torch tensors on the pool's device
-        (read on the current stream) with CPU positions. ``dtype``: "f32", "bf16" or "f16"
-        (default: the pool's dtype when K and V share it, else f32; numpy bf16 is ``uint16`` bit
-        patterns unless ``ml_dtypes`` is installed). A CUDA pool returns its stored dtype only.
+        (read on the current stream) with CPU positions (int64 tensors with torch). ``dtype``:
+        "f32", "bf16" or "f16" (default: the pool's dtype when K and V share it, else f32; numpy
+        bf16 is ``uint16`` bit patterns unless ``ml_dtypes`` is installed). A CUDA pool returns its
+        stored dtype only.
         """
         code = self._out_code(dtype)
         use_torch = as_torch or self._cuda
         cap = self._npos.get(seq, 0) or 16
         D = self._cfg.head_dim
+        if use_torch:
+            torch = _arrays.torch_module()
+            if torch is None:
+                raise InvalidError("this read returns torch tensors and torch is not installed", "kvp_read")
+            dev = torch.device("cuda", self._cfg.device) if self._cuda else torch.device("cpu")
+            tdt = _arrays.torch_dtype(code)
+        elif np is None:
+            raise InvalidError("numpy is not installed (as_torch=True returns torch tensors)", "kvp_read")
+        else:
+            ndt = _arrays.numpy_dtype(code)
         for _ in range(8):
             if use_torch:
-                torch = _arrays.torch_module()
-                if torch is None:
-                    raise InvalidError("this read returns torch tensors and torch is not installed", "kvp_read")
-                dev = torch.device("cuda", self._cfg.device) if self._cuda else torch.device("cpu")
-                tdt = _arrays.torch_dtype(code)
                 kb = torch.empty((cap, D), dtype=tdt, device=dev) if k else None
                 vb = torch.empty((cap, D), dtype=tdt, device=dev) if v else None
                 pb = torch.empty((cap,), dtype=torch.int32)
             else:
-                if np is None:
-                    raise InvalidError("numpy is not installed (as_torch=True returns torch tensors)", "kvp_read")
-                ndt = _arrays.numpy_dtype(code)
                 kb = np.empty((cap, D), ndt) if k else None
                 vb = np.empty((cap, D), ndt) if v else None
                 pb = np.empty((cap,), np.uint32)
             try:
-                n = self._read(seq, layer, head, code, kb, vb, pb, cap, use_torch)
+                n = self.read_into(seq, layer, head, kb, vb, pb)
             except RegionFullError as e:
                 cap = max(e.needed, cap) + 16  # the writer appended meanwhile
                 continue
+            if n < cap // 2 and n > 64:  # do not keep a large buffer alive behind a small result
+                kb = kb[:n].clone() if use_torch and k else kb[:n].copy() if k else None
+                vb = vb[:n].clone() if use_torch and v else vb[:n].copy() if v else None
             pos = pb[:n].to(torch.int64) if use_torch else pb[:n]
             return (kb[:n] if k else None, vb[:n] if v else None, pos)
         raise RegionFullError("the sequence kept growing while it was read", "kvp_read")
-
-    def _read(self, seq, layer, head, code, kb, vb, pb, cap, use_torch) -> int:
-        req = _lib.ReadReq()
-        req.struct_size = ctypes.sizeof(req)
-        req.head = head
-        req.out_dtype = code
-        if use_torch:
-            req.k_out = kb.data_ptr() if kb is not None else None
-            req.v_out = vb.data_ptr() if vb is not None else None
-            req.positions_out = pb.data_ptr()
-            if self._cuda:
-                torch = _arrays.torch_module()
-                req.stream = torch.cuda.current_stream(torch.device("cuda", self._cfg.device)).cuda_stream
-        else:
-            req.k_out = _arrays.numpy_ptr(kb) if kb is not None else None
-            req.v_out = _arrays.numpy_ptr(vb) if vb is not None else None
-            req.positions_out = _arrays.numpy_ptr(pb)
-        req.capacity_tokens = cap
-        rc = lib.kvp_read(self._handle(), _seq(seq), layer, byref(req))
-        if rc:
-            e = error_for(rc, "kvp_read")
-            e.needed = req.n_tokens
-            raise e
-        return req.n_tokens
 
     def read_into(self, seq: int, layer: int, head: int, k_out: Any, v_out: Any,
                   positions_out: Any = None) -> int:
@@ -529,6 +555,9 @@ class Pool:
         device for a CUDA pool); ``positions_out`` an optional ``[capacity]`` uint32 numpy array
         or int32 CPU torch tensor. Returns the tokens written; RegionFullError (with ``.needed``)
         if the buffers are too small, and nothing is written then."""
+        if (not self._cuda and type(positions_out) in (_ndarray, type(None))
+                and type(k_out) in (_ndarray, type(None)) and type(v_out) in (_ndarray, type(None))):
+            return self._read_numpy(seq, layer, head, k_out, v_out, positions_out)
         call = "kvp_read"
         outs = [x for x in (k_out, v_out) if x is not None]
         if not outs:
@@ -569,6 +598,60 @@ class Pool:
             req.stream = torch.cuda.current_stream(torch.device("cuda", self._cfg.device)).cuda_stream
         req.capacity_tokens = cap
         rc = lib.kvp_read(self._handle(), _seq(seq), layer, byref(req))
+        if rc:
+            e = error_for(rc, call)
+            e.needed = req.n_tokens
+            raise e
+        return req.n_tokens
+
+    def _read_numpy(self, seq, layer, head, k_out, v_out, positions_out) -> int:
+        call = "kvp_read"
+        D = self._cfg.head_dim
+        cap = None
+        code = None
+        for side, x in (("k_out", k_out), ("v_out", v_out)):
+            if x is None:
+                continue
+            c = _arrays.NP_CODE.get(x.dtype)
+            if x.ndim != 2 or x.shape[1] != D or not x.flags.c_contiguous or c is None or not x.flags.writeable:
+                raise InvalidError(f"{side}: {x.dtype} {x.shape}, expected a writable C-contiguous [capacity, {D}] "
+                                   f"array of float32, float16, or uint16/bfloat16 for bf16", call)
+            if code is not None and c != code:
+                raise InvalidError("read_into: k_out and v_out differ in dtype", call)
+            code = c
+            cap = x.shape[0] if cap is None else min(cap, x.shape[0])
+        if code is None:
+            raise InvalidError("read_into: k_out and v_out are both None", call)
+        if positions_out is not None:
+            if (positions_out.dtype is not _U32 or positions_out.ndim != 1 or not positions_out.flags.c_contiguous
+                    or not positions_out.flags.writeable):
+                raise InvalidError("positions_out: a writable contiguous 1-D uint32 array", call)
+            cap = min(cap, positions_out.shape[0])
+        if self._h is None:
+            raise InvalidError("the pool is closed", "kvpool.Pool")
+        if self._fh is not None:
+            req = _ffi.new(_REQ_T)
+            req.struct_size = _READ_REQ_BYTES
+            req.head = head
+            req.out_dtype = code
+            if k_out is not None:
+                req.k_out = _ffi.from_buffer(k_out, require_writable=True)
+            if v_out is not None:
+                req.v_out = _ffi.from_buffer(v_out, require_writable=True)
+            if positions_out is not None:
+                req.positions_out = _ffi.from_buffer(_U32_ARR, positions_out, require_writable=True)
+            req.capacity_tokens = cap
+            rc = _C.kvp_read(self._fh, seq, layer, req)
+        else:
+            req = _lib.ReadReq()
+            req.struct_size = _READ_REQ_BYTES
+            req.head = head
+            req.out_dtype = code
+            req.k_out = _arrays.numpy_ptr(k_out) if k_out is not None else None
+            req.v_out = _arrays.numpy_ptr(v_out) if v_out is not None else None
+            req.positions_out = _arrays.numpy_ptr(positions_out) if positions_out is not None else None
+            req.capacity_tokens = cap
+            rc = lib.kvp_read(self._h, seq, layer, byref(req))
         if rc:
             e = error_for(rc, call)
             e.needed = req.n_tokens

@@ -41,3 +41,20 @@ def test_env_then_next_to_package(tmp_path):
     r = run(code, str(tmp_path), {"KVPOOL_LIB": "/nonexistent/libkvpool.so"})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == str(tmp_path / "kvpool" / "libkvpool.so.0")
+
+
+def test_ctypes_backend_without_cffi():
+    """KVPOOL_NO_CFFI=1 (or no cffi installed): the per-step calls go through ctypes."""
+    code = ("import numpy as np, kvpool, kvpool._fast as f\n"
+            "assert f.backend == 'ctypes', f.backend\n"
+            "x = np.arange(2 * 64, dtype=np.float16).reshape(1, 2, 64)\n"
+            "with kvpool.Pool(layers=1, kv_heads=2, head_dim=64, k_dtype='f16', v_dtype='f16') as p:\n"
+            "    p.add(1)\n"
+            "    for i in range(20):\n"
+            "        p.step_begin(1, 1); p.append(1, 0, x + i, x - i); p.step_end(1)\n"
+            "    k, v, pos = p.read(1, 0, 1)\n"
+            "    assert len(pos) == 20 and (k[5] == x[0, 1] + 5).all() and (v[7] == x[0, 1] - 7).all()\n"
+            "    p.check()\n"
+            "print('ok')\n")
+    r = run(code, PYDIR, {"KVPOOL_NO_CFFI": "1"})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
