@@ -3,13 +3,14 @@
 #   make               libraries (build/libkvpool.so, build/libkvpool.a) and tools
 #   make deps          install missing Debian packages (tools/deps.sh)
 #   make run           kvpool-sim's embedded tour (build/kvpool-sim with no arguments)
-#   make test          every Check suite (unit + integration + a 2 s stress run)
+#   make test          every Check suite (unit + integration + a 2 s stress run), and pytest
 #   make asan | tsan   the suites under ASan+UBSan | TSan
 #   make stress        the reader/writer stress test for 30 s (stress-tsan: under TSan)
 #   make valgrind      the suites under valgrind memcheck
 #   make bench         benchmarks: table + one JSON line per figure
-#   make test-gpu      tests/gpu (needs CUDA and a GPU)
-#   make install PREFIX=/usr/local
+#   make test-gpu      tests/gpu (needs CUDA and a GPU), and the Python GPU test
+#   make bench-py      the Python binding's per-call overhead against C (python/python.mk)
+#   make install PREFIX=/usr/local   (the Python package too: PYTHON_SITE=... to choose where)
 #
 # Options: CUDA=auto|0|1 (auto: on when nvcc is found), CUDA_HOME=<toolkit>,
 #          DEBUG=0|1|2 (assertion tier), O=<optimization flags>.
@@ -175,9 +176,9 @@ $(B)/kvpool-calib: $(CALIB_SRC) tools/calib.h $(A)
 run: deps $(B)/kvpool-sim
 	$(B)/kvpool-sim
 
-test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports
+test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports pylib
 	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
-	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN)
+	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN); c=$$?; $(PYTEST_CMD); exit $$(( c | $$? ))
 
 check-exports: $(SO)
 	@tools/check-exports.sh $(SO)
@@ -217,8 +218,8 @@ bench-gpu:
 endif
 
 ifeq ($(HAVE_CUDA),1)
-test-gpu: deps lib $(GPU_BIN)
-	@CK_FORK=no tools/run-tests.sh $(GPU_BIN)
+test-gpu: deps lib $(GPU_BIN) pylib
+	@CK_FORK=no tools/run-tests.sh $(GPU_BIN); c=$$?; $(PYTEST_GPU_CMD); exit $$(( c | $$? ))
 	@echo "test-gpu: under compute-sanitizer: make test-gpu-sanitize (memcheck, then racecheck)"
 # KVP_GPU_SPEC narrows check_gpu_codecs' sweep (sanitizers run it 10-50x slower).
 test-gpu-sanitize: deps lib $(GPU_BIN)
@@ -236,7 +237,7 @@ $(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integ
 	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) \
 	  -lpthread $(CUDA_LIBS) $(LDFLAGS)
 
-install: lib
+install: lib install-py
 	install -d $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/include
 	install -m 644 include/kvpool.h include/kvpool_codec.h $(DESTDIR)$(PREFIX)/include/
 	install -m 755 $(SO) $(DESTDIR)$(PREFIX)/lib/
@@ -249,5 +250,7 @@ install: lib
 
 clean:
 	rm -rf build
+
+include python/python.mk
 
 $(info kvpool: CUDA $(if $(filter 1,$(HAVE_CUDA)),on ($(CUDA_HOME)),off: building CPU-only)$(if $(VARIANT), [$(VARIANT)]))

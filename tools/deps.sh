@@ -2,7 +2,7 @@
 # Install the Debian packages kvpool needs, only those that are missing.
 # Quick when everything is present (one dpkg-query). Uses sudo when not root.
 set -euo pipefail
-pkgs=(libjemalloc-dev liburcu-dev check pkg-config libjansson-dev gnuplot-nox)
+pkgs=(libjemalloc-dev liburcu-dev check pkg-config libjansson-dev gnuplot-nox python3-numpy python3-pytest python3-cffi)
 missing=()
 for p in "${pkgs[@]}"; do
   st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
