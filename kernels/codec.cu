@@ -94,28 +94,49 @@ __global__ void __launch_bounds__(kDecodeThreads, 12)
   decode_one(p, j, out);
 }
 
-/* The gather: jobs in device memory in walk order, each with a tag that
- * picks its codec binding among P (segment * 4 + group); bf16 out. */
+/* The gather: one CTA per record, its K then its V decoded into bf16. */
 template <uint32_t P> struct GatherParams {
   kvp__kparams p[P];
 };
 
+struct GatherOut {
+  const char *base;     /* region base */
+  char *k, *v;          /* outputs */
+  uint64_t row_bytes;   /* bytes of an output row (all heads) */
+  uint32_t head_bytes;  /* bytes of one head in a row */
+};
+
 template <uint32_t P>
 __global__ void __launch_bounds__(kDecodeThreads, 12)
-    gather_kernel(const __grid_constant__ GatherParams<P> g, const kvp_codec_dev_job *__restrict__ jobs,
-                  const uint16_t *__restrict__ tags) {
-  __shared__ kvp_codec_dev_job j;
-  load_job(j, jobs, blockIdx.x);
-  decode_one(g.p[tags[blockIdx.x]], j, kBF16);
+    gather_kernel(const __grid_constant__ GatherParams<P> g, const __grid_constant__ GatherOut o,
+                  const kvp__gjob *__restrict__ recs) {
+  __shared__ kvp_codec_dev_job j[2];
+  __shared__ uint32_t tag;
+  if (threadIdx.x < 2) {
+    kvp__gjob r = recs[blockIdx.x];
+    int kv = threadIdx.x;
+    kvp_codec_dev_job &x = j[kv];
+    for (int i = 0; i < 4; i++)
+      x.pages[i] = r.page[kv][i] == KVP__GJOB_NO_PAGE ? nullptr : (void *)(o.base + (uint64_t)r.page[kv][i] * 64);
+    x.src = nullptr;
+    x.dst = (kv ? o.v : o.k) + (uint64_t)r.row * o.row_bytes + (uint64_t)r.head * o.head_bytes;
+    x.stride_bytes = o.row_bytes;
+    x.n = r.n1 + 1u, x.cap_tokens = r.cap1 + 1u, x.t0 = r.t0, x.m = r.m1 + 1u;
+    x.head = r.head, x.pos0 = r.pos0;
+    if (kv == 0) tag = r.tag;
+  }
+  __syncthreads();
+  decode_one(g.p[tag], j[0], kBF16);
+  decode_one(g.p[tag + 2], j[1], kBF16);
 }
 
 template <uint32_t P>
-cudaError_t gather_launch(const kvp__kparams *p, uint32_t np, const kvp_codec_dev_job *jobs, const uint16_t *tags,
+cudaError_t gather_launch(const kvp__kparams *p, uint32_t np, const GatherOut &o, const kvp__gjob *recs,
                           uint32_t njobs, cudaStream_t s) {
   static_assert(sizeof(GatherParams<P>) <= 32000, "gather parameters must fit the 32 KiB parameter space");
   GatherParams<P> g;
   memcpy(g.p, p, np * sizeof *p);
-  gather_kernel<P><<<njobs, kDecodeThreads, 0, s>>>(g, jobs, tags);
+  gather_kernel<P><<<njobs, kDecodeThreads, 0, s>>>(g, o, recs);
   return cudaGetLastError();
 }
 
@@ -169,13 +190,15 @@ extern "C" int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *
   return kvpk::launch<false>(p, jobs, jobs_dev, njobs, nullptr, out, stream);
 }
 
-extern "C" int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const kvp_codec_dev_job *jobs_dev,
-                                const uint16_t *tags_dev, uint32_t njobs, void *stream) {
+extern "C" int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const void *region_base,
+                                const kvp__gjob *recs_dev, uint32_t njobs, void *k_out, void *v_out,
+                                uint64_t row_bytes, uint32_t head_dim, void *stream) {
   if (!njobs) return 0;
-  cudaStream_t s = (cudaStream_t)stream;
   if (np > KVP__KERN_GATHER_PARAMS) return (int)cudaErrorInvalidValue;
-  return (int)(np <= 4 ? kvpk::gather_launch<4>(p, np, jobs_dev, tags_dev, njobs, s)
-                       : kvpk::gather_launch<KVP__KERN_GATHER_PARAMS>(p, np, jobs_dev, tags_dev, njobs, s));
+  cudaStream_t s = (cudaStream_t)stream;
+  kvpk::GatherOut o = {(const char *)region_base, (char *)k_out, (char *)v_out, row_bytes, head_dim * 2u};
+  return (int)(np <= 4 ? kvpk::gather_launch<4>(p, np, o, recs_dev, njobs, s)
+                       : kvpk::gather_launch<KVP__KERN_GATHER_PARAMS>(p, np, o, recs_dev, njobs, s));
 }
 
 extern "C" const char *kvp__kern_errstr(int err) {

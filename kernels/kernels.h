@@ -72,12 +72,29 @@ int kvp__kern_encode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, const
 int kvp__kern_decode(const kvp__kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
                      uint32_t njobs, uint32_t out, void *stream);
 
-/* Paged gather: jobs_dev and tags_dev are DEVICE arrays of njobs jobs and
- * their tags; job i is decoded with p[tags[i]] (np <= KVP__KERN_GATHER_PARAMS
- * bindings) into bf16 at its dst. One launch. */
+/* Paged gather. One record per (block, head): the K and V pages of the
+ * block as 64-byte units from the region's base (pages are 64-byte aligned;
+ * a region of at most 256 GiB), where its rows go, and the bindings (tag:
+ * p[tag] decodes K, p[tag + 2] decodes V). 52 bytes, against 160 for two
+ * kvp_codec_dev_job: the table crosses PCIe once per call.
+ *   out row r of head h = out + r * row_bytes + h * head_dim * 2 (bf16) */
+#define KVP__GJOB_NO_PAGE 0xFFFFFFFFu
+typedef struct kvp__gjob {
+  uint32_t page[2][4];  /* [K, V][page]: offset / 64, or KVP__GJOB_NO_PAGE */
+  uint32_t row;         /* output row of the block's row t0 */
+  uint32_t pos0;        /* position of the block's row 0 */
+  uint16_t head;        /* KV head */
+  uint16_t tag;         /* binding of K (segment * 4 + 0 or 1); V's is tag + 2 */
+  uint16_t t0;          /* first row read */
+  uint16_t m1;          /* rows read - 1 */
+  uint16_t n1;          /* rows the block holds - 1 */
+  uint16_t cap1;        /* the block's capacity - 1 */
+} kvp__gjob;
 #define KVP__KERN_GATHER_PARAMS 512u
-int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const kvp_codec_dev_job *jobs_dev, const uint16_t *tags_dev,
-                     uint32_t njobs, void *stream);
+/* Decode njobs records of recs_dev (DEVICE memory) with p[0..np) into bf16
+ * k_out / v_out. One launch. */
+int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const void *region_base, const kvp__gjob *recs_dev,
+                     uint32_t njobs, void *k_out, void *v_out, uint64_t row_bytes, uint32_t head_dim, void *stream);
 
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above
  * returned. */

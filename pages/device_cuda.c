@@ -38,7 +38,7 @@
 
 struct kvp__dev {
   pthread_mutex_t gstage_lock;    /* held by the gather that builds in the stage */
-  kvp_codec_dev_job *gstage_jobs; /* pinned host: GSTAGE_JOBS jobs, then as many uint16 tags */
+  kvp__gjob *gstage;              /* pinned host: GSTAGE_RECS gather records */
   cudaEvent_t gstage_done;        /* recorded after the last copy from the stage */
   uint64_t *status;              /* device: 4 status words, one per group of an append */
   uint64_t *host_status;         /* pinned host: their copy */
@@ -223,18 +223,18 @@ int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void 
 
 /* The pool's pinned stage for gather tables: one call at a time holds it
  * (others build on the heap); its event tells when the last copy from it
- * finished, so it is not rewritten while the device still reads it. */
-#define GSTAGE_JOBS 65536u /* 5 MiB of jobs + 128 KiB of tags, pinned */
+ * finished, so it is not rewritten while the copy still reads it. */
+#define GSTAGE_RECS 65536u /* 3.25 MiB of records, pinned: 1 Mi tokens x heads in 16-token blocks */
 
 static int gstage_init(struct kvp__dev *d) {
   pthread_mutex_init(&d->gstage_lock, NULL);
-  cudaError_t e = cudaMallocHost((void **)&d->gstage_jobs, GSTAGE_JOBS * (sizeof(kvp_codec_dev_job) + 2));
+  cudaError_t e = cudaMallocHost((void **)&d->gstage, GSTAGE_RECS * sizeof(kvp__gjob));
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->gstage_done, cudaEventDisableTiming);
   return e == cudaSuccess ? KVP_OK : cuda_fail(e, "the pool's pinned gather stage");
 }
 
 static void gstage_fini(struct kvp__dev *d) {
-  cudaFreeHost(d->gstage_jobs);
+  cudaFreeHost(d->gstage);
   if (d->gstage_done) cudaEventDestroy(d->gstage_done);
   pthread_mutex_destroy(&d->gstage_lock);
 }
@@ -250,19 +250,15 @@ int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_r
   if (pthread_mutex_trylock(&d->gstage_lock) == 0) {
     cudaEventSynchronize(d->gstage_done); /* the previous copy from the stage is done */
     g->staged = true;
-    g->jobs = d->gstage_jobs;
-    g->tags = (uint16_t *)(d->gstage_jobs + GSTAGE_JOBS);
-    g->cap = GSTAGE_JOBS;
+    g->recs = d->gstage;
+    g->cap = GSTAGE_RECS;
   }
   return KVP_OK;
 }
 
 void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g) {
   if (g->staged) pthread_mutex_unlock(&pool->dev->gstage_lock);
-  else {
-    kvp__meta_free(NULL, g->jobs, g->cap * sizeof *g->jobs);
-    kvp__meta_free(NULL, g->tags, g->cap * sizeof *g->tags);
-  }
+  else kvp__meta_free(NULL, g->recs, g->cap * sizeof *g->recs);
   kvp__meta_free(NULL, g->seg_of_layer, pool->cfg.n_layers * sizeof *g->seg_of_layer);
   memset(g, 0, sizeof *g);
 }
@@ -280,28 +276,19 @@ int kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer, uint32_t item) {
 /* Grow the table onto the heap (leaving the stage, if it was there). */
 static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
   uint64_t cap = g->cap ? 2 * g->cap : 1024;
-  kvp_codec_dev_job *jobs = kvp__meta_alloc(NULL, cap * sizeof *jobs);
-  uint16_t *tags = kvp__meta_alloc(NULL, cap * sizeof *tags);
-  if (!jobs || !tags) {
-    kvp__meta_free(NULL, jobs, cap * sizeof *jobs);
-    kvp__meta_free(NULL, tags, cap * sizeof *tags);
-    return KVP_ENOMEM;
-  }
-  if (g->n) memcpy(jobs, g->jobs, g->n * sizeof *jobs), memcpy(tags, g->tags, g->n * sizeof *tags);
+  kvp__gjob *recs = kvp__meta_alloc(NULL, cap * sizeof *recs);
+  if (!recs) return KVP_ENOMEM;
+  if (g->n) memcpy(recs, g->recs, g->n * sizeof *recs);
   if (g->staged) pthread_mutex_unlock(&pool->dev->gstage_lock);
-  else {
-    kvp__meta_free(NULL, g->jobs, g->cap * sizeof *g->jobs);
-    kvp__meta_free(NULL, g->tags, g->cap * sizeof *g->tags);
-  }
+  else kvp__meta_free(NULL, g->recs, g->cap * sizeof *g->recs);
   g->staged = false;
-  g->jobs = jobs, g->tags = tags, g->cap = cap;
+  g->recs = recs, g->cap = cap;
   return KVP_OK;
 }
 
-kvp_codec_dev_job *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g, uint32_t tag) {
+kvp__gjob *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g) {
   if (g->n == g->cap && gather_grow(pool, g)) return NULL;
-  g->tags[g->n] = (uint16_t)tag;
-  return &g->jobs[g->n++];
+  return &g->recs[g->n++];
 }
 
 void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n) {
@@ -309,22 +296,33 @@ void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n) {
   g->nragged++;
 }
 
-static uint64_t align16(uint64_t x) { return (x + 15) & ~(uint64_t)15; }
-
-/* A binding without a built-in twin: its own decode_dev, tag by tag, from
- * host copies of the jobs (jobs in parameters). */
+/* A binding without a built-in twin: every binding's own decode_dev, tag by
+ * tag, from jobs rebuilt on the host (jobs in kernel parameters). */
 static int gather_fallback(kvp_pool *pool, kvp__dev_gather *g, const kvp__binding *const *bd, uint32_t nb) {
+  kvp_gather_req *req = (kvp_gather_req *)g->req;
   kvp_codec_dev_job *tmp = kvp__meta_alloc(NULL, (g->n ? g->n : 1) * sizeof *tmp);
   if (!tmp) return kvp__err(KVP_ENOMEM, "gather scratch");
+  size_t row = (size_t)pool->cfg.n_kv_heads * pool->cfg.head_dim * 2;
   int rc = KVP_OK;
   for (uint32_t t = 0; !rc && t < nb; t++) {
+    int kv = t % 4 >= 2;
     uint32_t k = 0;
-    for (uint64_t i = 0; i < g->n; i++)
-      if (g->tags[i] == t) tmp[k++] = g->jobs[i];
+    for (uint64_t i = 0; i < g->n; i++) {
+      const kvp__gjob *r = &g->recs[i];
+      if ((uint32_t)r->tag + 2u * (uint32_t)kv != t) continue;
+      kvp_codec_dev_job *x = &tmp[k++];
+      memset(x, 0, sizeof *x);
+      for (int p = 0; p < 4; p++)
+        x->pages[p] = r->page[kv][p] == KVP__GJOB_NO_PAGE ? NULL : pool->alloc.region.base + (uint64_t)r->page[kv][p] * 64;
+      x->dst = (char *)(kv ? req->v_out : req->k_out) + (size_t)r->row * row + (size_t)r->head * pool->cfg.head_dim * 2;
+      x->stride_bytes = row;
+      x->n = r->n1 + 1u, x->cap_tokens = r->cap1 + 1u, x->t0 = r->t0, x->m = r->m1 + 1u, x->head = r->head;
+      x->pos0 = r->pos0;
+    }
     if (!k) continue;
-    rc = bd[t]->vt->decode_dev(bd[t]->inst, tmp, NULL, k, KVP_DTYPE_BF16, g->req->stream);
+    rc = bd[t]->vt->decode_dev(bd[t]->inst, tmp, NULL, k, KVP_DTYPE_BF16, req->stream);
     if (rc && rc != KVP_EDEVICE) rc = kvp__err(rc, "codec %s failed to decode for the gather", bd[t]->vt->name);
-    ((kvp_gather_req *)g->req)->n_launches += (k + KVP__KERN_JOBS_PER_LAUNCH - 1) / KVP__KERN_JOBS_PER_LAUNCH;
+    req->n_launches += (k + KVP__KERN_JOBS_PER_LAUNCH - 1) / KVP__KERN_JOBS_PER_LAUNCH;
   }
   kvp__meta_free(NULL, tmp, (g->n ? g->n : 1) * sizeof *tmp);
   return rc;
@@ -333,8 +331,7 @@ static int gather_fallback(kvp_pool *pool, kvp__dev_gather *g, const kvp__bindin
 int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
   kvp_gather_req *req = (kvp_gather_req *)g->req;
   struct kvp__dev *d = pool->dev;
-  uint64_t tags_at = align16(g->n * sizeof *g->jobs);
-  req->workspace_needed = tags_at + align16(g->n * sizeof *g->tags);
+  req->workspace_needed = g->n * sizeof *g->recs;
   if (!g->n) return KVP_OK;
   if (req->workspace_needed > req->workspace_bytes)
     return kvp__err(KVP_ENOSPC, "gather: the block table of %llu blocks needs %llu bytes of workspace, %llu given",
@@ -363,14 +360,12 @@ int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
     e = cudaMemsetAsync((char *)req->k_out + g->ragged[0][i] * row, 0, g->ragged[1][i] * row, s);
     if (e == cudaSuccess) e = cudaMemsetAsync((char *)req->v_out + g->ragged[0][i] * row, 0, g->ragged[1][i] * row, s);
   }
-  if (e == cudaSuccess && builtin) { /* the table: two copies from one host buffer set, one launch */
-    e = cudaMemcpyAsync(req->workspace, g->jobs, g->n * sizeof *g->jobs, cudaMemcpyHostToDevice, s);
-    if (e == cudaSuccess)
-      e = cudaMemcpyAsync((char *)req->workspace + tags_at, g->tags, g->n * sizeof *g->tags, cudaMemcpyHostToDevice, s);
+  if (e == cudaSuccess && builtin) { /* the table in one copy, one launch */
+    e = cudaMemcpyAsync(req->workspace, g->recs, g->n * sizeof *g->recs, cudaMemcpyHostToDevice, s);
     if (e == cudaSuccess && g->staged) e = cudaEventRecord(d->gstage_done, s);
     if (e == cudaSuccess) {
-      int k = kvp__kern_gather(kp, nb, req->workspace, (const uint16_t *)((char *)req->workspace + tags_at),
-                               (uint32_t)g->n, s);
+      int k = kvp__kern_gather(kp, nb, pool->alloc.region.base, req->workspace, (uint32_t)g->n, req->k_out,
+                               req->v_out, row, pool->cfg.head_dim, s);
       if (k) rc = kvp__err(KVP_EDEVICE, "gather kernel of %llu blocks: %s", (unsigned long long)g->n, kvp__kern_errstr(k));
       else req->n_launches++;
     }

@@ -21,6 +21,9 @@
 
 #include "../alloc/alloc.h"
 #include "../codecs/codecs.h"
+#ifdef KVP_HAVE_CUDA
+#include "../kernels/kernels.h"
+#endif
 #include "../util/rcu.h"
 
 #include <pthread.h>
@@ -228,29 +231,29 @@ int kvp__dev_read_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd
                       kvp_dtype out, void *stream);
 int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void *stream);
 /* The paged gather's table (kvp_gather in pages/read.c walks, this builds
- * and runs): jobs in walk order, each tagged segment * 4 + group (groups:
- * 0 codec K, 1 RAW tail K, 2 codec V, 3 RAW tail V; a segment is a distinct
- * layer of the call, at most KVP__GATHER_SEGMENTS), built in the pool's
+ * and runs): one kvp__gjob (kernels/kernels.h) per (block, head) in walk
+ * order, tagged with its layer segment and group (segment * 4 + 0 codec or
+ * 1 RAW tail, for K; V's binding is the tag + 2); a segment is a distinct
+ * layer of the call, at most KVP__GATHER_SEGMENTS. Built in the pool's
  * pinned stage when it is free and large enough (else on the heap), copied
  * to the caller's workspace in one transfer, decoded in one launch. */
 #define KVP__GATHER_SEGMENTS 128u
 typedef struct kvp__dev_gather {
   const kvp_gather_req *req; /* the call */
-  kvp_codec_dev_job *jobs;   /* [cap]: the table */
-  uint16_t *tags;            /* [cap] */
-  uint64_t n, cap;           /* jobs held, allocated */
-  bool staged;               /* jobs and tags are the pool's pinned stage (its lock held) */
+  kvp__gjob *recs;           /* [cap]: the table */
+  uint64_t n, cap;           /* records held, allocated */
+  bool staged;               /* recs is the pool's pinned stage (its lock held) */
   uint32_t *seg_of_layer;    /* [n_layers]: segment of a layer, UINT32_MAX before its first item */
   uint32_t seg_layer[KVP__GATHER_SEGMENTS]; /* layer of each segment */
   uint32_t nseg;             /* segments */
   uint32_t nragged;          /* items whose heads fill different row counts */
-  uint32_t ragged[2][64];    /* their (row0, n_rows), the first 64 (beyond: the whole output is zeroed first) */
+  uint32_t ragged[2][64];    /* their (row0, n_rows), the first 64 (beyond: every row is zeroed first) */
 } kvp__dev_gather;
 int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_req *req);
 /* The segment of layer (item i for the message); KVP_EINVAL past the limit. */
 int kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer, uint32_t item);
-/* The next job of the table, tagged; NULL when out of memory. */
-kvp_codec_dev_job *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g, uint32_t tag);
+/* The next record of the table; NULL when out of memory. */
+kvp__gjob *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g);
 /* Rows [row0, row0 + n) have heads that fill fewer rows: zeroed first. */
 void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n);
 int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g);

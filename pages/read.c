@@ -364,19 +364,23 @@ typedef struct gather_ctx {
 static int gather_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   gather_ctx *c = vctx;
   kvp_pool *pool = c->pool;
-  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, m = e - a;
-  size_t row_bytes = (size_t)H * D * 2;
-  for (int kv = 0; kv < 2; kv++) {
-    kvp_codec_dev_job *j = kvp__dev_gather_slot(pool, c->g, c->seg * 4 + 2 * kv + (b->raw ? 1 : 0));
-    if (!j) {
-      c->rc = kvp__err(KVP_ENOMEM, "gather table");
-      return 1;
-    }
-    *j = (kvp_codec_dev_job){.stride_bytes = row_bytes, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
-                             .t0 = a - b->pos0, .m = m, .head = c->head, .pos0 = b->pos0};
-    j->dst = (unsigned char *)(kv ? c->req->v_out : c->req->k_out) + (size_t)c->row * row_bytes + (size_t)c->head * D * 2;
-    for (unsigned i = 0; i < b->npages[kv]; i++) j->pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+  uint32_t H = pool->cfg.n_kv_heads, m = e - a;
+  kvp__gjob *r = kvp__dev_gather_slot(pool, c->g);
+  if (!r) {
+    c->rc = kvp__err(KVP_ENOMEM, "gather table");
+    return 1;
   }
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++)
+      r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
+  r->row = c->row;
+  r->pos0 = b->pos0;
+  r->head = (uint16_t)c->head;
+  r->tag = (uint16_t)(c->seg * 4 + (b->raw ? 1 : 0));
+  r->t0 = (uint16_t)(a - b->pos0);
+  r->m1 = (uint16_t)(m - 1);
+  r->n1 = (uint16_t)(kvp__block_n(b) - 1);
+  r->cap1 = (uint16_t)(b->cap_tokens - 1);
   if (c->req->positions_out) {
     uint32_t *pos = c->req->positions_out + (size_t)c->row * H + c->head;
     for (uint32_t i = 0; i < m; i++) pos[(size_t)i * H] = a + i;
@@ -391,6 +395,9 @@ static int gather_check(kvp_pool *pool, const kvp_gather_req *q) {
     return kvp__err(KVP_EINVAL, "gather_req.struct_size %zu < %zu", q->struct_size, sizeof *q);
   if (pool->cfg.memory != KVP_MEM_CUDA || !pool->dev)
     return kvp__err(KVP_ENOTSUP, "gather: the pool's region is not a CUDA region with payload (use kvp_read)");
+  if (pool->alloc.region.bytes > (64ull << 32))
+    return kvp__err(KVP_ENOTSUP, "gather: the region of %llu bytes passes the 256 GiB its block table addresses",
+                    (unsigned long long)pool->alloc.region.bytes);
   if (q->n_items && !q->items) return kvp__err(KVP_EINVAL, "gather: items is NULL with n_items = %u", q->n_items);
   if (!q->k_out || !q->v_out || (uintptr_t)q->k_out % 16 || (uintptr_t)q->v_out % 16)
     return kvp__err(KVP_EINVAL, "gather: k_out and v_out must be device buffers aligned to 16 bytes");

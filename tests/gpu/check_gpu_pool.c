@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvpool.h"
+#include "kvpool_codec.h"
 
 #define ck_ok(expr)                                                                                  \
   do {                                                                                               \
@@ -371,6 +371,111 @@ START_TEST(gather_matches_read) {
 }
 END_TEST
 
+/* A third-party codec with device ops: bf16 rows stored as they come (its
+ * device ops are 2-D copies, one per job). A CUDA pool takes it; the
+ * gather decodes it through its own decode_dev. */
+typedef struct { uint32_t d; } cp_inst;
+static int cp_create(const char *params, const kvp_codec_geom *g, void **inst, char *err, size_t errcap, size_t *at) {
+  (void)params, (void)err, (void)errcap, (void)at;
+  if (g->in_dtype != KVP_DTYPE_BF16) return KVP_EINVAL;
+  cp_inst *c = malloc(sizeof *c);
+  c->d = g->head_dim;
+  *inst = c;
+  return KVP_OK;
+}
+static void cp_destroy(void *inst) { free(inst); }
+static uint32_t cp_group(const void *inst) { (void)inst; return 1; }
+static void cp_layout(const void *inst, uint32_t cap, kvp_codec_layout *out) {
+  memset(out, 0, sizeof *out);
+  out->npages = 1, out->types[0] = KVP_PAGE_CODES, out->bytes[0] = (uint64_t)cap * ((const cp_inst *)inst)->d * 2;
+}
+static int cp_encode(const void *inst, const void *src, size_t stride, uint32_t n, uint32_t cap, void *const *pages) {
+  size_t row = (size_t)((const cp_inst *)inst)->d * 2;
+  for (uint32_t t = 0; t < cap; t++)
+    if (t < n) memcpy((char *)pages[0] + t * row, (const char *)src + t * stride, row);
+    else memset((char *)pages[0] + t * row, 0, row);
+  return KVP_OK;
+}
+static int cp_decode(const void *inst, const void *const *pages, uint32_t n, uint32_t cap, uint32_t t0, uint32_t m,
+                     void *dst, size_t stride, kvp_dtype out) {
+  (void)n, (void)cap;
+  if (out != KVP_DTYPE_BF16) return KVP_ENOTSUP;
+  size_t row = (size_t)((const cp_inst *)inst)->d * 2;
+  for (uint32_t r = 0; r < m; r++) memcpy((char *)dst + r * stride, (const char *)pages[0] + (t0 + r) * row, row);
+  return KVP_OK;
+}
+static int cp_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                         uint32_t n, uint64_t *status, void *stream) {
+  (void)jobs_dev, (void)status;
+  size_t row = (size_t)((const cp_inst *)inst)->d * 2;
+  for (uint32_t i = 0; i < n; i++) {
+    const kvp_codec_dev_job *j = &jobs[i];
+    if (cudaMemcpy2DAsync((char *)j->pages[0] + j->t0 * row, row, j->src, j->stride_bytes, row, j->m,
+                          cudaMemcpyDeviceToDevice, (cudaStream_t)stream) != cudaSuccess ||
+        cudaMemsetAsync((char *)j->pages[0] + (j->t0 + j->m) * row, 0, (j->cap_tokens - j->t0 - j->m) * row,
+                        (cudaStream_t)stream) != cudaSuccess)
+      return KVP_EDEVICE;
+  }
+  return KVP_OK;
+}
+static int cp_decode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                         uint32_t n, kvp_dtype out, void *stream) {
+  (void)jobs_dev;
+  if (out != KVP_DTYPE_BF16) return KVP_ENOTSUP;
+  size_t row = (size_t)((const cp_inst *)inst)->d * 2;
+  for (uint32_t i = 0; i < n; i++) {
+    const kvp_codec_dev_job *j = &jobs[i];
+    if (cudaMemcpy2DAsync(j->dst, j->stride_bytes, (const char *)j->pages[0] + j->t0 * row, row, row, j->m,
+                          cudaMemcpyDeviceToDevice, (cudaStream_t)stream) != cudaSuccess)
+      return KVP_EDEVICE;
+  }
+  return KVP_OK;
+}
+static const kvp_codec_vtable cp_vt = {.abi_version = KVP_CODEC_ABI_VERSION, .name = "test-bf16copy",
+                                       .create = cp_create, .destroy = cp_destroy, .group_tokens = cp_group,
+                                       .layout = cp_layout, .encode = cp_encode, .decode = cp_decode,
+                                       .encode_dev = cp_encode_dev, .decode_dev = cp_decode_dev};
+
+START_TEST(third_party_device_codec) {
+  uint32_t id;
+  if (kvp_codec_find("test-bf16copy", &id) != KVP_OK) ck_ok(kvp_codec_register(&cp_vt, &id));
+  pair p;
+  pair_open(&p, "k=test-bf16copy,v=fp8", 16);
+  ck_ok(kvp_seq_add(p.host, 1, NULL));
+  ck_ok(kvp_seq_add(p.dev, 1, NULL));
+  step(&p, 1, 70);
+  step(&p, 1, 1);
+  kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, NULL, NULL, NULL, 0, 0, NULL};
+  (void)q;
+  kvp_gather_item it = {.seq = 1, .layer = 1};
+  kvp_gather_req g;
+  kvp_gather_req_init(&g);
+  g.items = &it, g.n_items = 1, g.capacity_rows = 128, g.stream = p.stream;
+  ck_cuda(cudaMalloc(&g.k_out, 128 * H * D * 2));
+  ck_cuda(cudaMalloc(&g.v_out, 128 * H * D * 2));
+  ck_assert_int_eq(kvp_gather(p.dev, &g), KVP_ENOSPC);
+  ck_cuda(cudaMalloc(&g.workspace, g.workspace_needed));
+  g.workspace_bytes = g.workspace_needed;
+  ck_ok(kvp_gather(p.dev, &g));
+  ck_assert_uint_eq(g.n_rows, 71);
+  ck_assert_uint_gt(g.n_launches, 1); /* its own decode_dev beside the built-in's */
+  uint16_t *gk = malloc(71 * H * D * 2), *gv = malloc(71 * H * D * 2), *rk = malloc(128 * D * 2), *rv = malloc(128 * D * 2);
+  ck_cuda(cudaMemcpy(gk, g.k_out, 71 * H * D * 2, cudaMemcpyDeviceToHost));
+  ck_cuda(cudaMemcpy(gv, g.v_out, 71 * H * D * 2, cudaMemcpyDeviceToHost));
+  for (uint32_t h = 0; h < H; h++) {
+    kvp_read_req hq = {sizeof hq, h, KVP_DTYPE_BF16, rk, rv, NULL, 128, 0, NULL};
+    ck_ok(kvp_read(p.host, 1, 1, &hq));
+    ck_assert_uint_eq(hq.n_tokens, 71);
+    for (uint32_t r = 0; r < 71; r++)
+      ck_assert_msg(!memcmp(gk + ((size_t)r * H + h) * D, rk + (size_t)r * D, D * 2) &&
+                    !memcmp(gv + ((size_t)r * H + h) * D, rv + (size_t)r * D, D * 2), "head %u row %u", h, r);
+  }
+  free(gk), free(gv), free(rk), free(rv);
+  cudaFree(g.k_out), cudaFree(g.v_out), cudaFree(g.workspace);
+  pair_close(&p);
+}
+END_TEST
+
 /* Codecs without device ops are refused by name on a CUDA region. */
 START_TEST(host_only_codec_refused) {
   kvp_config c;
@@ -399,6 +504,7 @@ int main(void) {
   tcase_add_loop_test(tc, nonfinite_append_refused, 0, NSPECS);
   tcase_add_loop_test(tc, gather_matches_read, 0, NSPECS);
   tcase_add_test(tc, host_only_codec_refused);
+  tcase_add_test(tc, third_party_device_codec);
   suite_add_tcase(s, tc);
   SRunner *sr = srunner_create(s);
   srunner_set_fork_status(sr, CK_NOFORK);
