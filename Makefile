@@ -24,7 +24,7 @@ CUDA ?= auto
 VARIANT ?=
 B := build$(if $(VARIANT),/$(VARIANT))
 
-NVCC_PATH := $(shell command -v nvcc 2>/dev/null)
+NVCC_PATH := $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA_HOME ?= $(if $(NVCC_PATH),$(patsubst %/bin/,%,$(dir $(NVCC_PATH))),)
 ifeq ($(CUDA),auto)
   HAVE_CUDA := $(if $(and $(CUDA_HOME),$(wildcard $(CUDA_HOME)/include/cuda_runtime_api.h)),1,0)

@@ -12,6 +12,9 @@
  * lane (one 32-bit load) when D % 4 == 0.
  * Traffic per token-head: encode D*esize read + D + 4 written; decode
  * D + 4 read + D*esize(out) written.
+ *
+ * H100 (make bench-gpu, 16-token blocks, D = 128, bf16): decode 1152 GB/s (0.61x a
+ * device copy), encode 382 GB/s (2.06x faster than torch's float8 cast with per-token scales).
  */
 #ifndef KVP_KERNELS_FP8_CUH
 #define KVP_KERNELS_FP8_CUH

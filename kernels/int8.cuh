@@ -13,6 +13,9 @@
  * statistics are read, so the result is the host's sorted a_j bit for bit.
  * Traffic per token-head: encode D*esize read + D + 2 written; decode
  * D + 2 read + D*esize(out) written.
+ *
+ * H100 (make bench-gpu, 16-token blocks, D = 128, bf16): decode 1448 GB/s (0.75x a
+ * device copy), encode 396 GB/s (pct=99: 40 GB/s, the radix select).
  */
 #ifndef KVP_KERNELS_INT8_CUH
 #define KVP_KERNELS_INT8_CUH

@@ -10,6 +10,9 @@
  * Traffic per token-head: D*esize(in) read + D*esize(store) written.
  * Same dtype and 16-byte aligned rows: 16-byte vector copies, one warp
  * per row; otherwise one element per lane per iteration.
+ *
+ * H100 (make bench-gpu, 16-token blocks, D = 128, bf16): decode 1956 GB/s (1.01x a
+ * device copy), encode 817 GB/s.
  */
 #ifndef KVP_KERNELS_RAW_CUH
 #define KVP_KERNELS_RAW_CUH
