@@ -332,5 +332,6 @@ int main(void) {
   srunner_run_all(sr, CK_NORMAL);
   int nf = srunner_ntests_failed(sr);
   srunner_free(sr);
+  if (arena) cudaFree(arena); /* the sweep's scratch (compute-sanitizer's leak check) */
   return nf ? 1 : 0;
 }
