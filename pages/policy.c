@@ -93,6 +93,11 @@ static int window_seq_add(kvp_pool *pool, const void *cfg, kvp__seq *s, const kv
   return *state ? KVP_OK : kvp__err(KVP_ENOMEM, "window policy state");
 }
 
+static void window_seq_copy(kvp_pool *pool, const void *cfg, const void *from, void *to) {
+  (void)cfg;
+  memcpy(to, from, pool->cfg.n_layers * sizeof(uint32_t));
+}
+
 static int window_after_append(kvp_pool *pool, const void *vcfg, kvp__seq *s, void *state, uint32_t layer,
                                uint32_t step) {
   const window_cfg *c = vcfg;
@@ -117,6 +122,7 @@ const kvp__policy_vt kvp__policy_window = {
     .free_cfg = free_plain,
     .seq_add = window_seq_add,
     .seq_free = free_plain,
+    .seq_copy = window_seq_copy,
     .after_append = window_after_append,
 };
 
@@ -174,6 +180,11 @@ static int multishot_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, cons
   return KVP_OK;
 }
 
+static void multishot_seq_copy(kvp_pool *pool, const void *cfg, const void *from, void *to) {
+  (void)cfg;
+  memcpy(to, from, sizeof(multishot_state) + pool->cfg.n_layers * sizeof(uint32_t));
+}
+
 static int multishot_step_begin(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t step,
                                 uint32_t flags) {
   (void)pool, (void)cfg, (void)s;
@@ -211,6 +222,7 @@ const kvp__policy_vt kvp__policy_multishot = {
     .free_cfg = free_plain,
     .seq_add = multishot_seq_add,
     .seq_free = free_plain,
+    .seq_copy = multishot_seq_copy,
     .step_begin = multishot_step_begin,
     .after_append = multishot_after_append,
 };

@@ -29,6 +29,8 @@ typedef struct kvp__policy_vt {
    * configuration, with a message. */
   int (*seq_add)(kvp_pool *pool, const void *cfg, kvp__seq *s, const kvp_seq_config *sc, void **state);
   void (*seq_free)(void *state);
+  /* A fork: the child's state (from seq_add) takes the parent's (may be NULL). */
+  void (*seq_copy)(kvp_pool *pool, const void *cfg, const void *from, void *to);
   int (*step_begin)(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t step, uint32_t flags);
   /* Before layer's append of step: may evict, and may set bits in skip (H
    * bits, zeroed) for heads that must not store this step (step mode). */

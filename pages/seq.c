@@ -386,7 +386,8 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
     rc = kvp__err(KVP_EBUSY, "fork of %llu: a step is open (fork between steps)", (unsigned long long)parent);
   else if (!(c = kvp__seq_alloc(pool, child, p->plan, p->n_plan)))
     rc = kvp__err(KVP_ENOMEM, "metadata of sequence %llu", (unsigned long long)child);
-  else if ((rc = policy_attach(pool, c, p->pol_spec, &(kvp_seq_config){.struct_size = sizeof(kvp_seq_config),
+  else if ((c->mode = p->mode, c->budget_fraction = p->budget_fraction, /* the policy checks them */
+            rc = policy_attach(pool, c, p->pol_spec, &(kvp_seq_config){.struct_size = sizeof(kvp_seq_config),
                                                                           .mode = p->mode, .step_tokens = p->plan,
                                                                           .n_steps = p->n_plan,
                                                                           .budget_fraction = p->budget_fraction})))
@@ -395,6 +396,8 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
     policy_detach(pool, c);
     seq_free_struct(&pool->meta, c);
   } else {
+    if (c->pol && c->pol->vt && c->pol->vt->seq_copy && p->pol && p->pol->vt == c->pol->vt) /* cursors, shot */
+      c->pol->vt->seq_copy(pool, c->pol->cfg, p->pol_state, c->pol_state);
     kvp__rcu_publish(&c->node);
     kvp__rcu_read_lock();
     cds_lfht_add(pool->seqs, seq_hash(child), &c->node);

@@ -159,6 +159,42 @@ START_TEST(infeasible_budget_refused) {
 }
 END_TEST
 
+/* A fork under heatkv: the child is in step mode like its parent (the
+ * policy checks it), follows the same plan from where the parent is, and
+ * both keep the budget. */
+static void fork_case(const char *variant, const char *src) {
+  enum { L = 4, H = 2, D = 16 };
+  fill_kv(H, D);
+  char policy[96];
+  snprintf(policy, sizeof policy, "%s:b=0.3:s=3:%s=synthetic", variant, src);
+  kvp_pool *p = mkpool(L, H, D, NULL, policy, 0);
+  add_var_seq(p, 1, 0);
+  for (uint32_t k = 0; k < 13; k++) {
+    if (k == 6) {
+      ck_ok(kvp_seq_fork(p, 1, 2));
+      ck_ok(kvp_check(p));
+    }
+    for (uint64_t id = 1; id <= (k >= 6 ? 2u : 1u); id++) {
+      ck_ok(kvp_step_begin(p, id, SCHED[k], 0));
+      for (uint32_t l = 0; l < L; l++) ck_ok(kvp_append(p, id, l, &(kvp_kv){KV, KV, NULL}));
+      ck_ok(kvp_step_end(p, id));
+    }
+    ck_ok(kvp_check(p));
+  }
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.sequences.current, 2);
+  ck_assert_uint_le(s.tokens_retained.current, 2 * 0.3 * L * H * 6425.0);
+  ck_ok(kvp_seq_free(p, 1));
+  ck_ok(kvp_check(p));
+  kvp_pool_destroy(p);
+}
+
+START_TEST(fork_keeps_step_mode) { fork_case("heatkv", "orders"); }
+END_TEST
+START_TEST(binary_fork_keeps_step_mode) { fork_case("binary-heatkv", "scores"); }
+END_TEST
+
 /* The shipped Infinity-2B orders (L=32, H=16), D=16 to keep it small. */
 START_TEST(shipped_infinity_2b_orders) {
   if (access(SHARED_2B, R_OK) != 0) {
@@ -191,6 +227,8 @@ int main(void) {
   tcase_add_loop_test(tc, binary_slots_budget_holds, 0, 3);
   tcase_add_loop_test(tc, binary_bytes_budget_holds, 0, 3);
   tcase_add_test(tc, infeasible_budget_refused);
+  tcase_add_test(tc, fork_keeps_step_mode);
+  tcase_add_test(tc, binary_fork_keeps_step_mode);
   tcase_add_loop_test(tc, shipped_infinity_2b_orders, 0, 3);
   suite_add_tcase(s, tc);
   int rc = it_run(s);
