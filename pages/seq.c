@@ -421,6 +421,9 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
   if (atomic_load_explicit(&s->in_step, memory_order_relaxed))
     rc = kvp__err(KVP_EBUSY, "sequence %llu: step %u is still open (call kvp_step_end first)", (unsigned long long)seq,
                   k - 1);
+  else if (flags & ~KVP_STEP_SCENE_CUT)
+    rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: flags 0x%x has unknown bits 0x%x (known: KVP_STEP_SCENE_CUT)",
+                  (unsigned long long)seq, k, flags, flags & ~KVP_STEP_SCENE_CUT);
   else if (n_tokens == 0 || n_tokens > KVP_MAX_STEP_TOKENS)
     rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: n_tokens = %u must be 1..%u", (unsigned long long)seq, k, n_tokens,
                   KVP_MAX_STEP_TOKENS);
@@ -458,6 +461,9 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
 
 static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
   if (!kv) return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv is NULL", (unsigned long long)seq, layer);
+  if (kv->stream && pool->cfg.memory == KVP_MEM_HOST)
+    return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv->stream = %p on a host pool (a CUDA stream needs a "
+                    "KVP_MEM_CUDA region; pass NULL)", (unsigned long long)seq, layer, kv->stream);
   const void *p[2] = {kv->k, kv->v};
   kvp_dtype dt[2] = {pool->cfg.k_dtype, pool->cfg.v_dtype};
   for (int i = 0; i < 2; i++) {
