@@ -49,6 +49,15 @@ void kvp__alloc_fini(kvp__alloc *a) {
   kvp__region_close(&a->region);
 }
 
+uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
+  uint64_t room = a->ledger.reserved_bytes - a->ledger.committed.current;
+  for (uint32_t c = 0; c < kvp__sc_small_count; c++) {
+    uint64_t size = kvp__sc_size(c), nslots = a->slab_bytes / size;
+    room += (a->bins[c].nslabs * nslots - a->bins[c].nused) * size;
+  }
+  return room;
+}
+
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
   return bytes && bytes <= KVP_MAX_PAGE_BYTES && kvp__ledger_fits(&a->ledger, kvp__sc_size(kvp__sc_index(bytes)));
 }

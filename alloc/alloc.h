@@ -280,6 +280,10 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream);
 static inline bool kvp__alloc_fits_bytes(const kvp__alloc *a, uint64_t alloc_bytes) {
   return kvp__ledger_fits(&a->ledger, alloc_bytes);
 }
+/* An upper bound of the allocated bytes the region could still take: its
+ * free extents plus every free slot of the slabs there are (planning: what
+ * does not fit in this certainly does not fit). */
+uint64_t kvp__alloc_room_bound(const kvp__alloc *a);
 /* Would an allocation of bytes pass the budget now? (planning; no effect) */
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes);
 /* Verify the allocator's metadata and that the ledger's allocated and

@@ -442,10 +442,15 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
       s->step_pos_cap = ncap;
     }
   }
+  kvp__evict_plan ev; /* the policy's evictions: taken ahead, applied only when the step begins */
+  kvp__evict_plan_init(&ev);
   if (!rc && s->pol && s->pol->vt && s->pol->vt->step_begin) {
     s->step_pos[k] = pos; /* the policy may look at the step's position */
-    rc = s->pol->vt->step_begin(pool, s->pol->cfg, s, s->pol_state, k, flags);
+    rc = s->pol->vt->step_begin(pool, s->pol->cfg, s, s->pol_state, k, flags, &ev);
+    if (!rc) rc = kvp__evict_plan_prepare(pool, &ev);
+    if (!rc) kvp__evict_plan_apply(pool, s, &ev);
   }
+  kvp__evict_plan_fini(pool, &ev);
   if (!rc) {
     s->step_pos[k] = pos;
     s->step_pos[k + 1] = pos + n_tokens;
@@ -476,12 +481,16 @@ static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kv
   return KVP_OK;
 }
 
-/* The policy's before_append: its evictions, and the heads to skip. */
-static int policy_before(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip) {
+/* The policy's plans for one append: its evictions before and after the
+ * layer is stored, and the heads to skip; their runs taken ahead. */
+static int policy_plan(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip, kvp__append_tx *tx) {
   memset(skip, 0, KVP_MAX_KV_HEADS / 8);
-  if (!s->pol || !s->pol->vt || !s->pol->vt->before_append) return KVP_OK;
-  return s->pol->vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer,
-                                   atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, skip);
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
+  const kvp__policy_vt *vt = s->pol ? s->pol->vt : NULL;
+  int rc = KVP_OK;
+  if (vt && vt->before_append) rc = vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer, step, skip, &tx->before);
+  if (!rc && vt && vt->after_append) rc = vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer, step, &tx->after);
+  return rc ? rc : kvp__append_tx_prepare(pool, tx);
 }
 
 KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
@@ -501,12 +510,12 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
   else if (layer > s->next_layer)
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
-  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = policy_before(pool, s, layer, skip)) &&
-           !(rc = kvp__append_layer(pool, s, layer, kv, skip))) {
-    s->next_layer++;
-    if (s->pol && s->pol->vt && s->pol->vt->after_append) /* the layer is stored even if this fails */
-      rc = s->pol->vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer,
-                                    atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
+  else if (!(rc = kv_check(pool, seq, layer, kv))) { /* one transaction: the layer and its policy's evictions */
+    kvp__append_tx tx;
+    kvp__append_tx_init(&tx);
+    if (!(rc = policy_plan(pool, s, layer, skip, &tx)) && !(rc = kvp__append_layer(pool, s, layer, kv, skip, &tx)))
+      s->next_layer++;
+    kvp__append_tx_fini(pool, &tx);
   }
   kvp__unlock(pool);
   return rc;
@@ -545,7 +554,7 @@ KVP_API int kvp_evict(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t hea
   else if (step >= atomic_load_explicit(&s->n_steps, memory_order_relaxed))
     rc = kvp__err(KVP_ENOENT, "evict seq %llu: step %u was never begun (%u steps)", (unsigned long long)seq, step,
                   atomic_load_explicit(&s->n_steps, memory_order_relaxed));
-  else if (!(rc = kvp__evict_unit(pool, s, layer, head, step)))
+  else if (!(rc = kvp__evict_unit(pool, s, layer, head, step, NULL)))
     kvp__reclaim(pool);
   kvp__unlock(pool);
   return rc;
