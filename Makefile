@@ -3,7 +3,8 @@
 #   make               libraries (build/libkvpool.so, build/libkvpool.a) and tools
 #   make deps          install missing Debian packages (tools/deps.sh)
 #   make run           kvpool-sim's embedded tour (build/kvpool-sim with no arguments)
-#   make test          every Check suite (unit + integration + a 2 s stress run)
+#   make test          every Check suite (unit + integration + a 2 s stress run, and the
+#                      fault-injection sweep against build/fault/libkvpool.a)
 #   make asan | tsan   the suites under ASan+UBSan | TSan
 #   make stress        the reader/writer stress test for 30 s (stress-tsan: under TSan)
 #   make valgrind      the suites under valgrind memcheck
@@ -104,6 +105,21 @@ $(A): $(LIB_OBJ)
 $(B)/tests/check_%: tests/unit/check_%.c $(A) tests/unit/*.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
+
+# Fault injection: the library again, with -DKVP_FAULT_INJECT and libc's
+# allocation calls wrapped (util/fault.h), for tests/unit/check_fault, which
+# fails each allocation of its scenarios in turn.
+FAULT_OBJ := $(LIB_SRC:%.c=$(B)/fault/obj/%.o)
+FAULT_A := $(B)/fault/libkvpool.a
+$(B)/fault/obj/%.o: %.c $(wildcard include/*.h */*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DKVP_FAULT_INJECT -include util/fault_wrap.h -c $< -o $@
+$(FAULT_A): $(FAULT_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+$(B)/tests/check_fault: tests/unit/check_fault.c $(FAULT_A) tests/unit/*.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DKVP_FAULT_INJECT -fvisibility=default -o $@ $< $(FAULT_A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
 
 # CUDA cross-check of codecs/numeric.c: CUDA's host-callable conversions
 # (no GPU needed). C++, because cuda_bf16.h and cuda_fp16.h declare them only

@@ -33,7 +33,8 @@ static unsigned long seq_hash(uint64_t id) {
 }
 
 int kvp__seqs_init(kvp_pool *pool) {
-  pool->seqs = cds_lfht_new(LFHT_INIT, LFHT_INIT, 0, CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, NULL);
+  pool->seqs = KVP__FAULT() ? NULL /* fault-injection build: a failed table */
+                            : cds_lfht_new(LFHT_INIT, LFHT_INIT, 0, CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, NULL);
   return pool->seqs ? KVP_OK : kvp__err(KVP_ENOMEM, "sequence hash table");
 }
 
