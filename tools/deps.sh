@@ -1,18 +1,37 @@
 #!/usr/bin/env bash
 # Install the Debian packages kvpool needs, only those that are missing.
 # Quick when everything is present (one dpkg-query). Uses sudo when not root.
+# Required packages must install; optional ones (clang and libFuzzer, for
+# `make fuzz`) are tried one by one and only warned about when they cannot.
 set -euo pipefail
-pkgs=(libjemalloc-dev liburcu-dev check pkg-config libjansson-dev gnuplot-nox)
-missing=()
-for p in "${pkgs[@]}"; do
-  st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-  [[ $st == "install ok installed" ]] || missing+=("$p")
-done
-[[ ${#missing[@]} -eq 0 ]] && exit 0
-echo "deps: installing ${missing[*]}"
+required=(libjemalloc-dev liburcu-dev check pkg-config libjansson-dev gnuplot-nox)
+optional=(clang libclang-rt-dev)
+missing_of() {
+  local p st
+  for p in "$@"; do
+    st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+    [[ $st == "install ok installed" ]] || echo "$p"
+  done
+}
+mapfile -t need < <(missing_of "${required[@]}")
+mapfile -t want < <(missing_of "${optional[@]}")
+[[ ${#need[@]} -eq 0 && ${#want[@]} -eq 0 ]] && exit 0
 sudo=""
 [[ $(id -u) -ne 0 ]] && sudo="sudo"
 export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get install -y --no-install-recommends "${missing[@]}" || {
-  $sudo apt-get update -q && $sudo apt-get install -y --no-install-recommends "${missing[@]}"
+updated=0
+install() { # install "$@", updating the package lists once if the first try fails
+  $sudo apt-get install -y --no-install-recommends "$@" && return 0
+  [[ $updated -eq 1 ]] && return 1
+  updated=1
+  $sudo apt-get update -q && $sudo apt-get install -y --no-install-recommends "$@"
 }
+if [[ ${#need[@]} -gt 0 ]]; then
+  echo "deps: installing ${need[*]}"
+  install "${need[@]}"
+fi
+for p in "${want[@]}"; do
+  echo "deps: installing optional $p"
+  install "$p" || echo "deps: optional package $p could not be installed (make fuzz needs clang and libFuzzer)" >&2
+done
+exit 0
