@@ -49,6 +49,7 @@ typedef struct rw_plan {
   rw_blk *e;              /* [H * per] */
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
+  bool run_always;        /* take a run even if the last one extends now (evictions come first) */
   const uint64_t *skip;   /* heads not stored (step mode), or NULL */
   uint32_t nskip;         /* how many */
   uint64_t bytes;         /* allocated bytes of every new page */
@@ -175,7 +176,9 @@ static int rw_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw
   for (uint32_t h = 0; h < H; h++)
     if (!rw_skipped(pl, h)) mask[h / 64] |= 1ull << (h % 64);
   bool ok = true;
-  if (pl->nskip < H) /* taken even if the last run may extend: kvp__run_settle decides at publish */
+  /* a run, unless the last one extends; with evictions to apply before the
+   * publication (they may split it) always one: kvp__run_settle decides */
+  if (pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
     ok = rw_skipped(pl, i / pl->nnew) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
@@ -323,10 +326,14 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
                       (unsigned long long)pool->alloc.ledger.budget_bytes);
     }
     uint64_t bytes = pl.bytes;
+    pl.run_always = tx && tx->before.n && !tx->before_applied;
     rc = rw_take(pool, s, layer, pos, &pl);
     if (rc == KVP_ENOSPC && pool->limbo) {
       kvp__reclaim(pool);
-      if (!(rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) rc = rw_take(pool, s, layer, pos, &pl);
+      if (!(rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) {
+        pl.run_always = tx && tx->before.n && !tx->before_applied;
+        rc = rw_take(pool, s, layer, pos, &pl);
+      }
     }
     if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, bytes)) continue;
     break;

@@ -206,6 +206,7 @@ typedef struct append_plan {
   kvp__block **blocks;    /* [H * nb]: per head the new blocks, then the resealed tail (NULL: skipped) */
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
+  bool run_always;        /* take a run even if the last one extends now (evictions come first) */
 } append_plan;
 
 static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
@@ -273,7 +274,9 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   bool ok = pl->blocks && pl->brefs;
   uint64_t mask[KVP_MAX_KV_HEADS / 64];
   stored_mask(pool, pl, mask);
-  if (ok && pl->nskip < H) /* taken even if the last run may extend: kvp__run_settle decides at publish */
+  /* a run, unless the last one extends; with evictions to apply before the
+   * publication (they may split it) always one: kvp__run_settle decides */
+  if (ok && pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
     ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
@@ -506,6 +509,7 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   append_plan pl;
   for (;;) { /* once, or again after the policy's evictions made room (kvp__append_tx_make_room) */
     plan_shape(pool, s, layer, pos, skip, &pl);
+    pl.run_always = tx && tx->before.n && !tx->before_applied;
     if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
     if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
       if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) continue;
