@@ -507,26 +507,24 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;
-  for (;;) { /* once, or again after the policy's evictions made room (kvp__append_tx_make_room) */
-    plan_shape(pool, s, layer, pos, skip, &pl);
-    pl.run_always = tx && tx->before.n && !tx->before_applied;
-    if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-    if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
-      if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) continue;
-      return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
-                                   "the budget (%llu of %llu in use)",
-                      (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
-                      (unsigned long long)pool->alloc.ledger.allocated.current,
-                      (unsigned long long)pool->alloc.ledger.budget_bytes);
-    }
-    rc = plan_take(pool, s, layer, pos, &pl);
-    if (rc == KVP_ENOSPC && pool->limbo) {
-      kvp__reclaim(pool);
-      rc = plan_take(pool, s, layer, pos, &pl);
-    }
-    if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) continue;
-    break;
+retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
+  plan_shape(pool, s, layer, pos, skip, &pl);
+  pl.run_always = tx && tx->before.n && !tx->before_applied;
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
+    if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
+    return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
+                                 "the budget (%llu of %llu in use)",
+                    (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
+                    (unsigned long long)pool->alloc.ledger.allocated.current,
+                    (unsigned long long)pool->alloc.ledger.budget_bytes);
   }
+  rc = plan_take(pool, s, layer, pos, &pl);
+  if (rc == KVP_ENOSPC && pool->limbo) {
+    kvp__reclaim(pool);
+    rc = plan_take(pool, s, layer, pos, &pl);
+  }
+  if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
   if (rc) return rc;
   if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, kv, &pl))) { /* dry: no payload */
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
