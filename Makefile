@@ -3,10 +3,12 @@
 #   make               libraries (build/libkvpool.so, build/libkvpool.a) and tools
 #   make deps          install missing Debian packages (tools/deps.sh)
 #   make run           kvpool-sim's embedded tour (build/kvpool-sim with no arguments)
-#   make test          every Check suite (unit + integration + a 2 s stress run), and pytest
+#   make test          every Check suite (unit + integration + a 2 s stress run, the
+#                      fault-injection sweep against build/fault/libkvpool.a), and pytest
 #   make asan | tsan   the suites under ASan+UBSan | TSan
 #   make stress        the reader/writer stress test for 30 s (stress-tsan: under TSan)
 #   make valgrind      the suites under valgrind memcheck
+#   make fuzz          each libFuzzer harness of tests/fuzz for FUZZ_S seconds (default 60; clang)
 #   make bench         benchmarks: table + one JSON line per figure
 #   make test-gpu      tests/gpu (needs CUDA and a GPU), and the Python GPU test
 #   make bench-py      the Python binding's per-call overhead against C (python/python.mk)
@@ -91,7 +93,7 @@ SIM_SRC := tools/kvpool-sim.c tools/sim_common.c tools/sim_llm.c tools/sim_var.c
 SIM_HDRS := tools/sim.h tools/traces.h
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
 
-.PHONY: all deps run test asan tsan valgrind bench test-gpu test-gpu-sanitize bench-gpu install clean lib check-exports stress stress-tsan
+.PHONY: all deps run test asan tsan valgrind bench test-gpu test-gpu-sanitize bench-gpu install clean lib check-exports stress stress-tsan fuzz
 all: deps lib $(TOOLS)
 lib: $(SO) $(A)
 
@@ -121,6 +123,51 @@ $(A): $(LIB_OBJ)
 $(B)/tests/check_%: tests/unit/check_%.c $(A) tests/unit/*.h
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
+
+# Fault injection: the library again, with -DKVP_FAULT_INJECT and libc's
+# allocation calls wrapped (util/fault.h), for tests/unit/check_fault, which
+# fails each allocation of its scenarios in turn.
+FAULT_OBJ := $(LIB_SRC:%.c=$(B)/fault/obj/%.o) $(KERN_SRC:%.cu=$(B)/obj/%.o)
+FAULT_A := $(B)/fault/libkvpool.a
+$(B)/fault/obj/%.o: %.c $(wildcard include/*.h */*.h)
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DKVP_FAULT_INJECT -include util/fault_wrap.h -c $< -o $@
+$(FAULT_A): $(FAULT_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+$(B)/tests/check_fault: tests/unit/check_fault.c $(FAULT_A) tests/unit/*.h
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -DKVP_FAULT_INJECT -fvisibility=default -o $@ $< $(FAULT_A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
+
+# libFuzzer harnesses (tests/fuzz/, clang): the library and tools/traces.c
+# rebuilt with coverage, ASan and UBSan in build/fuzz/ (host only, libc
+# metadata so ASan sees it). `make fuzz` runs each for FUZZ_S seconds from
+# its seed corpus (tests/fuzz/corpus/<name>), growing build/fuzz/corpus/.
+FUZZ_CC ?= clang
+FUZZ_S ?= 60
+FUZZ_NAMES := $(patsubst tests/fuzz/fuzz_%.c,%,$(wildcard tests/fuzz/fuzz_*.c))
+FUZZ_BIN := $(FUZZ_NAMES:%=build/fuzz/fuzz_%)
+FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -O1 -g $(WARN) -DKVP_BUILDING -DKVP_DEBUG=1 -DKVP_META_LIBC -DKVP_RCU_OUTLINE -Iinclude \
+  -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
+FUZZ_OBJ := $(patsubst %.c,build/fuzz/obj/%.o,$(filter-out %_cuda.c,$(wildcard util/*.c alloc/*.c stats/*.c \
+  codecs/*.c pages/*.c)) tools/traces.c)
+# The allocator, counters, page tables and numeric kernels are hot loops
+# that parse nothing: compare tracing there only slows the op harness down.
+FUZZ_NOCMP := $(addprefix build/fuzz/obj/,$(addsuffix .o,alloc/alloc alloc/extent alloc/ledger alloc/slab \
+  alloc/sizeclass stats/stats stats/emit codecs/kernels codecs/numeric codecs/kmeans pages/seq pages/stream \
+  pages/rowwise pages/fork pages/read pages/evict pages/rawpage))
+$(FUZZ_NOCMP): FUZZ_COV := -fno-sanitize-coverage=trace-cmp
+build/fuzz/obj/%.o: %.c $(wildcard include/*.h */*.h)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link $(FUZZ_COV) -c $< -o $@
+build/fuzz/libkvpool-fuzz.a: $(FUZZ_OBJ)
+	@rm -f $@
+	ar rcs $@ $^
+build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz.h build/fuzz/libkvpool-fuzz.a
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< build/fuzz/libkvpool-fuzz.a -lurcu-bp -lurcu-cds -ljansson \
+	  -lpthread -lm
+fuzz: deps $(FUZZ_BIN)
+	@tools/run-fuzz.sh $(FUZZ_S) $(FUZZ_NAMES)
 
 # CUDA cross-check of codecs/numeric.c: CUDA's host-callable conversions
 # (no GPU needed). C++, because cuda_bf16.h and cuda_fp16.h declare them only

@@ -31,9 +31,10 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
   for (uint32_t i = 0; i < KVP__SC_COUNT; i++) a->bins[i].cur = &kvp__slab_empty;
   int rc = kvp__region_open(mem, device, region_bytes, flags, &a->region);
   if (rc) return rc;
-  a->slab_map = kvp__meta_calloc(meta, (region_bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
+  a->slab_bytes = kvp__slab_bytes_for(region_bytes);
+  a->slab_map = kvp__meta_calloc(meta, (region_bytes / a->slab_bytes + 1) * sizeof *a->slab_map);
   if (!a->slab_map || (rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
-    kvp__meta_free(meta, a->slab_map, (region_bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
+    kvp__meta_free(meta, a->slab_map, (region_bytes / a->slab_bytes + 1) * sizeof *a->slab_map);
     kvp__region_close(&a->region);
     return rc ? rc : kvp__err(KVP_ENOMEM, "slab map of the region");
   }
@@ -43,9 +44,18 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
 
 void kvp__alloc_fini(kvp__alloc *a) {
   kvp__slabs_fini(a);
-  kvp__meta_free(a->meta, a->slab_map, (a->region.bytes / KVP__SLAB_BYTES + 1) * sizeof *a->slab_map);
+  kvp__meta_free(a->meta, a->slab_map, (a->region.bytes / a->slab_bytes + 1) * sizeof *a->slab_map);
   kvp__extents_fini(&a->ext);
   kvp__region_close(&a->region);
+}
+
+uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
+  uint64_t room = a->ledger.reserved_bytes - a->ledger.committed.current;
+  for (uint32_t c = 0; c < kvp__sc_small_count; c++) {
+    uint64_t size = kvp__sc_size(c), nslots = a->slab_bytes / size;
+    room += (a->bins[c].nslabs * nslots - a->bins[c].nused) * size;
+  }
+  return room;
 }
 
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
@@ -236,7 +246,7 @@ int kvp__alloc_check(const kvp__alloc *a) {
     if (e->state == KVP__EXT_SLAB) {
       const kvp__slab *s = e->owner;
       uint64_t u = 0;
-      if (!s || s->ext != e || a->slab_map[e->off / KVP__SLAB_BYTES] != s)
+      if (!s || s->ext != e || a->slab_map[e->off / a->slab_bytes] != s || e->bytes != a->slab_bytes)
         return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu: slab or slab map disagree", (unsigned long long)e->off);
       if ((rc = kvp__slab_check(a, s, &u))) return rc;
       allocated += u * s->slot_bytes;

@@ -7,9 +7,10 @@
  * is touched only through the backend's copy primitive).
  *
  *   region  [0 .............................................. reserved)
- *           | extent | extent (SLAB, 2 MiB aligned) | free | extent | ...
+ *           | extent | extent (SLAB, slab_bytes aligned) | free | extent | ...
  *   The region is tiled by extents in address order; each is FREE, SLAB
- *   (one 2 MiB slab of one size class) or LARGE (one page > 16 KiB).
+ *   (one slab of one size class: 2 MiB, less in a region under 64 MiB) or
+ *   LARGE (one page > 16 KiB).
  */
 #ifndef KVP_ALLOC_H
 #define KVP_ALLOC_H
@@ -79,7 +80,8 @@ extern const kvp__region_ops kvp__region_cuda_ops;
 #define KVP__SC_GRANULE 64u
 #define KVP__SC_MAX_BYTES (1ull << 44)        /* largest class: 16 TiB */
 #define KVP__SC_COUNT 148u                    /* classes up to KVP__SC_MAX_BYTES (checked by a test) */
-#define KVP__SLAB_BYTES (2ull << 20)          /* one slab */
+#define KVP__SLAB_BYTES (2ull << 20)          /* one slab (regions of 64 MiB and more) */
+#define KVP__SLAB_MIN_BYTES (64ull << 10)     /* smallest slab: 4 slots of the largest small class */
 #define KVP__SMALL_MAX_BYTES (16ull << 10)    /* largest class carved from slabs (>= 128 slots) */
 #define KVP__EXTENT_UNIT (4ull << 10)         /* extent granularity */
 #define KVP__EXTENT_UNIT_SHIFT 12u
@@ -167,7 +169,8 @@ static inline kvp__extent *kvp__extent_at(const kvp__extents *x, uint64_t off) {
 int kvp__extents_check(const kvp__extents *x);
 
 /* ======================================================================
- * Slabs (alloc/slab.c): one 2 MiB extent, slots of one class, a bitmap.
+ * Slabs (alloc/slab.c): one extent of slab_bytes (2 MiB, less in a small
+ * region), slots of one class, a bitmap.
  * ==================================================================== */
 
 typedef struct kvp__slab {
@@ -238,12 +241,22 @@ typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
   kvp__bin bins[KVP__SC_COUNT]; /* slab bins, small classes only */
-  struct kvp__slab **slab_map; /* [region / 2 MiB]: the slab of each 2 MiB chunk, or NULL */
+  uint64_t slab_bytes;         /* bytes of every slab: kvp__slab_bytes_for(region) */
+  struct kvp__slab **slab_map; /* [region / slab_bytes + 1]: the slab of each slab-sized chunk, or NULL */
   kvp__ledger ledger;          /* byte truth */
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */
 } kvp__alloc;
 
+/* Slab size for a region: 2 MiB, or for a region under 64 MiB the power of
+ * two at or below a 32nd of it (at least 64 KiB), so a small region still
+ * holds slabs of many classes at once. */
+static inline uint64_t kvp__slab_bytes_for(uint64_t region_bytes) {
+  uint64_t want = region_bytes / 32;
+  if (want >= KVP__SLAB_BYTES) return KVP__SLAB_BYTES;
+  if (want <= KVP__SLAB_MIN_BYTES) return KVP__SLAB_MIN_BYTES;
+  return 1ull << kvp__lg_floor(want);
+}
 int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes,
                     uint64_t budget_bytes, uint32_t flags, kvp__stats *stats, kvp__meta *meta);
 void kvp__alloc_fini(kvp__alloc *a);
@@ -267,6 +280,10 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream);
 static inline bool kvp__alloc_fits_bytes(const kvp__alloc *a, uint64_t alloc_bytes) {
   return kvp__ledger_fits(&a->ledger, alloc_bytes);
 }
+/* An upper bound of the allocated bytes the region could still take: its
+ * free extents plus every free slot of the slabs there are (planning: what
+ * does not fit in this certainly does not fit). */
+uint64_t kvp__alloc_room_bound(const kvp__alloc *a);
 /* Would an allocation of bytes pass the budget now? (planning; no effect) */
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes);
 /* Verify the allocator's metadata and that the ledger's allocated and

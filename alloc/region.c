@@ -52,7 +52,7 @@ void kvp__region_close(kvp__region *r) {
 /* Map bytes + 2 MiB with prot and how, keep the 2 MiB aligned middle. */
 static int map_aligned(kvp__region *r, int prot, int how, const char *what) {
   uint64_t want = r->bytes + KVP__SLAB_BYTES;
-  void *p = mmap(NULL, want, prot, how, -1, 0);
+  void *p = KVP__FAULT() ? (errno = ENOMEM, MAP_FAILED) : mmap(NULL, want, prot, how, -1, 0);
   if (p == MAP_FAILED)
     return kvp__err(KVP_ENOMEM, "config.region_bytes = %llu: mmap of the %s failed: %s", (unsigned long long)r->bytes,
                     what, strerror(errno));

@@ -24,7 +24,7 @@ static int cuda_reserve(kvp__region *r) {
   cudaGetDevice(&prev);
   if ((e = cudaSetDevice(r->device)) != cudaSuccess) return cuda_fail(e, "cudaSetDevice", r->device);
   void *p = NULL;
-  e = cudaMalloc(&p, r->bytes);
+  e = KVP__FAULT() ? cudaErrorMemoryAllocation : cudaMalloc(&p, r->bytes);
   cudaSetDevice(prev);
   if (e != cudaSuccess) {
     cudaGetLastError(); /* clear the sticky-free error state */

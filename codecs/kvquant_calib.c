@@ -379,22 +379,42 @@ static int ffail(char *err, size_t errcap, const char *path, const char *fmt, ..
   return KVP_EFORMAT;
 }
 
+static bool hdr_in_range(uint32_t L, uint32_t H, uint32_t D, uint32_t fb) {
+  return fb >= 2 && fb <= KVP__KVQ_MAX_BITS && L && H && D && L <= KVP_MAX_LAYERS && H <= KVP_MAX_KV_HEADS &&
+         D <= KVP_MAX_HEAD_DIM;
+}
+
+/* Bytes worth reading of a file that begins with its header b: one past
+ * the size the header implies (so trailing bytes show), or the header and
+ * a checksum's worth when the header is bad (the caller reports it). */
+static uint64_t read_limit(const uint8_t *b) {
+  if (memcmp(b, "KVQCALIB", 8) != 0 || kvp__ld_le32(b + 8) != 1) return HDR_BYTES + 4;
+  uint32_t L = kvp__ld_le32(b + 12), H = kvp__ld_le32(b + 16), D = kvp__ld_le32(b + 20), fb = kvp__ld_le32(b + 24);
+  return hdr_in_range(L, H, D, fb) ? file_bytes(L, H, D, fb) + 1 : HDR_BYTES + 4;
+}
+
+/* The header, then no more than it implies: a file without end (a device,
+ * a pipe) or a huge one is not read whole. */
 static int read_all(const char *path, uint8_t **buf, size_t *len, char *err, size_t errcap) {
   FILE *fp = fopen(path, "rb");
   if (!fp) return ffail(err, errcap, path, "cannot open: %s", strerror(errno));
-  size_t cap = 1 << 16, n = 0;
+  size_t cap = HDR_BYTES, n = 0;
+  uint64_t limit = HDR_BYTES;
   uint8_t *b = malloc(cap);
   while (b) {
     n += fread(b + n, 1, cap - n, fp);
     if (n < cap) break;
-    uint8_t *nb = cap > (SIZE_MAX >> 1) ? NULL : realloc(b, cap * 2);
+    if (n == HDR_BYTES) limit = read_limit(b);
+    if (n >= limit) break;
+    size_t ncap = limit - n > cap ? 2 * cap : (size_t)limit;
+    uint8_t *nb = limit > SIZE_MAX / 2 ? NULL : realloc(b, ncap);
     if (!nb) {
       free(b);
       b = NULL;
       break;
     }
     b = nb;
-    cap *= 2;
+    cap = ncap;
   }
   int bad = ferror(fp);
   fclose(fp);
@@ -456,16 +476,16 @@ int kvp__kvq_load(const char *path, uint32_t layer, uint32_t kv, uint32_t n_laye
     rc = ffail(err, errcap, path, "field version = %u: this library reads version 1", ver);
     goto out;
   }
-  if (fb < 2 || fb > KVP__KVQ_MAX_BITS || L == 0 || H == 0 || D == 0 || L > KVP_MAX_LAYERS || H > KVP_MAX_KV_HEADS ||
-      D > KVP_MAX_HEAD_DIM) {
+  if (!hdr_in_range(L, H, D, fb)) {
     rc = ffail(err, errcap, path, "header fields out of range (n_layers %u, n_kv_heads %u, head_dim %u, bits %u): "
                "corrupt", L, H, D, fb);
     goto out;
   }
   uint64_t want = file_bytes(L, H, D, fb);
   if (len != want) {
-    rc = ffail(err, errcap, path, "field size: %zu bytes, the header (n_layers %u, n_kv_heads %u, head_dim %u, bits %u)"
-               " implies %llu: %s", len, L, H, D, fb, (unsigned long long)want, len < want ? "truncated" : "trailing bytes");
+    rc = ffail(err, errcap, path, "field size: %s%zu bytes, the header (n_layers %u, n_kv_heads %u, head_dim %u, "
+               "bits %u) implies %llu: %s", len > want ? "more than " : "", len > want ? (size_t)want : len, L, H, D, fb,
+               (unsigned long long)want, len < want ? "truncated" : "trailing bytes");
     goto out;
   }
   uint32_t crc = kvp__crc32(0, b, len - 4), stored = kvp__ld_le32(b + len - 4);

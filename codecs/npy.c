@@ -44,9 +44,10 @@ static int parse_descr(kvp__npy *a, const char *h, size_t n, const char *name) {
   } ok[] = {{"'<f4'", KVP__NPY_F32}, {"'<f8'", KVP__NPY_F64}, {"'<f2'", KVP__NPY_F16}};
   for (size_t i = 0; i < KVP__ARRAY_LEN(ok); i++)
     if ((size_t)(h + n - v) >= 5 && !memcmp(v, ok[i].s, 5)) return a->dtype = ok[i].t, KVP_OK;
-  const char *e = memchr(v, ',', (size_t)(h + n - v));
+  size_t left = (size_t)(h + n - v), show = left < 8 ? left : 8; /* never past the header */
+  const char *e = memchr(v, ',', left);
   return kvp__err(KVP_EFORMAT, "%s: npy 'descr' %.*s: expected '<f4', '<f8' or '<f2' (little-endian float)", name,
-                  (int)(e ? e - v : 8), v);
+                  (int)(e ? (size_t)(e - v) : show), v);
 }
 
 static int parse_order(const char *h, size_t n, const char *name) {

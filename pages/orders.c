@@ -117,14 +117,12 @@ static int parse_shipped(kvp__orders *o, const json_t *root, const char *name, u
   if (L == KVP__ORDERS_ANY || H == KVP__ORDERS_ANY || K == KVP__ORDERS_ANY || s == KVP__ORDERS_ANY)
     return kvp__err(KVP_EINVAL, "%s: the shipped format names no geometry: layers, heads, scales and sink "
                     "scales must be given", name);
+  if (K >= 2 && s <= K - 1 && json_array_size(root) != K - 1 - s) /* before the allocation it sizes */
+    return kvp__err(KVP_EFORMAT, "%s: %zu lists, expected %u (0-based source scales %u..%u of %u scales with %u "
+                    "sink scales)", name, json_array_size(root), K - 1 - s, s, K - 2, K, s);
   int rc = kvp__orders_alloc(o, L, H, K, s, m);
   if (rc) return rc;
-  if (json_array_size(root) != o->n_orders) {
-    rc = kvp__err(KVP_EFORMAT, "%s: %zu lists, expected %u (0-based source scales %u..%u of %u scales with %u "
-                  "sink scales)", name, json_array_size(root), o->n_orders, s, K - 2, K, s);
-  } else {
-    rc = lists_read(o, root, true, name);
-  }
+  rc = lists_read(o, root, true, name);
   if (rc) kvp__orders_free(o);
   return rc;
 }
@@ -186,22 +184,30 @@ static int parse_kvpool(kvp__orders *o, const json_t *root, const char *name, ui
   if (kind && !cas && !(json_is_string(kind) && !strcmp(json_string_value(kind), "scas")))
     return kvp__err(KVP_EFORMAT, "%s: field \"kind\" is not \"scas\" (an order per source scale) or \"cas\" "
                     "(one order of whole heads)", name);
+  /* the lists' count and lengths before the allocation they size: a small
+   * file cannot make the loader take more than its lists hold */
+  const json_t *lists = json_object_get(root, "orders");
+  uint32_t n_orders = fk - 1 - fs, want = cas ? 1 : n_orders;
+  if (!json_is_array(lists) || json_array_size(lists) != want)
+    return cas ? kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected 1 (kind \"cas\")", name,
+                          json_array_size(lists))
+               : kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected %u (0-based source scales "
+                          "%u..%u)", name, json_array_size(lists), n_orders, fs, fk - 2);
+  for (uint32_t j = 0; j < want; j++) {
+    const json_t *list = json_array_get(lists, j);
+    if (!json_is_array(list) || json_array_size(list) != (size_t)fl * fh)
+      return kvp__err(KVP_EFORMAT, "%s: list %u (0-based source scale %u): %zu entries, expected L*H = %llu", name, j,
+                      fs + j, json_is_array(list) ? json_array_size(list) : 0, (unsigned long long)fl * fh);
+  }
   if ((rc = kvp__orders_alloc(o, fl, fh, fk, fs, m))) return rc;
   o->cas = cas;
-  const json_t *lists = json_object_get(root, "orders");
-  uint32_t want = cas ? 1 : o->n_orders;
-  if (!json_is_array(lists) || json_array_size(lists) != want)
-    rc = cas ? kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected 1 (kind \"cas\")", name,
-                        json_array_size(lists))
-             : kvp__err(KVP_EFORMAT, "%s: field \"orders\" has %zu lists, expected %u (0-based source scales "
-                        "%u..%u)", name, json_array_size(lists), o->n_orders, fs, fk - 2);
-  if (!rc && cas && o->n_orders) { /* one list, then the same in every source's place */
+  if (cas && o->n_orders) { /* one list, then the same in every source's place */
     uint32_t n = o->n_orders, T = fl * fh;
     o->n_orders = 1;
     rc = lists_read(o, lists, false, name);
     o->n_orders = n;
     for (uint32_t j = 1; !rc && j < n; j++) memcpy(o->pairs + (size_t)j * T, o->pairs, (size_t)T * sizeof *o->pairs);
-  } else if (!rc) {
+  } else {
     rc = lists_read(o, lists, false, name);
   }
   if (!rc) rc = checksum_check(o, root, name);

@@ -193,10 +193,54 @@ int kvp__seq_fork_locked(kvp_pool *pool, kvp__seq *parent, kvp__seq *child); /* 
 kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint32_t n_plan);
 void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
 
+/* pages/evict.c: eviction plans and the append transaction (see there). */
+typedef struct kvp__unit {
+  uint32_t layer, head, step; /* what an eviction removes */
+} kvp__unit;
+typedef struct kvp__evict_plan {
+  kvp__unit *units;     /* [cap]: units to evict, in order */
+  uint32_t n, cap;      /* units planned, room */
+  struct kvp__run **spare; /* [spare_cap]: runs taken ahead (3 per unit) */
+  uint32_t nspare, spare_cap;
+  uint32_t *commit_at;  /* a policy cursor set to commit_val when applied, or NULL */
+  uint32_t commit_val;  /* its new value */
+} kvp__evict_plan;
+void kvp__evict_plan_init(kvp__evict_plan *ev);
+void kvp__evict_plan_fini(kvp_pool *pool, kvp__evict_plan *ev);
+int kvp__evict_plan_add(kvp_pool *pool, kvp__evict_plan *ev, uint32_t layer, uint32_t head, uint32_t step); /* ENOMEM */
+int kvp__evict_plan_prepare(kvp_pool *pool, kvp__evict_plan *ev); /* ENOMEM; nothing visible changes */
+void kvp__evict_plan_apply(kvp_pool *pool, kvp__seq *s, kvp__evict_plan *ev); /* after prepare: cannot fail */
+/* A spare run of the plan, set to [s0, s1) x [p0, p1) with mask. */
+struct kvp__run *kvp__evict_plan_run(kvp_pool *pool, kvp__evict_plan *ev, uint32_t s0, uint32_t p0, uint32_t s1,
+                                     uint32_t p1, const uint64_t *mask);
+
+/* One layer's append with its policy's evictions. */
+typedef struct kvp__append_tx {
+  kvp__evict_plan before; /* evictions before the layer is stored */
+  kvp__evict_plan after;  /* evictions once it is stored */
+  bool before_applied;    /* before was applied (to make room, or at publish) */
+} kvp__append_tx;
+void kvp__append_tx_init(kvp__append_tx *tx);
+void kvp__append_tx_fini(kvp_pool *pool, kvp__append_tx *tx);
+int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx); /* both plans' runs */
+/* The append's need_bytes do not fit: if the before-evictions would make
+ * the budget hold, apply them and reclaim (true: take again); false when
+ * there are none left or they would not be enough (nothing changed). */
+bool kvp__append_tx_make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx, uint64_t need_bytes);
+void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx); /* tx may be NULL */
+void kvp__append_tx_after_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx);
+/* An append takes its run ahead; at publish, once the before-evictions
+ * have reshaped the runs, it is dropped (NULL) if the last run extends. */
+struct kvp__run *kvp__run_settle(kvp_pool *pool, kvp__seq *s, uint32_t layer, struct kvp__run *run);
+
 /* pages/stream.c */
 /* Append layer's tokens of the open step; skip (H bits, or NULL) names heads
- * not to store (step mode only: a policy drops the step there at once). */
-int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
+ * not to store (step mode only: a policy drops the step there at once); tx
+ * (or NULL) holds the policy's evictions, applied with the publication. */
+int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                      kvp__append_tx *tx);
+/* Evict one unit; ev (or NULL) provides the runs (then it cannot fail). */
+int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step, kvp__evict_plan *ev);
 
 /* ---- the device path (pages/device_cuda.c; CUDA builds) -------------------
  * An append on a CUDA region collects one device job per block write, by
@@ -262,7 +306,6 @@ void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
 int kvp__dev_init(kvp_pool *pool);
 void kvp__dev_fini(kvp_pool *pool);
 #endif
-int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
 bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
 kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);
 void kvp__run_free_now(kvp_pool *pool, kvp__run *r);
@@ -291,7 +334,8 @@ static inline bool kvp__bind_rowwise(const kvp__binding *b) { return b->vt->open
 static inline bool kvp__layer_rowwise(const kvp_pool *p, uint32_t layer) {
   return kvp__bind_rowwise(&p->bind[2 * layer]) && kvp__bind_rowwise(&p->bind[2 * layer + 1]);
 }
-int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
+int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                        kvp__append_tx *tx);
 
 /* Allocated bytes of one block at position pos0, K + V. */
 uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);

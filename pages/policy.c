@@ -20,9 +20,9 @@
 
 /* ---- shared ---------------------------------------------------------------- */
 
-int kvp__policy_evict(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
+int kvp__policy_evict(kvp_pool *pool, kvp__seq *s, kvp__evict_plan *ev, uint32_t layer, uint32_t head, uint32_t step) {
   if (!kvp__unit_retained(s, layer, head, step)) return KVP_OK;
-  return kvp__evict_unit(pool, s, layer, head, step);
+  return kvp__evict_plan_add(pool, ev, layer, head, step);
 }
 
 /* key=value fields separated by ':'; calls fn for each; err names the field. */
@@ -93,21 +93,28 @@ static int window_seq_add(kvp_pool *pool, const void *cfg, kvp__seq *s, const kv
   return *state ? KVP_OK : kvp__err(KVP_ENOMEM, "window policy state");
 }
 
+static void window_seq_copy(kvp_pool *pool, const void *cfg, const void *from, void *to) {
+  (void)cfg;
+  memcpy(to, from, pool->cfg.n_layers * sizeof(uint32_t));
+}
+
 static int window_after_append(kvp_pool *pool, const void *vcfg, kvp__seq *s, void *state, uint32_t layer,
-                               uint32_t step) {
+                               uint32_t step, kvp__evict_plan *ev) {
   const window_cfg *c = vcfg;
-  uint32_t *cur = &((uint32_t *)state)[layer];
+  uint32_t cur = ((uint32_t *)state)[layer];
   uint32_t end = s->step_pos[step] + s->cur_tokens;
   uint32_t keep_from = end > c->recent_tokens ? end - c->recent_tokens : 0;
-  for (; *cur < step; ++*cur) {
-    uint32_t p0 = s->step_pos[*cur], p1 = s->step_pos[*cur + 1];
+  for (; cur < step; ++cur) {
+    uint32_t p0 = s->step_pos[cur], p1 = s->step_pos[cur + 1];
     if (p0 < c->sink_tokens) continue; /* the sink, or straddling it: kept */
     if (p1 > keep_from) break;        /* reaches into the window: kept, and so are later steps */
     for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++) {
-      int rc = kvp__policy_evict(pool, s, layer, h, *cur);
+      int rc = kvp__policy_evict(pool, s, ev, layer, h, cur);
       if (rc) return rc;
     }
   }
+  ev->commit_at = &((uint32_t *)state)[layer]; /* the cursor moves when the evictions happen */
+  ev->commit_val = cur;
   return KVP_OK;
 }
 
@@ -117,6 +124,7 @@ const kvp__policy_vt kvp__policy_window = {
     .free_cfg = free_plain,
     .seq_add = window_seq_add,
     .seq_free = free_plain,
+    .seq_copy = window_seq_copy,
     .after_append = window_after_append,
 };
 
@@ -174,9 +182,14 @@ static int multishot_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, cons
   return KVP_OK;
 }
 
+static void multishot_seq_copy(kvp_pool *pool, const void *cfg, const void *from, void *to) {
+  (void)cfg;
+  memcpy(to, from, sizeof(multishot_state) + pool->cfg.n_layers * sizeof(uint32_t));
+}
+
 static int multishot_step_begin(kvp_pool *pool, const void *cfg, kvp__seq *s, void *state, uint32_t step,
-                                uint32_t flags) {
-  (void)pool, (void)cfg, (void)s;
+                                uint32_t flags, kvp__evict_plan *ev) {
+  (void)pool, (void)cfg, (void)s, (void)ev; /* the same step again binds the same shot: a retry is harmless */
   if (flags & KVP_STEP_SCENE_CUT) ((multishot_state *)state)->shot_start = step;
   return KVP_OK;
 }
@@ -187,21 +200,24 @@ static bool multishot_keeps(const multishot_cfg *c, const multishot_state *st, u
 }
 
 static int multishot_after_append(kvp_pool *pool, const void *vcfg, kvp__seq *s, void *vstate, uint32_t layer,
-                                  uint32_t step) {
+                                  uint32_t step, kvp__evict_plan *ev) {
   const multishot_cfg *c = vcfg;
   multishot_state *st = vstate;
   bool all_gone = true; /* every step below j is evicted or in the global sink */
+  uint32_t lo = st->lo[layer];
   for (uint32_t j = st->lo[layer]; j < step; j++) {
     if (multishot_keeps(c, st, j, step)) {
       all_gone = false;
       continue;
     }
     for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++) {
-      int rc = kvp__policy_evict(pool, s, layer, h, j);
+      int rc = kvp__policy_evict(pool, s, ev, layer, h, j);
       if (rc) return rc;
     }
-    if (all_gone) st->lo[layer] = j + 1;
+    if (all_gone) lo = j + 1;
   }
+  ev->commit_at = &st->lo[layer]; /* moves when the evictions happen */
+  ev->commit_val = lo;
   return KVP_OK;
 }
 
@@ -211,6 +227,7 @@ const kvp__policy_vt kvp__policy_multishot = {
     .free_cfg = free_plain,
     .seq_add = multishot_seq_add,
     .seq_free = free_plain,
+    .seq_copy = multishot_seq_copy,
     .step_begin = multishot_step_begin,
     .after_append = multishot_after_append,
 };

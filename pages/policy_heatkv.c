@@ -17,6 +17,8 @@
  *   before_append(layer l, t)  evict the planned drops of layer l from
  *                              earlier scales, and skip (never store) the
  *                              heads that drop scale t itself in layer l
+ *                              (the evictions go through a plan the pool
+ *                              applies with the append: pages/evict.c)
  *   the last scale             is never stored (no later scale attends to it)
  * Occupancy after each layer is then what the plan counted, which the plan
  * keeps at or under B; the pool's ledger sees exactly those pages.
@@ -315,27 +317,28 @@ static int heatkv_seq_add(kvp_pool *pool, const void *vcfg, kvp__seq *s, const k
   return KVP_OK;
 }
 
-static int evict_atoms(kvp_pool *pool, kvp__seq *s, const kvp__heatkv_atom *a, uint32_t n, uint32_t below) {
+static int evict_atoms(kvp_pool *pool, kvp__seq *s, kvp__evict_plan *ev, const kvp__heatkv_atom *a, uint32_t n,
+                       uint32_t below) {
   for (uint32_t i = 0; i < n; i++) {
     if (a[i].scale >= below) continue;
-    int rc = kvp__policy_evict(pool, s, a[i].layer, a[i].head, a[i].scale);
+    int rc = kvp__policy_evict(pool, s, ev, a[i].layer, a[i].head, a[i].scale);
     if (rc) return rc;
   }
   return KVP_OK;
 }
 
 static int heatkv_step_begin(kvp_pool *pool, const void *cfg, kvp__seq *s, void *vstate, uint32_t step,
-                             uint32_t flags) {
+                             uint32_t flags, kvp__evict_plan *ev) {
   (void)cfg, (void)flags;
   const kvp__heatkv_plan *plan = &((const heatkv_state *)vstate)->pe->plan;
   if (step >= plan->n_scales) return KVP_OK; /* past the schedule: nothing planned */
   uint32_t n;
   const kvp__heatkv_atom *e = kvp__heatkv_early(plan, step, &n);
-  return evict_atoms(pool, s, e, n, step);
+  return evict_atoms(pool, s, ev, e, n, step);
 }
 
 static int heatkv_before_append(kvp_pool *pool, const void *cfg, kvp__seq *s, void *vstate, uint32_t layer,
-                                uint32_t step, uint64_t *skip) {
+                                uint32_t step, uint64_t *skip, kvp__evict_plan *ev) {
   (void)cfg;
   const kvp__heatkv_plan *plan = &((const heatkv_state *)vstate)->pe->plan;
   uint32_t K = plan->n_scales, H = pool->cfg.n_kv_heads;
@@ -348,7 +351,7 @@ static int heatkv_before_append(kvp_pool *pool, const void *cfg, kvp__seq *s, vo
   const kvp__heatkv_atom *d = kvp__heatkv_drops(plan, step, layer, &n);
   for (uint32_t i = 0; i < n; i++)
     if (d[i].scale == step) skip[d[i].head / 64] |= 1ull << (d[i].head % 64);
-  return evict_atoms(pool, s, d, n, step);
+  return evict_atoms(pool, s, ev, d, n, step);
 }
 
 const kvp__policy_vt kvp__policy_heatkv = {

@@ -294,8 +294,8 @@ KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t inde
   case KVP_DIM_CODEC: n = KVP__MAX_CODECS; u = index < n ? &st->codecs[index] : NULL; break;
   case KVP_DIM_SEQ: {
     kvp__rcu_read_lock(); /* the per-sequence table may be rebuilt by the writer */
-    const kvp__usage *su = kvp__stats_seq(st, index);
-    if (su) kvp__usage_read(su, out);
+    const kvp__seq_usage *su = kvp__stats_seq(st, index);
+    if (su) kvp__seq_usage_read(su, out);
     kvp__rcu_read_unlock();
     if (su && out->npages) return KVP_OK;
     return kvp__err(KVP_ENOENT, "sequence %llu holds no pages", (unsigned long long)index);

@@ -49,6 +49,7 @@ typedef struct rw_plan {
   rw_blk *e;              /* [H * per] */
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
+  bool run_always;        /* take a run even if the last one extends now (evictions come first) */
   const uint64_t *skip;   /* heads not stored (step mode), or NULL */
   uint32_t nskip;         /* how many */
   uint64_t bytes;         /* allocated bytes of every new page */
@@ -175,7 +176,9 @@ static int rw_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw
   for (uint32_t h = 0; h < H; h++)
     if (!rw_skipped(pl, h)) mask[h / 64] |= 1ull << (h % 64);
   bool ok = true;
-  if (pl->nskip < H && !kvp__run_extends(pool, &s->layers[layer], step, mask))
+  /* a run, unless the last one extends; with evictions to apply before the
+   * publication (they may split it) always one: kvp__run_settle decides */
+  if (pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
     ok = rw_skipped(pl, i / pl->nnew) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
@@ -243,9 +246,10 @@ static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, 
   return KVP_OK;
 }
 
-static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw_plan *pl) {
+static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw_plan *pl, kvp__append_tx *tx) {
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
   bool stream = s->mode == KVP_SEQ_STREAM;
+  kvp__append_tx_before_publish(pool, s, tx);
   for (uint32_t h = 0; h < H; h++) {
     kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
     if (rw_skipped(pl, h)) {
@@ -297,30 +301,42 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
     atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) + n,
                           memory_order_relaxed);
   }
-  kvp__run_publish(s, layer, pos + n, pl->run, pl->nskip == H);
+  kvp__run_publish(s, layer, pos + n, kvp__run_settle(pool, s, layer, pl->run), pl->nskip == H);
   kvp__meta_free(&pool->meta, pl->e, (size_t)H * pl->per * sizeof *pl->e + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
+  kvp__append_tx_after_publish(pool, s, tx);
 }
 
-int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
+int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                        kvp__append_tx *tx) {
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   rw_plan pl;
-  int rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl);
-  if (rc) return rc;
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
-    rw_undo(pool, &pl);
-    return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
-                                 "the budget (%llu of %llu in use)",
-                    (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
-                    (unsigned long long)pool->alloc.ledger.allocated.current,
-                    (unsigned long long)pool->alloc.ledger.budget_bytes);
-  }
-  rc = rw_take(pool, s, layer, pos, &pl);
-  if (rc == KVP_ENOSPC && pool->limbo) {
-    kvp__reclaim(pool);
-    if (!(rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) rc = rw_take(pool, s, layer, pos, &pl);
+  int rc;
+  for (;;) { /* once, or again after the policy's evictions made room (kvp__append_tx_make_room) */
+    if ((rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) return rc;
+    if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
+    if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
+      rw_undo(pool, &pl);
+      if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) continue;
+      return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
+                                   "the budget (%llu of %llu in use)",
+                      (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
+                      (unsigned long long)pool->alloc.ledger.allocated.current,
+                      (unsigned long long)pool->alloc.ledger.budget_bytes);
+    }
+    uint64_t bytes = pl.bytes;
+    pl.run_always = tx && tx->before.n && !tx->before_applied;
+    rc = rw_take(pool, s, layer, pos, &pl);
+    if (rc == KVP_ENOSPC && pool->limbo) {
+      kvp__reclaim(pool);
+      if (!(rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) {
+        pl.run_always = tx && tx->before.n && !tx->before_applied;
+        rc = rw_take(pool, s, layer, pos, &pl);
+      }
+    }
+    if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, bytes)) continue;
+    break;
   }
   if (rc) return rc;
   for (uint32_t h = 0; h < pool->cfg.n_kv_heads && !rc; h++)
@@ -329,6 +345,6 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
     rw_undo(pool, &pl);
     return rc;
   }
-  rw_publish(pool, s, layer, pos, &pl);
+  rw_publish(pool, s, layer, pos, &pl, tx);
   return KVP_OK;
 }

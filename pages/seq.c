@@ -33,7 +33,8 @@ static unsigned long seq_hash(uint64_t id) {
 }
 
 int kvp__seqs_init(kvp_pool *pool) {
-  pool->seqs = cds_lfht_new(LFHT_INIT, LFHT_INIT, 0, CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, NULL);
+  pool->seqs = KVP__FAULT() ? NULL /* fault-injection build: a failed table */
+                            : cds_lfht_new(LFHT_INIT, LFHT_INIT, 0, CDS_LFHT_AUTO_RESIZE | CDS_LFHT_ACCOUNTING, NULL);
   return pool->seqs ? KVP_OK : kvp__err(KVP_ENOMEM, "sequence hash table");
 }
 
@@ -386,7 +387,8 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
     rc = kvp__err(KVP_EBUSY, "fork of %llu: a step is open (fork between steps)", (unsigned long long)parent);
   else if (!(c = kvp__seq_alloc(pool, child, p->plan, p->n_plan)))
     rc = kvp__err(KVP_ENOMEM, "metadata of sequence %llu", (unsigned long long)child);
-  else if ((rc = policy_attach(pool, c, p->pol_spec, &(kvp_seq_config){.struct_size = sizeof(kvp_seq_config),
+  else if ((c->mode = p->mode, c->budget_fraction = p->budget_fraction, /* the policy checks them */
+            rc = policy_attach(pool, c, p->pol_spec, &(kvp_seq_config){.struct_size = sizeof(kvp_seq_config),
                                                                           .mode = p->mode, .step_tokens = p->plan,
                                                                           .n_steps = p->n_plan,
                                                                           .budget_fraction = p->budget_fraction})))
@@ -395,6 +397,8 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
     policy_detach(pool, c);
     seq_free_struct(&pool->meta, c);
   } else {
+    if (c->pol && c->pol->vt && c->pol->vt->seq_copy && p->pol && p->pol->vt == c->pol->vt) /* cursors, shot */
+      c->pol->vt->seq_copy(pool, c->pol->cfg, p->pol_state, c->pol_state);
     kvp__rcu_publish(&c->node);
     kvp__rcu_read_lock();
     cds_lfht_add(pool->seqs, seq_hash(child), &c->node);
@@ -418,6 +422,9 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
   if (atomic_load_explicit(&s->in_step, memory_order_relaxed))
     rc = kvp__err(KVP_EBUSY, "sequence %llu: step %u is still open (call kvp_step_end first)", (unsigned long long)seq,
                   k - 1);
+  else if (flags & ~KVP_STEP_SCENE_CUT)
+    rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: flags 0x%x has unknown bits 0x%x (known: KVP_STEP_SCENE_CUT)",
+                  (unsigned long long)seq, k, flags, flags & ~KVP_STEP_SCENE_CUT);
   else if (n_tokens == 0 || n_tokens > KVP_MAX_STEP_TOKENS)
     rc = kvp__err(KVP_EINVAL, "sequence %llu step %u: n_tokens = %u must be 1..%u", (unsigned long long)seq, k, n_tokens,
                   KVP_MAX_STEP_TOKENS);
@@ -436,10 +443,15 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
       s->step_pos_cap = ncap;
     }
   }
+  kvp__evict_plan ev; /* the policy's evictions: taken ahead, applied only when the step begins */
+  kvp__evict_plan_init(&ev);
   if (!rc && s->pol && s->pol->vt && s->pol->vt->step_begin) {
     s->step_pos[k] = pos; /* the policy may look at the step's position */
-    rc = s->pol->vt->step_begin(pool, s->pol->cfg, s, s->pol_state, k, flags);
+    rc = s->pol->vt->step_begin(pool, s->pol->cfg, s, s->pol_state, k, flags, &ev);
+    if (!rc) rc = kvp__evict_plan_prepare(pool, &ev);
+    if (!rc) kvp__evict_plan_apply(pool, s, &ev);
   }
+  kvp__evict_plan_fini(pool, &ev);
   if (!rc) {
     s->step_pos[k] = pos;
     s->step_pos[k + 1] = pos + n_tokens;
@@ -455,6 +467,9 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
 
 static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
   if (!kv) return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv is NULL", (unsigned long long)seq, layer);
+  if (kv->stream && pool->cfg.memory == KVP_MEM_HOST)
+    return kvp__err(KVP_EINVAL, "seq %llu layer %u: kv->stream = %p on a host pool (a CUDA stream needs a "
+                    "KVP_MEM_CUDA region; pass NULL)", (unsigned long long)seq, layer, kv->stream);
   const void *p[2] = {kv->k, kv->v};
   kvp_dtype dt[2] = {pool->cfg.k_dtype, pool->cfg.v_dtype};
   for (int i = 0; i < 2; i++) {
@@ -467,12 +482,16 @@ static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kv
   return KVP_OK;
 }
 
-/* The policy's before_append: its evictions, and the heads to skip. */
-static int policy_before(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip) {
+/* The policy's plans for one append: its evictions before and after the
+ * layer is stored, and the heads to skip; their runs taken ahead. */
+static int policy_plan(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip, kvp__append_tx *tx) {
   memset(skip, 0, KVP_MAX_KV_HEADS / 8);
-  if (!s->pol || !s->pol->vt || !s->pol->vt->before_append) return KVP_OK;
-  return s->pol->vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer,
-                                   atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, skip);
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
+  const kvp__policy_vt *vt = s->pol ? s->pol->vt : NULL;
+  int rc = KVP_OK;
+  if (vt && vt->before_append) rc = vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer, step, skip, &tx->before);
+  if (!rc && vt && vt->after_append) rc = vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer, step, &tx->after);
+  return rc ? rc : kvp__append_tx_prepare(pool, tx);
 }
 
 KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_kv *kv) {
@@ -492,12 +511,12 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
   else if (layer > s->next_layer)
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
-  else if (!(rc = kv_check(pool, seq, layer, kv)) && !(rc = policy_before(pool, s, layer, skip)) &&
-           !(rc = kvp__append_layer(pool, s, layer, kv, skip))) {
-    s->next_layer++;
-    if (s->pol && s->pol->vt && s->pol->vt->after_append) /* the layer is stored even if this fails */
-      rc = s->pol->vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer,
-                                    atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
+  else if (!(rc = kv_check(pool, seq, layer, kv))) { /* one transaction: the layer and its policy's evictions */
+    kvp__append_tx tx;
+    kvp__append_tx_init(&tx);
+    if (!(rc = policy_plan(pool, s, layer, skip, &tx)) && !(rc = kvp__append_layer(pool, s, layer, kv, skip, &tx)))
+      s->next_layer++;
+    kvp__append_tx_fini(pool, &tx);
   }
   kvp__unlock(pool);
   return rc;
@@ -536,7 +555,7 @@ KVP_API int kvp_evict(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t hea
   else if (step >= atomic_load_explicit(&s->n_steps, memory_order_relaxed))
     rc = kvp__err(KVP_ENOENT, "evict seq %llu: step %u was never begun (%u steps)", (unsigned long long)seq, step,
                   atomic_load_explicit(&s->n_steps, memory_order_relaxed));
-  else if (!(rc = kvp__evict_unit(pool, s, layer, head, step)))
+  else if (!(rc = kvp__evict_unit(pool, s, layer, head, step, NULL)))
     kvp__reclaim(pool);
   kvp__unlock(pool);
   return rc;

@@ -15,6 +15,8 @@
  * budget for all of them at once, allocate metadata and pages, write the
  * payload, and only then publish (brefs, then the run's end position). A
  * failure before publishing frees what was taken; readers never see it.
+ * The policy's evictions of the append (pages/evict.c) are applied with
+ * the publication, or first when only they make room.
  *
  * OPEN blocks (stream mode) get pages for their full capacity, as paged
  * engines do: a decode token is a row copy, with no ledger traffic until a
@@ -204,6 +206,7 @@ typedef struct append_plan {
   kvp__block **blocks;    /* [H * nb]: per head the new blocks, then the resealed tail (NULL: skipped) */
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
+  bool run_always;        /* take a run even if the last one extends now (evictions come first) */
 } append_plan;
 
 static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
@@ -253,9 +256,9 @@ bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, 
 
 static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
   uint32_t H = pool->cfg.n_kv_heads;
-  for (uint32_t i = 0; i < nblocks; i++)
+  for (uint32_t i = 0; pl->blocks && i < nblocks; i++) /* either array may be missing (its allocation failed) */
     if (pl->blocks[i]) kvp__block_destroy(pool, pl->blocks[i]);
-  for (uint32_t i = 0; i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
+  for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
   if (pl->run) kvp__run_free_now(pool, pl->run);
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
@@ -271,7 +274,9 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   bool ok = pl->blocks && pl->brefs;
   uint64_t mask[KVP_MAX_KV_HEADS / 64];
   stored_mask(pool, pl, mask);
-  if (ok && pl->nskip < H && !kvp__run_extends(pool, &s->layers[layer], step, mask))
+  /* a run, unless the last one extends; with evictions to apply before the
+   * publication (they may split it) always one: kvp__run_settle decides */
+  if (ok && pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
     ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
@@ -473,13 +478,15 @@ static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h
 }
 
 /* Make the append visible: every head, then the run's end. */
-static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
+static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl, kvp__append_tx *tx) {
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
+  kvp__append_tx_before_publish(pool, s, tx);
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
-  kvp__run_publish(s, layer, pos + n, pl->run, pl->nskip == H);
+  kvp__run_publish(s, layer, pos + n, kvp__run_settle(pool, s, layer, pl->run), pl->nskip == H);
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
+  kvp__append_tx_after_publish(pool, s, tx);
 }
 
 void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored) {
@@ -496,43 +503,51 @@ void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *r
   }
 }
 
-static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip);
+static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                        kvp__append_tx *tx);
 
-int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
-  if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv, skip); /* device input: not screened */
+int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                      kvp__append_tx *tx) {
+  if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv, skip, tx); /* device input: not screened */
   kvp_kv use;
   void *scratch[2] = {NULL, NULL};
   size_t scratch_bytes[2] = {0, 0};
   int rc = screen_input(pool, layer, kv, s->cur_tokens, &use, scratch, scratch_bytes);
-  if (!rc) rc = append_layer(pool, s, layer, &use, skip);
+  if (!rc) rc = append_layer(pool, s, layer, &use, skip, tx);
   for (int side = 0; side < 2; side++) kvp__meta_free(&pool->meta, scratch[side], scratch_bytes[side]);
   return rc;
 }
 
-static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip) {
-  if (kvp__layer_rowwise(pool, layer)) return kvp__append_rowwise(pool, s, layer, kv, skip);
+static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                        kvp__append_tx *tx) {
+  if (kvp__layer_rowwise(pool, layer)) return kvp__append_rowwise(pool, s, layer, kv, skip, tx);
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;
+retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
   plan_shape(pool, s, layer, pos, skip, &pl);
+  pl.run_always = tx && tx->before.n && !tx->before_applied;
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes))
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
+    if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
     return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
                                  "the budget (%llu of %llu in use)",
                     (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
                     (unsigned long long)pool->alloc.ledger.allocated.current,
                     (unsigned long long)pool->alloc.ledger.budget_bytes);
+  }
   rc = plan_take(pool, s, layer, pos, &pl);
   if (rc == KVP_ENOSPC && pool->limbo) {
     kvp__reclaim(pool);
     rc = plan_take(pool, s, layer, pos, &pl);
   }
+  if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
   if (rc) return rc;
   if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, pos, kv, &pl))) { /* dry: no payload */
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;
   }
-  publish(pool, s, layer, pos, &pl);
+  publish(pool, s, layer, pos, &pl, tx);
   return KVP_OK;
 }
 
@@ -574,7 +589,13 @@ bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32
   return false;
 }
 
-int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
+/* A replacement run: from the plan's spares (cannot fail), or allocated. */
+static kvp__run *run_for(kvp_pool *pool, kvp__evict_plan *ev, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1,
+                         const uint64_t *mask) {
+  return ev ? kvp__evict_plan_run(pool, ev, s0, p0, s1, p1, mask) : kvp__run_new(pool, s0, p0, s1, p1, mask);
+}
+
+int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step, kvp__evict_plan *ev) {
   kvp__layer *L = &s->layers[layer];
   kvp__run *prev = NULL, *r = L->runs;
   for (; r; prev = r, r = r->next)
@@ -591,9 +612,9 @@ int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, 
   without[head / 64] &= ~(1ull << (head % 64));
   bool any = false;
   for (uint32_t w = 0; w < r->nwords; w++) any |= without[w] != 0;
-  kvp__run *x = step > r->s0 ? kvp__run_new(pool, r->s0, r->p0, step, a, r->mask) : NULL;
-  kvp__run *y = any ? kvp__run_new(pool, step, a, step + 1, b, without) : NULL;
-  kvp__run *z = step + 1 < s1 ? kvp__run_new(pool, step + 1, b, s1, p1, r->mask) : NULL;
+  kvp__run *x = step > r->s0 ? run_for(pool, ev, r->s0, r->p0, step, a, r->mask) : NULL;
+  kvp__run *y = any ? run_for(pool, ev, step, a, step + 1, b, without) : NULL;
+  kvp__run *z = step + 1 < s1 ? run_for(pool, ev, step + 1, b, s1, p1, r->mask) : NULL;
   if ((step > r->s0 && !x) || (any && !y) || (step + 1 < s1 && !z)) {
     if (x) kvp__run_free_now(pool, x);
     if (y) kvp__run_free_now(pool, y);

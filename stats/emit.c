@@ -140,7 +140,7 @@ static void emit_json(const kvp__emit_src *src, out *o) {
   for (uint32_t i = 0, first = 1; i < t->cap; i++) {
     kvp_usage u;
     if (!atomic_load_explicit(&t->slot[i].used, memory_order_acquire)) continue;
-    kvp__usage_read(&t->slot[i].u, &u);
+    kvp__seq_usage_read(&t->slot[i], &u);
     if (!u.npages) continue;
     put(o, "%s\"%llu\":", first ? "" : ",",
         (unsigned long long)atomic_load_explicit(&t->slot[i].seq, memory_order_relaxed));
@@ -227,7 +227,7 @@ static void emit_prometheus(const kvp__emit_src *src, out *o) {
     kvp_usage u;
     char slice[24];
     if (!atomic_load_explicit(&t->slot[i].used, memory_order_acquire)) continue;
-    kvp__usage_read(&t->slot[i].u, &u);
+    kvp__seq_usage_read(&t->slot[i], &u);
     if (!u.npages) continue;
     snprintf(slice, sizeof slice, "%llu", (unsigned long long)atomic_load_explicit(&t->slot[i].seq, memory_order_relaxed));
     prom_usage(o, "seq", slice, &u);

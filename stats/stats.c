@@ -9,10 +9,12 @@
  * Sequences sit in an open-addressing table (linear probing, power-of-two
  * capacity, load <= 1/2). A sequence's slot stays once created (a
  * tombstone with zero usage) until the table is rebuilt on growth, which
- * drops the empty ones. The writer changes the table under the pool's
- * writer lock; readers (stats, breakdowns, top-N, emitters) walk it
- * lock-free under RCU: a rebuilt table is published with a release store
- * and the old one freed after a grace period.
+ * drops the empty ones. Each slot's three figures move under its own
+ * sequence lock (ver), so a reader's copy of one slot is consistent. The
+ * writer changes the table under the pool's writer lock; readers (stats,
+ * breakdowns, top-N, emitters) walk it lock-free under RCU: a rebuilt
+ * table is published with a release store and the old one freed after a
+ * grace period.
  */
 #include "stats.h"
 
@@ -142,10 +144,20 @@ int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
   return KVP_OK;
 }
 
-const kvp__usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq) {
+const kvp__seq_usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(kvp__rcu_deref(((kvp__stats *)st)->seqt), seq, &found);
-  return found ? &e->u : NULL;
+  return found ? e : NULL;
+}
+
+void kvp__seq_usage_read(const kvp__seq_usage *e, kvp_usage *out) {
+  for (;;) {
+    uint32_t v0 = atomic_load_explicit(&e->ver, memory_order_acquire);
+    if (v0 & 1) continue;
+    kvp__usage_read(&e->u, out);
+    atomic_thread_fence(memory_order_acquire);
+    if (atomic_load_explicit(&e->ver, memory_order_relaxed) == v0) return;
+  }
 }
 
 /* Heap order for top-N: a is "smaller" (evicted from the heap first) if it
@@ -188,7 +200,7 @@ int kvp__stats_top_seqs(const kvp__stats *st, uint32_t n, kvp_seq_usage *out, ui
     const kvp__seq_usage *e = &t->slot[i];
     if (!slot_used(e)) continue;
     kvp_seq_usage c = {slot_seq(e), {0, 0, 0}};
-    kvp__usage_read(&e->u, &c.usage);
+    kvp__seq_usage_read(e, &c.usage);
     if (!c.usage.npages) continue;
     if (k < n) {
       out[k] = c;
@@ -235,7 +247,11 @@ void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_by
     kvp__assert(found); /* reserved before the page was taken */
     st->seq_last = e;
   }
+  uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
+  atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
   usage_move(&e->u, requested_bytes, allocated_bytes, sign);
+  atomic_store_explicit(&e->ver, v + 2, memory_order_release);
 }
 
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out) {

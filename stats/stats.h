@@ -38,7 +38,8 @@ typedef struct kvp__usage {
 typedef struct kvp__seq_usage {
   _Atomic uint64_t seq; /* key */
   _Atomic bool used;    /* slot holds a key (tombstones are used with 0 pages) */
-  kvp__usage u;         /* its usage */
+  _Atomic uint32_t ver; /* sequence lock over u: odd while the writer moves it */
+  kvp__usage u;         /* its usage: read it with kvp__seq_usage_read */
 } kvp__seq_usage;
 
 /* The per-sequence table: replaced as a whole when it grows (RCU: readers
@@ -76,9 +77,12 @@ void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_by
                       uint64_t allocated_bytes, int sign);
 /* Read one usage into the public struct. */
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out);
-/* The usage of a sequence, or NULL. Writer lock, or inside
+/* The slot of a sequence, or NULL. Writer lock, or inside
  * kvp__rcu_read_lock (the pointer is valid until the unlock). */
-const kvp__usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq);
+const kvp__seq_usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq);
+/* A consistent copy of a sequence slot's three figures (its sequence lock:
+ * retries while the writer is between them). Lock-free. */
+void kvp__seq_usage_read(const kvp__seq_usage *e, kvp_usage *out);
 /* The n sequences with the most allocated bytes (ties: lower id first),
  * largest first, into out[0..*n_out). Lock-free (takes the RCU read lock);
  * out doubles as the heap, nothing is allocated. */

@@ -2,31 +2,37 @@
 # Install the Debian packages kvpool needs, only those that are missing.
 # Quick when everything is present (one dpkg-query). Uses sudo when not root.
 # Required packages must install; optional ones (plots, the Python binding's
-# tests) are tried and only warned about when the machine cannot get them
-# (a GPU machine without a package registry, say).
+# tests, clang and libFuzzer for `make fuzz`) are tried one by one and only
+# warned about when they cannot (a GPU machine without a registry, say).
 set -euo pipefail
 required=(libjemalloc-dev liburcu-dev check pkg-config libjansson-dev)
-optional=(gnuplot-nox python3-numpy python3-pytest python3-cffi)
-missing() {
+optional=(gnuplot-nox python3-numpy python3-pytest python3-cffi clang libclang-rt-dev)
+missing_of() {
   local p st
   for p in "$@"; do
     st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
     [[ $st == "install ok installed" ]] || echo "$p"
   done
 }
-mapfile -t need < <(missing "${required[@]}" "${optional[@]}")
-[[ ${#need[@]} -eq 0 ]] && exit 0
-echo "deps: installing ${need[*]}"
+mapfile -t need < <(missing_of "${required[@]}")
+mapfile -t want < <(missing_of "${optional[@]}")
+[[ ${#need[@]} -eq 0 && ${#want[@]} -eq 0 ]] && exit 0
 sudo=""
 [[ $(id -u) -ne 0 ]] && sudo="sudo"
 export DEBIAN_FRONTEND=noninteractive
-install() { $sudo apt-get install -y --no-install-recommends "$@"; }
-install "${need[@]}" || { $sudo apt-get update -q || true; install "${need[@]}"; } || true
-mapfile -t still < <(missing "${required[@]}")
-if [[ ${#still[@]} -gt 0 ]]; then
-  echo "deps: could not install required packages: ${still[*]}" >&2
-  exit 1
+updated=0
+install() { # install "$@", updating the package lists once if the first try fails
+  $sudo apt-get install -y --no-install-recommends "$@" && return 0
+  [[ $updated -eq 1 ]] && return 1
+  updated=1
+  $sudo apt-get update -q && $sudo apt-get install -y --no-install-recommends "$@"
+}
+if [[ ${#need[@]} -gt 0 ]]; then
+  echo "deps: installing ${need[*]}"
+  install "${need[@]}"
 fi
-mapfile -t opt < <(missing "${optional[@]}")
-[[ ${#opt[@]} -eq 0 ]] || echo "deps: optional packages missing (their features skip with a message): ${opt[*]}" >&2
+for p in "${want[@]}"; do
+  echo "deps: installing optional $p"
+  install "$p" || echo "deps: optional package $p could not be installed (what needs it skips with a message)" >&2
+done
 exit 0

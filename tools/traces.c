@@ -138,6 +138,8 @@ static int azure_time(cursor *c, const char **p, const char *e, int64_t *ns) {
   int leap = (Y % 4 == 0 && Y % 100 != 0) || Y % 400 == 0;
   if (M < 1 || M > 12 || D < 1 || D > mdays[M - 1] || (M == 2 && D == 29 && !leap) || h > 23 || m > 59 || sec > 59)
     return fail(c, KVP_EFORMAT, "TIMESTAMP \"%.*s\": no such date or time", (int)n, s);
+  if (Y < 1970 || Y > 2261) /* nanoseconds since 1970, and their differences, fit 63 bits up to 2262 */
+    return fail(c, KVP_EFORMAT, "TIMESTAMP \"%.*s\": year %u outside 1970..2261", (int)n, s, Y);
   for (size_t i = nf; i < 9; i++) frac *= 10;
   *ns = ((days_from_civil(Y, M, D) * 24 + h) * 60 + m) * 60 + sec;
   *ns = *ns * 1000000000 + frac;

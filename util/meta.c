@@ -33,12 +33,34 @@ static size_t size_of(void *p, size_t asked) {
   (void)asked;
   return sallocx(p, arena_flags);
 }
+/* The fault-injection build counts and tracks arena allocations here (the
+ * libc ones of KVP_META_LIBC go through its libc wrappers). */
 static void *raw_alloc(size_t n, bool zero) {
   pthread_once(&arena_once, arena_init);
-  return mallocx(n ? n : 1, arena_flags | (zero ? MALLOCX_ZERO : 0));
+  if (KVP__FAULT()) return NULL;
+  void *p = mallocx(n ? n : 1, arena_flags | (zero ? MALLOCX_ZERO : 0));
+#ifdef KVP_FAULT_INJECT
+  kvp__fault_track(p, n);
+#endif
+  return p;
 }
-static void raw_free(void *p, size_t n) { sdallocx(p, n ? n : 1, arena_flags); }
-static void *raw_realloc(void *p, size_t n) { return rallocx(p, n ? n : 1, arena_flags); }
+static void raw_free(void *p, size_t n) {
+#ifdef KVP_FAULT_INJECT
+  kvp__fault_untrack(p);
+#endif
+  sdallocx(p, n ? n : 1, arena_flags);
+}
+static void *raw_realloc(void *p, size_t n) {
+  if (KVP__FAULT()) return NULL;
+  void *q = rallocx(p, n ? n : 1, arena_flags);
+#ifdef KVP_FAULT_INJECT
+  if (q) {
+    kvp__fault_untrack(p);
+    kvp__fault_track(q, n);
+  }
+#endif
+  return q;
+}
 #else
 static size_t size_of(void *p, size_t asked) {
   (void)p;

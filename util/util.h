@@ -11,6 +11,8 @@
 #endif
 #include "kvpool.h"
 
+#include "fault.h"
+
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>

@@ -159,6 +159,115 @@ START_TEST(infeasible_budget_refused) {
 }
 END_TEST
 
+/* A fork under heatkv: the child is in step mode like its parent (the
+ * policy checks it), follows the same plan from where the parent is, and
+ * both keep the budget. */
+static void fork_case(const char *variant, const char *src) {
+  enum { L = 4, H = 2, D = 16 };
+  fill_kv(H, D);
+  char policy[96];
+  snprintf(policy, sizeof policy, "%s:b=0.3:s=3:%s=synthetic", variant, src);
+  kvp_pool *p = mkpool(L, H, D, NULL, policy, 0);
+  add_var_seq(p, 1, 0);
+  for (uint32_t k = 0; k < 13; k++) {
+    if (k == 6) {
+      ck_ok(kvp_seq_fork(p, 1, 2));
+      ck_ok(kvp_check(p));
+    }
+    for (uint64_t id = 1; id <= (k >= 6 ? 2u : 1u); id++) {
+      ck_ok(kvp_step_begin(p, id, SCHED[k], 0));
+      for (uint32_t l = 0; l < L; l++) ck_ok(kvp_append(p, id, l, &(kvp_kv){KV, KV, NULL}));
+      ck_ok(kvp_step_end(p, id));
+    }
+    ck_ok(kvp_check(p));
+  }
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.sequences.current, 2);
+  ck_assert_uint_le(s.tokens_retained.current, 2 * 0.3 * L * H * 6425.0);
+  ck_ok(kvp_seq_free(p, 1));
+  ck_ok(kvp_check(p));
+  kvp_pool_destroy(p);
+}
+
+START_TEST(fork_keeps_step_mode) { fork_case("heatkv", "orders"); }
+END_TEST
+START_TEST(binary_fork_keeps_step_mode) { fork_case("binary-heatkv", "scores"); }
+END_TEST
+
+/* An append that finds no room (the pool's budget, or its region, smaller
+ * than the plan needs) is refused and evicts nothing: the policy's
+ * evictions belong to the append, so tokens retained, ledger and steps stay
+ * as they were. The run goes on until the first refusal. */
+typedef struct refuse_fp {
+  uint64_t tokens, evicted, allocated, pages;
+} refuse_fp;
+
+static refuse_fp refuse_fingerprint(kvp_pool *p) {
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  return (refuse_fp){s.tokens_retained.current, s.tokens_evicted, s.bytes_allocated.current, s.pages.current};
+}
+
+/* One run up to its first refused append; returns 1 if one was refused
+ * (and checks it changed nothing). */
+static int refused_run(uint32_t D, uint64_t region, uint64_t budget, int want) {
+  enum { L = 4, H = 2 };
+  fill_kv(H, D);
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = 64;
+  c.region_bytes = region, c.budget_bytes = budget;
+  c.policy = "heatkv:b=0.3:s=3:orders=synthetic";
+  kvp_pool *p = NULL;
+  ck_ok(kvp_pool_create(&c, &p));
+  add_var_seq(p, 1, 0);
+  int refused = 0;
+  for (uint32_t k = 0; k < 13 && !refused; k++) {
+    ck_ok(kvp_step_begin(p, 1, SCHED[k], 0));
+    for (uint32_t l = 0; l < L && !refused; l++) {
+      ck_ok(kvp_reclaim(p));
+      refuse_fp before = refuse_fingerprint(p);
+      int rc = kvp_append(p, 1, l, &(kvp_kv){KV, KV, NULL});
+      if (rc == KVP_OK) continue;
+      refused = 1;
+      ck_assert_msg(rc == want, "scale %u layer %u: %s, expected %s", k, l, kvp_last_error(), kvp_err_name(want));
+      refuse_fp after = refuse_fingerprint(p);
+      ck_assert_msg(after.tokens == before.tokens && after.evicted == before.evicted &&
+                        after.allocated == before.allocated && after.pages == before.pages,
+                    "budget %llu region %llu, scale %u layer %u refused (%s) but tokens %llu -> %llu, allocated "
+                    "%llu -> %llu", (unsigned long long)budget, (unsigned long long)region, k, l, kvp_err_name(rc),
+                    (unsigned long long)before.tokens, (unsigned long long)after.tokens,
+                    (unsigned long long)before.allocated, (unsigned long long)after.allocated);
+      ck_ok(kvp_check(p));
+      ck_status(kvp_step_end(p, 1), KVP_EINVAL); /* the layer is still to append */
+    }
+    if (!refused) ck_ok(kvp_step_end(p, 1));
+  }
+  kvp_pool_destroy(p);
+  return refused;
+}
+
+/* Budgets from far too small to almost enough: wherever the first refusal
+ * falls (some layers have evictions planned before their append, some
+ * not), it changes nothing. */
+START_TEST(refused_append_evicts_nothing_budget) {
+  int n = 0;
+  for (uint64_t b = 64 << 10; b <= 1024 << 10; b += 8 << 10) n += refused_run(16, 64ull << 20, b, KVP_EBUDGET);
+  printf("heatkv: %d appends refused by the budget, none changed the pool\n", n);
+  ck_assert_int_gt(n, 100);
+}
+END_TEST
+
+/* The same with the region binding (the budget past it). */
+START_TEST(refused_append_evicts_nothing_region) {
+  int n = 0;
+  for (uint32_t D = 48; D <= 160; D += 16) n += refused_run(D, 2ull << 20, 1ull << 30, KVP_ENOSPC);
+  printf("heatkv: %d appends refused by the region, none changed the pool\n", n);
+  ck_assert_int_gt(n, 4);
+}
+END_TEST
+
 /* The shipped Infinity-2B orders (L=32, H=16), D=16 to keep it small. */
 START_TEST(shipped_infinity_2b_orders) {
   if (access(SHARED_2B, R_OK) != 0) {
@@ -191,6 +300,10 @@ int main(void) {
   tcase_add_loop_test(tc, binary_slots_budget_holds, 0, 3);
   tcase_add_loop_test(tc, binary_bytes_budget_holds, 0, 3);
   tcase_add_test(tc, infeasible_budget_refused);
+  tcase_add_test(tc, fork_keeps_step_mode);
+  tcase_add_test(tc, refused_append_evicts_nothing_budget);
+  tcase_add_test(tc, refused_append_evicts_nothing_region);
+  tcase_add_test(tc, binary_fork_keeps_step_mode);
   tcase_add_loop_test(tc, shipped_infinity_2b_orders, 0, 3);
   suite_add_tcase(s, tc);
   int rc = it_run(s);

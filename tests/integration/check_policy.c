@@ -162,6 +162,35 @@ START_TEST(multishot_rebinds_the_shot_sink) {
 }
 END_TEST
 
+/* A fork continues its parent's shot: the shot sink bound before the fork
+ * stays the child's. */
+START_TEST(multishot_fork_keeps_the_shot) {
+  kvp_pool *p = mkpool("multishot:global=2:shot=1:window=3");
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  for (uint32_t k = 0; k < 12; k++) {
+    if (k == 7) {
+      ck_ok(kvp_seq_fork(p, 1, 2));
+      kvgen_fork(&G, 1, 2, 3 * k);
+    }
+    for (uint64_t id = 1; id <= (k >= 7 ? 2u : 1u); id++) {
+      ck_ok(kvp_step_begin(p, id, 3, k == 5 ? KVP_STEP_SCENE_CUT : 0));
+      for (uint32_t l = 0; l < L; l++) {
+        kvgen_fill(&G, id, l, 3 * k, 3, H, D, K, V);
+        ck_ok(kvp_append(p, id, l, &(kvp_kv){K, V, NULL}));
+      }
+      ck_ok(kvp_step_end(p, id));
+      ck_ok(kvp_check(p));
+      uint32_t shot = k >= 5 ? 5 : 0, want[64], n = 0;
+      for (uint32_t j = 0; j <= k; j++)
+        if (j < 2 || j == shot || j + 3 > k)
+          for (uint32_t t = 0; t < 3; t++) want[n++] = 3 * j + t;
+      expect_positions(p, id, want, n);
+    }
+  }
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("policy");
   TCase *tc = tcase_create("window");
@@ -170,6 +199,7 @@ int main(void) {
   tcase_add_test(tc, window_keeps_steps_whole);
   tcase_add_test(tc, sequence_overrides_and_fork_inherits);
   tcase_add_test(tc, multishot_rebinds_the_shot_sink);
+  tcase_add_test(tc, multishot_fork_keeps_the_shot);
   suite_add_tcase(s, tc);
   return it_run(s);
 }

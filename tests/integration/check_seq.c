@@ -81,6 +81,8 @@ START_TEST(bad_input_changes_nothing) {
   ck_status(kvp_append(p, 1, 0, &kv), KVP_EINVAL); ck_msg("outside a step");
   ck_status(kvp_step_end(p, 1), KVP_EINVAL); ck_msg("no step is open");
   ck_status(kvp_step_begin(p, 1, 0, 0), KVP_EINVAL); ck_msg("n_tokens = 0");
+  ck_status(kvp_step_begin(p, 1, 4, 0x6), KVP_EINVAL); ck_msg("unknown bits 0x6");
+  ck_status(kvp_step_begin(p, 1, 4, KVP_STEP_SCENE_CUT | 0x80000000u), KVP_EINVAL); ck_msg("0x80000000");
   kvp_seq_config sc;
   kvp_seq_config_init(&sc);
   sc.mode = (kvp_seq_mode)5;
@@ -103,6 +105,8 @@ START_TEST(bad_input_changes_nothing) {
   ck_status(kvp_append(p, 1, 0, &nul), KVP_EINVAL); ck_msg("kv->k is NULL");
   kvp_kv mis = {(const char *)K + 1, V, NULL};
   ck_status(kvp_append(p, 1, 0, &mis), KVP_EINVAL); ck_msg("not aligned");
+  kvp_kv strm = {K, V, (void *)&mis};
+  ck_status(kvp_append(p, 1, 0, &strm), KVP_EINVAL); ck_msg("kv->stream");
   ck_status(kvp_step_end(p, 1), KVP_EINVAL); ck_msg("after 0 of 3 layers");
   UNCHANGED(p, f);
   ck_ok(kvp_append(p, 1, 0, &kv));

@@ -77,6 +77,8 @@ static const struct bad {
     {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,0\n", "out of range"},
     {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,37x,4\n", "unexpected 'x'"},
     {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-02-29 18:15:46.1,3,4\n", "no such date"},
+    {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n4046-11-16 18:15:46.6805900,374,44\n", "year 4046"},
+    {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n1600-01-01 00:00:00,374,44\n", "year 1600"},
     {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.,3,4\n", "fractional"},
     {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1234567890,3,4\n", "fractional"},
     {TRACE_AZURE, "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16T18:15:46.1,3,4\n", "YYYY-MM-DD"},

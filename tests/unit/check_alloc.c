@@ -186,7 +186,7 @@ START_TEST(slab_fill_and_drain) {
   static const uint64_t sizes[] = {64, 192, 320, 4096, 72 * 128, 16 << 10};
   uint64_t sz = sizes[_i];
   kvp_pool *p = mkpool(32 * MB, 0, 1, 1);
-  uint32_t sc = kvp__sc_index(sz), nslots = (uint32_t)(KVP__SLAB_BYTES / kvp__sc_size(sc));
+  uint32_t sc = kvp__sc_index(sz), nslots = (uint32_t)(p->alloc.slab_bytes / kvp__sc_size(sc));
   uint32_t n = nslots + 1;
   kvp_page_id *ids = calloc(n, sizeof *ids);
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
@@ -204,7 +204,7 @@ START_TEST(slab_fill_and_drain) {
       ck_abort_msg("slot %u is not at its place in the slab", i);
   kvp_stats s = {.struct_size = sizeof s};
   ck_ok(kvp_stats_get(p, &s));
-  ck_assert_uint_eq(s.bytes_committed.current, 2 * KVP__SLAB_BYTES);
+  ck_assert_uint_eq(s.bytes_committed.current, 2 * p->alloc.slab_bytes);
   for (uint32_t i = 0; i < n; i++) {
     if (kvp_page_free(p, ids[i])) ck_abort_msg("free %u: %s", i, kvp_last_error());
     if (i % 97 == 0 && kvp_check(p)) ck_abort_msg("after free %u: %s", i, kvp_last_error());
@@ -216,6 +216,33 @@ START_TEST(slab_fill_and_drain) {
   ck_assert_uint_eq(s.bytes_allocated.current, 0);
   ck_assert_uint_eq(s.bytes_allocated.peak, (uint64_t)n * kvp__sc_size(sc));
   free(ids);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* A small region holds slabs of many classes at once: a 4 MiB region takes
+ * one page of each of 24 small classes (a 2 MiB slab per class fitted two),
+ * and the slab size follows the region up to 2 MiB. */
+START_TEST(small_region_many_classes) {
+  ck_assert_uint_eq(kvp__slab_bytes_for(4ull << 20), 128ull << 10);
+  ck_assert_uint_eq(kvp__slab_bytes_for(1ull << 20), KVP__SLAB_MIN_BYTES);
+  ck_assert_uint_eq(kvp__slab_bytes_for(100ull << 20), KVP__SLAB_BYTES);
+  ck_assert_uint_eq(kvp__slab_bytes_for(48ull << 20), 1ull << 20);
+  kvp_pool *p = mkpool(4 * MB, 0, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
+  kvp_page_id ids[24];
+  for (uint32_t c = 0; c < 24; c++) {
+    uint64_t sz = kvp__sc_size(c);
+    ck_assert_uint_le(sz, KVP__SMALL_MAX_BYTES);
+    if (kvp_page_alloc(p, sz, &t, &ids[c])) ck_abort_msg("class %u (%llu bytes): %s", c, (unsigned long long)sz,
+                                                         kvp_last_error());
+    ck_pool(p);
+  }
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_committed.current, 24 * p->alloc.slab_bytes);
+  for (uint32_t c = 0; c < 24; c++) ck_ok(kvp_page_free(p, ids[c]));
+  ck_pool(p);
   kvp_pool_destroy(p);
 }
 END_TEST
@@ -320,19 +347,22 @@ END_TEST
 START_TEST(region_full_is_enospc) {
   kvp_pool *p = mkpool(4 * MB, 64 * MB, 1, 1); /* budget past the region: space binds first */
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
-  kvp_page_id a, b, c;
+  kvp_page_id a, b, c, d;
   ck_ok(kvp_page_alloc(p, 3 * MB, &t, &a));
   ck_status(kvp_page_alloc(p, 2 * MB, &t, &b), KVP_ENOSPC);
   ck_assert(strstr(kvp_last_error(), "region") != NULL);
-  ck_status(kvp_page_alloc(p, 64, &t, &b), KVP_ENOSPC); /* no 2 MiB-aligned slab left */
-  ck_ok(kvp_page_alloc(p, 1 * MB, &t, &c));
+  ck_ok(kvp_page_alloc(p, 64, &t, &b)); /* a 128 KiB slab in the last MiB */
+  ck_ok(kvp_page_alloc(p, 1 * MB - p->alloc.slab_bytes, &t, &c));
+  ck_status(kvp_page_alloc(p, 192, &t, &d), KVP_ENOSPC); /* no room for a slab of another class */
+  ck_ok(kvp_page_alloc(p, 64, &t, &d));                  /* the slab of its class has room */
   ck_pool(p);
   kvp_stats s = {.struct_size = sizeof s};
   ck_ok(kvp_stats_get(p, &s));
   ck_assert_uint_eq(s.bytes_committed.current, 4 * MB);
   ck_assert_uint_eq(s.nospc_refusals, 2);
   ck_ok(kvp_page_free(p, a));
-  ck_ok(kvp_page_alloc(p, 64, &t, &b));
+  ck_ok(kvp_page_free(p, d));
+  ck_ok(kvp_page_alloc(p, 192, &t, &d));
   ck_pool(p);
   kvp_pool_destroy(p);
 }
@@ -570,6 +600,7 @@ static Suite *suite(void) {
   tc = tcase_create("slab");
   tcase_add_loop_test(tc, slab_fill_and_drain, 0, 6);
   tcase_add_test(tc, slab_bitmap_reuses_lowest);
+  tcase_add_test(tc, small_region_many_classes);
   suite_add_tcase(s, tc);
   tc = tcase_create("ledger");
   tcase_add_test(tc, budget_exactly_reachable_never_passable);

@@ -17,6 +17,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 static char tmpdir[64];
@@ -298,6 +299,55 @@ START_TEST(npy_reader_edges) {
 END_TEST
 
 /* ---- CAS order files -------------------------------------------------------- */
+
+/* A header that ends inside an unknown 'descr' value: the error message
+ * quotes what is there and reads nothing past the header (the byte after it
+ * is a PROT_NONE page here). */
+START_TEST(npy_descr_at_the_end) {
+  long pg = sysconf(_SC_PAGESIZE);
+  unsigned char *map = mmap(NULL, 2 * (size_t)pg, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ck_assert(map != MAP_FAILED);
+  ck_assert_int_eq(mprotect(map + pg, (size_t)pg, PROT_NONE), 0);
+  static const char hdr[] = "{'descr': '<i";
+  size_t hl = sizeof hdr - 1, n = 10 + hl;
+  unsigned char *b = map + pg - n;
+  memcpy(b, "\x93NUMPY\x01\x00", 8);
+  b[8] = (unsigned char)hl, b[9] = 0;
+  memcpy(b + 10, hdr, hl);
+  kvp__npy a;
+  ck_status(kvp__npy_parse(&a, b, n, "short.npy"), KVP_EFORMAT);
+  ck_assert_msg(strstr(kvp_last_error(), "'descr' '<i:") != NULL, "%s", kvp_last_error());
+  munmap(map, 2 * (size_t)pg);
+}
+END_TEST
+
+/* A small kvpool-format file naming a large geometry but holding no lists
+ * is refused before the loader allocates what the geometry would need
+ * (here 499 lists x 1M pairs x 4 bytes = 2 GB). */
+START_TEST(orders_small_file_large_geometry) {
+  static const char *docs[] = {
+      "{\"format\": \"" KVP__ORDERS_FORMAT "\", \"version\": 1, \"layers\": 1024, \"heads\": 1024, "
+      "\"scales\": 500, \"sink_scales\": 0, \"pair\": [\"layer\", \"head\"], \"orders\": []}",
+      "{\"format\": \"" KVP__ORDERS_FORMAT "\", \"version\": 1, \"layers\": 1024, \"heads\": 1024, "
+      "\"scales\": 3, \"sink_scales\": 0, \"pair\": [\"layer\", \"head\"], \"orders\": [[[0, 0]], [[0, 0]]]}",
+      "{\"format\": \"" KVP__ORDERS_FORMAT "\", \"version\": 1, \"kind\": \"cas\", \"layers\": 4096, "
+      "\"heads\": 4096, \"scales\": 9, \"sink_scales\": 0, \"pair\": [\"layer\", \"head\"], \"orders\": [[]]}",
+  };
+  const char *want[] = {"0 lists, expected 499", "1 entries, expected L*H = 1048576", "0 entries"};
+  for (size_t i = 0; i < sizeof docs / sizeof *docs; i++) {
+    kvp__meta m = {0};
+    kvp__orders o;
+    ck_status(kvp__orders_parse(&o, docs[i], strlen(docs[i]), "big.json", KVP__ORDERS_ANY, KVP__ORDERS_ANY,
+                                KVP__ORDERS_ANY, KVP__ORDERS_ANY, &m),
+              KVP_EFORMAT);
+    ck_assert_msg(strstr(kvp_last_error(), want[i]) != NULL, "%s", kvp_last_error());
+    ck_assert_uint_lt(m.peak_bytes, 1u << 20);
+    /* the shipped format: its list count is checked before the geometry's allocation */
+    ck_status(kvp__orders_parse(&o, "[[], []]", 8, "shipped.json", 1024, 1024, 500, 0, &m), KVP_EFORMAT);
+    ck_assert_uint_lt(m.peak_bytes, 1u << 20);
+  }
+}
+END_TEST
 
 START_TEST(cas_file_round_trip) {
   tmp_setup();
@@ -630,6 +680,8 @@ int main(void) {
   tcase_add_test(tc, summary_files_agree);
   tcase_add_test(tc, summary_files_refused);
   tcase_add_test(tc, npy_reader_edges);
+  tcase_add_test(tc, npy_descr_at_the_end);
+  tcase_add_test(tc, orders_small_file_large_geometry);
   tcase_add_test(tc, cas_file_round_trip);
   tcase_add_test(tc, binary_whole_heads_and_minimal);
   tcase_add_test(tc, binary_infinity_2b);

@@ -33,6 +33,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -507,6 +508,37 @@ START_TEST(file_errors) {
 }
 END_TEST
 
+/* A file without end is read no further than its header: /dev/zero fails
+ * on its magic (with the address space capped a little above what the
+ * process holds, a reader that slurps it would run out of memory first),
+ * and a valid file with a long tail is refused without reading it all. */
+START_TEST(endless_files) {
+#if !defined(__SANITIZE_ADDRESS__) && !defined(__SANITIZE_THREAD__)
+  const char *fork_env = getenv("CK_FORK");
+  if (!fork_env || strcmp(fork_env, "no") != 0) { /* the cap stays with this test's own process */
+    FILE *f = fopen("/proc/self/statm", "r");
+    unsigned long pages = 0;
+    ck_assert(f && fscanf(f, "%lu", &pages) == 1);
+    fclose(f);
+    struct rlimit rl = {0, 0};
+    ck_assert_int_eq(getrlimit(RLIMIT_AS, &rl), 0);
+    rl.rlim_cur = (rlim_t)pages * (rlim_t)sysconf(_SC_PAGESIZE) + (256ull << 20);
+    ck_assert_int_eq(setrlimit(RLIMIT_AS, &rl), 0);
+  }
+#endif
+  expect_format("/dev/zero", 2, 2, 32, 3, 0, "magic");
+  char path[] = "/tmp/kvq_tailXXXXXX";
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+  write_synth(path, 2, 2, 32, 3);
+  size_t n = file_size(path);
+  ck_assert_int_eq(truncate(path, (off_t)n + (64 << 20)), 0); /* 64 MiB of zeros after it */
+  expect_format(path, 2, 2, 32, 3, 0, "trailing bytes");
+  unlink(path);
+}
+END_TEST
+
 START_TEST(fit_api_errors) {
   kvp_kvquant_calib *c;
   ck_status(kvp_kvquant_calib_create(1, 1, 16, 5, 0.01, &c), KVP_EINVAL);
@@ -689,6 +721,7 @@ static Suite *suite(void) {
   tc = tcase_create("calibration");
   tcase_add_test(tc, file_equals_synthetic);
   tcase_add_test(tc, file_errors);
+  tcase_add_test(tc, endless_files);
   tcase_add_test(tc, fit_api_errors);
   tcase_add_test(tc, calib_cli);
   suite_add_tcase(s, tc);

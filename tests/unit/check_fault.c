@@ -1,0 +1,249 @@
+/*
+ * tests/unit/check_fault.c - every allocation fails in turn: the library
+ * built with -DKVP_FAULT_INJECT (util/fault.h) runs representative
+ * scenarios (each codec family, each policy, stream and step mode, fork,
+ * evict, read, free, create, destroy) once per allocation k they make, with
+ * the k-th one failing. For every call that fails:
+ *   - it returns an error (never crashes),
+ *   - the pool is unchanged (ledger bytes and pages, tokens retained and
+ *     evicted, sequences, and each sequence's steps and positions),
+ *   - kvp_check passes,
+ *   - the same call made again (no fault) succeeds: the pool is usable.
+ * After each run the pool is destroyed and every allocation the library
+ * made is gone (its own tracking; ASan's leak checker too in `make asan`).
+ * A summary line per scenario gives allocations swept and calls failed.
+ */
+#include "../../util/fault.h"
+#include "../../util/util.h"
+#include "testutil.h"
+
+#include <check.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { L = 2, H = 2, D = 16, BT = 4, MAXTOK = 64 };
+
+static uint16_t KV[MAXTOK * H * D];
+
+typedef struct scen {
+  const char *name;
+  const char *codecs;  /* NULL: raw */
+  const char *policy;  /* NULL: none */
+  kvp_seq_mode mode;
+  uint32_t nsteps;     /* steps of sequence 1 */
+  const uint32_t *tokens; /* [nsteps] */
+  bool planned;        /* the schedule is given to kvp_seq_add (heatkv) */
+  bool fork;           /* fork 1 -> 2, a step on 2, evict, free */
+  uint32_t bt;         /* block_tokens (0: BT) */
+} scen;
+
+static const uint32_t T_STREAM[] = {3, 5, 1, 7, 2, 4};
+static const uint32_t T_STEP[] = {4, 8, 4, 16, 8, 4};
+static const uint32_t T_VAR[] = {1, 2, 4, 6, 8, 12};
+
+static const scen SCEN[] = {
+    {"raw-stream", NULL, NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
+    {"fp8-int8-stream", "k=fp8,v=int8", NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
+    {"kivi-step", "kv=kivi:bits=2:group=16", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 16},
+    {"nvfp4-step", "k=nvfp4:rule=4/6:ksmooth=store,v=nvfp4", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 0},
+    {"qvg-step", "kv=qvg:k=4:group=16", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 0},
+    {"kvquant-stream", "kv=kvquant:calib_tokens=16", NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
+    {"window-stream", "k=bf16,v=fp8", "window:sink=2:recent=6", KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
+    {"multishot-step", NULL, "multishot:global=1:shot=1:window=2", KVP_SEQ_STEP, 6, T_STEP, false, true, 0},
+    {"heatkv-step", NULL, "heatkv:b=0.3:s=2:orders=synthetic", KVP_SEQ_STEP, 6, T_VAR, true, true, 0},
+    {"binary-heatkv-step", "kv=int8", "binary-heatkv:b=0.4:s=2:scores=synthetic", KVP_SEQ_STEP, 6, T_VAR, true, true, 0},
+};
+#define NSCEN (sizeof SCEN / sizeof *SCEN)
+
+/* ---- holding the fault while the test itself looks ----------------------- */
+
+static uint64_t armed_k;  /* allocation to fail, counted from the run's start; 0 = none */
+static uint64_t seen;     /* allocations of the run so far */
+
+static uint64_t failed_so_far; /* injected failures of the run so far */
+
+static void hold(void) { /* the test's own calls (checks, fingerprints) are not counted */
+  seen += kvp__fault_count();
+  failed_so_far += kvp__fault_failed();
+  kvp__fault_arm(0, false);
+}
+static void resume(void) { kvp__fault_arm(armed_k > seen ? armed_k - seen : 0, false); }
+
+/* ---- what must not change ------------------------------------------------- */
+
+typedef struct fp {
+  uint64_t req, alloc, pages, tokens, evicted, seqs;
+  uint32_t steps[3], positions[3];
+  int exists[3], in_step[3];
+  uint64_t seq_tokens[3];
+} fp;
+
+static fp fingerprint(kvp_pool *p) {
+  fp f;
+  memset(&f, 0, sizeof f);
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_assert_int_eq(kvp_stats_get(p, &s), KVP_OK);
+  f.req = s.bytes_requested.current, f.alloc = s.bytes_allocated.current, f.pages = s.pages.current;
+  f.tokens = s.tokens_retained.current, f.evicted = s.tokens_evicted, f.seqs = s.sequences.current;
+  for (uint64_t q = 1; q <= 2; q++) {
+    kvp_seq_desc d = {.struct_size = sizeof d};
+    f.exists[q] = kvp_seq_info(p, q, &d) == KVP_OK;
+    f.steps[q] = d.n_steps, f.positions[q] = d.n_positions, f.in_step[q] = d.in_step;
+    f.seq_tokens[q] = d.tokens_retained;
+  }
+  return f;
+}
+
+typedef struct tally {
+  uint64_t runs, failed_calls, create_failures, tolerated;
+} tally;
+
+/* Make one call; if it fails, it must have been the injected fault, must
+ * have changed nothing, and must succeed when made again. */
+#define CALL(t, p, expr)                                                                                       \
+  do {                                                                                                         \
+    hold();                                                                                                    \
+    ck_assert_int_eq(kvp_reclaim(p), KVP_OK);                                                                   \
+    fp before_ = fingerprint(p);                                                                               \
+    resume();                                                                                                  \
+    int rc_ = (expr);                                                                                          \
+    hold();                                                                                                    \
+    char err_[512];                                                                                            \
+    snprintf(err_, sizeof err_, "%s", kvp_last_error());                                                      \
+    if (rc_ != KVP_OK) {                                                                                       \
+      ck_assert_msg(fault_failed_total() > 0, "k=%llu: %s failed with no fault: %s", (unsigned long long)armed_k, \
+                    #expr, err_);                                                                              \
+      ck_assert_msg(rc_ < 0, "%s returned %d", #expr, rc_);                                                   \
+      fp after_ = fingerprint(p);                                                                             \
+      ck_assert_msg(memcmp(&before_, &after_, sizeof after_) == 0,                                           \
+                    "k=%llu: failed %s (%s) changed the pool: tokens %llu -> %llu, allocated %llu -> %llu, "   \
+                    "steps %u -> %u", (unsigned long long)armed_k, #expr, err_,                               \
+                    (unsigned long long)before_.tokens, (unsigned long long)after_.tokens,                     \
+                    (unsigned long long)before_.alloc, (unsigned long long)after_.alloc, before_.steps[1],      \
+                    after_.steps[1]);                                                                          \
+      ck_assert_msg(kvp_check(p) == KVP_OK, "k=%llu after %s: %s", (unsigned long long)armed_k, #expr,         \
+                    kvp_last_error());                                                                        \
+      (t)->failed_calls++;                                                                                     \
+      rc_ = (expr);                                                                                            \
+      ck_assert_msg(rc_ == KVP_OK, "k=%llu: %s again: %s", (unsigned long long)armed_k, #expr, kvp_last_error()); \
+    }                                                                                                          \
+    ck_assert_msg(kvp_check(p) == KVP_OK, "k=%llu after %s: %s", (unsigned long long)armed_k, #expr,           \
+                  kvp_last_error());                                                                          \
+    resume();                                                                                                  \
+  } while (0)
+
+static uint64_t fault_failed_total(void) { return failed_so_far + kvp__fault_failed(); }
+
+static void one_step(tally *t, kvp_pool *p, uint64_t q, uint32_t n, uint32_t flags) {
+  CALL(t, p, kvp_step_begin(p, q, n, flags));
+  for (uint32_t l = 0; l < L; l++) CALL(t, p, kvp_append(p, q, l, &(kvp_kv){KV, KV, NULL}));
+  CALL(t, p, kvp_step_end(p, q));
+}
+
+static int read_all(kvp_pool *p, uint64_t q) {
+  static uint16_t out[4 * MAXTOK * 8 * D];
+  static uint32_t pos[4 * MAXTOK * 8];
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++) {
+      kvp_read_req r = {sizeof r, h, KVP_DTYPE_BF16, out, out, pos, 4 * MAXTOK * 8, 0, NULL};
+      int rc = kvp_read(p, q, l, &r);
+      if (rc) return rc;
+    }
+  return KVP_OK;
+}
+
+/* kvp_evict, where a policy may have evicted the unit already. */
+static int evict_if_retained(kvp_pool *p, uint64_t q, uint32_t l, uint32_t h, uint32_t step) {
+  int rc = kvp_evict(p, q, l, h, step);
+  return rc == KVP_ENOENT ? KVP_OK : rc;
+}
+
+/* One run with allocation k failing (0: none). Returns the allocations the
+ * run made. */
+static uint64_t run(const scen *s, uint64_t k, tally *t) {
+  armed_k = k;
+  seen = 0;
+  failed_so_far = 0;
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = s->bt ? s->bt : BT;
+  c.region_bytes = 4ull << 20;
+  c.codecs = s->codecs, c.policy = s->policy;
+  kvp_pool *p = NULL;
+  resume();
+  int rc = kvp_pool_create(&c, &p);
+  hold();
+  if (rc) { /* a constructor that fails holds nothing */
+    ck_assert_msg(fault_failed_total() > 0, "create failed with no fault: %s", kvp_last_error());
+    ck_assert_msg(p == NULL, "a failed create handed out a pool");
+    t->create_failures++;
+    return seen;
+  }
+  resume();
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = s->mode;
+  if (s->planned) sc.step_tokens = s->tokens, sc.n_steps = s->nsteps;
+  CALL(t, p, kvp_seq_add(p, 1, &sc));
+  for (uint32_t j = 0; j < s->nsteps; j++) {
+    if (s->fork && j == s->nsteps - 2) { /* the child takes the last steps with its parent */
+      CALL(t, p, kvp_seq_fork(p, 1, 2));
+      one_step(t, p, 2, s->tokens[j], 0);
+    }
+    one_step(t, p, 1, s->tokens[j], j == 3 ? KVP_STEP_SCENE_CUT : 0);
+  }
+  CALL(t, p, read_all(p, 1));
+  if (s->fork) {
+    CALL(t, p, read_all(p, 2));
+    CALL(t, p, evict_if_retained(p, 2, 1, 1, 0));
+    CALL(t, p, evict_if_retained(p, 2, 0, 0, 1));
+    CALL(t, p, kvp_seq_free(p, 2));
+  }
+  CALL(t, p, kvp_seq_free(p, 1));
+  CALL(t, p, kvp_seq_add(p, 1, &sc));
+  kvp_pool_destroy(p); /* with sequence 1 live: destroy frees it */
+  hold();
+  return seen;
+}
+
+START_TEST(every_allocation_fails_in_turn) {
+  const scen *s = &SCEN[_i];
+  for (size_t i = 0; i < sizeof KV / sizeof *KV; i++) KV[i] = (uint16_t)(0x3f00 + (i * 37) % 256);
+  uint64_t live0 = kvp__fault_live(NULL);
+  tally t = {0, 0, 0, 0};
+  uint64_t total = run(s, 0, &t); /* the allocations of a clean run */
+  ck_assert_uint_gt(total, 0);
+  ck_assert_uint_eq(t.failed_calls, 0);
+  uint64_t live_b, live = kvp__fault_live(&live_b);
+  ck_assert_msg(live == live0, "%s: clean run leaked %llu allocations", s->name, (unsigned long long)(live - live0));
+  uint64_t leaks = 0;
+  for (uint64_t k = 1; k <= total; k++) {
+    uint64_t n = run(s, k, &t);
+    t.runs++;
+    live = kvp__fault_live(&live_b);
+    if (live != live0) {
+      leaks++;
+      ck_abort_msg("%s k=%llu: %llu allocations (%llu bytes) left after destroy", s->name, (unsigned long long)k,
+                   (unsigned long long)(live - live0), (unsigned long long)live_b);
+    }
+    if (n < k) break; /* the run took a path with fewer allocations: nothing to fail past it */
+  }
+  printf("fault %-20s %5llu allocations swept, %5llu calls failed, %3llu creates failed, %llu leaks\n", s->name,
+         (unsigned long long)t.runs, (unsigned long long)t.failed_calls, (unsigned long long)t.create_failures,
+         (unsigned long long)leaks);
+}
+END_TEST
+
+int main(void) {
+  Suite *s = suite_create("fault");
+  TCase *tc = tcase_create("sweep");
+  tcase_set_timeout(tc, 120);
+  tcase_add_loop_test(tc, every_allocation_fails_in_turn, 0, NSCEN);
+  suite_add_tcase(s, tc);
+  SRunner *sr = srunner_create(s);
+  srunner_run_all(sr, CK_NORMAL);
+  int nf = srunner_ntests_failed(sr);
+  srunner_free(sr);
+  return nf ? 1 : 0;
+}
