@@ -234,6 +234,33 @@ START_TEST(stats_lock_free_beside_writer) {
 }
 END_TEST
 
+/* The paged gather is a CUDA-region call: a host pool refuses it by name,
+ * bad requests are named, and nothing is written. (tests/gpu covers it on
+ * a device.) */
+START_TEST(gather_needs_a_cuda_region) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 2, c.n_kv_heads = 2, c.head_dim = 64, c.region_bytes = 8u << 20;
+  kvp_pool *p;
+  ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_OK);
+  kvp_gather_req g;
+  kvp_gather_req_init(&g);
+  ck_assert_uint_eq(g.struct_size, sizeof g);
+  ck_assert_int_eq(kvp_gather(NULL, &g), KVP_EINVAL);
+  ck_assert_int_eq(kvp_gather(p, NULL), KVP_EINVAL);
+  g.struct_size = 8;
+  ck_assert_int_eq(kvp_gather(p, &g), KVP_EINVAL);
+  ck_assert_ptr_nonnull(strstr(kvp_last_error(), "struct_size"));
+  kvp_gather_req_init(&g);
+  int rc = kvp_gather(p, &g);
+  ck_assert(rc == KVP_ENOTSUP);
+  ck_assert_msg(strstr(kvp_last_error(), "gather") != NULL, "%s", kvp_last_error());
+  ck_assert_uint_eq(g.n_rows, 0);
+  ck_assert_int_eq(kvp_check(p), KVP_OK);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("pool");
   TCase *tc = tcase_create("api");
@@ -241,6 +268,7 @@ int main(void) {
   tcase_add_test(tc, config_errors_name_the_field);
   tcase_add_test(tc, ledger_moves_region_stays);
   tcase_add_test(tc, emitters_agree_with_stats);
+  tcase_add_test(tc, gather_needs_a_cuda_region);
   suite_add_tcase(s, tc);
   tc = tcase_create("concurrency");
   tcase_set_timeout(tc, 120);
