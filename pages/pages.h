@@ -251,6 +251,12 @@ int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, 
 /* A block with pages of the given layouts (lay[0] K, lay[1] V). */
 int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
                          bool raw, const kvp_codec_layout *lay, kvp__block **out);
+/* The same in two steps: the struct (metadata only; NULL when out of
+ * memory), then its pages (all or none: on failure none are left). */
+kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
+int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
+                          const kvp_codec_layout *lay);
+void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; npages = 0 */
 /* The layouts a block's pages have now (types and requested bytes). */
 void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
 /* The last run of the layer ends at step and retains exactly mask's heads. */
