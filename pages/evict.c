@@ -17,15 +17,16 @@
  *
  * When the pages fit only once the before-evictions have freed theirs (a
  * budget or a region held at its limit), the evictions must come first:
- * the append checks that the budget then holds (exactly: the bytes of the
- * blocks the plan drops, plus the limbo), applies them, reclaims, and takes
- * again (kvp__append_tx_make_room); it also refuses, with nothing changed,
- * when the region could not take the pages even then (free extents, free
- * slab slots and the freed bytes together are fewer). That path is the one
- * left where a failure after an eviction is possible: a region too
- * fragmented for the new pages, or allocator metadata out of memory, after
- * the evicted pages went back. The call then reports the error with the evictions made (what
- * the policy would make at the next try anyway); the layer is not stored.
+ * the append takes all its metadata (block structs, brefs, run, codec
+ * states, stats slot) before, checks that the budget then holds (exactly:
+ * the bytes of the blocks the plan drops, plus the limbo) and that the
+ * region could (its free extents and slots plus those bytes), applies them,
+ * reclaims, and takes the pages (kvp__append_tx_make_room). What is left
+ * that can fail after an eviction is the page allocator itself: a region
+ * too fragmented for the new pages, or its own descriptors (a new slab, an
+ * extent split, an address-map chunk) out of memory. The call then reports
+ * the error with the evictions made (those the policy would make at the
+ * next try anyway); the layer is not stored.
  *
  * Invariants: spare runs of a plan are counted in pool->meta until applied
  * or freed; applying a unit that is no longer retained does nothing.

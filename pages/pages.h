@@ -250,6 +250,7 @@ int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, 
  * words back once (the only wait of an append): a non-finite input or a
  * value out of a codec's range fails the append before anything is
  * published. */
+typedef struct kvp__dev_batch kvp__dev_batch; /* incomplete without CUDA: stream.c passes NULL */
 #ifdef KVP_HAVE_CUDA
 typedef struct kvp__dev_group {
   const kvp__binding *bd; /* the binding the jobs run with, or NULL (empty) */
@@ -257,11 +258,11 @@ typedef struct kvp__dev_group {
   kvp_codec_dev_job *jobs; /* [cap] */
   uint32_t n, cap;        /* jobs held, allocated */
 } kvp__dev_group;
-typedef struct kvp__dev_batch {
+struct kvp__dev_batch {
   kvp__dev_group g[4];    /* RAW tail K, RAW tail V, codec K, codec V (launch order) */
   uint32_t cap;           /* jobs per group at most */
   kvp__meta *meta;        /* where the job arrays are counted (NULL: a reader's scratch) */
-} kvp__dev_batch;
+};
 void kvp__dev_batch_init(kvp__dev_batch *db, uint32_t max_jobs_per_group, kvp__meta *meta);
 int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j);
 /* Run every group on stream, wait for it, check the status words (errors
@@ -320,6 +321,12 @@ int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, 
 /* A block with pages of the given layouts (lay[0] K, lay[1] V). */
 int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
                          bool raw, const kvp_codec_layout *lay, kvp__block **out);
+/* The same in two steps: the struct (metadata only; NULL when out of
+ * memory), then its pages (all or none: on failure none are left). */
+kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
+int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
+                          const kvp_codec_layout *lay);
+void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; npages = 0 */
 /* The layouts a block's pages have now (types and requested bytes). */
 void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
 /* The last run of the layer ends at step and retains exactly mask's heads. */

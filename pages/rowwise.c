@@ -16,9 +16,10 @@
  *   new     blocks of block_tokens positions (stream mode: the last one
  *           OPEN, of full capacity; step mode: the last one short), sized
  *           by open_layout(NULL, 0, rows).
- * All or nothing, as pages/stream.c: plan every head's sizes, check the
- * budget for every new page at once (a replacement counts whole, as both
- * copies live until the grace period), take, encode, then publish. A
+ * All or nothing, as pages/stream.c: plan every head's sizes, take the
+ * metadata, check the budget for every new page at once (a replacement
+ * counts whole, as both copies live until the grace period), take the
+ * pages, encode, then publish. A
  * failure before publishing leaves rows written past an OPEN block's n,
  * which nobody reads, and nothing else.
  *
@@ -118,6 +119,7 @@ static void rw_undo(kvp_pool *pool, rw_plan *pl) {
   if (pl->run) kvp__run_free_now(pool, pl->run);
   kvp__meta_free(&pool->meta, pl->e, (size_t)H * pl->per * sizeof *pl->e + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  pl->e = NULL, pl->brefs = NULL, pl->run = NULL; /* undone: a second undo does nothing */
 }
 
 /* Shape and sizes of every head's blocks, and the bytes to take. */
@@ -168,7 +170,9 @@ static int rw_plan_make(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t po
   return KVP_OK;
 }
 
-/* Metadata, run and pages; on failure nothing is left taken. */
+/* Metadata: run, brefs, codec states, block structs (their pages come in
+ * rw_take_pages, so evictions that make room never wait on metadata) and
+ * the stats slot. On failure nothing is left taken but zeroed states. */
 static int rw_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
@@ -195,23 +199,44 @@ static int rw_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, rw
         return rc;
       }
     }
-  for (uint32_t h = 0; h < H; h++)
+  for (uint32_t h = 0; h < H; h++) /* block structs: their pages come in rw_take_pages */
     for (uint32_t j = 0; j < pl->per && !rw_skipped(pl, h); j++) {
       rw_blk *e = &pl->e[h * pl->per + j];
-      int rc = KVP_OK;
+      bool ok_blk = true;
       if (pl->tail && j == 0) {
-        if (e->rep) {
-          e->rep = NULL;
-          rc = kvp__block_new_sized(pool, s->id, layer, h, e->pos0, e->cap, false, e->lay, &e->rep);
-        }
+        if (e->rep) ok_blk = (e->rep = kvp__block_struct(pool, e->pos0, e->cap, false)) != NULL;
       } else {
-        rc = kvp__block_new_sized(pool, s->id, layer, h, e->pos0, e->cap, false, e->lay, &e->blk);
+        ok_blk = (e->blk = kvp__block_struct(pool, e->pos0, e->cap, false)) != NULL;
       }
-      if (rc) {
+      if (!ok_blk) {
         rw_undo(pool, pl);
-        return rc;
+        return kvp__err(KVP_ENOMEM, "block metadata for the append of seq %llu layer %u", (unsigned long long)s->id,
+                        layer);
       }
     }
+  if (kvp__stats_reserve_seq(&pool->stats, s->id)) { /* so the pages' counting cannot fail */
+    rw_undo(pool, pl);
+    return kvp__err(KVP_ENOMEM, "stats slot of seq %llu", (unsigned long long)s->id);
+  }
+  return KVP_OK;
+}
+
+/* Pages of every block rw_take made (all or none). */
+static int rw_take_pages(kvp_pool *pool, kvp__seq *s, uint32_t layer, rw_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  for (uint32_t i = 0; i < H * pl->per; i++) {
+    rw_blk *e = &pl->e[i];
+    kvp__block *b = pl->tail && i % pl->per == 0 ? e->rep : e->blk;
+    if (!b || rw_skipped(pl, i / pl->per)) continue; /* in place, or a skipped head */
+    int rc = kvp__block_take_pages(pool, b, s->id, layer, i / pl->per, e->lay);
+    if (rc) {
+      while (i--) {
+        kvp__block *t = pl->tail && i % pl->per == 0 ? pl->e[i].rep : pl->e[i].blk;
+        if (t && !rw_skipped(pl, i / pl->per)) kvp__block_give_pages(pool, t);
+      }
+      return rc;
+    }
+  }
   return KVP_OK;
 }
 
@@ -312,33 +337,31 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
                         kvp__append_tx *tx) {
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   rw_plan pl;
-  int rc;
-  for (;;) { /* once, or again after the policy's evictions made room (kvp__append_tx_make_room) */
-    if ((rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) return rc;
-    if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-    if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
-      rw_undo(pool, &pl);
-      if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) continue;
-      return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
-                                   "the budget (%llu of %llu in use)",
-                      (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
-                      (unsigned long long)pool->alloc.ledger.allocated.current,
-                      (unsigned long long)pool->alloc.ledger.budget_bytes);
-    }
-    uint64_t bytes = pl.bytes;
-    pl.run_always = tx && tx->before.n && !tx->before_applied;
-    rc = rw_take(pool, s, layer, pos, &pl);
-    if (rc == KVP_ENOSPC && pool->limbo) {
-      kvp__reclaim(pool);
-      if (!(rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl))) {
-        pl.run_always = tx && tx->before.n && !tx->before_applied;
-        rc = rw_take(pool, s, layer, pos, &pl);
-      }
-    }
-    if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, bytes)) continue;
-    break;
-  }
+  int rc = rw_plan_make(pool, s, layer, pos, kv, skip, &pl);
   if (rc) return rc;
+  pl.run_always = tx && tx->before.n;
+  if ((rc = rw_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
+retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
+  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
+    if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
+    rw_undo(pool, &pl);
+    return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
+                                 "the budget (%llu of %llu in use)",
+                    (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
+                    (unsigned long long)pool->alloc.ledger.allocated.current,
+                    (unsigned long long)pool->alloc.ledger.budget_bytes);
+  }
+  rc = rw_take_pages(pool, s, layer, &pl);
+  if (rc == KVP_ENOSPC && pool->limbo) {
+    kvp__reclaim(pool);
+    rc = rw_take_pages(pool, s, layer, &pl);
+  }
+  if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
+  if (rc) {
+    rw_undo(pool, &pl);
+    return rc;
+  }
   for (uint32_t h = 0; h < pool->cfg.n_kv_heads && !rc; h++)
     for (uint32_t j = 0; j < pl.per && !rc && !rw_skipped(&pl, h); j++) rc = rw_fill_one(pool, s, layer, h, kv, &pl.e[h * pl.per + j]);
   if (rc) {

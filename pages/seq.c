@@ -489,7 +489,8 @@ static int policy_plan(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *sk
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
   const kvp__policy_vt *vt = s->pol ? s->pol->vt : NULL;
   int rc = KVP_OK;
-  if (vt && vt->before_append) rc = vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer, step, skip, &tx->before);
+  if (vt && vt->before_append)
+    rc = vt->before_append(pool, s->pol->cfg, s, s->pol_state, layer, step, skip, &tx->before);
   if (!rc && vt && vt->after_append) rc = vt->after_append(pool, s->pol->cfg, s, s->pol_state, layer, step, &tx->after);
   return rc ? rc : kvp__append_tx_prepare(pool, tx);
 }

@@ -114,26 +114,43 @@ void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay) {
   }
 }
 
-int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
-                         bool raw, const kvp_codec_layout *lays, kvp__block **out) {
+kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
   kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
-  if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
-  b->pos0 = pos0;
-  b->cap_tokens = cap;
-  b->raw = raw;
+  if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw;
+  return b;
+}
+
+int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
+                          const kvp_codec_layout *lays) {
   for (int kv = 0; kv < 2; kv++) {
-    const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
+    const kvp__binding *bd = b->raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
     const kvp_codec_layout lay = lays[kv];
     for (unsigned i = 0; i < lay.npages; i++) {
       kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
       int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pages[kv][i]);
       if (rc) { /* give back the pages taken so far */
-        free_pages(pool, b);
-        kvp__meta_free(&pool->meta, b, sizeof *b);
+        kvp__block_give_pages(pool, b);
         return rc;
       }
       b->npages[kv] = (uint8_t)(i + 1);
     }
+  }
+  return KVP_OK;
+}
+
+void kvp__block_give_pages(kvp_pool *pool, kvp__block *b) {
+  free_pages(pool, b);
+  b->npages[0] = b->npages[1] = 0;
+}
+
+int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                         bool raw, const kvp_codec_layout *lays, kvp__block **out) {
+  kvp__block *b = kvp__block_struct(pool, pos0, cap, raw);
+  if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
+  int rc = kvp__block_take_pages(pool, b, seq, layer, head, lays);
+  if (rc) {
+    kvp__meta_free(&pool->meta, b, sizeof *b);
+    return rc;
   }
   *out = b;
   return KVP_OK;
@@ -262,9 +279,32 @@ static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
   if (pl->run) kvp__run_free_now(pool, pl->run);
   kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  pl->blocks = NULL, pl->brefs = NULL, pl->run = NULL; /* undone: a second undo does nothing */
 }
 
-/* Metadata and pages for the plan; on failure nothing is left taken. */
+/* Pages of every block of the plan (their structs taken by plan_take); on
+ * failure the pages taken are given back and the metadata stays. */
+static int plan_take_pages(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  for (uint32_t i = 0; i < H * pl->nb; i++) {
+    kvp__block *b = pl->blocks[i];
+    if (!b) continue; /* a skipped head */
+    kvp_codec_layout lay[2];
+    for (int kv = 0; kv < 2; kv++) kvp__bind_layout(kvp__block_binding(pool, layer, kv, b), b->pos0, b->cap_tokens, &lay[kv]);
+    int rc = kvp__block_take_pages(pool, b, s->id, layer, i / pl->nb, lay);
+    if (rc) {
+      while (i--)
+        if (pl->blocks[i]) kvp__block_give_pages(pool, pl->blocks[i]);
+      return rc;
+    }
+  }
+  return KVP_OK;
+}
+
+/* The plan's metadata: arrays, run, brefs, codec states, block structs and
+ * the sequence's stats slot; nothing the budget or the region limits, so it
+ * is taken before any eviction may make room. On failure nothing is left
+ * taken but zeroed codec states. */
 static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, bt = pool->cfg.block_tokens;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
@@ -296,20 +336,24 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   uint32_t start = pos + pl->fill;
   for (uint32_t h = 0; h < H; h++)
     for (uint32_t j = 0; j < pl->nb && !skipped(pl, h); j++) {
-      int rc;
       kvp__block **slot = &pl->blocks[h * pl->nb + j];
       if (j < pl->nnew) {
         bool last = j + 1 == pl->nnew;
-        rc = kvp__block_new(pool, s->id, layer, h, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw, slot);
+        *slot = kvp__block_struct(pool, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw);
       } else { /* the encoded copy of the tail */
         const kvp__block *t = kvp__seq_stream(pool, s, layer, h)->tail->blk;
-        rc = kvp__block_new(pool, s->id, layer, h, t->pos0, t->cap_tokens, false, slot);
+        *slot = kvp__block_struct(pool, t->pos0, t->cap_tokens, false);
       }
-      if (rc) {
+      if (!*slot) {
         plan_undo(pool, pl, h * pl->nb + j);
-        return rc;
+        return kvp__err(KVP_ENOMEM, "block metadata for the append of seq %llu layer %u", (unsigned long long)s->id,
+                        layer);
       }
     }
+  if (kvp__stats_reserve_seq(&pool->stats, s->id)) { /* so the pages' counting cannot fail */
+    plan_undo(pool, pl, H * pl->nb);
+    return kvp__err(KVP_ENOMEM, "stats slot of seq %llu", (unsigned long long)s->id);
+  }
   return KVP_OK;
 }
 
@@ -524,25 +568,30 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   append_plan pl;
-retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
   plan_shape(pool, s, layer, pos, skip, &pl);
-  pl.run_always = tx && tx->before.n && !tx->before_applied;
+  pl.run_always = tx && tx->before.n;
+  if ((rc = plan_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
+retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
     if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
+    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
                                  "the budget (%llu of %llu in use)",
                     (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
                     (unsigned long long)pool->alloc.ledger.allocated.current,
                     (unsigned long long)pool->alloc.ledger.budget_bytes);
   }
-  rc = plan_take(pool, s, layer, pos, &pl);
+  rc = plan_take_pages(pool, s, layer, &pl);
   if (rc == KVP_ENOSPC && pool->limbo) {
     kvp__reclaim(pool);
-    rc = plan_take(pool, s, layer, pos, &pl);
+    rc = plan_take_pages(pool, s, layer, &pl);
   }
   if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-  if (rc) return rc;
+  if (rc) {
+    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
+    return rc;
+  }
   if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, pos, kv, &pl))) { /* dry: no payload */
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;

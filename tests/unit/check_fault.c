@@ -2,7 +2,9 @@
  * tests/unit/check_fault.c - every allocation fails in turn: the library
  * built with -DKVP_FAULT_INJECT (util/fault.h) runs representative
  * scenarios (each codec family, each policy, stream and step mode, fork,
- * evict, read, free, create, destroy) once per allocation k they make, with
+ * evict, read, free, create, destroy, and a budget tight enough that heatkv's
+ * evictions must make room before an append's pages fit) once per
+ * allocation k they make, with
  * the k-th one failing. For every call that fails:
  *   - it returns an error (never crashes),
  *   - the pool is unchanged (ledger bytes and pages, tokens retained and
@@ -36,23 +38,27 @@ typedef struct scen {
   bool planned;        /* the schedule is given to kvp_seq_add (heatkv) */
   bool fork;           /* fork 1 -> 2, a step on 2, evict, free */
   uint32_t bt;         /* block_tokens (0: BT) */
+  uint64_t budget;     /* pool budget (0: the region) */
 } scen;
 
 static const uint32_t T_STREAM[] = {3, 5, 1, 7, 2, 4};
 static const uint32_t T_STEP[] = {4, 8, 4, 16, 8, 4};
 static const uint32_t T_VAR[] = {1, 2, 4, 6, 8, 12};
+static const uint32_t T_BIG[] = {4, 8, 16, 24, 32, 48};
 
 static const scen SCEN[] = {
-    {"raw-stream", NULL, NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
-    {"fp8-int8-stream", "k=fp8,v=int8", NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
-    {"kivi-step", "kv=kivi:bits=2:group=16", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 16},
-    {"nvfp4-step", "k=nvfp4:rule=4/6:ksmooth=store,v=nvfp4", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 0},
-    {"qvg-step", "kv=qvg:k=4:group=16", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 0},
-    {"kvquant-stream", "kv=kvquant:calib_tokens=16", NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
-    {"window-stream", "k=bf16,v=fp8", "window:sink=2:recent=6", KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0},
-    {"multishot-step", NULL, "multishot:global=1:shot=1:window=2", KVP_SEQ_STEP, 6, T_STEP, false, true, 0},
-    {"heatkv-step", NULL, "heatkv:b=0.3:s=2:orders=synthetic", KVP_SEQ_STEP, 6, T_VAR, true, true, 0},
-    {"binary-heatkv-step", "kv=int8", "binary-heatkv:b=0.4:s=2:scores=synthetic", KVP_SEQ_STEP, 6, T_VAR, true, true, 0},
+    {"raw-stream", NULL, NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0, 0},
+    {"fp8-int8-stream", "k=fp8,v=int8", NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0, 0},
+    {"kivi-step", "kv=kivi:bits=2:group=16", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 16, 0},
+    {"nvfp4-step", "k=nvfp4:rule=4/6:ksmooth=store,v=nvfp4", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 0, 0},
+    {"qvg-step", "kv=qvg:k=4:group=16", NULL, KVP_SEQ_STEP, 6, T_STEP, false, true, 0, 0},
+    {"kvquant-stream", "kv=kvquant:calib_tokens=16", NULL, KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0, 0},
+    {"window-stream", "k=bf16,v=fp8", "window:sink=2:recent=6", KVP_SEQ_STREAM, 6, T_STREAM, false, true, 0, 0},
+    {"multishot-step", NULL, "multishot:global=1:shot=1:window=2", KVP_SEQ_STEP, 6, T_STEP, false, true, 0, 0},
+    {"heatkv-step", NULL, "heatkv:b=0.3:s=2:orders=synthetic", KVP_SEQ_STEP, 6, T_VAR, true, true, 0, 0},
+    /* a budget the plan fills: some appends need their evictions applied first to make room */
+    {"heatkv-tight-budget", NULL, "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 6, T_BIG, true, false, 16, 12288},
+    {"binary-heatkv-step", "kv=int8", "binary-heatkv:b=0.4:s=2:scores=synthetic", KVP_SEQ_STEP, 6, T_VAR, true, true, 0, 0},
 };
 #define NSCEN (sizeof SCEN / sizeof *SCEN)
 
@@ -169,6 +175,7 @@ static uint64_t run(const scen *s, uint64_t k, tally *t) {
   kvp_config_init(&c);
   c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = s->bt ? s->bt : BT;
   c.region_bytes = 4ull << 20;
+  c.budget_bytes = s->budget;
   c.codecs = s->codecs, c.policy = s->policy;
   kvp_pool *p = NULL;
   resume();
