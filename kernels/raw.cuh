@@ -26,7 +26,7 @@ namespace kvpk {
 KVP_D void rows_convert(const void *src, size_t spitch, uint32_t sdt, void *dst, size_t dpitch, uint32_t ddt,
                         uint32_t D, uint32_t m, bool check, unsigned long long *status, uint32_t job, uint32_t r0) {
   uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
-  size_t srow = (size_t)D * dtype_bytes(sdt), drow = (size_t)D * dtype_bytes(ddt);
+  size_t srow = (size_t)D * dtype_bytes(sdt);
   bool vec = sdt == ddt && srow % 16 == 0 && spitch % 16 == 0 && dpitch % 16 == 0 && (uintptr_t)src % 16 == 0 &&
              (uintptr_t)dst % 16 == 0;
   if (vec && !check) { /* a copy: items of 16 bytes over the whole block, read-only loads first */
@@ -67,7 +67,6 @@ KVP_D void rows_convert(const void *src, size_t spitch, uint32_t sdt, void *dst,
       store_elem(d, ddt, i, x);
     }
   }
-  (void)drow;
 }
 
 KVP_D void raw_encode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_t job, unsigned long long *status) {

@@ -205,8 +205,10 @@ static int decode_group(kvp_pool *pool, kvp__dev_group *g, kvp_dtype out, void *
 int kvp__dev_read_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j,
                       kvp_dtype out, void *stream) {
   kvp__dev_group *g = &db->g[group_of(pool, bd, kv)];
-  if (g->jobs && g->n == g->cap) {
-    int rc = decode_group(pool, g, out, stream);
+  if (g->jobs && g->n == g->cap) { /* a full group launches now, on the pool's device */
+    int prev, rc = dev_enter(pool, &prev);
+    if (!rc) rc = decode_group(pool, g, out, stream);
+    dev_leave(pool, prev);
     if (rc) return rc;
   }
   return kvp__dev_batch_add(pool, db, bd, kv, j);

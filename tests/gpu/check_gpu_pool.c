@@ -445,8 +445,6 @@ START_TEST(third_party_device_codec) {
   ck_ok(kvp_seq_add(p.dev, 1, NULL));
   step(&p, 1, 70);
   step(&p, 1, 1);
-  kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, NULL, NULL, NULL, 0, 0, NULL};
-  (void)q;
   kvp_gather_item it = {.seq = 1, .layer = 1};
   kvp_gather_req g;
   kvp_gather_req_init(&g);
