@@ -462,6 +462,43 @@ typedef struct kvp_gather_req {
 KVP_API void kvp_gather_req_init(kvp_gather_req *req);
 KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req);
 
+/* Decode attention over the pool's pages (CUDA region): for each sequence
+ * of the batch and each query head, softmax(scale * q K^T) V over exactly
+ * the tokens its KV head retains in layer (after per-head evictions each
+ * head attends over its own tokens: nothing masked, nothing padded). The
+ * kernel reads the codes and dequantizes in registers (every built-in
+ * codec, sealed and OPEN blocks, mixed codecs of K and V). GQA: n_q_heads a
+ * multiple of the pool's n_kv_heads, at most 8 query heads per KV head;
+ * head_dim 32, 64, 128 or 256. A head that retains no token gives zeros.
+ *
+ * The block table is built on the host under the pool's read lock and
+ * copied into workspace with one transfer; the kernels are enqueued on
+ * stream and the call returns (pages evicted meanwhile are reused only
+ * after the device drained). Too small a workspace: KVP_ENOSPC with
+ * workspace_needed set, nothing enqueued. */
+typedef struct kvp_attend_req {
+  size_t struct_size;         /* sizeof(kvp_attend_req) */
+  uint32_t layer;             /* in */
+  const uint64_t *seqs;       /* in: [batch] sequence ids (host) */
+  uint32_t batch;
+  uint32_t n_q_heads;         /* in: query heads */
+  const void *q;              /* in: device bf16 [batch][n_q_heads][head_dim], 16-byte aligned */
+  float scale;                /* in: softmax scale (e.g. 1/sqrt(head_dim)); finite */
+  void *out;                  /* out: device [batch][n_q_heads][head_dim] of out_dtype, 16-byte aligned */
+  kvp_dtype out_dtype;        /* in: KVP_DTYPE_BF16 (default) or KVP_DTYPE_F32 */
+  void *workspace;            /* in: device scratch (block table, partial results) */
+  uint64_t workspace_bytes;
+  uint32_t split_tokens;      /* in: tokens per thread block's split; 0: chosen to fill the device */
+  uint64_t workspace_needed;  /* out: bytes of workspace this call needs */
+  uint32_t n_splits;          /* out: thread blocks of the main launch */
+  uint64_t token_heads;       /* out: (token, KV head) pairs attended */
+  uint64_t bytes_read;        /* out: bytes of pages the kernel reads (codes, scales, metadata) */
+  void *stream;               /* cudaStream_t */
+} kvp_attend_req;
+
+KVP_API void kvp_attend_req_init(kvp_attend_req *req);
+KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req);
+
 typedef struct kvp_seq_desc {
   size_t struct_size;          /* sizeof(kvp_seq_desc) */
   kvp_seq_mode mode;           /* out: mode */

@@ -96,6 +96,33 @@ typedef struct kvp__gjob {
 int kvp__kern_gather(const kvp__kparams *p, uint32_t np, const void *region_base, const kvp__gjob *recs_dev,
                      uint32_t njobs, void *k_out, void *v_out, uint64_t row_bytes, uint32_t head_dim, void *stream);
 
+/* Decode attention over pages (kernels/attend.cu). A split: records
+ * [rec0, rec0 + nrec) of one (sequence, KV head) bh = b * Hkv + h, run by
+ * one CTA; slot: its partial records' index, or KVP__ASPLIT_ONLY when it is
+ * bh's only split (it writes the output). bh_split0[bh] .. bh_split0[bh + 1]
+ * are bh's splits, in the split table's order. */
+#define KVP__ASPLIT_ONLY 0xFFFFFFFFu
+typedef struct kvp__asplit {
+  uint32_t rec0, nrec, bh, slot;
+} kvp__asplit;
+#define KVP__KERN_ATTEND_MAX_GROUP 8u /* query heads per KV head */
+typedef struct kvp__attend_args {
+  kvp__kparams p[4];          /* K codec, K tail, V codec, V tail (gjob tag 0/1 picks) */
+  const void *region_base;
+  const kvp__gjob *recs;      /* device */
+  const kvp__asplit *splits;  /* device, n_splits */
+  const uint32_t *bh_split0;  /* device, batch * n_kv_heads + 1 */
+  const void *q;              /* device bf16 [batch][n_q_heads][head_dim] */
+  void *out;                  /* device [batch][n_q_heads][head_dim], out_dtype (bf16 or f32) */
+  float *part;                /* device, [slots][G][2 + head_dim] */
+  float scale;                /* softmax scale */
+  uint32_t out_dtype, n_q_heads, n_kv_heads, head_dim, batch, n_splits;
+  int reduce;                 /* some bh has several splits */
+} kvp__attend_args;
+/* head_dim 32, 64, 128 or 256; n_q_heads / n_kv_heads <= 8. Two launches
+ * at most (the splits, then the merge when reduce). */
+int kvp__kern_attend(const kvp__attend_args *a, void *stream);
+
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above
  * returned. */
 const char *kvp__kern_errstr(int err);

@@ -38,12 +38,17 @@
 
 struct kvp__dev {
   pthread_mutex_t gstage_lock;    /* held by the gather that builds in the stage */
-  kvp__gjob *gstage;              /* pinned host: GSTAGE_RECS gather records */
+  kvp__gjob *gstage;              /* pinned host: gstage_cap gather records */
+  uint64_t gstage_cap;            /* records it holds (grows by doubling, up to GSTAGE_MAX_BYTES) */
+  void *gstage_old[24];           /* outgrown stages, freed at pool destroy (cudaFreeHost may
+                                     synchronize the device: never on a call's path) */
+  uint32_t n_gstage_old;
   cudaEvent_t gstage_done;        /* recorded after the last copy from the stage */
   uint64_t *status;              /* device: 4 status words, one per group of an append */
   uint64_t *host_status;         /* pinned host: their copy */
   kvp_codec_dev_job *stage_dev;  /* device: staged job tables of an append */
   kvp_codec_dev_job *stage_host; /* pinned host: what is copied there */
+  uint32_t sms;                  /* streaming multiprocessors of the device */
 };
 
 static int gstage_init(struct kvp__dev *d);
@@ -76,6 +81,9 @@ int kvp__dev_init(kvp_pool *pool) {
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->host_status, 4 * sizeof(uint64_t));
   if (e == cudaSuccess) e = cudaMalloc((void **)&d->stage_dev, STAGE_JOBS * sizeof(kvp_codec_dev_job));
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->stage_host, STAGE_JOBS * sizeof(kvp_codec_dev_job));
+  int sms = 0;
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pool->cfg.device);
+  d->sms = sms > 0 ? (uint32_t)sms : 1;
   int grc = e == cudaSuccess ? gstage_init(d) : KVP_OK;
   dev_leave(pool, prev);
   if (e != cudaSuccess || grc) {
@@ -227,9 +235,11 @@ int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void 
  * (others build on the heap); its event tells when the last copy from it
  * finished, so it is not rewritten while the copy still reads it. */
 #define GSTAGE_RECS 65536u /* 3.25 MiB of records, pinned: 1 Mi tokens x heads in 16-token blocks */
+#define GSTAGE_MAX_BYTES (512ull << 20)
 
 static int gstage_init(struct kvp__dev *d) {
   pthread_mutex_init(&d->gstage_lock, NULL);
+  d->gstage_cap = GSTAGE_RECS;
   cudaError_t e = cudaMallocHost((void **)&d->gstage, GSTAGE_RECS * sizeof(kvp__gjob));
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->gstage_done, cudaEventDisableTiming);
   return e == cudaSuccess ? KVP_OK : cuda_fail(e, "the pool's pinned gather stage");
@@ -237,6 +247,7 @@ static int gstage_init(struct kvp__dev *d) {
 
 static void gstage_fini(struct kvp__dev *d) {
   cudaFreeHost(d->gstage);
+  for (uint32_t i = 0; i < d->n_gstage_old; i++) cudaFreeHost(d->gstage_old[i]);
   if (d->gstage_done) cudaEventDestroy(d->gstage_done);
   pthread_mutex_destroy(&d->gstage_lock);
 }
@@ -253,7 +264,7 @@ int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_r
     cudaEventSynchronize(d->gstage_done); /* the previous copy from the stage is done */
     g->staged = true;
     g->recs = d->gstage;
-    g->cap = GSTAGE_RECS;
+    g->cap = d->gstage_cap;
   }
   return KVP_OK;
 }
@@ -275,9 +286,23 @@ int kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer, uint32_t item) {
   return KVP_OK;
 }
 
-/* Grow the table onto the heap (leaving the stage, if it was there). */
+/* Grow the table: the pinned stage doubles while it stays under
+ * GSTAGE_MAX_BYTES (a copy from pageable memory would wait for the
+ * stream), else the table moves onto the heap. */
 static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
+  struct kvp__dev *d = pool->dev;
   uint64_t cap = g->cap ? 2 * g->cap : 1024;
+  if (g->staged && cap * sizeof *g->recs <= GSTAGE_MAX_BYTES && d->n_gstage_old < 24) {
+    kvp__gjob *st = NULL;
+    if (cudaMallocHost((void **)&st, cap * sizeof *st) == cudaSuccess) {
+      memcpy(st, g->recs, g->n * sizeof *st);
+      d->gstage_old[d->n_gstage_old++] = d->gstage;
+      d->gstage = g->recs = st;
+      d->gstage_cap = g->cap = cap;
+      return KVP_OK;
+    }
+    cudaGetLastError();
+  }
   kvp__gjob *recs = kvp__meta_alloc(NULL, cap * sizeof *recs);
   if (!recs) return KVP_ENOMEM;
   if (g->n) memcpy(recs, g->recs, g->n * sizeof *recs);
@@ -375,6 +400,27 @@ int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
     rc = gather_fallback(pool, g, bd, nb);
   }
   if (e != cudaSuccess) rc = cuda_fail(e, "gather copies");
+  dev_leave(pool, prev);
+  return rc;
+}
+
+/* ---- decode attention ------------------------------------------------------ */
+
+uint32_t kvp__dev_sm_count(const kvp_pool *pool) { return pool->dev ? pool->dev->sms : 1; }
+
+int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
+                        void *stream) {
+  struct kvp__dev *d = pool->dev;
+  cudaStream_t s = (cudaStream_t)stream;
+  int prev, rc = dev_enter(pool, &prev);
+  if (rc) return rc;
+  cudaError_t e = cudaMemcpyAsync((void *)a->recs, g->recs, table_bytes, cudaMemcpyHostToDevice, s);
+  if (e == cudaSuccess && g->staged) e = cudaEventRecord(d->gstage_done, s);
+  if (e != cudaSuccess) rc = cuda_fail(e, "attention: the block table's copy");
+  if (!rc) {
+    int k = kvp__kern_attend(a, stream);
+    if (k) rc = kvp__err(KVP_EDEVICE, "attention kernel over %u splits: %s", a->n_splits, kvp__kern_errstr(k));
+  }
   dev_leave(pool, prev);
   return rc;
 }

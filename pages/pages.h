@@ -303,10 +303,23 @@ kvp__gjob *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g);
 void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n);
 int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g);
 void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
+/* Decode attention (pages/attend.c builds, this runs): the first
+ * table_bytes of g's records (records, splits, split index) copied to
+ * a->recs in one transfer, then kernels/attend.cu's launches. */
+int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
+                        void *stream);
+/* Streaming multiprocessors of the pool's device (for splitting work). */
+uint32_t kvp__dev_sm_count(const kvp_pool *pool);
 /* The device control block of a CUDA pool (status words); 0 or an error. */
 int kvp__dev_init(kvp_pool *pool);
 void kvp__dev_fini(kvp_pool *pool);
 #endif
+/* Readers (under rcu_read_lock): visit each (block, token range [a, e))
+ * that head retains in (s, layer), in position order, at most limit tokens;
+ * fn returns nonzero to stop. Returns the tokens visited. */
+typedef int (*kvp__range_fn)(void *ctx, kvp__block *b, uint32_t a, uint32_t e);
+uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
+                          kvp__range_fn fn, void *ctx);
 bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
 kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);
 void kvp__run_free_now(kvp_pool *pool, kvp__run *r);

@@ -35,12 +35,8 @@ static uint32_t bref_end(const kvp__bref *r) {
   return b->pos0 + b->cap_tokens;
 }
 
-/* Visit each (block, token range) retained by head, in position order, at
- * most limit tokens. fn returns nonzero to stop. */
-typedef int (*range_fn)(void *ctx, kvp__block *b, uint32_t a, uint32_t e);
-
-static uint64_t walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
-                            range_fn fn, void *ctx) {
+uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
+                          kvp__range_fn fn, void *ctx) {
   const kvp__layer *L = &s->layers[layer];
   kvp__bref *cur = kvp__rcu_deref(kvp__seq_stream(pool, s, layer, head)->blocks);
   uint64_t done = 0;
@@ -167,7 +163,7 @@ KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req 
   kvp__dev_batch_init(&db, 256, NULL);
   c.db = &db;
 #endif
-  walk_ranges(s, pool, layer, req->head, need, read_range, &c);
+  kvp__walk_ranges(s, pool, layer, req->head, need, read_range, &c);
 #ifdef KVP_HAVE_CUDA
   if (pool->cfg.memory == KVP_MEM_CUDA) {
     int rc2 = kvp__dev_read_flush(pool, &db, req->out_dtype, req->stream);
@@ -253,7 +249,7 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
     kvp__rcu_read_unlock();
     return kvp__err(KVP_ENOMEM, "view scratch");
   }
-  for (c.head = 0; c.head < H; c.head++) walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+  for (c.head = 0; c.head < H; c.head++) kvp__walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
   uint32_t cap = (uint32_t)c.n;
   size_t bytes = sizeof(view_impl) + cap * (sizeof(kvp_view_block) + sizeof(kvp__block *));
   view_impl *v = kvp__meta_alloc(&pool->meta, bytes);
@@ -269,7 +265,7 @@ KVP_API int kvp_view_acquire(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_v
   c.n = 0;
   for (c.head = 0; c.head < H; c.head++) {
     c.head_n = 0;
-    walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
+    kvp__walk_ranges(s, pool, layer, c.head, UINT64_MAX, view_range, &c);
   }
   kvp__rcu_read_unlock();
   kvp__meta_free(NULL, c.per_head, H * sizeof(uint32_t));
@@ -457,7 +453,7 @@ KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req) {
     if ((rc = kvp__dev_gather_segment(&g, it->layer, i))) break;
     for (uint32_t h = 0; !rc && h < H; h++) {
       gather_ctx c = {.pool = pool, .req = req, .head = h, .row = it->row0, .g = &g, .seg = g.seg_of_layer[it->layer]};
-      walk_ranges(seqs[i], pool, it->layer, h, counts[(size_t)i * H + h], gather_range, &c);
+      kvp__walk_ranges(seqs[i], pool, it->layer, h, counts[(size_t)i * H + h], gather_range, &c);
       rc = c.rc;
       ragged |= c.row != it->row0 + it->n_rows;
     }

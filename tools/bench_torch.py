@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The torch side of `make bench-gpu`: the same quantizers as kvpool's device
+"""The torch side of `make bench-gpu`: SDPA (flash) over dense bf16 caches of the
+same shapes as kvpool-bench-gpu's gpu_attend figures, and the same quantizers as kvpool's device
 encoders, written in plain PyTorch ops, on tensors of the same shape and
 distribution (65,536 token-heads of D = 128, bf16, on the GPU), timed with
 CUDA events (median of 15 after warm-up). Reads kvpool's figures from the
@@ -100,3 +101,57 @@ for name, fn in rows:
     print(f"{name:24s} {k:10.1f} {tt:10.1f} {tt / k:12.2f}x")
     print(json.dumps({"figure": "gpu_encode_vs_torch", "codec": name, "token_heads": N, "kvpool_us": k,
                       "torch_us": round(tt, 1), "speedup": round(tt / k, 2), "target": 2.0}))
+
+# ---- decode attention: kvp_attend_decode against torch's SDPA over a dense bf16 cache ----
+att = [json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"figure":"gpu_attend"')]
+gat = {(o["codecs"], o["batch"], o["ctx"]): o["gather_us"] for o in
+       (json.loads(l) for l in open(sys.argv[1]) if l.startswith('{"figure":"gpu_attend_gather"'))}
+if att:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    def sdpa_us(b, ctx, hq, hkv, d):
+        q = torch.randn(b, hq, 1, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(b, hkv, ctx, d, device=dev, dtype=torch.bfloat16)
+        for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda _: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    fn(None)
+                    t = timeit(fn)
+                del q, k, v
+                torch.cuda.empty_cache()
+                return t, backend.name.lower()
+            except RuntimeError:
+                continue
+        return None, None
+
+    base = {}
+    for o in att:
+        key = (o["batch"], o["ctx"])
+        if key not in base:
+            base[key] = sdpa_us(o["batch"], o["ctx"], o["q_heads"], o["kv_heads"], o["head_dim"])
+    target = {"kv=bf16": None, "kv=fp8": 1.7, "kv=int8": 1.7, "kv=nvfp4": 2.5, "kv=kivi:bits=2:group=16": 2.5}
+    print(f"{'attend vs sdpa':26s} {'B':>3s} {'ctx':>7s} {'kvpool us':>10s} {'sdpa us':>9s} {'sdpa/kvpool':>12s}"
+          f" {'gather+sdpa us':>15s}   target")
+    for o in att:
+        t, backend = base[(o["batch"], o["ctx"])]
+        if t is None:
+            continue
+        sp = t / o["attend_us"]
+        g = gat.get((o["codecs"], o["batch"], o["ctx"]))
+        tg = (g + t) if g is not None else None
+        tgt = target.get(o["codecs"])
+        if tgt is None:
+            want, met = "time <= 1.15x sdpa", o["attend_us"] <= 1.15 * t
+        elif o["ctx"] >= 32768:
+            want, met = f">= {tgt}x faster", sp >= tgt
+        else:
+            want, met = "-", None
+        print(f"{o['codecs']:26s} {o['batch']:3d} {o['ctx']:7d} {o['attend_us']:10.1f} {t:9.1f} {sp:11.2f}x"
+              f" {tg if tg is not None else float('nan'):15.1f}   {want} {'' if met is None else ('met' if met else 'NOT met')}")
+        print(json.dumps({"figure": "gpu_attend_vs_sdpa", "codecs": o["codecs"], "batch": o["batch"], "ctx": o["ctx"],
+                          "kvpool_us": o["attend_us"], "sdpa_us": round(t, 2), "sdpa_backend": backend,
+                          "speedup": round(sp, 3), "gather_then_sdpa_us": None if tg is None else round(tg, 2),
+                          "target": want, "met": met}))

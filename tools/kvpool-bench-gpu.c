@@ -21,6 +21,20 @@
  *                  (table copy + kernel) is timed with the stream held by a
  *                  host function until kvp_gather returned, so the host's
  *                  table building is apart: its time is host_us.
+ *   gpu_attend     kvp_attend_decode of one llama-3-8b layer (32 query heads,
+ *                  8 KV heads, D = 128) for batch 1, 8, 64 at context 4K, 32K,
+ *                  128K, per codec: device time (table copy + kernels, the
+ *                  host part apart as in gpu_gather), the effective bandwidth
+ *                  (bytes of pages read / time) against the copy's (target
+ *                  >= 0.7), and the host part. tools/bench_torch.py times
+ *                  torch's SDPA (flash) over a dense bf16 cache of the same
+ *                  shape and prints the speedups. gpu_attend_gather: the
+ *                  gather to bf16 of the same batch (the gather-then-SDPA
+ *                  baseline's first half). gpu_attend_evicted: batch 8 at
+ *                  32K after per-head evictions keep about 10% of each
+ *                  head's 1024-token steps (HeatKV's b = 0.1, drawn per
+ *                  head): time against retained/total x the full time
+ *                  (target <= 1.3).
  *   gpu_append_host_us  host time of a decode-step append on a CUDA pool,
  *                  64 sequences x 32 layers, per (seq, layer): kvp_append
  *                  of one token (its one status read-back included), per
@@ -253,6 +267,138 @@ static void gather_figures(int rounds, int json) {
   cudaFree(k), cudaFree(v), cudaFree(ko), cudaFree(vo);
 }
 
+/* Device ms of one kvp_attend_decode (the stream gated until the call
+ * returned, so its host part is apart: *host_us). */
+static float attend_ms(kvp_pool *p, kvp_attend_req *a, float *host_us) {
+  gate_open = 0;
+  CK(cudaLaunchHostFunc(S, gate_fn, NULL));
+  CK(cudaEventRecord(E0, S));
+  double h0 = now_us();
+  KV(kvp_attend_decode(p, a));
+  *host_us = (float)(now_us() - h0);
+  __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
+  return ms_since_start();
+}
+
+static void attend_figures(int rounds, int json) {
+  enum { HQ = 32, H = 8, D = 128, NB = 3, NCTX = 3, STEP = 1024, MAXB = 64 };
+  static const uint32_t batch[NB] = {1, 8, 64}, ctx[NCTX] = {4096, 32768, 131072};
+  static const char *const ac[] = {"kv=bf16", "kv=fp8", "kv=int8", "kv=nvfp4", "kv=kivi:bits=2:group=16"};
+  size_t step_bytes = (size_t)STEP * H * D * 2, cbytes = 256ull << 20;
+  void *k, *v, *q, *out, *ws, *cs, *cd, *go_k = NULL, *go_v = NULL, *gws = NULL;
+  CK(cudaMalloc(&k, step_bytes));
+  CK(cudaMalloc(&v, step_bytes));
+  CK(cudaMalloc(&q, (size_t)MAXB * HQ * D * 2));
+  CK(cudaMalloc(&out, (size_t)MAXB * HQ * D * 2));
+  CK(cudaMalloc(&cs, cbytes));
+  CK(cudaMalloc(&cd, cbytes));
+  uint16_t *h = malloc(step_bytes);
+  for (size_t i = 0; i < step_bytes / 2; i++) h[i] = (uint16_t)(0x3E00u + (i * 2654435761u >> 24) % 256u) ^ (i & 1u) << 15;
+  CK(cudaMemcpy(k, h, step_bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(v, h, step_bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(q, h, (size_t)MAXB * HQ * D * 2, cudaMemcpyHostToDevice));
+  free(h);
+  float copy = copy_ms(cd, cs, cbytes, rounds);
+  double copy_gbs = 2.0 * cbytes / (copy * 1e6);
+  if (!json) printf("attend: device copy %.0f GB/s (read + write of 256 MiB)\n", copy_gbs);
+  size_t gcap = (size_t)8 * 131072; /* gather baseline up to 8 x 128K rows */
+  CK(cudaMalloc(&go_k, gcap * H * D * 2));
+  CK(cudaMalloc(&go_v, gcap * H * D * 2));
+  for (unsigned c = 0; c < sizeof ac / sizeof *ac; c++)
+    for (unsigned x = 0; x < NCTX; x++) {
+      uint64_t region = (uint64_t)MAXB * ctx[x] * H * D * 4 * (c ? 6 : 10) / 10 + (256ull << 20);
+      double t_build = now_us();
+      kvp_pool *p = cuda_pool(ac[c], 1, region);
+      kvp_seq_config sc;
+      kvp_seq_config_init(&sc);
+      sc.mode = KVP_SEQ_STEP;
+      uint64_t seqs[MAXB];
+      for (uint32_t sq = 0; sq < MAXB; sq++) {
+        KV(kvp_seq_add(p, seqs[sq] = sq, &sc));
+        for (uint32_t t = 0; t < ctx[x]; t += STEP) {
+          KV(kvp_step_begin(p, sq, STEP, 0));
+          KV(kvp_append(p, sq, 0, &(kvp_kv){k, v, S}));
+          KV(kvp_step_end(p, sq));
+        }
+      }
+      fprintf(stderr, "attend: %s ctx %u: pool of %u sequences built in %.1f s\n", ac[c], ctx[x], MAXB,
+              (now_us() - t_build) / 1e6);
+      kvp_attend_req a;
+      kvp_attend_req_init(&a);
+      a.layer = 0, a.seqs = seqs, a.n_q_heads = HQ, a.q = q, a.out = out, a.scale = 0.08838834764831845f;
+      a.stream = S;
+      a.batch = MAXB;
+      if (kvp_attend_decode(p, &a) != KVP_ENOSPC) exit(1);
+      CK(cudaMalloc(&ws, a.workspace_needed));
+      a.workspace = ws, a.workspace_bytes = a.workspace_needed;
+      for (unsigned bi = 0; bi < NB; bi++) {
+        a.batch = batch[bi];
+        float t[64], th[64];
+        for (int r = 0; r < rounds; r++) t[r] = attend_ms(p, &a, &th[r]);
+        float mt = median(t, rounds), mh = median(th, rounds);
+        double gbs = a.bytes_read / (mt * 1e6);
+        if (!json)
+          printf("attend %-24s B=%2u ctx=%6u %9.1f us  %6.0f GB/s  %5.2fx of the copy  (%u splits, host %.0f us)\n",
+                 ac[c], batch[bi], ctx[x], mt * 1e3, gbs, gbs / copy_gbs, a.n_splits, mh);
+        printf("{\"figure\":\"gpu_attend\",\"codecs\":\"%s\",\"batch\":%u,\"ctx\":%u,\"q_heads\":%d,"
+               "\"kv_heads\":%d,\"head_dim\":%d,\"attend_us\":%.2f,\"host_us\":%.1f,\"bytes_read\":%llu,"
+               "\"gbs\":%.1f,\"copy_gbs\":%.1f,\"vs_copy\":%.3f,\"splits\":%u,\"target_vs_copy\":0.7}\n",
+               ac[c], batch[bi], ctx[x], HQ, H, D, mt * 1e3, mh, (unsigned long long)a.bytes_read, gbs, copy_gbs,
+               gbs / copy_gbs, a.n_splits);
+        if ((size_t)batch[bi] * ctx[x] <= gcap) { /* gather to bf16, the first half of gather-then-SDPA */
+          kvp_gather_item it[8];
+          kvp_gather_req g;
+          kvp_gather_req_init(&g);
+          for (uint32_t i = 0; i < batch[bi]; i++) it[i] = (kvp_gather_item){.seq = i, .layer = 0};
+          g.items = it, g.n_items = batch[bi], g.k_out = go_k, g.v_out = go_v, g.capacity_rows = (uint32_t)gcap;
+          g.stream = S;
+          if (kvp_gather(p, &g) != KVP_ENOSPC) exit(1);
+          CK(cudaMalloc(&gws, g.workspace_needed));
+          g.workspace = gws, g.workspace_bytes = g.workspace_needed;
+          float tg[64];
+          for (int r = 0; r < rounds; r++) {
+            gate_open = 0;
+            CK(cudaLaunchHostFunc(S, gate_fn, NULL));
+            CK(cudaEventRecord(E0, S));
+            KV(kvp_gather(p, &g));
+            __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
+            tg[r] = ms_since_start();
+          }
+          printf("{\"figure\":\"gpu_attend_gather\",\"codecs\":\"%s\",\"batch\":%u,\"ctx\":%u,\"gather_us\":%.2f}\n",
+                 ac[c], batch[bi], ctx[x], median(tg, rounds) * 1e3);
+          cudaFree(gws);
+        }
+      }
+      if (ctx[x] == 32768) { /* per-head evictions keep ~10% of each head's steps of seqs 0..7 */
+        a.batch = 8;
+        float t[64], th[64];
+        for (int r = 0; r < rounds; r++) t[r] = attend_ms(p, &a, &th[r]);
+        float full = median(t, rounds);
+        uint64_t full_th = a.token_heads;
+        uint32_t nsteps = ctx[x] / STEP;
+        double t_ev = now_us();
+        for (uint32_t sq = 0; sq < 8; sq++)
+          for (uint32_t hh = 0; hh < H; hh++)
+            for (uint32_t st = 0; st < nsteps; st++)
+              if (((sq * 131 + hh * 31 + st) * 2654435761u >> 16) % 10 != 0) KV(kvp_evict(p, sq, 0, hh, st));
+        fprintf(stderr, "attend: %s: evictions took %.1f s\n", ac[c], (now_us() - t_ev) / 1e6);
+        for (int r = 0; r < rounds; r++) t[r] = attend_ms(p, &a, &th[r]);
+        float ev = median(t, rounds);
+        double frac = (double)a.token_heads / full_th, ratio = ev / (frac * full);
+        if (!json)
+          printf("attend %-24s B= 8 ctx= 32768 evicted to %.3f of the tokens: %8.1f us, full %8.1f us: %.2fx of "
+                 "retained/total x full (target <= 1.3)\n",
+                 ac[c], frac, ev * 1e3, full * 1e3, ratio);
+        printf("{\"figure\":\"gpu_attend_evicted\",\"codecs\":\"%s\",\"batch\":8,\"ctx\":32768,"
+               "\"retained_fraction\":%.4f,\"evicted_us\":%.2f,\"full_us\":%.2f,\"ratio\":%.3f,\"target\":1.3}\n",
+               ac[c], frac, ev * 1e3, full * 1e3, ratio);
+      }
+      cudaFree(ws);
+      kvp_pool_destroy(p);
+    }
+  cudaFree(k), cudaFree(v), cudaFree(q), cudaFree(out), cudaFree(cs), cudaFree(cd), cudaFree(go_k), cudaFree(go_v);
+}
+
 static void append_figures(int rounds, int json) {
   enum { NS = 64, L = 32, H = 8, D = 128, PRE = 100 };
   size_t bytes = (size_t)H * D * 2;
@@ -310,6 +456,7 @@ int main(int argc, char **argv) {
     }
   }
   if (rounds < 1 || rounds > 64) rounds = 15;
+  setvbuf(stdout, NULL, _IOLBF, 0); /* figures survive a run cut short */
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess || !n) {
     printf("kvpool-bench-gpu: skipped: no CUDA device visible\n");
@@ -321,8 +468,10 @@ int main(int argc, char **argv) {
   struct cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   if (!json) printf("kvpool-bench-gpu on %s, %d rounds, medians\n", prop.name, rounds);
-  codec_figures(rounds, json);
-  gather_figures(rounds, json);
-  append_figures(rounds < 5 ? rounds : 5, json);
+  const char *only = getenv("KVP_BENCH_ONLY"); /* codec, gather, attend or append */
+  if (!only || strstr(only, "codec")) codec_figures(rounds, json);
+  if (!only || strstr(only, "gather")) gather_figures(rounds, json);
+  if (!only || strstr(only, "attend")) attend_figures(rounds, json);
+  if (!only || strstr(only, "append")) append_figures(rounds < 5 ? rounds : 5, json);
   return 0;
 }

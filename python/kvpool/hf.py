@@ -92,6 +92,9 @@ class KvpoolLayer(_LayerBase):
     def get_max_cache_shape(self, *args, **kwargs) -> int:
         return -1
 
+    def get_max_length(self, *args, **kwargs) -> int:  # no fixed maximum: the pool's budget decides
+        return -1
+
     def reset(self) -> None:
         self.keys = self.values = None
 
