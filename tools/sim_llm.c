@@ -51,7 +51,7 @@ void sim_llm_defaults(sim_llm_cfg *c) {
   sim_llm_preset(c, "llama-3-8b");
   c->budget_bytes = 2ull << 30;
   c->max_batch_tokens = 2048;
-  c->block_tokens = 32; /* a multiple of kivi's and qvg's default groups */
+  c->block_tokens = 0; /* the pool's choice per layer, from its codecs */
   c->max_running = 256;
   c->requests = 200;
   c->rate = 4.0;
@@ -468,8 +468,7 @@ static const char *const LLM_HELP =
     "  --policy SPEC         eviction policy per sequence, e.g. window:sink=4:recent=1024\n"
     "  --max-batch-tokens N  tokens per iteration, prefill chunks and decodes (default 2048)\n"
     "  --max-running N       running requests at most (default 256)\n"
-    "  --block-tokens N      tokens per block (default 32: a multiple of kivi's and qvg's default groups;\n"
-    "                        0 = the pool's choice per layer, from its codecs)\n"
+    "  --block-tokens N      tokens per block (default 0: the pool's choice per layer, from its codecs)\n"
     "  --trace FILE --format azure|mooncake|sharegpt   requests from a trace (sharegpt: lengths\n"
     "                        only, Poisson arrivals at --rate)\n"
     "  --requests N          synthetic requests (default 200), or the first N rows of a trace\n"

@@ -348,6 +348,21 @@ START_TEST(llm_trace_replayed_whole) {
 }
 END_TEST
 
+/* Codecs with token groups or per-block side data run with the defaults. */
+START_TEST(llm_codec_defaults) {
+  static const char *const SPECS[] = {"kv=kivi:bits=2:group=32", "kv=qvg", "k=qvg-pro,v=kivi:bits=4:group=64"};
+  for (int i = 0; i < 3; i++) {
+    char args[256];
+    snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 128 --params 1e9 --requests 4 --budget-bytes 64M "
+             "--codecs %s --dry --json --quiet", SPECS[i]);
+    json_t *j = run_json(args);
+    ck_assert_uint_eq(U(j, "requests_finished"), 4);
+    ck_assert_uint_eq(U(j, "budget_violations"), 0);
+    json_decref(j);
+  }
+}
+END_TEST
+
 /* The shared traces through the simulator, each format (skipped when absent). */
 static const char *const SHARED_TRACES[][2] = {
     {"../shared/traces/AzureLLMInferenceTrace_conv.csv", "azure"},
@@ -481,6 +496,10 @@ static const struct bad_run {
     {"llm --trace /dev/null --format csv", 2, "--format csv"},
     {"llm --trace /dev/null --format azure", 1, "empty file"},
     {"llm --codecs k=nope --requests 1", 1, "nope"},
+    {"llm --codecs kv=kivi:bits=2:grp=32 --requests 1", 1, "unknown parameter 'grp'"},
+    {"llm --codecs kv=kivi:bits=2:group=32 --block-tokens 16 --requests 1", 1, "32 would be"},
+    {"llm --codecs kv=qvg --block-tokens 16 --requests 1", 1, "compresses from block_tokens = 297"},
+    {"llm --requests -5", 2, "--requests -5"},
     {"var --model infinity-3b", 2, "infinity-3b"},
     {"var --schedule 1,0,4", 2, "--schedule"},
     {"var --layers 2 --kv-heads 1 --head-dim 16 --policy heatkv:b=0.001:s=3:orders=synthetic", 1, "b=0.001"},
@@ -536,6 +555,7 @@ int main(int argc, char **argv) {
   tcase_add_test(tc, llm_preempts_under_pressure);
   tcase_add_loop_test(tc, llm_shared_traces, 0, 3);
   tcase_add_test(tc, llm_trace_replayed_whole);
+  tcase_add_test(tc, llm_codec_defaults);
   tcase_add_test(tc, llm_shared_trace_whole);
   tcase_add_test(tc, llm_synthetic_presets);
   tcase_add_test(tc, dry_plans_the_same_bytes);
