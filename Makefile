@@ -199,8 +199,9 @@ $(STRESS_BIN): $(B)/tests/%: tests/stress/%.c tests/integration/kvgen.h $(SO) $(
 $(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
 
-# check_stat runs the tool.
+# check_stat runs the tool; check_tools runs kvpool-demo and kvpool-bench.
 $(B)/tests/check_stat: | $(B)/kvpool-stat
+$(B)/tests/check_tools: | $(B)/kvpool-demo $(B)/kvpool-bench
 
 # kvpool-stat reads files only: neither the library nor its header.
 $(B)/kvpool-stat: tools/kvpool-stat.c

@@ -16,6 +16,13 @@
  * once published). */
 const kvp_codec_vtable *kvp__codec_get(uint32_t id);
 
+/* The block size a codec instance prefers for mode (kvp_codec_vtable.block_tokens):
+ * 0 when it has none, or when its vtable predates ABI version 2 (the member
+ * is then past the end of the codec's struct and never read). */
+static inline uint32_t kvp__codec_pref_block(const kvp_codec_vtable *vt, const void *inst, kvp_seq_mode mode) {
+  return vt->abi_version >= 2 && vt->block_tokens ? vt->block_tokens(inst, mode) : 0;
+}
+
 /* One binding of a parsed spec: codec id and its parameter text. */
 typedef struct kvp__spec_entry {
   uint32_t id;      /* registered codec */

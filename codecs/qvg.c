@@ -3,8 +3,9 @@
  * by k-means over the tokens of a block, progressive residual stages, and
  * a final symmetric INT2/INT4 quantizer with one FP8 E4M3 scale per group.
  * The paper's "segment of N tokens" of one head is one block: in step mode
- * a video chunk is one step, so block_tokens >= the chunk's tokens makes
- * one block per (chunk, head), encoded at once, with cap = N.
+ * a video chunk is one step, and the pool's default block size (block_tokens
+ * = 0: qvg_block_tokens) makes one block per (chunk, head), encoded at once,
+ * with cap = N; in stream mode blocks of 2048 tokens (qvg at D = 128).
  *
  * Params (spec "qvg", "qvg:stages=1:group=64:bits=2:k=256:iters=8"):
  *   stages=S  0..8 k-means stages (default 1; 0 = no smoothing: plain
@@ -201,6 +202,24 @@ static void qvg_layout(const void *inst, uint32_t cap_tokens, kvp_codec_layout *
   out->bytes[PG_ASSIGN] = (uint64_t)q->stages * cap;
 }
 
+/* Block sizes (block_tokens): in step mode a block is the whole step (the
+ * paper's segment: a video chunk). In stream mode, the smallest power of
+ * two cap >= 256 whose centroids cost at most the per-token bytes,
+ * 2 S Kc D / cap <= D*b/8 + D/g + S, so a block holds at most twice its
+ * asymptotic bytes (D = 128: qvg 2048, qvg-pro 8192; k=16: 256). Without
+ * stages no side data is paid per block: no preference. */
+#define QVG_MIN_STREAM_BLOCK 256u
+#define QVG_MAX_BLOCK 65536u
+static uint32_t qvg_block_tokens(const void *inst, kvp_seq_mode mode) {
+  const qvg_inst *q = inst;
+  if (!q->stages) return 0;
+  if (mode == KVP_SEQ_STEP) return KVP_CODEC_WHOLE_STEP;
+  uint64_t d = q->head_dim, per_token = d * q->bits / 8 + d / q->group + q->stages;
+  uint32_t cap = QVG_MIN_STREAM_BLOCK;
+  while (cap < QVG_MAX_BLOCK && 2ull * q->stages * qvg_kc(q, cap) * d > per_token * cap) cap *= 2;
+  return cap;
+}
+
 static size_t qvg_state_bytes(const void *inst) {
   const qvg_inst *q = inst;
   return q->stages ? QVG_STATE_HDR + (size_t)q->stages * q->k * q->head_dim * 2 : 0;
@@ -369,6 +388,7 @@ const kvp_codec_vtable kvp__codec_qvg = {
     .decode = qvg_decode,
     .state_bytes = qvg_state_bytes,
     .encode_stateful = qvg_encode_stateful,
+    .block_tokens = qvg_block_tokens,
 };
 
 const kvp_codec_vtable kvp__codec_qvg_pro = {
@@ -382,4 +402,5 @@ const kvp_codec_vtable kvp__codec_qvg_pro = {
     .decode = qvg_decode,
     .state_bytes = qvg_state_bytes,
     .encode_stateful = qvg_encode_stateful,
+    .block_tokens = qvg_block_tokens,
 };

@@ -33,9 +33,9 @@ static int find_locked(const char *name) {
 
 static int add(const kvp_codec_vtable *vt, uint32_t *id) {
   if (!vt) return kvp__err(KVP_EINVAL, "codec vtable is NULL");
-  if (vt->abi_version != KVP_CODEC_ABI_VERSION)
-    return kvp__err(KVP_EINVAL, "codec \"%s\": ABI version %u, this library speaks %u", vt->name ? vt->name : "?",
-                    vt->abi_version, KVP_CODEC_ABI_VERSION);
+  if (vt->abi_version < KVP_CODEC_ABI_MIN || vt->abi_version > KVP_CODEC_ABI_VERSION)
+    return kvp__err(KVP_EINVAL, "codec \"%s\": ABI version %u, this library speaks %u..%u", vt->name ? vt->name : "?",
+                    vt->abi_version, KVP_CODEC_ABI_MIN, KVP_CODEC_ABI_VERSION);
   if (!name_ok(vt->name)) return kvp__err(KVP_EINVAL, "codec name must be 1..31 of [a-z0-9_-]");
   if (!vt->create || !vt->destroy || !vt->group_tokens || !vt->layout || !(vt->encode || vt->encode_at) ||
       !(vt->decode || vt->decode_at))

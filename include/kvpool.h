@@ -115,7 +115,9 @@ typedef struct kvp_config {
   int device;              /* CUDA ordinal when memory == KVP_MEM_CUDA */
   uint64_t region_bytes;   /* bytes reserved at create (rounded down to 4 KiB) */
   uint64_t budget_bytes;   /* strict cap on allocated page bytes; 0 = region */
-  uint32_t block_tokens;   /* tokens per block; 0 = default (16) */
+  uint32_t block_tokens;   /* tokens per block of every layer; 0 = chosen per layer by its codecs
+                              (kvp_pool_info says what): 16 for per-token codecs, a multiple of a codec's
+                              token group (kivi), a whole step (step mode) or 2048 tokens (stream) for qvg */
   const char *codecs;      /* codec spec; NULL = raw */
   const char *policy;      /* policy spec; NULL = none: "window:sink=4:recent=1024" */
   uint32_t flags;          /* KVP_POOL_* */
@@ -138,6 +140,11 @@ typedef struct kvp_config {
                                 device.used_bytes is 0 (nothing is resident). Excludes KVP_POOL_PREFAULT.
                                 Allocator metadata is committed lazily, so a 1 TiB dry region costs host memory
                                 in proportion to what is allocated in it, not to its size. Since 0.1.0. */
+#define KVP_POOL_ALLOW_EXPANSION 8u /* let a codec store more bytes per token than the appended dtype at the
+                                       layer's block size (stream mode). Without it kvp_pool_create refuses such
+                                       a codec with KVP_EINVAL naming it, both sizes per token and the block size
+                                       from which it compresses (e.g. qvg's k-means centroids at 16 tokens).
+                                       Raw codecs store the dtype they name and are never refused. */
 
 /* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
  * memory, 64 MiB region, budget = region. */
@@ -155,6 +162,26 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out);
 /* Destroy a pool and release its region and all metadata. NULL is fine. No
  * other call on the pool may run concurrently or afterwards. */
 KVP_API void kvp_pool_destroy(kvp_pool *pool);
+
+/* What a pool chose for one layer, per side ([0] = K, [1] = V). A block
+ * holds the K and the V pages of its tokens, so both sides of a layer have
+ * the same block sizes. */
+typedef struct kvp_layer_info {
+  size_t struct_size;              /* bytes; set by kvp_layer_info_init */
+  const char *codec[2];            /* codec name (static: lives as long as the registry) */
+  uint32_t group_tokens[2];        /* tokens the codec quantizes together (1 = per token) */
+  uint32_t block_tokens[2];        /* tokens per block of a KVP_SEQ_STREAM sequence */
+  uint32_t step_block_tokens[2];   /* most tokens per block of a KVP_SEQ_STEP sequence (a block also
+                                      ends with its step: 65536 means a whole step) */
+  double bytes_per_token[2];       /* requested bytes per token and head of a full stream-mode block */
+  double source_bytes_per_token[2]; /* head_dim x bytes of the appended dtype: the same without a codec */
+} kvp_layer_info;
+
+KVP_API void kvp_layer_info_init(kvp_layer_info *info);
+/* Describe layer of pool into *out (struct_size set by kvp_layer_info_init).
+ * KVP_EINVAL for a NULL argument, a small struct_size or layer >= n_layers.
+ * Lock-free (what it reads is fixed at create). Since 0.1.0. */
+KVP_API int kvp_pool_info(kvp_pool *pool, uint32_t layer, kvp_layer_info *out);
 
 /* ------------------------------------------------------------------------
  * 3. Statistics and the ledger

@@ -22,6 +22,13 @@
  * block_tokens must be a multiple of it, and encode may receive a last
  * group shorter than group_tokens only in step mode.
  *
+ * Block sizes (since ABI version 2). With kvp_config.block_tokens = 0 the
+ * pool chooses each layer's block size from its K and V codecs: the
+ * largest size either prefers (block_tokens below; 16 when neither says),
+ * raised to a multiple of both group_tokens. A block holds the K and the V
+ * pages of its tokens, so both sides of a layer share one size;
+ * kvp_pool_info reports it per layer and side.
+ *
  * Page bit layouts are the codec's own and must be written in its header
  * comment. A codec knows nothing of the pool: tensors in, bytes out.
  *
@@ -47,7 +54,12 @@
 extern "C" {
 #endif
 
-#define KVP_CODEC_ABI_VERSION 1u
+/* ABI versions. 1: every member up to decode_dev. 2: adds block_tokens.
+ * The library reads a member only from a vtable whose abi_version has it,
+ * so a codec built against an older header (a shorter struct) keeps
+ * working unchanged; kvp_codec_register accepts 1..KVP_CODEC_ABI_VERSION. */
+#define KVP_CODEC_ABI_VERSION 2u
+#define KVP_CODEC_ABI_MIN 1u
 #define KVP_CODEC_MAX_PAGES 4u /* page types one block side may use */
 
 /* What a codec instance is bound to. */
@@ -237,7 +249,20 @@ typedef struct kvp_codec_vtable {
                     uint64_t *status, void *stream);
   int (*decode_dev)(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
                     kvp_dtype out, void *stream);
+
+  /* ---- Optional, ABI version 2 (read only when abi_version >= 2). */
+
+  /* Tokens per block this instance prefers for sequences of mode, when the
+   * pool chooses (kvp_config.block_tokens = 0): 0 = no preference (a
+   * per-token codec: the pool's 16), KVP_CODEC_WHOLE_STEP (step mode) =
+   * a block is a whole step (up to 65536 tokens), for codecs whose side
+   * data (centroids, per-segment scales) is paid once per block. The pool
+   * takes the larger preference of a layer's K and V codecs and rounds it
+   * up to a multiple of both group_tokens. NULL: no preference. */
+  uint32_t (*block_tokens)(const void *inst, kvp_seq_mode mode);
 } kvp_codec_vtable;
+
+#define KVP_CODEC_WHOLE_STEP 0xFFFFFFFFu /* block_tokens: a block is a whole step */
 
 /* Register a codec under vt->name for every pool created afterwards
  * (process-wide; vt must stay valid). Returns its id (> 0) through *id.

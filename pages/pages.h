@@ -28,7 +28,7 @@
 
 #include <pthread.h>
 
-#define KVP__DEFAULT_BLOCK_TOKENS 16u
+#define KVP__DEFAULT_BLOCK_TOKENS 16u /* block size of a layer whose codecs prefer none (vLLM's) */
 #define KVP__MAX_BLOCK_TOKENS 65536u
 
 /* One slot of the raw-page table (the experimental page API). */
@@ -140,6 +140,7 @@ struct kvp_pool {
   struct cds_lfht *seqs; /* live sequences by id */
   kvp__binding *bind;    /* [2 * L]: codec of (layer, K|V) at 2 * layer + kv */
   kvp__binding tail[2];  /* raw in the appended dtype: OPEN blocks of K and V */
+  uint32_t *bt;          /* [2 * L]: tokens per block of layer l, stream mode at 2l, step mode at 2l + 1 */
   kvp__block *limbo;     /* blocks waiting for a grace period (onext chain); bytes in ledger.retired */
   kvp__block *orphans;   /* evicted blocks kept alive by view pins */
   struct kvp__policy *policy; /* the pool's policy (config.policy) */
@@ -148,6 +149,11 @@ struct kvp_pool {
   struct kvp__dev *dev;  /* CUDA region (not dry): the device control block; else NULL */
 };
 
+/* Tokens per block of layer for a sequence of mode (a step-mode block also
+ * ends with its step). */
+static inline uint32_t kvp__layer_bt(const kvp_pool *p, uint32_t layer, kvp_seq_mode mode) {
+  return p->bt[2 * layer + (mode == KVP_SEQ_STEP)];
+}
 static inline kvp__stream *kvp__seq_stream(const kvp_pool *p, kvp__seq *s, uint32_t layer, uint32_t head) {
   return &s->streams[(size_t)layer * p->cfg.n_kv_heads + head];
 }

@@ -238,13 +238,14 @@ static void heatkv_seq_free(void *vstate) {
 }
 
 uint64_t *kvp__heatkv_atom_bytes(const kvp_pool *pool, const uint32_t *sched, uint32_t K) {
-  uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads, bt = pool->cfg.block_tokens;
+  uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
   uint64_t *ab = malloc((size_t)K * L * H * sizeof *ab);
   if (!ab) return NULL;
   uint64_t pos = 0; /* first position of step t */
   for (uint32_t t = 0; t < K; pos += sched[t], t++)
     for (uint32_t l = 0; l < L; l++) {
       uint64_t bytes = 0;
+      uint32_t bt = kvp__layer_bt(pool, l, KVP_SEQ_STEP); /* heatkv sequences are in step mode */
       for (uint32_t done = 0; done < sched[t]; done += bt)
         bytes += kvp__block_class_bytes(pool, l, false, (uint32_t)(pos + done),
                                         sched[t] - done < bt ? sched[t] - done : bt);

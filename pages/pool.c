@@ -10,6 +10,7 @@
  *   the page tables hold (runs, streams, blocks, owners: kvp__seqs_check)
  *   plus everything kvp__alloc_check verifies (allocated, committed, budget)
  */
+#include "../codecs/numeric.h"
 #include "policy.h"
 
 #include <stdio.h>
@@ -55,10 +56,10 @@ static int validate(const kvp_config *in, kvp_config *c) {
     return kvp__err(KVP_EINVAL, "config.region_bytes = %llu: must be %u..%llu", (unsigned long long)in->region_bytes,
                     KVP_MIN_REGION_BYTES, (unsigned long long)KVP__SC_MAX_BYTES);
   if (c->budget_bytes == 0) c->budget_bytes = c->region_bytes;
-  if (c->block_tokens == 0) c->block_tokens = KVP__DEFAULT_BLOCK_TOKENS;
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
-    return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 1..%u", c->block_tokens, KVP__MAX_BLOCK_TOKENS);
-  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE | KVP_POOL_DRY))
+    return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 0 (chosen per layer by its codecs) or 1..%u",
+                    c->block_tokens, KVP__MAX_BLOCK_TOKENS);
+  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE | KVP_POOL_DRY | KVP_POOL_ALLOW_EXPANSION))
     return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
   if ((c->flags & KVP_POOL_PREFAULT) && (c->flags & KVP_POOL_DRY))
     return kvp__err(KVP_EINVAL, "config.flags: KVP_POOL_PREFAULT and KVP_POOL_DRY exclude each other (a dry "
@@ -82,7 +83,9 @@ void kvp__bindings_fini(kvp_pool *pool) {
   for (uint32_t i = 0; pool->bind && i < n; i++) binding_drop(&pool->bind[i]);
   for (int kv = 0; kv < 2; kv++) binding_drop(&pool->tail[kv]);
   kvp__meta_free(&pool->meta, pool->bind, n * sizeof *pool->bind);
+  kvp__meta_free(&pool->meta, pool->bt, n * sizeof *pool->bt);
   pool->bind = NULL;
+  pool->bt = NULL;
 }
 
 static int layout_ok(const kvp__binding *b, uint32_t cap) {
@@ -97,7 +100,8 @@ static int layout_ok(const kvp__binding *b, uint32_t cap) {
   return 1;
 }
 
-/* Instantiate e's codec for (layer, kv) into b; messages name the binding. */
+/* Instantiate e's codec for (layer, kv) into b; messages name the binding.
+ * Its fit to the layer's block size is checked later (binding_fit). */
 static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer, int kv, kvp__binding *b) {
   const kvp_config *c = &pool->cfg;
   kvp_codec_geom g = {c->head_dim, kv ? c->v_dtype : c->k_dtype, layer, (uint32_t)kv, c->n_layers, c->n_kv_heads};
@@ -113,22 +117,104 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
                           b->vt->name, layer, "KV"[kv], e->params ? e->params : "", at, err);
   b->group = b->vt->group_tokens(b->inst);
   b->passthrough = e->id == KVP__CODEC_RAW && kvp__raw_store_dtype(b->inst) == g.in_dtype;
-  if (!b->group || c->block_tokens % b->group)
-    return kvp__err(KVP_EINVAL, "config.block_tokens = %u is not a multiple of %s's group of %u tokens (layer %u %c)",
-                    c->block_tokens, b->vt->name, b->group, layer, "KV"[kv]);
-  if (!layout_ok(b, c->block_tokens))
-    return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c", b->vt->name,
-                    layer, "KV"[kv]);
+  if (!b->group || b->group > KVP__MAX_BLOCK_TOKENS)
+    return kvp__err(KVP_ECODEC, "codec %s (layer %u %c) groups %u tokens: must be 1..%u", b->vt->name, layer, "KV"[kv],
+                    b->group, KVP__MAX_BLOCK_TOKENS);
   if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && (!b->vt->encode_dev || !b->vt->decode_dev))
     return kvp__err(KVP_ENOTSUP, "config.codecs: codec %s (layer %u %c) has no device ops (encode_dev, decode_dev), "
                                  "so a CUDA region cannot hold it; it works on a host region", b->vt->name, layer,
                     "KV"[kv]); /* dry: nothing is encoded */
+  return KVP_OK;
+}
+
+static uint64_t gcd64(uint64_t a, uint64_t b) {
+  while (b) {
+    uint64_t t = a % b;
+    a = b, b = t;
+  }
+  return a;
+}
+
+/* Requested bytes of one block of cap tokens under b, one side of one head. */
+static uint64_t binding_block_bytes(const kvp__binding *b, uint32_t cap) {
+  kvp_codec_layout lay = {0};
+  b->vt->layout(b->inst, cap, &lay);
+  uint64_t sum = 0;
+  for (unsigned i = 0; i < lay.npages && i < KVP_CODEC_MAX_PAGES; i++) sum += lay.bytes[i];
+  return sum;
+}
+
+static const char *dtype_name(kvp_dtype d) { return d == KVP_DTYPE_F32 ? "fp32" : d == KVP_DTYPE_F16 ? "fp16" : "bf16"; }
+
+/* Bytes per token of the appended dtype of side kv: what a codec must not exceed. */
+static uint64_t source_token_bytes(const kvp_config *c, int kv) {
+  return (uint64_t)c->head_dim * kvp__dtype_bytes(kv ? c->v_dtype : c->k_dtype);
+}
+
+/* The block sizes of layer (stream and step mode): config.block_tokens, or
+ * (0) what its codecs prefer: the larger preference of K and V (16 when
+ * neither has one; a whole step is 65536 tokens), rounded up to a multiple
+ * of both groups (down, past 65536). An explicit size must be a multiple of
+ * both groups; the message names the size that would be. */
+static int layer_choose(kvp_pool *pool, uint32_t layer, uint32_t *bt_stream, uint32_t *bt_step) {
+  const kvp__binding *k = &pool->bind[2 * layer], *v = &pool->bind[2 * layer + 1];
+  uint64_t g = (uint64_t)k->group / gcd64(k->group, v->group) * v->group, max = KVP__MAX_BLOCK_TOKENS;
+  if (g > max)
+    return kvp__err(KVP_EINVAL, "config.codecs: layer %u: %s groups %u tokens and %s %u: no block size up to %u is a "
+                    "multiple of both", layer, k->vt->name, k->group, v->vt->name, v->group, KVP__MAX_BLOCK_TOKENS);
+  uint32_t want = pool->cfg.block_tokens;
+  if (want) {
+    if (want % g) {
+      const kvp__binding *b = want % k->group ? k : v;
+      return kvp__err(KVP_EINVAL, "config.block_tokens = %u is not a multiple of %s's group of %u tokens (layer %u %c): "
+                      "%llu would be (or 0: the pool picks per layer)", want, b->vt->name, b->group, layer,
+                      "KV"[b == v], (unsigned long long)((want + g - 1) / g * g));
+    }
+    *bt_stream = *bt_step = want;
+    return KVP_OK;
+  }
+  for (int mode = 0; mode < 2; mode++) {
+    uint64_t pref = 0;
+    for (int kv = 0; kv < 2; kv++) {
+      uint64_t p = kvp__codec_pref_block(pool->bind[2 * layer + kv].vt, pool->bind[2 * layer + kv].inst,
+                                         mode ? KVP_SEQ_STEP : KVP_SEQ_STREAM);
+      if (p > max) p = max; /* KVP_CODEC_WHOLE_STEP, or more than a block holds */
+      if (p > pref) pref = p;
+    }
+    if (!pref) pref = KVP__DEFAULT_BLOCK_TOKENS;
+    uint64_t bt = (pref + g - 1) / g * g;
+    if (bt > max) bt = max / g * g;
+    *(mode ? bt_step : bt_stream) = (uint32_t)bt;
+  }
+  return KVP_OK;
+}
+
+/* The smallest block size from cap on (a multiple of g) at which b stores
+ * fewer bytes per token than src_bytes; 0 if none up to the largest block. */
+static uint32_t compress_from(const kvp__binding *b, uint32_t cap, uint32_t g, uint64_t src_bytes) {
+  for (uint64_t n = cap; n <= KVP__MAX_BLOCK_TOKENS; n += g)
+    if (binding_block_bytes(b, (uint32_t)n) < src_bytes * n) return (uint32_t)n;
+  return 0;
+}
+
+/* b (of layer, side kv) at the layer's block sizes: valid layouts, a dry
+ * pool's row-count sizing, and no expansion: a codec other than raw (which
+ * stores the dtype it names) must not store more bytes per token at the
+ * stream-mode block size than the appended dtype takes, unless
+ * KVP_POOL_ALLOW_EXPANSION. (In step mode a whole-step block's size is
+ * the step's, known only when it comes.) */
+static int binding_fit(kvp_pool *pool, uint32_t layer, int kv, const kvp__binding *b) {
+  const kvp_config *c = &pool->cfg;
+  uint32_t bts = pool->bt[2 * layer], btp = pool->bt[2 * layer + 1];
+  if (!layout_ok(b, bts) || !layout_ok(b, btp))
+    return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c at %u tokens",
+                    b->vt->name, layer, "KV"[kv], layout_ok(b, bts) ? btp : bts);
   if ((c->flags & KVP_POOL_DRY) && kvp__bind_rowwise(b)) {
     /* A dry pool holds no rows: a row-wise codec must size an OPEN block
      * from its row count alone (pages = NULL), which it answers here. */
     kvp_codec_layout lay;
     kvp_codec_block where = {0, 0};
-    rc = b->vt->open_layout(b->inst, &where, NULL, 1, NULL, 0, 0, c->block_tokens, &lay);
+    int rc = b->vt->open_layout(b->inst, &where, NULL, 1, NULL, 0, 0, bts, &lay);
     if (rc) {
       char why[256];
       snprintf(why, sizeof why, "%s", kvp_last_error()); /* kvp__err rewrites the message it reads */
@@ -136,7 +222,18 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
                       "pool (KVP_POOL_DRY) holds none (%s)", b->vt->name, layer, "KV"[kv], why);
     }
   }
-  return KVP_OK;
+  uint64_t src = source_token_bytes(c, kv), have = binding_block_bytes(b, bts);
+  if (b->id == KVP__CODEC_RAW || (c->flags & KVP_POOL_ALLOW_EXPANSION) || have <= src * bts) return KVP_OK;
+  const kvp__binding *o = &pool->bind[2 * layer + !kv];
+  uint32_t g = (uint32_t)((uint64_t)b->group / gcd64(b->group, o->group) * o->group);
+  uint32_t from = compress_from(b, bts + g, g, src);
+  char where[96] = "no block size up to 65536";
+  if (from) snprintf(where, sizeof where, "block_tokens = %u on", from);
+  return kvp__err(KVP_EINVAL, "config.codecs: %s for layer %u %c stores %.2f bytes per token at block_tokens = %u, more "
+                  "than the appended %s's %llu (%.2fx expansion); it compresses from %s (%s, or set "
+                  "KVP_POOL_ALLOW_EXPANSION to store it anyway)", b->vt->name, layer, "KV"[kv], (double)have / bts, bts,
+                  dtype_name(kv ? c->v_dtype : c->k_dtype), (unsigned long long)src, (double)have / bts / (double)src,
+                  where, c->block_tokens ? "set config.block_tokens so, or 0 to let the pool choose" : "set config.block_tokens so");
 }
 
 int kvp__bindings_init(kvp_pool *pool, const char *spec) {
@@ -149,14 +246,44 @@ int kvp__bindings_init(kvp_pool *pool, const char *spec) {
     return rc;
   }
   pool->bind = kvp__meta_calloc(&pool->meta, 2 * L * sizeof *pool->bind);
-  if (!pool->bind) rc = kvp__err(KVP_ENOMEM, "codec bindings");
+  pool->bt = kvp__meta_calloc(&pool->meta, 2 * L * sizeof *pool->bt);
+  if (!pool->bind || !pool->bt) rc = kvp__err(KVP_ENOMEM, "codec bindings");
   for (uint32_t i = 0; !rc && i < 2 * L; i++) rc = binding_make(pool, &e[i], i / 2, (int)(i % 2), &pool->bind[i]);
+  for (uint32_t l = 0; !rc && l < L; l++) rc = layer_choose(pool, l, &pool->bt[2 * l], &pool->bt[2 * l + 1]);
+  for (uint32_t i = 0; !rc && i < 2 * L; i++) rc = binding_fit(pool, i / 2, (int)(i % 2), &pool->bind[i]);
   kvp__spec_entry raw = {KVP__CODEC_RAW, NULL};
   for (int kv = 0; !rc && kv < 2; kv++) rc = binding_make(pool, &raw, 0, kv, &pool->tail[kv]);
   kvp__codec_spec_free(e, 2 * L);
   kvp__meta_free(NULL, e, 2 * L * sizeof *e);
   if (rc) kvp__bindings_fini(pool);
   return rc;
+}
+
+KVP_API void kvp_layer_info_init(kvp_layer_info *info) {
+  if (!info) return;
+  memset(info, 0, sizeof *info);
+  info->struct_size = sizeof *info;
+}
+
+KVP_API int kvp_pool_info(kvp_pool *pool, uint32_t layer, kvp_layer_info *out) {
+  if (!pool || !out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "info out" : "pool");
+  if (out->struct_size < sizeof *out)
+    return kvp__err(KVP_EINVAL, "info.struct_size %zu < %zu: call kvp_layer_info_init", out->struct_size, sizeof *out);
+  if (layer >= pool->cfg.n_layers)
+    return kvp__err(KVP_EINVAL, "layer %u >= n_layers %u", layer, pool->cfg.n_layers);
+  memset(out, 0, sizeof *out);
+  out->struct_size = sizeof *out;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__binding *b = &pool->bind[2 * layer + kv];
+    uint32_t bts = pool->bt[2 * layer];
+    out->codec[kv] = b->vt->name;
+    out->group_tokens[kv] = b->group;
+    out->block_tokens[kv] = bts;
+    out->step_block_tokens[kv] = pool->bt[2 * layer + 1];
+    out->bytes_per_token[kv] = (double)binding_block_bytes(b, bts) / bts;
+    out->source_bytes_per_token[kv] = (double)source_token_bytes(&pool->cfg, kv);
+  }
+  return KVP_OK;
 }
 
 /* ---- pool ---------------------------------------------------------------- */

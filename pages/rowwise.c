@@ -125,7 +125,7 @@ static void rw_undo(kvp_pool *pool, rw_plan *pl) {
 /* Shape and sizes of every head's blocks, and the bytes to take. */
 static int rw_plan_make(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const kvp_kv *kv,
                         const uint64_t *skip, rw_plan *pl) {
-  uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens, H = pool->cfg.n_kv_heads;
+  uint32_t n = s->cur_tokens, bt = kvp__layer_bt(pool, layer, s->mode), H = pool->cfg.n_kv_heads;
   bool stream = s->mode == KVP_SEQ_STREAM;
   kvp__bref *t0 = kvp__seq_stream(pool, s, layer, 0)->tail;
   memset(pl, 0, sizeof *pl);

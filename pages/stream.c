@@ -230,7 +230,7 @@ static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl-
 
 static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const uint64_t *skip,
                        append_plan *pl) {
-  uint32_t n = s->cur_tokens, bt = pool->cfg.block_tokens, H = pool->cfg.n_kv_heads;
+  uint32_t n = s->cur_tokens, bt = kvp__layer_bt(pool, layer, s->mode), H = pool->cfg.n_kv_heads;
   kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
   bool stream = s->mode == KVP_SEQ_STREAM;
   bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough;
@@ -306,7 +306,7 @@ static int plan_take_pages(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_p
  * is taken before any eviction may make room. On failure nothing is left
  * taken but zeroed codec states. */
 static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
-  uint32_t H = pool->cfg.n_kv_heads, bt = pool->cfg.block_tokens;
+  uint32_t H = pool->cfg.n_kv_heads, bt = kvp__layer_bt(pool, layer, s->mode);
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
   pl->blocks = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
   pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);

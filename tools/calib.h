@@ -27,6 +27,10 @@ const calib_preset *calib_preset_find(const char *name);
 uint32_t calib_schedule_parse(const char *s, uint32_t *out, uint32_t cap);
 /* Parse an unsigned integer option value; 0 on success, -1 with a message. */
 int calib_u32(const char *opt, const char *v, uint32_t lo, uint32_t hi, uint32_t *out);
+/* Whether path can be written (checked before long work, so a bad --out
+ * fails at once): 0, or 1 with a message naming it. A file this creates
+ * to find out is removed again. */
+int calib_out_ok(const char *cmd, const char *path);
 /* Print "kvpool-calib <cmd>: <message>" on stderr; returns code. */
 int calib_fail(int code, const char *cmd, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 

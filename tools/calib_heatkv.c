@@ -114,6 +114,9 @@ int kvp_calib_heatkv_main(int argc, char **argv) {
   if (nfiles && synth) return calib_fail(2, cmd, "--mass and --synthetic exclude each other");
   if (!g.L || !g.H || !g.K) return calib_fail(2, cmd, "give --preset, or --layers, --heads and --scales");
   if (sinks > g.K - 1) return calib_fail(2, cmd, "--sinks %u: at most scales - 1 = %u", sinks, g.K - 1);
+  char probe[4096];
+  snprintf(probe, sizeof probe, "%s.orders.json", out);
+  if (calib_out_ok(cmd, probe)) return 1;
 
   kvp__mass m;
   kvp__orders scas = {0}, cas = {0};
@@ -184,6 +187,8 @@ static void plan_usage(FILE *f) {
           "  --preset NAME   infinity-2b | infinity-8b (geometry and the 13-scale 1024x1024 schedule)\n"
           "  --b B           budget fraction of the full cache, in (0, 1]\n"
           "  --sinks S       sink scales always kept (default 3)   --seed N   synthetic orders' seed (default 1)\n"
+          "  --codecs SPEC --bytes   plan in allocated bytes under a codec spec (--dtype: appended dtype, bf16)\n"
+          "  --block-tokens N        tokens per block (default 0: chosen per layer by the codecs, as a pool does)\n"
           "  --json          one JSON object on stdout: prune_counts, early_counts, max_occupancy (lists by\n"
           "                  0-based scale), budget, and more\n");
 }
@@ -214,7 +219,7 @@ int kvp_calib_plan_main(int argc, char **argv) {
       {"json", no_argument, 0, 'j'},           {"help", no_argument, 0, 'h'},
       {0, 0, 0, 0}};
   const char *cmd = "plan", *orders_src = "synthetic", *codecs = NULL;
-  uint32_t sinks = 3, block_tokens = 16, seed32 = 1;
+  uint32_t sinks = 3, block_tokens = 0, seed32 = 1; /* 0: the pool's choice per layer, as kvp_config's */
   double b = 0;
   bool binary = false, bytes = false, json = false;
   kvp_dtype dt = KVP_DTYPE_BF16;
@@ -241,7 +246,7 @@ int kvp_calib_plan_main(int argc, char **argv) {
     case 's': if (calib_u32("--sinks", optarg, 0, MAX_SCALES - 1, &sinks)) return 2; break;
     case 'c': codecs = optarg; break;
     case 'y': bytes = true; break;
-    case 'n': if (calib_u32("--block-tokens", optarg, 1, 65536, &block_tokens)) return 2; break;
+    case 'n': if (calib_u32("--block-tokens", optarg, 0, 65536, &block_tokens)) return 2; break;
     case 'S': if (calib_u32("--seed", optarg, 0, UINT32_MAX, &seed32)) return 2; break;
     case 't':
       if (!strcmp(optarg, "bf16")) dt = KVP_DTYPE_BF16;

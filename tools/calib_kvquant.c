@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 static void kvquant_usage(FILE *f) {
   fprintf(f,
@@ -72,6 +73,7 @@ static void gather(const kvp__npy *a, uint32_t l, uint32_t h, float *x) {
 }
 
 static int fit_files(kvp_kvquant_calib *c, const char *const *paths, int json) {
+  int progress = !json && isatty(2); /* a bar redrawn in place: on a terminal only */
   kvp__npy a[4] = {{0}};
   int rc = 0;
   for (int i = 0; i < 4 && !rc; i++)
@@ -84,12 +86,15 @@ static int fit_files(kvp_kvquant_calib *c, const char *const *paths, int json) {
       for (uint32_t kv = 0; !rc && kv < 2; kv++) {
         gather(&a[kv], l, h, x);
         if (paths[2 + kv]) gather(&a[2 + kv], l, h, w);
-        if (kvp_kvquant_calib_add(c, l, h, kv, x, paths[2 + kv] ? w : NULL, D, (uint32_t)T))
-          rc = calib_fail(1, "kvquant", "%s: %s", paths[kv], kvp_last_error());
+        if (kvp_kvquant_calib_add(c, l, h, kv, x, paths[2 + kv] ? w : NULL, D, (uint32_t)T)) {
+          /* a weight's fault is the Fisher file's, a sample's the K or V file's */
+          const char *culprit = paths[2 + kv] && strstr(kvp_last_error(), "weight") ? paths[2 + kv] : paths[kv];
+          rc = calib_fail(1, "kvquant", "%s: layer %u %c: %s", culprit, l, "KV"[kv], kvp_last_error());
+        }
       }
-    if (!json) fprintf(stderr, "\rkvpool-calib kvquant: layer %u/%llu fitted", l + 1, (unsigned long long)L);
+    if (progress && !rc) fprintf(stderr, "\rkvpool-calib kvquant: layer %u/%llu fitted", l + 1, (unsigned long long)L);
   }
-  if (!json) fputc('\n', stderr);
+  if (progress) fputc('\n', stderr);
   free(x);
   free(w);
   for (int i = 0; i < 4; i++) kvp__npy_close(&a[i]);
@@ -139,6 +144,7 @@ int kvp_calib_kvquant_main(int argc, char **argv) {
     }
   }
   if (!out) return calib_fail(2, "kvquant", "--out FILE is required");
+  if (calib_out_ok("kvquant", out)) return 1;
   if (synthetic == (paths[0] != NULL) || (!synthetic && !paths[1]) || (!paths[2] != !paths[3]))
     return calib_fail(2, "kvquant", "give --k and --v (and both --fisher-k and --fisher-v, or neither), or --synthetic");
   if (synthetic && (!L || !H || !D)) return calib_fail(2, "kvquant", "--synthetic needs --layers, --heads and --head-dim");

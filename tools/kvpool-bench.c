@@ -555,6 +555,11 @@ static void print_kvquant_calib(int quick, int json_only) {
          "\"baseline\":\"memcpy\",\"baseline_s\":%.3f,\"ratio\":%.1f}\n", L, H, D, S * T, fit_s, mc_s, fit_s / mc_s);
 }
 
+#define BENCH_USAGE                                                                                      \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc]\n"                              \
+  "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
+  "  per figure (--json: the JSON lines only); --quick: fewer rounds\n"
+
 int main(int argc, char **argv) {
   int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0;
   for (int i = 1; i < argc; i++) {
@@ -563,10 +568,18 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
-    else {
-      fprintf(stderr, "usage: kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]\n");
-      return strcmp(argv[i], "--help") ? 2 : 0;
+    else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+      fputs(BENCH_USAGE, stdout);
+      return 0;
+    } else {
+      fprintf(stderr, "kvpool-bench: unknown argument \"%s\"\n" BENCH_USAGE, argv[i]);
+      return 2;
     }
+  }
+  if (codecs_only + heatkv_only + alloc_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --heatkv and --alloc each select one part: give one (or none: all)\n"
+                    BENCH_USAGE);
+    return 2;
   }
   if (codecs_only) {
     print_codecs(quick, json_only);

@@ -16,6 +16,8 @@
 
 #include <errno.h>
 #include <stdarg.h>
+#include <stdio.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,6 +58,15 @@ int calib_u32(const char *opt, const char *v, uint32_t lo, uint32_t hi, uint32_t
     return -1;
   }
   *out = (uint32_t)x;
+  return 0;
+}
+
+int calib_out_ok(const char *cmd, const char *path) {
+  int existed = access(path, F_OK) == 0;
+  FILE *f = fopen(path, "ab");
+  if (!f) return calib_fail(1, cmd, "cannot write %s: %s", path, strerror(errno));
+  fclose(f);
+  if (!existed) remove(path);
   return 0;
 }
 

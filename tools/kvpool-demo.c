@@ -45,12 +45,14 @@ static void show(kvp_pool *p, const char *stage, int json) {
          100.0 * (double)s.metadata_bytes.current / (double)s.bytes_reserved);
 }
 
+#define DEMO_USAGE "usage: kvpool-demo [--json]\n  fills a pool with a realistic page mix under a budget and prints the ledger\n"
+
 int main(int argc, char **argv) {
-  int json = argc > 1 && strcmp(argv[1], "--json") == 0;
-  if (argc > 1 && !json) {
-    fprintf(stderr, "usage: kvpool-demo [--json]\n  fills a pool with a realistic page mix under a budget and "
-                    "prints the ledger\n");
-    return strcmp(argv[1], "--help") == 0 ? 0 : 2;
+  int json = 0;
+  for (int i = 1; i < argc; i++) {
+    if (!strcmp(argv[i], "--json")) json = 1;
+    else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) return fputs(DEMO_USAGE, stdout), 0;
+    else return fprintf(stderr, "kvpool-demo: unknown argument \"%s\"\n" DEMO_USAGE, argv[i]), 2;
   }
   kvp_config c;
   kvp_config_init(&c);

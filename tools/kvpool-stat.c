@@ -102,15 +102,46 @@ static file_kind sniff(const char *text) {
 
 /* ---- JSON snapshots ------------------------------------------------------ */
 
+/* Every figure of a snapshot is a finite number >= 0 (savings.bytes, a
+ * difference, may be negative); key names the culprit, dotted. */
+static void check_values(const char *path, const char *key, json_t *j) {
+  if (json_is_object(j)) {
+    const char *k;
+    json_t *v;
+    json_object_foreach(j, k, v) {
+      char sub[512];
+      snprintf(sub, sizeof sub, "%s%s%s", key, *key ? "." : "", k);
+      check_values(path, sub, v);
+    }
+  } else if (json_is_array(j)) {
+    size_t i;
+    json_t *v;
+    json_array_foreach(j, i, v) {
+      char sub[512];
+      snprintf(sub, sizeof sub, "%s[%zu]", key, i);
+      check_values(path, sub, v);
+    }
+  } else if (json_is_number(j)) {
+    double x = json_number_value(j);
+    if (!isfinite(x) || (x < 0 && strcmp(key, "savings.bytes")))
+      fail("%s: \"%s\" = %g: a kvpool figure is a count, size or ratio >= 0", path, key, x);
+  }
+}
+
 static json_t *load_snapshot(const char *path, const char *text) {
   json_error_t err;
   json_t *j = json_loads(text, 0, &err);
   if (!j) fail("%s:%d:%d: not valid JSON: %s", path, err.line, err.column, err.text);
   if (!json_is_object(j)) fail("%s: not a kvpool stats snapshot (the top level is not an object)", path);
-  json_t *alloc = json_object_get(j, "bytes.allocated");
-  if (!json_is_integer(json_object_get(j, "version")) || !json_is_object(alloc) ||
-      !json_is_integer(json_object_get(alloc, "current")))
+  json_t *alloc = json_object_get(j, "bytes.allocated"), *ver = json_object_get(j, "version");
+  if (!ver && !alloc)
     fail("%s: not a kvpool stats snapshot (no \"version\" and \"bytes.allocated\": the JSON of kvp_stats_write)", path);
+  if (!json_is_integer(ver) || json_integer_value(ver) < 1)
+    fail("%s: \"version\": %s, expected the stats version (an integer >= 1)", path, ver ? "not one" : "missing");
+  if (!json_is_object(alloc) || !json_is_integer(json_object_get(alloc, "current")))
+    fail("%s: \"bytes.allocated\": %s, expected a gauge {\"current\": bytes, ...}", path,
+         alloc ? "malformed" : "missing");
+  check_values(path, "", j);
   return j;
 }
 
@@ -418,6 +449,17 @@ static void trim(char *s) {
   if (lead) memmove(s, s + lead, n - lead + 1);
 }
 
+/* Columns of kvpool-sim --csv that count (bytes, pages, requests, the
+ * iteration): whole numbers >= 0 that fit in 64 bits. */
+static int count_col(const char *name) {
+  static const char *const counts[] = {"iter", "running", "waiting", "finished", "preemptions"};
+  size_t n = strlen(name);
+  if (!strncmp(name, "alloc_", 6) || (n > 6 && !strcmp(name + n - 6, "_bytes"))) return 1;
+  for (size_t i = 0; i < sizeof counts / sizeof *counts; i++)
+    if (!strcmp(name, counts[i])) return 1;
+  return 0;
+}
+
 static void load_series(const char *path, char *text, series *s) {
   memset(s, 0, sizeof *s);
   char *f[MAX_COLS + 1];
@@ -464,6 +506,11 @@ static void load_series(const char *path, char *text, series *s) {
       double v = strtod(f[c], &end);
       if (!*f[c] || *end || errno == ERANGE || !isfinite(v))
         fail("%s:%zu: column \"%s\": \"%s\" is not a finite number", path, lineno, s->name[c], f[c]);
+      if (count_col(s->name[c]) && (v < 0 || v != floor(v) || v >= 18446744073709551616.0))
+        fail("%s:%zu: column \"%s\": \"%s\" is not a count (a whole number 0..2^64-1)", path, lineno, s->name[c],
+             f[c]);
+      if (!strcmp(s->name[c], "sim_time_s") && v < 0)
+        fail("%s:%zu: column \"sim_time_s\": \"%s\" is negative", path, lineno, f[c]);
       s->col[c][s->nrows] = v;
     }
     s->nrows++;

@@ -174,7 +174,7 @@ typedef struct sim_llm_cfg {
   uint32_t block_tokens;         /* tokens per block */
   const char *trace_path;        /* NULL = synthetic */
   int trace_format;              /* trace_format */
-  uint32_t requests;             /* synthetic count, or the first N of a trace (0 = all) */
+  uint32_t requests;             /* synthetic count, or the first N of a trace (0 = all: a trace's default) */
   double rate;                   /* synthetic arrivals per second (also for sharegpt) */
   double prompt_median, output_median; /* synthetic lengths (lognormal medians) */
   uint32_t max_prompt, max_output;     /* synthetic caps */

@@ -51,7 +51,7 @@ void sim_llm_defaults(sim_llm_cfg *c) {
   sim_llm_preset(c, "llama-3-8b");
   c->budget_bytes = 2ull << 30;
   c->max_batch_tokens = 2048;
-  c->block_tokens = 32; /* a multiple of kivi's and qvg's default groups */
+  c->block_tokens = 0; /* the pool's choice per layer, from its codecs */
   c->max_running = 256;
   c->requests = 200;
   c->rate = 4.0;
@@ -262,6 +262,10 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
     char err[512];
     int rc = trace_load(c->trace_path, (trace_format)c->trace_format, c->requests, &t, err, sizeof err);
     if (rc) sim_die("--trace: %s", err);
+    if (!com->quiet)
+      fprintf(stderr, SIM_NAME " llm: replaying %s%zu requests of %s (%s%s)\n", c->requests ? "the first " : "all ",
+              t.n, c->trace_path, trace_format_name((trace_format)c->trace_format),
+              c->requests ? ", --requests" : "; --requests N replays the first N");
     if (!t.has_arrivals) { /* lengths only (sharegpt): Poisson arrivals at --rate */
       uint64_t s = com->seed;
       double clock = 0;
@@ -464,10 +468,11 @@ static const char *const LLM_HELP =
     "  --policy SPEC         eviction policy per sequence, e.g. window:sink=4:recent=1024\n"
     "  --max-batch-tokens N  tokens per iteration, prefill chunks and decodes (default 2048)\n"
     "  --max-running N       running requests at most (default 256)\n"
-    "  --block-tokens N      tokens per block (default 32: a multiple of every codec group)\n"
+    "  --block-tokens N      tokens per block (default 0: the pool's choice per layer, from its codecs)\n"
     "  --trace FILE --format azure|mooncake|sharegpt   requests from a trace (sharegpt: lengths\n"
     "                        only, Poisson arrivals at --rate)\n"
-    "  --requests N          synthetic requests, or the first N rows of a trace (default 200; 0 = all)\n"
+    "  --requests N          synthetic requests (default 200), or the first N rows of a trace\n"
+    "                        (default: the whole trace; 0 = all)\n"
     "  --rate R              synthetic arrivals per second (default 4)\n"
     "  --prompt-median N --output-median N   synthetic lognormal medians (default 1020, 129)\n"
     "  --max-prompt N --max-output N         synthetic caps (default 8192, 1024)\n"
@@ -535,7 +540,7 @@ int sim_llm_main(int argc, char **argv) {
   sim_llm_cfg c;
   sim_llm_defaults(&c);
   const char *format = NULL;
-  int params_set = 0;
+  int params_set = 0, requests_set = 0;
   for (int i = 1; i < argc; i++) {
     const char *a = argv[i];
     int r = sim_common_opt(&com, argc, argv, &i);
@@ -559,11 +564,11 @@ int sim_llm_main(int argc, char **argv) {
     } else if (!strcmp(a, "--codecs")) c.codecs = v;
     else if (!strcmp(a, "--policy")) c.policy = strcmp(v, "none") ? v : NULL;
     else if (!strcmp(a, "--max-batch-tokens")) c.max_batch_tokens = sim_opt_u32("llm", a, v, 1, 1u << 20);
-    else if (!strcmp(a, "--block-tokens")) c.block_tokens = sim_opt_u32("llm", a, v, 1, 65536);
+    else if (!strcmp(a, "--block-tokens")) c.block_tokens = sim_opt_u32("llm", a, v, 0, 65536);
     else if (!strcmp(a, "--max-running")) c.max_running = sim_opt_u32("llm", a, v, 1, 1u << 20);
     else if (!strcmp(a, "--trace")) c.trace_path = v;
     else if (!strcmp(a, "--format")) format = v;
-    else if (!strcmp(a, "--requests")) c.requests = sim_opt_u32("llm", a, v, 0, 1u << 30);
+    else if (!strcmp(a, "--requests")) c.requests = sim_opt_u32("llm", a, v, 0, 1u << 30), requests_set = 1;
     else if (!strcmp(a, "--rate")) c.rate = sim_opt_pos("llm", a, v);
     else if (!strcmp(a, "--prompt-median")) c.prompt_median = sim_opt_pos("llm", a, v);
     else if (!strcmp(a, "--output-median")) c.output_median = sim_opt_pos("llm", a, v);
@@ -577,6 +582,7 @@ int sim_llm_main(int argc, char **argv) {
     if (!format) sim_usage_error("llm", "--trace needs --format azure|mooncake|sharegpt");
     if (trace_format_parse(format, &f)) sim_usage_error("llm", "--format %s: expected azure, mooncake or sharegpt", format);
     c.trace_format = (int)f;
+    if (!requests_set) c.requests = 0; /* a trace is replayed whole unless --requests cuts it */
   } else if (!c.requests) sim_usage_error("llm", "--requests 0 (all) needs --trace");
   if (!params_set && !strcmp(c.model, "custom"))
     c.params = 12.0 * c.n_layers * (double)c.n_kv_heads * c.head_dim * (double)c.n_kv_heads * c.head_dim;

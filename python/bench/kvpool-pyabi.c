@@ -47,6 +47,11 @@ int main(void) {
   begin("kvp_view", sizeof(kvp_view));
   F(kvp_view, seq); F(kvp_view, layer); F(kvp_view, n_blocks); F(kvp_view, blocks);
   END();
+  begin("kvp_layer_info", sizeof(kvp_layer_info));
+  F(kvp_layer_info, struct_size); F(kvp_layer_info, codec); F(kvp_layer_info, group_tokens);
+  F(kvp_layer_info, block_tokens); F(kvp_layer_info, step_block_tokens); F(kvp_layer_info, bytes_per_token);
+  F(kvp_layer_info, source_bytes_per_token);
+  END();
   begin("kvp_gauge", sizeof(kvp_gauge));
   F(kvp_gauge, current); F(kvp_gauge, peak); F(kvp_gauge, total);
   END();

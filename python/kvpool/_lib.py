@@ -76,7 +76,7 @@ lib, path = _load()
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 MEM_HOST, MEM_CUDA = 0, 1
 SEQ_STREAM, SEQ_STEP = 0, 1
-POOL_PREFAULT, POOL_SANITIZE, POOL_DRY = 1, 2, 4
+POOL_PREFAULT, POOL_SANITIZE, POOL_DRY, POOL_ALLOW_EXPANSION = 1, 2, 4, 8
 STEP_SCENE_CUT = 1
 STATS_JSON, STATS_PROMETHEUS, STATS_TEXT = 0, 1, 2
 PAGE_TYPES = ("raw", "codes", "scales", "centroids", "assign", "outliers", "meta")
@@ -164,6 +164,12 @@ class SeqDesc(Structure):
                 ("retained_tokens", c_void_p), ("evicted_tokens", c_void_p), ("page_types", Usage * NPT)]
 
 
+class LayerInfo(Structure):
+    _fields_ = [("struct_size", c_size_t), ("codec", c_char_p * 2), ("group_tokens", c_uint32 * 2),
+                ("block_tokens", c_uint32 * 2), ("step_block_tokens", c_uint32 * 2),
+                ("bytes_per_token", ctypes.c_double * 2), ("source_bytes_per_token", ctypes.c_double * 2)]
+
+
 class CodecVtableHead(Structure):
     """The first fields of kvp_codec_vtable (include/kvpool_codec.h): enough for the name."""
     _fields_ = [("abi_version", c_uint32), ("name", c_char_p)]
@@ -171,7 +177,8 @@ class CodecVtableHead(Structure):
 
 STRUCTS = {"kvp_config": Config, "kvp_seq_config": SeqConfig, "kvp_kv": KV, "kvp_read_req": ReadReq,
            "kvp_view_block": ViewBlock, "kvp_view": View, "kvp_gauge": Gauge, "kvp_usage": Usage,
-           "kvp_stats": Stats, "kvp_seq_usage": SeqUsage, "kvp_seq_desc": SeqDesc}
+           "kvp_stats": Stats, "kvp_seq_usage": SeqUsage, "kvp_seq_desc": SeqDesc,
+           "kvp_layer_info": LayerInfo}
 
 # ---- prototypes ------------------------------------------------------------------------------
 
@@ -209,6 +216,8 @@ _proto("kvp_view_acquire", c_int, P, c_uint64, c_uint32, POINTER(POINTER(View)))
 _proto("kvp_view_release", None, P, POINTER(View))
 _proto("kvp_reclaim", c_int, P)
 _proto("kvp_seq_info", c_int, P, c_uint64, POINTER(SeqDesc))
+_proto("kvp_layer_info_init", None, POINTER(LayerInfo))
+_proto("kvp_pool_info", c_int, P, c_uint32, POINTER(LayerInfo))
 _proto("kvp_codec_find", c_int, c_char_p, POINTER(c_uint32))
 _proto("kvp_codec_get", POINTER(CodecVtableHead), c_uint32)
 

@@ -160,10 +160,11 @@ class Pool:
         device: CUDA ordinal.
         region_bytes: bytes reserved at create.
         budget_bytes: strict cap on allocated page bytes; 0 = the region. ``budget`` is an alias.
-        block_tokens: tokens per block; 0 = the library's default (16).
+        block_tokens: tokens per block; 0 = chosen per layer by its codecs (:meth:`layer_info` says what).
         codecs: codec spec, e.g. "kv=int8", "k=bf16,v=fp8;layers=24-31:k=fp8"; None = raw.
         policy: eviction policy spec, e.g. "window:sink=4:recent=1024"; None = none.
-        prefault, sanitize, dry: the KVP_POOL_PREFAULT / SANITIZE / DRY flags.
+        prefault, sanitize, dry, allow_expansion: the KVP_POOL_PREFAULT / SANITIZE / DRY / ALLOW_EXPANSION
+            flags (allow_expansion: accept a codec that stores more than the appended dtype).
 
     Arrays: K and V of a step are ``[n_tokens, kv_heads, head_dim]``, C-contiguous, in the pool's
     dtypes: numpy arrays on a host pool (bf16 as ``uint16`` bit patterns, or ``ml_dtypes.bfloat16``),
@@ -184,7 +185,7 @@ class Pool:
                  v_dtype: Any = "bf16", memory: str = "host", device: int = 0, region_bytes: int = 64 << 20,
                  budget_bytes: int = 0, block_tokens: int = 0, codecs: Optional[str] = None,
                  policy: Optional[str] = None, *, budget: Optional[int] = None, prefault: bool = False,
-                 sanitize: bool = False, dry: bool = False):
+                 sanitize: bool = False, dry: bool = False, allow_expansion: bool = False):
         self._h: Optional[int] = None
         call = "kvpool.Pool"
         if budget is not None:
@@ -212,7 +213,7 @@ class Pool:
         c.codecs = self._codecs
         c.policy = self._policy
         c.flags = ((_lib.POOL_PREFAULT if prefault else 0) | (_lib.POOL_SANITIZE if sanitize else 0)
-                   | (_lib.POOL_DRY if dry else 0))
+                   | (_lib.POOL_DRY if dry else 0) | (_lib.POOL_ALLOW_EXPANSION if allow_expansion else 0))
         h = c_void_p()
         rc = lib.kvp_pool_create(byref(c), byref(h))
         if rc:
@@ -716,6 +717,18 @@ class Pool:
             out["retained_tokens"] = [list(ret[l * H:(l + 1) * H]) for l in range(self._cfg.n_layers)]
             out["evicted_tokens"] = [list(ev[l * H:(l + 1) * H]) for l in range(self._cfg.n_layers)]
         return out
+
+    def layer_info(self, layer: int) -> Dict[str, Any]:
+        """What the pool chose for a layer (kvp_pool_info): per side ``"k"`` and ``"v"``, a dict of
+        codec, group_tokens, block_tokens (stream mode), step_block_tokens (step mode: 65536 = a
+        whole step), bytes_per_token (a full stream-mode block) and source_bytes_per_token."""
+        d = _lib.LayerInfo()
+        lib.kvp_layer_info_init(byref(d))
+        self._call(lib.kvp_pool_info, "kvp_pool_info", self._handle(), _int(layer, "layer", "layer_info"), byref(d))
+        return {side: {"codec": d.codec[i].decode(), "group_tokens": d.group_tokens[i],
+                       "block_tokens": d.block_tokens[i], "step_block_tokens": d.step_block_tokens[i],
+                       "bytes_per_token": d.bytes_per_token[i], "source_bytes_per_token": d.source_bytes_per_token[i]}
+                for i, side in enumerate(("k", "v"))}
 
     # ---- stats ----------------------------------------------------------------------------------
 

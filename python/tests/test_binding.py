@@ -291,6 +291,20 @@ def test_dry_pool_counts_without_payload():
         pool.check()
 
 
+def test_layer_info_and_expansion():
+    with kvpool.Pool(layers=2, kv_heads=1, head_dim=128, codecs="layers=1:kv=kivi:bits=2:group=32") as pool:
+        raw, kivi = pool.layer_info(0), pool.layer_info(1)
+        assert raw["k"]["codec"] == "raw" and raw["k"]["block_tokens"] == 16
+        assert kivi["v"]["codec"] == "kivi" and kivi["k"]["block_tokens"] == kivi["v"]["block_tokens"] == 32
+        assert kivi["k"]["bytes_per_token"] == 48.0 and kivi["k"]["source_bytes_per_token"] == 256.0
+        with pytest.raises(kvpool.InvalidError, match="layer 2"):
+            pool.layer_info(2)
+    with pytest.raises(kvpool.InvalidError, match="qvg .*291.00 bytes per token"):
+        kvpool.Pool(codecs="kv=qvg", block_tokens=16)
+    with kvpool.Pool(codecs="kv=qvg", block_tokens=16, allow_expansion=True) as pool:
+        assert pool.layer_info(0)["k"]["bytes_per_token"] == 291.0
+
+
 def test_torch_cpu_tensors():
     torch = pytest.importorskip("torch")
     with mkpool(k_dtype="bf16", v_dtype="bf16") as pool:

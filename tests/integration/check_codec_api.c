@@ -165,6 +165,7 @@ static kvp_pool *mkpool(const char *codecs, uint32_t block_tokens, int *rc) {
   c.region_bytes = 16ull << 20;
   c.block_tokens = block_tokens;
   c.codecs = codecs;
+  c.flags = KVP_POOL_ALLOW_EXPANSION; /* q16 (int16 + fp32 scale) and stamp store more than bf16 by design */
   kvp_pool *p = NULL;
   *rc = kvp_pool_create(&c, &p);
   kvgen_init(&G);

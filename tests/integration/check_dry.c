@@ -172,7 +172,8 @@ START_TEST(dry_refuses_row_dependent_codec) {
   ck_status(kvp_pool_create(&c, &p), KVP_ENOTSUP);
   ck_assert_ptr_null(p);
   ck_assert_msg(strstr(kvp_last_error(), "kvquant") && strstr(kvp_last_error(), "dry"), "%s", kvp_last_error());
-  c.flags = 0; /* the same codec in a normal pool is fine */
+  c.flags = KVP_POOL_ALLOW_EXPANSION; /* the same codec in a normal pool is fine (its worst case, D/2 outliers
+                                          a token, outweighs bf16 at this D) */
   ck_ok(kvp_pool_create(&c, &p));
   kvp_pool_destroy(p);
 }

@@ -319,6 +319,50 @@ START_TEST(llm_trace_served) {
 }
 END_TEST
 
+/* A trace longer than the synthetic default of 200 requests is replayed
+ * whole unless --requests cuts it, and the run says so at its start. */
+START_TEST(llm_trace_replayed_whole) {
+  char path[PATH_MAX + 16], args[3 * PATH_MAX];
+  snprintf(path, sizeof path, "%s/azure_long.csv", TMP);
+  uint64_t prompt, output;
+  write_trace(path, 260, 4, 1, &prompt, &output);
+  static const char *const CUT[] = {"", "--requests 0", "--requests 30"};
+  static const unsigned WANT[] = {260, 260, 30};
+  for (int i = 0; i < 3; i++) {
+    snprintf(args, sizeof args, "llm --layers 1 --kv-heads 1 --head-dim 16 --params 1e9 --trace %s --format azure "
+             "--budget-bytes 4M --dry --json %s", path, CUT[i]);
+    char *out, *err;
+    ck_assert_int_eq(run_sim(args, &out, &err), 0);
+    char want[96];
+    snprintf(want, sizeof want, "replaying %s%u requests of", i == 2 ? "the first " : "all ", WANT[i]);
+    ck_assert_msg(strstr(err, want) != NULL, "kvpool-sim %s: stderr \"%s\" lacks \"%s\"", args, err, want);
+    json_t *j = json_loads(out, 0, NULL);
+    ck_assert_ptr_nonnull(j);
+    ck_assert_uint_eq(U(j, "requests_total"), WANT[i]);
+    ck_assert_uint_eq(U(j, "requests_finished") + U(j, "rejected"), WANT[i]);
+    if (i < 2) ck_assert_uint_eq(U(j, "prompt_tokens"), prompt);
+    json_decref(j);
+    free(out);
+    free(err);
+  }
+}
+END_TEST
+
+/* Codecs with token groups or per-block side data run with the defaults. */
+START_TEST(llm_codec_defaults) {
+  static const char *const SPECS[] = {"kv=kivi:bits=2:group=32", "kv=qvg", "k=qvg-pro,v=kivi:bits=4:group=64"};
+  for (int i = 0; i < 3; i++) {
+    char args[256];
+    snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 128 --params 1e9 --requests 4 --budget-bytes 64M "
+             "--codecs %s --dry --json --quiet", SPECS[i]);
+    json_t *j = run_json(args);
+    ck_assert_uint_eq(U(j, "requests_finished"), 4);
+    ck_assert_uint_eq(U(j, "budget_violations"), 0);
+    json_decref(j);
+  }
+}
+END_TEST
+
 /* The shared traces through the simulator, each format (skipped when absent). */
 static const char *const SHARED_TRACES[][2] = {
     {"../shared/traces/AzureLLMInferenceTrace_conv.csv", "azure"},
@@ -346,6 +390,32 @@ START_TEST(llm_shared_traces) {
          (unsigned long long)U(j, "requests_finished"), (unsigned long long)U(j, "preemptions"),
          F(j, "throughput_tokens_per_s"));
   json_decref(j);
+}
+END_TEST
+
+/* The whole Azure conversation trace (19,366 requests) with the defaults:
+ * every row replayed (about 4 s on a small dry model); skipped when absent. */
+START_TEST(llm_shared_trace_whole) {
+  const char *path = SHARED_TRACES[0][0];
+  if (access(path, R_OK) != 0) {
+    printf("check_sim: skipped the whole azure trace: %s not found\n", path);
+    return;
+  }
+  char args[2 * PATH_MAX];
+  snprintf(args, sizeof args, "llm --layers 1 --kv-heads 1 --head-dim 16 --params 8e9 --trace %s --format azure "
+           "--budget-bytes 64M --dry --json", path);
+  char *out, *err;
+  ck_assert_int_eq(run_sim(args, &out, &err), 0);
+  ck_assert_msg(strstr(err, "replaying all 19366 requests"), "stderr: %s", err);
+  json_t *j = json_loads(out, 0, NULL);
+  ck_assert_ptr_nonnull(j);
+  ck_assert_uint_eq(U(j, "requests_total"), 19366);
+  ck_assert_uint_eq(U(j, "requests_finished") + U(j, "rejected"), 19366);
+  ck_assert_uint_eq(U(j, "budget_violations"), 0);
+  printf("check_sim: the whole azure trace: %llu requests finished\n", (unsigned long long)U(j, "requests_finished"));
+  json_decref(j);
+  free(out);
+  free(err);
 }
 END_TEST
 
@@ -426,6 +496,10 @@ static const struct bad_run {
     {"llm --trace /dev/null --format csv", 2, "--format csv"},
     {"llm --trace /dev/null --format azure", 1, "empty file"},
     {"llm --codecs k=nope --requests 1", 1, "nope"},
+    {"llm --codecs kv=kivi:bits=2:grp=32 --requests 1", 1, "unknown parameter 'grp'"},
+    {"llm --codecs kv=kivi:bits=2:group=32 --block-tokens 16 --requests 1", 1, "32 would be"},
+    {"llm --codecs kv=qvg --block-tokens 16 --requests 1", 1, "compresses from block_tokens = 297"},
+    {"llm --requests -5", 2, "--requests -5"},
     {"var --model infinity-3b", 2, "infinity-3b"},
     {"var --schedule 1,0,4", 2, "--schedule"},
     {"var --layers 2 --kv-heads 1 --head-dim 16 --policy heatkv:b=0.001:s=3:orders=synthetic", 1, "b=0.001"},
@@ -480,6 +554,9 @@ int main(int argc, char **argv) {
   tcase_add_loop_test(tc, llm_trace_served, 0, (int)(sizeof LLM_CASES / sizeof *LLM_CASES));
   tcase_add_test(tc, llm_preempts_under_pressure);
   tcase_add_loop_test(tc, llm_shared_traces, 0, 3);
+  tcase_add_test(tc, llm_trace_replayed_whole);
+  tcase_add_test(tc, llm_codec_defaults);
+  tcase_add_test(tc, llm_shared_trace_whole);
   tcase_add_test(tc, llm_synthetic_presets);
   tcase_add_test(tc, dry_plans_the_same_bytes);
   tcase_add_loop_test(tc, errors_exit_nonzero_with_a_message, 0, (int)(sizeof BAD_RUNS / sizeof *BAD_RUNS));

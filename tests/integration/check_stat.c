@@ -246,6 +246,18 @@ START_TEST(bad_files) {
       {"empty.csv", "", "empty file"},
       {"hdronly.csv", "iter,allocated_bytes\n", "no rows"},
       {"dup.csv", "iter,iter,allocated_bytes\n0,0,1\n", "twice"},
+      /* garbage that parses: negative, fractional and out-of-range counts, bad gauges */
+      {"neg.csv", "iter,allocated_bytes\n0,-5\n", "\"-5\" is not a count"},
+      {"frac.csv", "iter,allocated_bytes,budget_bytes\n0,1,2.5\n", "column \"budget_bytes\": \"2.5\" is not a count"},
+      {"huge.csv", "iter,allocated_bytes\n0,99999999999999999999999\n", "is not a count"},
+      {"negiter.csv", "iter,allocated_bytes\n-1,5\n", "column \"iter\""},
+      {"negtime.csv", "iter,sim_time_s,allocated_bytes\n0,-2,5\n", "sim_time_s"},
+      {"neg.json", "{\"version\":1,\"bytes.allocated\":{\"current\":-7,\"peak\":0,\"total\":0}}",
+       "\"bytes.allocated.current\" = -7"},
+      {"gauge.json", "{\"version\":1,\"bytes.allocated\":1e30}", "\"bytes.allocated\": malformed"},
+      {"ver.json", "{\"version\":\"two\",\"bytes.allocated\":{\"current\":1}}", "\"version\": not one"},
+      {"page.json", "{\"version\":1,\"bytes.allocated\":{\"current\":1},\"page_types\":{\"raw\":{\"bytes_allocated\":-1}}}",
+       "page_types.raw.bytes_allocated"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     const char *name = bad[i].name;

@@ -649,6 +649,18 @@ START_TEST(calib_cli) {
   ck_assert_int_eq(run_calib("plan --layers 2 --heads 2 --schedule 1,2,3,4 --sinks 1 --b 0.5 --bytes "
                              "--codecs k=int8,v=int8 --head-dim 64", out, sizeof out), 0);
   ck_assert_msg(strstr(out, "bytes"), "%s", out);
+  /* codecs with token groups or per-block side data plan at the pool's default block sizes */
+  ck_assert_int_eq(run_calib("plan --layers 2 --heads 2 --schedule 1,4,16,64 --sinks 1 --b 0.5 --bytes "
+                             "--codecs kv=kivi:bits=2:group=32", out, sizeof out), 0);
+  ck_assert_int_eq(run_calib("plan --layers 2 --heads 2 --schedule 1,4,16,64 --sinks 1 --b 0.5 --bytes "
+                             "--codecs kv=qvg", out, sizeof out), 0);
+  /* ... and an explicit size that conflicts is named */
+  ck_assert_int_eq(run_calib("plan --layers 2 --heads 2 --schedule 1,4,16,64 --sinks 1 --b 0.5 --bytes "
+                             "--codecs kv=kivi:bits=2:group=32 --block-tokens 16", out, sizeof out), 1);
+  ck_assert_msg(strstr(out, "block_tokens = 16") && strstr(out, "kivi"), "%s", out);
+  /* an unwritable --out prefix fails before the work */
+  ck_assert_int_eq(run_calib("heatkv --synthetic --preset infinity-2b --out /nonexistent/dir/c", out, sizeof out), 1);
+  ck_assert_msg(strstr(out, "cannot write /nonexistent/dir/c.orders.json"), "%s", out);
   /* bad input: named, non-zero */
   ck_assert_int_eq(run_calib("plan --preset infinity-2b --b 0.001", out, sizeof out), 1);
   ck_assert_msg(strstr(out, "smallest feasible budget"), "%s", out);

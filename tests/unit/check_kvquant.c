@@ -693,6 +693,21 @@ START_TEST(calib_cli) {
   ck_assert_int_eq(run_calib(args, out, sizeof out), 2);
   ck_assert_int_eq(run_calib("kvquant --synthetic --layers 1 --heads 1 --head-dim 8 --bits 5 --out x", out, sizeof out), 2);
   ck_assert_msg(strstr(out, "--bits"), "%s", out);
+  /* a non-finite Fisher weight names the Fisher file and the layer, not the samples */
+  static double wnan[T * CL * CH * CD];
+  wnan[(((size_t)5 * CL + 1) * CH + 0) * CD + 3] = NAN; /* token 5, layer 1, head 0 */
+  char nanp[96];
+  snprintf(nanp, sizeof nanp, "%s/wnan.npy", dir);
+  ck_ok(kvp__npy_write_f64(nanp, 4, shape, wnan));
+  snprintf(args, sizeof args, "kvquant --k %s --v %s --fisher-k %s --fisher-v %s --out %s", kp, vp, nanp, onesp, op);
+  ck_assert_int_eq(run_calib(args, out, sizeof out), 1);
+  ck_assert_msg(strstr(out, "wnan.npy: layer 1 K") && strstr(out, "weight"), "%s", out);
+  ck_assert_msg(!strchr(out, '\r'), "a progress bar drawn into a pipe: %s", out); /* stderr is not a terminal */
+  /* an unwritable --out fails before any fitting */
+  snprintf(args, sizeof args, "kvquant --k %s --v %s --out %s/no/such/dir/x.kvq", kp, vp, dir);
+  ck_assert_int_eq(run_calib(args, out, sizeof out), 1);
+  ck_assert_msg(strstr(out, "cannot write") && strstr(out, "/no/such/dir/x.kvq") && !strstr(out, "fitted"), "%s", out);
+  unlink(nanp);
   ck_assert_int_eq(run_calib("kvquant --help", out, sizeof out), 0);
   ck_assert_int_eq(run_calib("--help", out, sizeof out), 0);
   ck_assert_msg(strstr(out, "kvquant"), "%s", out);
