@@ -151,6 +151,15 @@ int kvp__bindings_init(kvp_pool *pool, const char *spec) {
   pool->bind = kvp__meta_calloc(&pool->meta, 2 * L * sizeof *pool->bind);
   if (!pool->bind) rc = kvp__err(KVP_ENOMEM, "codec bindings");
   for (uint32_t i = 0; !rc && i < 2 * L; i++) rc = binding_make(pool, &e[i], i / 2, (int)(i % 2), &pool->bind[i]);
+  /* the fingerprint store blobs and content keys carry: each binding's
+   * codec name and parameter text, in (layer, side) order */
+  uint64_t fp = 0x6b7670636f646563ull;
+  for (uint32_t i = 0; !rc && i < 2 * L; i++) {
+    const char *name = pool->bind[i].vt->name, *par = e[i].params ? e[i].params : "";
+    fp = kvp__xxh64(name, strlen(name) + 1, fp);
+    fp = kvp__xxh64(par, strlen(par) + 1, fp);
+  }
+  pool->codec_fp = fp;
   kvp__spec_entry raw = {KVP__CODEC_RAW, NULL};
   for (int kv = 0; !rc && kv < 2; kv++) rc = binding_make(pool, &raw, 0, kv, &pool->tail[kv]);
   kvp__codec_spec_free(e, 2 * L);
@@ -267,6 +276,12 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->sequences = l.sequences;
   out->bytes_retired = l.retired;
   out->codec_state_bytes = l.codec_state;
+  out->prefix_query_tokens = l.prefix_query_tokens;
+  out->prefix_hit_tokens = l.prefix_hit_tokens;
+  out->prefix_chunks = l.prefix_chunks;
+  out->store_offload_bytes = l.store_offload_bytes;
+  out->store_restore_bytes = l.store_restore_bytes;
+  out->store_prefix_tokens = l.store_prefix_tokens;
   for (uint32_t i = 0; i < 2 * pool->cfg.n_layers; i++) {
     const kvp__binding *b = &pool->bind[i];
     if (b->vt->static_bytes) out->codec_static_bytes += b->vt->static_bytes(b->inst);
