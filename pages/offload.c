@@ -931,7 +931,7 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
   c.keys = kvp__meta_alloc(NULL, ng * sizeof *c.keys + 1);
   c.local = kvp__meta_calloc(NULL, ng * sizeof *c.local + 1);
   c.fresh = kvp__meta_calloc(NULL, (size_t)ng * LH * sizeof *c.fresh + 1);
-  const char **kp = kvp__meta_alloc(NULL, ng * sizeof *kp + 1);
+  const char **kp = kvp__meta_alloc(NULL, (ng + 1) * sizeof *kp);
   if (!c.gidx || !c.keys || !c.local || !c.fresh || !kp) rc = kvp__err(KVP_ENOMEM, "restore of seq %llu: lists",
                                                                       (unsigned long long)seq);
   uint32_t nfetch = 0;
@@ -990,7 +990,7 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
   kvp__meta_free(NULL, c.keys, ng * sizeof *c.keys + 1);
   kvp__meta_free(NULL, c.local, ng * sizeof *c.local + 1);
   kvp__meta_free(NULL, c.fresh, (size_t)ng * LH * sizeof *c.fresh + 1);
-  kvp__meta_free(NULL, kp, ng * sizeof *kp + 1);
+  kvp__meta_free(NULL, kp, (ng + 1) * sizeof *kp);
   return rc;
 }
 
