@@ -15,6 +15,7 @@
 #   make install PREFIX=/usr/local   (the Python package too: PYTHON_SITE=... to choose where)
 #
 # Options: CUDA=auto|0|1 (auto: on when nvcc is found), CUDA_HOME=<toolkit>,
+#          HIREDIS=auto|0|1 (the Redis store tier; auto: on when libhiredis-dev is installed),
 #          DEBUG=0|1|2 (assertion tier), O=<optimization flags>.
 
 SHELL := /bin/bash
@@ -53,7 +54,22 @@ ifeq ($(VARIANT),valgrind)
   SAN := -DKVP_META_LIBC
 endif
 
-LIB_SRC := $(wildcard util/*.c alloc/*.c stats/*.c codecs/*.c pages/*.c)
+LIB_SRC := $(wildcard util/*.c alloc/*.c stats/*.c codecs/*.c pages/*.c store/*.c)
+# The store tier's Redis backend needs hiredis; without it the library still
+# builds, kvp_store_open refuses with KVP_ENOTSUP naming the package, and the
+# store tests skip with a message.
+HIREDIS ?= auto
+ifeq ($(HIREDIS),auto)
+  HAVE_HIREDIS := $(shell pkg-config --exists hiredis 2>/dev/null && echo 1 || echo 0)
+else
+  HAVE_HIREDIS := $(HIREDIS)
+endif
+ifeq ($(HAVE_HIREDIS),1)
+  HIREDIS_CFLAGS := -DKVP_HAVE_HIREDIS $(shell pkg-config --cflags hiredis 2>/dev/null || echo -I/usr/include/hiredis)
+  HIREDIS_LIBS := $(shell pkg-config --libs hiredis 2>/dev/null || echo -lhiredis)
+  LIBS += $(HIREDIS_LIBS)
+  CFLAGS_BASE += $(HIREDIS_CFLAGS)
+endif
 CUDA_CFLAGS := -DKVP_HAVE_CUDA -I$(CUDA_HOME)/include
 CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc++
 # Device kernels (kernels/*.cu): nvcc, no FMA contraction and no fast math, so
@@ -150,7 +166,7 @@ FUZZ_BIN := $(FUZZ_NAMES:%=build/fuzz/fuzz_%)
 FUZZ_CFLAGS := -std=c11 -D_GNU_SOURCE -O1 -g $(WARN) -DKVP_BUILDING -DKVP_DEBUG=1 -DKVP_META_LIBC -DKVP_RCU_OUTLINE -Iinclude \
   -fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer
 FUZZ_OBJ := $(patsubst %.c,build/fuzz/obj/%.o,$(filter-out %_cuda.c,$(wildcard util/*.c alloc/*.c stats/*.c \
-  codecs/*.c pages/*.c)) tools/traces.c)
+  codecs/*.c pages/*.c store/*.c)) tools/traces.c)
 # The allocator, counters, page tables and numeric kernels are hot loops
 # that parse nothing: compare tracing there only slows the op harness down.
 FUZZ_NOCMP := $(addprefix build/fuzz/obj/,$(addsuffix .o,alloc/alloc alloc/extent alloc/ledger alloc/slab \
@@ -159,13 +175,13 @@ FUZZ_NOCMP := $(addprefix build/fuzz/obj/,$(addsuffix .o,alloc/alloc alloc/exten
 $(FUZZ_NOCMP): FUZZ_COV := -fno-sanitize-coverage=trace-cmp
 build/fuzz/obj/%.o: %.c $(wildcard include/*.h */*.h)
 	@mkdir -p $(dir $@)
-	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer-no-link $(FUZZ_COV) -c $< -o $@
+	$(FUZZ_CC) $(FUZZ_CFLAGS) $(HIREDIS_CFLAGS) -fsanitize=fuzzer-no-link $(FUZZ_COV) -c $< -o $@
 build/fuzz/libkvpool-fuzz.a: $(FUZZ_OBJ)
 	@rm -f $@
 	ar rcs $@ $^
 build/fuzz/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz.h build/fuzz/libkvpool-fuzz.a
 	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -o $@ $< build/fuzz/libkvpool-fuzz.a -lurcu-bp -lurcu-cds -ljansson \
-	  -lpthread -lm
+	  $(HIREDIS_LIBS) -lpthread -lm
 fuzz: deps $(FUZZ_BIN)
 	@tools/run-fuzz.sh $(FUZZ_S) $(FUZZ_NAMES)
 
@@ -180,6 +196,9 @@ $(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeri
 
 # Integration tests and tools see only include/ and link the shared library.
 PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
+# check_store damages blobs on its redis-server through hiredis directly.
+$(B)/tests/check_store: PUB_CFLAGS += $(HIREDIS_CFLAGS)
+$(B)/tests/check_store: CHECK_LIBS += $(HIREDIS_LIBS) -lpthread
 PUB_HDRS := $(wildcard include/*.h)
 $(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
 	@mkdir -p $(dir $@)
@@ -301,4 +320,4 @@ clean:
 
 include python/python.mk
 
-$(info kvpool: CUDA $(if $(filter 1,$(HAVE_CUDA)),on ($(CUDA_HOME)),off: building CPU-only)$(if $(VARIANT), [$(VARIANT)]))
+$(info kvpool: CUDA $(if $(filter 1,$(HAVE_CUDA)),on ($(CUDA_HOME)),off: building CPU-only), store tier $(if $(filter 1,$(HAVE_HIREDIS)),on (hiredis),off: no hiredis)$(if $(VARIANT), [$(VARIANT)]))

@@ -209,6 +209,9 @@ typedef struct kvp__ledger {
   kvp_gauge tokens_retained, bf16_equivalent, sequences, retired, codec_state; /* pages layer: tokens, bytes,
                                                                                   count, bytes, bytes */
   uint64_t tokens_evicted; /* tokens */
+  uint64_t prefix_query_tokens, prefix_hit_tokens, store_prefix_tokens; /* tokens */
+  uint64_t store_offload_bytes, store_restore_bytes; /* bytes */
+  kvp_gauge prefix_chunks; /* prefix-table entries */
   uint64_t reserved_bytes; /* region */
   uint64_t budget_bytes;   /* strict cap on allocated */
 } kvp__ledger;

@@ -11,7 +11,8 @@
  *   2. Pool configuration and lifetime
  *   3. Statistics and the ledger
  *   4. Sequences, steps, append, evict, read, views
- *   5. Experimental: raw pages (define KVP_EXPERIMENTAL_API to see it)
+ *   5. Prefix sharing and the store tier
+ *   6. Experimental: raw pages (define KVP_EXPERIMENTAL_API to see it)
  *
  * Conventions
  *   - Every call returns int: KVP_OK (0) or a negative KVP_E* status. On a
@@ -70,7 +71,8 @@ KVP_API const char *kvp_version(void);
   X(EFORMAT, -9, "bad file format")                                       \
   X(EBUSY, -10, "busy: pinned by a reader")                               \
   X(ECORRUPT, -11, "an invariant of the pool is broken")                  \
-  X(ENOTSUP, -12, "not supported")
+  X(ENOTSUP, -12, "not supported")                                       \
+  X(EIO, -13, "store I/O failed (connection, timeout, server)")
 
 typedef enum kvp_status {
 #define KVP__STATUS_ENUM(name, value, desc) KVP_##name = value,
@@ -253,7 +255,13 @@ typedef struct kvp_usage {
   X(GAUGE, bytes_retired, "bytes.retired", "allocated bytes of unlinked blocks waiting for readers (RCU grace period)") \
   X(VALUE, device_used_bytes, "device.used_bytes", "device-level bytes in use (cudaMemGetInfo, or resident bytes of a host region)") \
   X(VALUE, device_total_bytes, "device.total_bytes", "device capacity (GPU memory, or the host region)") \
-  X(VALUE, codec_static_bytes, "bytes.codec_static", "static codec data (calibration: per-channel scales, codebooks), host memory")
+  X(VALUE, codec_static_bytes, "bytes.codec_static", "static codec data (calibration: per-channel scales, codebooks), host memory") \
+  X(COUNTER, prefix_query_tokens, "prefix.query_tokens", "prompt tokens of sequences added with their token ids") \
+  X(COUNTER, prefix_hit_tokens, "prefix.hit_tokens", "prompt tokens attached from shared blocks of the pool (not recomputed)") \
+  X(GAUGE, prefix_chunks, "prefix.chunks", "entries of the prefix table (chunks of L x H shareable blocks)") \
+  X(COUNTER, store_offload_bytes, "store.offload_bytes", "blob bytes written to a store (offload, publish)") \
+  X(COUNTER, store_restore_bytes, "store.restore_bytes", "blob bytes read from a store (restore, prefix fetch)") \
+  X(COUNTER, store_prefix_tokens, "store.prefix_tokens", "prompt tokens attached from a store's published prefix blocks")
 
 typedef struct kvp_stats {
   size_t struct_size; /* bytes; set by the caller (sizeof(kvp_stats)) */
@@ -350,6 +358,8 @@ typedef struct kvp_seq_config {
   uint32_t n_steps;             /* entries of step_tokens (0 = no plan) */
   double budget_fraction;       /* per-sequence policy budget, 0 = none (policies) */
   const char *policy;           /* policy spec for this sequence; NULL = the pool's (copied) */
+  const uint32_t *tokens;       /* the prompt's token ids, for prefix sharing (copied as keys); may be NULL */
+  uint32_t n_tokens;            /* entries of tokens */
 } kvp_seq_config;
 
 /* Defaults: stream mode, no plan, no budget fraction. */
@@ -552,7 +562,84 @@ KVP_API int kvp_reclaim(kvp_pool *pool);
 KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info);
 
 /* ------------------------------------------------------------------------
- * 5. Experimental: raw pages
+ * 5. Prefix sharing and the store tier (since 0.4.0)
+ *
+ * Prefix sharing. A sequence added with its prompt's token ids
+ * (kvp_seq_config.tokens) gets a content key per full block of the prompt,
+ * chained: key(i) = H(key(i - 1), tokens of block i), seeded with the pool's
+ * geometry and codec spec, the same for every layer. Sealed, full blocks of
+ * such a prompt, once every (layer, head) holds them, enter the pool's
+ * prefix table at the kvp_step_end that completes them. A later kvp_seq_add
+ * whose prompt starts with the same tokens attaches the longest run of them
+ * as its step 0 (at most n_tokens - 1 tokens, so one is left to compute):
+ * kvp_seq_info's n_positions says how many; append from there. Attached
+ * blocks are shared by reference count as kvp_seq_fork shares them: their
+ * pages count once in the ledger; an eviction or free by one sequence drops
+ * only its own reference. Sharing needs a sequence without a policy and
+ * codecs without per-stream state (qvg's warm start); otherwise the tokens
+ * are only counted. Stats: prefix.query_tokens, prefix.hit_tokens,
+ * prefix.chunks.
+ *
+ * The store tier. A store is a byte-blob service outside the pool; Redis
+ * (through hiredis) is the first backend. A sequence offloaded to it leaves
+ * the pool (its blocks written as checked blobs, then freed); restored, it
+ * comes back whole under the same id. Prefix blocks are written under their
+ * content key, so another pool (in another process, with the same geometry
+ * and codec spec) attaches them instead of recomputing (kvp_prefix_fetch).
+ * Blobs carry a format version, the geometry, a codec fingerprint, the
+ * layouts and positions of their blocks and an XXH64 checksum; all of it is
+ * checked before a byte is used. Every failure (server down or killed
+ * midway, timeout, missing, truncated or corrupt blob, another version,
+ * geometry or codec) returns a status whose message names the store key,
+ * and leaves the pool exactly as it was. Works on host regions; on a CUDA
+ * region the pages are staged through host memory with synchronous copies.
+ * Not supported (KVP_ENOTSUP, by name): dry pools, sequences or pools with a
+ * policy, row-wise codecs (kvquant). Calls on one store come from one
+ * thread at a time; the pool's writer lock is held for the whole transfer.
+ * ---------------------------------------------------------------------- */
+
+typedef struct kvp_store kvp_store; /* opaque */
+
+/* Connect to a store by URL:
+ *   redis://[host][:port][/db][?opt=value&...]   (default 127.0.0.1:6379, db 0)
+ *   unix:///path/to/redis.sock[?db=N&...]
+ * Options: prefix=STR (key prefix, default "kvp:"), ttl=SECONDS (blob
+ * lifetime, 0 = none, the default), timeout_ms=N (connect and each reply,
+ * default 5000). KVP_EINVAL for a bad URL (the part named), KVP_EIO when the
+ * server cannot be reached, KVP_ENOTSUP in a build without hiredis. */
+KVP_API int kvp_store_open(const char *url, kvp_store **out);
+/* Close the connection; NULL is fine. */
+KVP_API void kvp_store_close(kvp_store *st);
+/* Value bytes this store handle sent and received since it was opened. */
+KVP_API int kvp_store_traffic(kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes);
+
+/* Write seq's blocks, step table, runs and codec states to st, then free
+ * the sequence from the pool (it no longer exists there until restored).
+ * Prefix chunks go under their content key (skipped when the store holds
+ * them already); the rest under keys of this offload; the manifest
+ * (<prefix>seq:<id>) last. On failure nothing is freed (what was written
+ * under this offload's keys is deleted where the server allows). KVP_EBUSY
+ * inside a step; KVP_EIO; KVP_ENOTSUP (see above). */
+KVP_API int kvp_seq_offload(kvp_pool *pool, uint64_t seq, kvp_store *st);
+/* Bring an offloaded sequence back under the same id, all or nothing, then
+ * delete its keys from the store (content chunks stay, for others). Chunks
+ * the pool's prefix table holds are shared instead of read. KVP_ENOENT (no
+ * manifest, or a blob missing), KVP_EEXIST (id live), KVP_EFORMAT (a blob is
+ * truncated, corrupt, of another version, geometry or codec spec),
+ * KVP_EBUDGET / KVP_ENOSPC, KVP_EIO. */
+KVP_API int kvp_seq_restore(kvp_pool *pool, uint64_t seq, kvp_store *st);
+/* Write seq's prompt chunks that are in the prefix table to the store under
+ * their content keys (those already there are not sent again).
+ * *published_tokens (may be NULL): prompt tokens the store now holds. */
+KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint32_t *published_tokens);
+/* Attach the next chunks of seq's prompt from the store's published
+ * prefix, as one new step, stopping at the first chunk the store lacks:
+ * call right after kvp_seq_add (which attached what the pool itself held).
+ * All or nothing; *fetched_tokens (may be NULL) gets the tokens attached. */
+KVP_API int kvp_prefix_fetch(kvp_pool *pool, uint64_t seq, kvp_store *st, uint32_t *fetched_tokens);
+
+/* ------------------------------------------------------------------------
+ * 6. Experimental: raw pages
  *
  * Engines that lay out their own pages can use the pool as a byte allocator
  * directly: allocate a tagged page, learn its address, grow it, free it. The

@@ -16,7 +16,7 @@
 
 #include <string.h>
 
-static void child_undo(kvp_pool *pool, kvp__seq *c) {
+void kvp__seq_build_undo(kvp_pool *pool, kvp__seq *c) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
   for (uint32_t l = 0; l < L; l++) {
     for (kvp__run *r = c->layers[l].runs, *n; r; r = n) {
@@ -92,7 +92,7 @@ static int fork_layer(kvp_pool *pool, const kvp__seq *p, kvp__seq *c, uint32_t l
 }
 
 /* Give the copies their ownership only once every layer succeeded. */
-static void fork_commit(kvp_pool *pool, kvp__seq *c) {
+void kvp__seq_build_commit(kvp_pool *pool, kvp__seq *c) {
   uint64_t retained = 0;
   for (uint32_t i = 0; i < pool->cfg.n_layers * pool->cfg.n_kv_heads; i++) {
     retained += atomic_load(&c->streams[i].retained_tokens);
@@ -138,11 +138,11 @@ int kvp__seq_fork_locked(kvp_pool *pool, kvp__seq *p, kvp__seq *c) {
   for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
     int rc = fork_layer(pool, p, c, l);
     if (rc) {
-      child_undo(pool, c);
+      kvp__seq_build_undo(pool, c);
       return rc;
     }
   }
-  fork_commit(pool, c);
+  kvp__seq_build_commit(pool, c);
   return KVP_OK;
 }
 
@@ -275,6 +275,16 @@ static int check_seq(kvp_pool *pool, kvp__seq *s, check_ctx *cc) {
   return rc;
 }
 
+static void visit_none(void *ctx, const kvp__page *pg) {
+  (void)ctx;
+  (void)pg;
+}
+
+int kvp__seq_validate(kvp_pool *pool, kvp__seq *s) {
+  check_ctx cc = {visit_none, NULL, ++pool->check_epoch, 0, 0, 0};
+  return check_seq(pool, s, &cc);
+}
+
 /* Owners of every reachable block equal the brefs found. */
 static int check_owners(kvp_pool *pool, kvp__seq *s) {
   for (uint32_t i = 0; i < pool->cfg.n_layers * pool->cfg.n_kv_heads; i++)
@@ -313,6 +323,8 @@ int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
     for (int kv = 0; kv < 2; kv++)
       for (unsigned i = 0; i < b->npages[kv]; i++) retired += kvp__page_alloc_bytes(&b->pages[kv][i]);
   }
+  int prc = kvp__prefix_check(pool);
+  if (prc) return prc;
   if (retired != pool->alloc.ledger.retired.current)
     return CORRUPT("limbo holds %llu bytes, ledger says %llu retired", (unsigned long long)retired,
                    (unsigned long long)pool->alloc.ledger.retired.current);

@@ -72,6 +72,7 @@ typedef struct kvp__block {
   uint32_t check_epoch;   /* kvp_check visit mark */
   uint32_t owners_seen;   /* kvp_check: brefs found this check */
   struct kvp__block *oprev, *onext; /* pool->orphans list, or limbo chain (onext) */
+  struct kvp__chunk *chunk; /* the prefix-table entry that lists it, or NULL (writer only) */
   kvp__page pages[2][KVP_CODEC_MAX_PAGES]; /* [K, V][codec page] */
 } kvp__block;
 
@@ -127,8 +128,29 @@ typedef struct kvp__seq {
   kvp__layer *layers;        /* [L] */
   kvp__stream *streams;      /* [L * H], stream (l, h) at l * H + h */
   size_t layers_bytes, streams_bytes; /* sizes of the two arrays */
+  uint64_t (*pkeys)[2];      /* [n_pkeys]: content keys of the prompt's full blocks (pages/prefix.c), or NULL */
+  uint32_t n_pkeys;          /* prompt chunks with a key (prompt tokens / block_tokens) */
+  uint32_t max_hit;          /* chunks an attach may take: (prompt tokens - 1) / block_tokens */
+  uint32_t next_reg;         /* first prompt chunk not yet registered (or found unregistrable) */
   kvp__rcu_head rcu;         /* deferred free */
 } kvp__seq;
+
+/* A prefix-table entry: the blocks of one chunk (block_tokens positions
+ * [index * bt, (index + 1) * bt)) of every (layer, head), keyed by the
+ * chained content key of the tokens up to its end. It holds no reference:
+ * it goes when any of its blocks loses its last owner. */
+typedef struct kvp__chunk {
+  struct kvp__chunk *hnext; /* hash chain */
+  uint64_t key[2];          /* content key */
+  uint32_t index;           /* chunk number: positions / block_tokens */
+  kvp__block *blocks[];     /* [L * H]: block of (layer, head) at l * H + h */
+} kvp__chunk;
+
+typedef struct kvp__ptable {
+  kvp__chunk **buckets; /* [nbuckets] */
+  uint32_t nbuckets;    /* power of two, or 0 before the first insert */
+  uint64_t n;           /* entries */
+} kvp__ptable;
 
 struct kvp_pool {
   kvp_config cfg;        /* copy of the configuration (strings not kept) */
@@ -147,6 +169,10 @@ struct kvp_pool {
   struct kvp__heatkv_cache *heatkv_cache; /* HeatKV orders and plans shared by sequences, or NULL */
   uint32_t check_epoch;  /* for kvp_check's visit marks */
   struct kvp__dev *dev;  /* CUDA region (not dry): the device control block; else NULL */
+  kvp__ptable prefix;    /* content key -> chunk of shared blocks (pages/prefix.c; writer only) */
+  uint64_t codec_fp;     /* fingerprint of the codec bindings: names and parameters per (layer, side) */
+  uint32_t chunk_tokens; /* the stream-mode block size every layer shares (prefix chunks, store blobs);
+                            0 when layers chose different sizes: no prefix sharing, no store tier */
 };
 
 /* Tokens per block of layer for a sequence of mode (a step-mode block also
@@ -180,6 +206,27 @@ void kvp__rawpages_fini(kvp_pool *pool);
 static inline void kvp__lock(kvp_pool *p) { pthread_mutex_lock(&p->lock); }
 static inline void kvp__unlock(kvp_pool *p) { pthread_mutex_unlock(&p->lock); }
 
+/* pages/prefix.c: prefix sharing by content keys. */
+/* Keys of the first n_chunks full blocks of tokens (chained). */
+void kvp__prefix_keys(const kvp_pool *pool, const uint32_t *tokens, uint32_t n_chunks, uint64_t (*out)[2]);
+kvp__chunk *kvp__prefix_find(const kvp_pool *pool, const uint64_t *key);
+/* A new entry for blocks[L * H] (none in an entry yet); ENOMEM. */
+int kvp__prefix_insert(kvp_pool *pool, const uint64_t *key, uint32_t index, kvp__block *const *blocks);
+void kvp__prefix_drop(kvp_pool *pool, kvp__chunk *c);
+void kvp__prefix_fini(kvp_pool *pool);
+int kvp__prefix_check(kvp_pool *pool); /* entries agree with their blocks; ECORRUPT */
+/* Can sequence s share blocks (no policy, stateless codecs, host payload)? */
+bool kvp__prefix_ok(const kvp_pool *pool, const kvp__seq *s);
+/* Register s's prompt chunks complete since the last call (writer). */
+void kvp__prefix_register(kvp_pool *pool, kvp__seq *s);
+/* Attach m chunks (blocks[i * L * H + l * H + h]) at the end of s as one
+ * new step of m * block_tokens tokens: s's positions must end on a chunk
+ * boundary with every tail sealed. Blocks with owners take one more; blocks
+ * with none (fresh) become s's alone. All or nothing (ENOMEM). */
+int kvp__prefix_attach(kvp_pool *pool, kvp__seq *s, uint32_t m, kvp__block *const *blocks);
+/* Chunks of s's prompt found in the table from s's next chunk on. */
+uint32_t kvp__prefix_lookup(kvp_pool *pool, const kvp__seq *s, kvp__chunk **out, uint32_t cap);
+
 /* pages/seq.c */
 int kvp__seqs_init(kvp_pool *pool);
 void kvp__seqs_fini(kvp_pool *pool); /* frees every sequence (destroy) */
@@ -196,6 +243,19 @@ void kvp__reclaim(kvp_pool *pool);
 int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx);
 
 int kvp__seq_fork_locked(kvp_pool *pool, kvp__seq *parent, kvp__seq *child); /* pages/fork.c */
+/* A sequence built off-table (restore): undo it (blocks with no owner are
+ * destroyed, shared ones lose the reference taken), or commit it (fresh
+ * blocks get their owner, tokens are counted). pages/fork.c */
+void kvp__seq_build_undo(kvp_pool *pool, kvp__seq *s);
+void kvp__seq_build_commit(kvp_pool *pool, kvp__seq *s);
+/* kvp_check's walk of one sequence (runs, streams, layouts), for a
+ * sequence built from untrusted input; KVP_ECORRUPT names what is wrong. */
+int kvp__seq_validate(kvp_pool *pool, kvp__seq *s);
+/* Publish a built sequence in the table (writer). */
+void kvp__seq_publish(kvp_pool *pool, kvp__seq *s);
+/* Unlink and free a live sequence, as kvp_seq_free (writer). */
+void kvp__seq_remove(kvp_pool *pool, kvp__seq *s);
+void kvp__seq_free_struct(kvp_pool *pool, kvp__seq *s); /* an unpublished one's metadata */
 kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint32_t n_plan);
 void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
 

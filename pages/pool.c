@@ -251,8 +251,20 @@ int kvp__bindings_init(kvp_pool *pool, const char *spec) {
   for (uint32_t i = 0; !rc && i < 2 * L; i++) rc = binding_make(pool, &e[i], i / 2, (int)(i % 2), &pool->bind[i]);
   for (uint32_t l = 0; !rc && l < L; l++) rc = layer_choose(pool, l, &pool->bt[2 * l], &pool->bt[2 * l + 1]);
   for (uint32_t i = 0; !rc && i < 2 * L; i++) rc = binding_fit(pool, i / 2, (int)(i % 2), &pool->bind[i]);
+  /* the fingerprint store blobs and content keys carry: each binding's
+   * codec name and parameter text, in (layer, side) order */
+  uint64_t fp = 0x6b7670636f646563ull;
+  for (uint32_t i = 0; !rc && i < 2 * L; i++) {
+    const char *name = pool->bind[i].vt->name, *par = e[i].params ? e[i].params : "";
+    fp = kvp__xxh64(name, strlen(name) + 1, fp);
+    fp = kvp__xxh64(par, strlen(par) + 1, fp);
+  }
+  pool->codec_fp = fp;
   kvp__spec_entry raw = {KVP__CODEC_RAW, NULL};
   for (int kv = 0; !rc && kv < 2; kv++) rc = binding_make(pool, &raw, 0, kv, &pool->tail[kv]);
+  pool->chunk_tokens = rc ? 0 : kvp__layer_bt(pool, 0, KVP_SEQ_STREAM);
+  for (uint32_t l = 1; !rc && l < L; l++)
+    if (kvp__layer_bt(pool, l, KVP_SEQ_STREAM) != pool->chunk_tokens) pool->chunk_tokens = 0;
   kvp__codec_spec_free(e, 2 * L);
   kvp__meta_free(NULL, e, 2 * L * sizeof *e);
   if (rc) kvp__bindings_fini(pool);
@@ -394,6 +406,12 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   out->sequences = l.sequences;
   out->bytes_retired = l.retired;
   out->codec_state_bytes = l.codec_state;
+  out->prefix_query_tokens = l.prefix_query_tokens;
+  out->prefix_hit_tokens = l.prefix_hit_tokens;
+  out->prefix_chunks = l.prefix_chunks;
+  out->store_offload_bytes = l.store_offload_bytes;
+  out->store_restore_bytes = l.store_restore_bytes;
+  out->store_prefix_tokens = l.store_prefix_tokens;
   for (uint32_t i = 0; i < 2 * pool->cfg.n_layers; i++) {
     const kvp__binding *b = &pool->bind[i];
     if (b->vt->static_bytes) out->codec_static_bytes += b->vt->static_bytes(b->inst);

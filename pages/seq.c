@@ -106,6 +106,7 @@ static void orphan_remove(kvp_pool *pool, kvp__block *b) {
 void kvp__block_unown(kvp_pool *pool, kvp__block *b) {
   kvp__assert(b->owners > 0);
   b->owners--;
+  if (!b->owners && b->chunk) kvp__prefix_drop(pool, b->chunk); /* its chunk can no longer be shared */
   if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) {
     limbo_push(pool, b);
   } else if (!b->owners) { /* pinned by views: kept until the last release */
@@ -155,6 +156,7 @@ KVP_API int kvp_reclaim(kvp_pool *pool) {
 static void policy_detach(kvp_pool *pool, kvp__seq *s);
 
 static void seq_free_struct(kvp__meta *m, kvp__seq *s) {
+  kvp__meta_free(m, s->pkeys, s->n_pkeys * sizeof *s->pkeys);
   kvp__meta_free(m, s->layers, s->layers_bytes);
   kvp__meta_free(m, s->streams, s->streams_bytes);
   kvp__meta_free(m, s->plan, s->n_plan * sizeof *s->plan);
@@ -221,6 +223,7 @@ static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
     kvp__meta_uncount(&pool->meta, s->streams, s->streams_bytes);
     kvp__meta_uncount(&pool->meta, s->plan, s->n_plan * sizeof *s->plan);
     kvp__meta_uncount(&pool->meta, s->step_pos, s->step_pos_cap * sizeof *s->step_pos);
+    kvp__meta_uncount(&pool->meta, s->pkeys, s->n_pkeys * sizeof *s->pkeys);
     kvp__meta_uncount(&pool->meta, s, sizeof *s);
     kvp__rcu_call(&s->rcu, seq_free_cb);
   } else {
@@ -249,6 +252,7 @@ void kvp__seqs_fini(kvp_pool *pool) {
     kvp__block_destroy(pool, b);
   }
   pool->limbo = NULL;
+  kvp__prefix_fini(pool); /* empty by now: every block lost its owners */
   kvp__rcu_barrier(); /* queued frees of runs, brefs and sequences */
   cds_lfht_destroy(pool->seqs, NULL);
   pool->seqs = NULL;
@@ -315,9 +319,50 @@ static int seq_config_check(const kvp_seq_config *in, kvp_seq_config *c) {
   }
   if (total > KVP_MAX_SEQ_TOKENS) return kvp__err(KVP_EINVAL, "seq_config plans %llu tokens, more than %u",
                                                   (unsigned long long)total, KVP_MAX_SEQ_TOKENS);
+  if (c->n_tokens && !c->tokens) return kvp__err(KVP_EINVAL, "seq_config.tokens is NULL with n_tokens %u", c->n_tokens);
+  if (c->n_tokens && c->n_steps)
+    return kvp__err(KVP_EINVAL, "seq_config: tokens (prefix sharing) and step_tokens (a planned schedule) exclude "
+                                "each other");
   if (!(c->budget_fraction >= 0 && c->budget_fraction <= 1))
     return kvp__err(KVP_EINVAL, "seq_config.budget_fraction = %g: must be in [0, 1]", c->budget_fraction);
   return KVP_OK;
+}
+
+/* The prompt's content keys, and the longest prefix of them the table
+ * holds attached as step 0 (a new sequence, not yet published). Cost: two
+ * XXH64 passes over the prompt, one table probe per chunk, one bref per
+ * (chunk, layer, head) attached. */
+static int prompt_attach(kvp_pool *pool, kvp__seq *s, const uint32_t *tokens, uint32_t n_tokens) {
+  uint32_t bt = pool->chunk_tokens, n = bt ? n_tokens / bt : 0, LH = pool->cfg.n_layers * pool->cfg.n_kv_heads;
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__count_add(&pool->alloc.ledger.prefix_query_tokens, n_tokens);
+  kvp__ledger_end(&pool->alloc.ledger);
+  if (!n) return KVP_OK;
+  if (!(s->pkeys = kvp__meta_alloc(&pool->meta, n * sizeof *s->pkeys)))
+    return kvp__err(KVP_ENOMEM, "content keys of sequence %llu (%u chunks)", (unsigned long long)s->id, n);
+  s->n_pkeys = n;
+  s->max_hit = (n_tokens - 1) / bt; /* at least one prompt token is left to compute */
+  kvp__prefix_keys(pool, tokens, n, s->pkeys);
+  if (!kvp__prefix_ok(pool, s)) {
+    s->next_reg = n;
+    return KVP_OK;
+  }
+  kvp__chunk **hit = kvp__meta_alloc(NULL, s->max_hit * sizeof *hit + 1);
+  if (!hit) return kvp__err(KVP_ENOMEM, "prefix lookup of sequence %llu", (unsigned long long)s->id);
+  uint32_t m = kvp__prefix_lookup(pool, s, hit, s->max_hit);
+  int rc = KVP_OK;
+  kvp__block **blocks = m ? kvp__meta_alloc(NULL, (size_t)m * LH * sizeof *blocks) : NULL;
+  if (m && !blocks) rc = kvp__err(KVP_ENOMEM, "prefix attach of sequence %llu", (unsigned long long)s->id);
+  for (uint32_t i = 0; !rc && i < m; i++) memcpy(blocks + (size_t)i * LH, hit[i]->blocks, LH * sizeof *blocks);
+  if (!rc && m && !(rc = kvp__prefix_attach(pool, s, m, blocks))) {
+    kvp__ledger_begin(&pool->alloc.ledger);
+    kvp__count_add(&pool->alloc.ledger.prefix_hit_tokens, (int64_t)m * bt);
+    kvp__ledger_end(&pool->alloc.ledger);
+  }
+  s->next_reg = m;
+  kvp__meta_free(NULL, blocks, (size_t)m * LH * sizeof *blocks);
+  kvp__meta_free(NULL, hit, s->max_hit * sizeof *hit + 1);
+  return rc;
 }
 
 KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc) {
@@ -342,15 +387,38 @@ KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc) 
     kvp__unlock(pool);
     return rc;
   }
+  if (c.n_tokens && (rc = prompt_attach(pool, s, c.tokens, c.n_tokens))) {
+    policy_detach(pool, s);
+    seq_free_struct(&pool->meta, s);
+    kvp__unlock(pool);
+    return rc;
+  }
+  kvp__seq_publish(pool, s);
+  kvp__unlock(pool);
+  return KVP_OK;
+}
+
+void kvp__seq_publish(kvp_pool *pool, kvp__seq *s) {
   kvp__rcu_publish(&s->node);
   kvp__rcu_read_lock();
-  cds_lfht_add(pool->seqs, seq_hash(seq), &s->node);
+  cds_lfht_add(pool->seqs, seq_hash(s->id), &s->node);
   kvp__rcu_read_unlock();
   kvp__ledger_begin(&pool->alloc.ledger);
   kvp__gauge_add(&pool->alloc.ledger.sequences, 1);
   kvp__ledger_end(&pool->alloc.ledger);
-  kvp__unlock(pool);
-  return KVP_OK;
+}
+
+void kvp__seq_free_struct(kvp_pool *pool, kvp__seq *s) {
+  policy_detach(pool, s);
+  seq_free_struct(&pool->meta, s);
+}
+
+void kvp__seq_remove(kvp_pool *pool, kvp__seq *s) {
+  kvp__rcu_read_lock();
+  cds_lfht_del(pool->seqs, &s->node);
+  kvp__rcu_read_unlock();
+  seq_release(pool, s, true);
+  kvp__reclaim(pool);
 }
 
 /* Look up seq for a mutation; on failure the lock is released. */
@@ -536,6 +604,7 @@ KVP_API int kvp_step_end(kvp_pool *pool, uint64_t seq) {
     atomic_store_explicit(&s->n_positions, atomic_load_explicit(&s->n_positions, memory_order_relaxed) + s->cur_tokens,
                           memory_order_release);
     atomic_store_explicit(&s->in_step, 0, memory_order_release);
+    if (s->next_reg < s->n_pkeys) kvp__prefix_register(pool, s); /* prompt chunks completed by this step */
     uint64_t limit = pool->alloc.ledger.budget_bytes / 256;
     if (pool->alloc.ledger.retired.current >= (limit > (1u << 20) ? limit : (1u << 20))) kvp__reclaim(pool);
   }

@@ -10,6 +10,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define KVP__STR2(x) #x
 #define KVP__STR(x) KVP__STR2(x)
@@ -45,6 +46,11 @@ KVP_API const char *kvp_err_name(int status) {
 }
 
 KVP_API const char *kvp_last_error(void) { return last_error; }
+
+const char *kvp__err_detail(void) {
+  const char *sep = strncmp(last_error, "KVP_", 4) ? NULL : strstr(last_error, ": ");
+  return sep ? sep + 2 : last_error;
+}
 
 int kvp__err(int status, const char *fmt, ...) {
   va_list ap;

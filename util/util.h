@@ -23,6 +23,8 @@
 /* Record a message for kvp_last_error() and return status (so callers can
  * write `return kvp__err(KVP_EINVAL, "layer %u >= %u", l, n);`). */
 int kvp__err(int status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The last message without its "KVP_E...: " status prefix (to wrap it). */
+const char *kvp__err_detail(void);
 
 /* ---- assertions --------------------------------------------------------
  * KVP_DEBUG = 0: none; 1 (default): cheap invariants; 2: also the expensive
@@ -66,6 +68,10 @@ void kvp__meta_free(kvp__meta *m, void *p, size_t bytes); /* bytes as asked */
 void kvp__meta_uncount(kvp__meta *m, void *p, size_t bytes);
 /* Resize; on failure returns NULL and leaves p intact. */
 void *kvp__meta_realloc(kvp__meta *m, void *p, size_t old_bytes, size_t new_bytes);
+
+/* ---- hashing (util/hash.c) -------------------------------------------- */
+/* XXH64 of len bytes with seed: store blob checksums, content keys. */
+uint64_t kvp__xxh64(const void *data, size_t len, uint64_t seed);
 
 /* ---- integers ---------------------------------------------------------- */
 static inline uint64_t kvp__align_up(uint64_t x, uint64_t a) { return (x + a - 1) & ~(a - 1); }

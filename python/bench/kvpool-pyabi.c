@@ -31,6 +31,7 @@ int main(void) {
   begin("kvp_seq_config", sizeof(kvp_seq_config));
   F(kvp_seq_config, struct_size); F(kvp_seq_config, mode); F(kvp_seq_config, step_tokens);
   F(kvp_seq_config, n_steps); F(kvp_seq_config, budget_fraction); F(kvp_seq_config, policy);
+  F(kvp_seq_config, tokens); F(kvp_seq_config, n_tokens);
   END();
   begin("kvp_kv", sizeof(kvp_kv));
   F(kvp_kv, k); F(kvp_kv, v); F(kvp_kv, stream);

@@ -26,7 +26,7 @@ libkvpool.so through ctypes (see ``kvpool.library_path``).
 from . import _lib
 from .errors import (BudgetError, BusyError, CodecError, CorruptError, DeviceError, Error, ExistsError,
                      FormatError, InvalidError, NoMemoryError, NotFoundError, NotSupportedError,
-                     RegionFullError)
+                     RegionFullError, StoreIOError)
 from .pool import BlockInfo, Pool, PoolView
 
 #: path (or name) of the libkvpool that was loaded
@@ -62,5 +62,5 @@ def f32_to_bf16(a):
 
 __all__ = ["Pool", "PoolView", "BlockInfo", "Error", "InvalidError", "NoMemoryError", "BudgetError",
            "RegionFullError", "NotFoundError", "ExistsError", "DeviceError", "CodecError", "FormatError",
-           "BusyError", "CorruptError", "NotSupportedError", "library_path", "strerror", "last_error",
+           "BusyError", "CorruptError", "NotSupportedError", "StoreIOError", "library_path", "strerror", "last_error",
            "bf16_to_f32", "f32_to_bf16"]

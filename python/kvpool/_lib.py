@@ -85,7 +85,7 @@ DIM_PAGE_TYPE, DIM_KV, DIM_LAYER, DIM_HEAD, DIM_CODEC, DIM_SEQ = range(6)
 # KVP_STATUS_LIST: (name, value)
 STATUS = (("OK", 0), ("EINVAL", -1), ("ENOMEM", -2), ("EBUDGET", -3), ("ENOSPC", -4), ("ENOENT", -5),
           ("EEXIST", -6), ("EDEVICE", -7), ("ECODEC", -8), ("EFORMAT", -9), ("EBUSY", -10), ("ECORRUPT", -11),
-          ("ENOTSUP", -12))
+          ("ENOTSUP", -12), ("EIO", -13))
 
 # KVP_STATS_LIST: (kind, field, JSON key). kind: G gauge {current, peak, total}, C counter, V value.
 STATS_FIELDS = (
@@ -100,6 +100,9 @@ STATS_FIELDS = (
     ("G", "sequences", "sequences.live"), ("G", "codec_state_bytes", "bytes.codec_state"),
     ("G", "bytes_retired", "bytes.retired"), ("V", "device_used_bytes", "device.used_bytes"),
     ("V", "device_total_bytes", "device.total_bytes"), ("V", "codec_static_bytes", "bytes.codec_static"),
+    ("C", "prefix_query_tokens", "prefix.query_tokens"), ("C", "prefix_hit_tokens", "prefix.hit_tokens"),
+    ("G", "prefix_chunks", "prefix.chunks"), ("C", "store_offload_bytes", "store.offload_bytes"),
+    ("C", "store_restore_bytes", "store.restore_bytes"), ("C", "store_prefix_tokens", "store.prefix_tokens"),
 )
 
 # ---- structs ---------------------------------------------------------------------------------
@@ -114,7 +117,8 @@ class Config(Structure):
 
 class SeqConfig(Structure):
     _fields_ = [("struct_size", c_size_t), ("mode", c_int), ("step_tokens", POINTER(c_uint32)),
-                ("n_steps", c_uint32), ("budget_fraction", c_double), ("policy", c_char_p)]
+                ("n_steps", c_uint32), ("budget_fraction", c_double), ("policy", c_char_p),
+                ("tokens", POINTER(c_uint32)), ("n_tokens", c_uint32)]
 
 
 class KV(Structure):

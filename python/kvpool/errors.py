@@ -113,9 +113,14 @@ class NotSupportedError(Error, NotImplementedError):
     status = -12
 
 
+class StoreIOError(Error, IOError):
+    """KVP_EIO: a store tier's connection, timeout or server failed (the message names the key)."""
+    status = -13
+
+
 BY_STATUS: Dict[int, Type[Error]] = {c.status: c for c in (
     InvalidError, NoMemoryError, BudgetError, RegionFullError, NotFoundError, ExistsError, DeviceError,
-    CodecError, FormatError, BusyError, CorruptError, NotSupportedError)}
+    CodecError, FormatError, BusyError, CorruptError, NotSupportedError, StoreIOError)}
 
 
 def error_for(status: int, call: str) -> Error:
