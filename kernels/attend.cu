@@ -266,6 +266,27 @@ cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool 
 
 } // namespace kvpk
 
+/* Load every attention kernel now: with CUDA's lazy module loading the
+ * first launch would load them, and a load inside a call whose stream is
+ * held (a host function waiting, a graph being captured) can wait forever. */
+template <uint32_t D> static cudaError_t preload_d() {
+  cudaFuncAttributes fa;
+  cudaError_t e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 1>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 2>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 4>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 8>);
+  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_reduce<D>);
+  return e;
+}
+
+extern "C" int kvp__kern_attend_preload(void) {
+  cudaError_t e = preload_d<32>();
+  if (e == cudaSuccess) e = preload_d<64>();
+  if (e == cudaSuccess) e = preload_d<128>();
+  if (e == cudaSuccess) e = preload_d<256>();
+  return (int)e;
+}
+
 extern "C" int kvp__kern_attend(const kvp__attend_args *x, void *stream) {
   kvpk::AttnArgs a;
   for (int i = 0; i < 4; i++) a.p[i] = x->p[i];

@@ -122,6 +122,9 @@ typedef struct kvp__attend_args {
 /* head_dim 32, 64, 128 or 256; n_q_heads / n_kv_heads <= 8. Two launches
  * at most (the splits, then the merge when reduce). */
 int kvp__kern_attend(const kvp__attend_args *a, void *stream);
+/* Load the attention kernels on the current device (lazy module loading
+ * would load them at the first launch, possibly on a held stream). */
+int kvp__kern_attend_preload(void);
 
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above
  * returned. */

@@ -83,6 +83,7 @@ int kvp__dev_init(kvp_pool *pool) {
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->stage_host, STAGE_JOBS * sizeof(kvp_codec_dev_job));
   int sms = 0;
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pool->cfg.device);
+  if (e == cudaSuccess) e = (cudaError_t)kvp__kern_attend_preload();
   d->sms = sms > 0 ? (uint32_t)sms : 1;
   int grc = e == cudaSuccess ? gstage_init(d) : KVP_OK;
   dev_leave(pool, prev);
