@@ -34,7 +34,7 @@ KVP_API void kvp_attend_req_init(kvp_attend_req *req) {
 
 /* Auto split size: about 4 thread blocks per SM for the call, at least
  * this many tokens each (fewer leave the merge dominant). */
-#define SPLIT_MIN_TOKENS 256u
+#define SPLIT_MIN_TOKENS 64u
 #define SPLITS_PER_SM 4u
 
 typedef struct attend_ctx {

@@ -359,7 +359,7 @@ static void attend_figures(int rounds, int json) {
                "\"table_copy_us\":%.2f,\"target_vs_copy\":0.7}\n",
                ac[c], batch[bi], ctx[x], HQ, H, D, mt * 1e3, mh, (unsigned long long)a.bytes_read, gbs, copy_gbs,
                gbs / copy_gbs, a.n_splits, (unsigned long long)a.workspace_needed, mtab * 1e3);
-        if ((size_t)batch[bi] * ctx[x] <= gcap) { /* gather to bf16, the first half of gather-then-SDPA */
+        if (batch[bi] <= 8 && (size_t)batch[bi] * ctx[x] <= gcap) { /* gather to bf16, the first half of gather-then-SDPA */
           kvp_gather_item it[8];
           kvp_gather_req g;
           kvp_gather_req_init(&g);
