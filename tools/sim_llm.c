@@ -31,8 +31,9 @@
  * baseline, where
  *   - a preempted request is offloaded (kvp_seq_offload) instead of freed,
  *     and restored whole (kvp_seq_restore) when it is admitted again: its
- *     context is not recomputed (a request preempting itself mid-step is
- *     still recomputed: an open step cannot be offloaded);
+ *     context is not recomputed. An open step cannot be offloaded, so room
+ *     is made before a step opens (store_make_room); a refusal inside a
+ *     step (the estimate fell short) still preempts by recompute;
  *   - a prompt carries token ids, so equal prefixes share blocks: mooncake's
  *     hash_ids name 512-token blocks, and block id h becomes the tokens
  *     tok(h, j) = mix64(h * 512 + j) >> 32, j < 512 (equal ids, equal
@@ -261,6 +262,25 @@ static int preempt_last(llm *m, size_t keep) {
   return 1;
 }
 
+/* With the store, before running[p] opens a step of n tokens (an open step
+ * cannot be offloaded): while the budget lacks the bytes the step may take
+ * (n tokens, plus fresh OPEN blocks unless a decode fills one already
+ * open), offload the newest running requests, the asker last. 1 when the
+ * asker itself went. Alone, it is left to its step (which rejects it). */
+static int store_make_room(llm *m, size_t p, uint32_t n) {
+  if (!m->st) return 0;
+  req *q = &m->r[m->running[p]];
+  if (n == 1 && q->cached % m->c->block_tokens) return 0; /* a decode into an open block takes nothing */
+  double need = n * m->bytes_per_token + m->open_bytes;
+  while ((double)sim_allocated(m->pool) + need > (double)m->c->budget_bytes) {
+    if (preempt_last(m, m->running[p])) continue;
+    if (m->nrun == 1) return 0;
+    preempt_at(m, p, 0);
+    return 1;
+  }
+  return 0;
+}
+
 /* One step of n tokens for request i. make_room: preempt others when the
  * budget refuses. 0, or the refusing status (the step is still open). */
 static int step(llm *m, size_t i, uint32_t n, int make_room) {
@@ -341,7 +361,7 @@ static double percentile(double *x, size_t n, double p) {
 
 void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   memset(o, 0, sizeof *o);
-  trace t;
+  trace t = {0};
   if (c->trace_path) {
     char err[512];
     int rc = trace_load(c->trace_path, (trace_format)c->trace_format, c->requests, &t, err, sizeof err);
@@ -425,6 +445,7 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       size_t i = m.running[p];
       req *q = &m.r[i];
       if (!q->decoding) continue;
+      if (store_make_room(&m, p, 1)) break;
       if (step(&m, i, 1, 1)) { /* it is the last one left: it preempts itself */
         if (m.nrun == 1) reject_at(&m, p); /* alone and still no room: it never fits */
         else preempt_at(&m, p, 1);
@@ -442,6 +463,7 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       req *q = &m.r[i];
       if (q->decoding) continue;
       uint32_t n = q->target - q->cached < budget_tokens ? q->target - q->cached : budget_tokens;
+      if (store_make_room(&m, p, n)) break;
       if (step(&m, i, n, 1)) {
         if (m.nrun == 1) reject_at(&m, p);
         else preempt_at(&m, p, 1);
