@@ -772,10 +772,6 @@ int sim_llm_main(int argc, char **argv) {
       c.check = 1;
       continue;
     }
-    if (!strcmp(a, "--store") && i + 1 < argc) {
-      c.store_url = argv[++i];
-      continue;
-    }
     if (i + 1 >= argc) sim_usage_error("llm", "unknown option or missing value: %s", a);
     const char *v = argv[++i];
     if (!strcmp(a, "--model")) {
@@ -799,6 +795,7 @@ int sim_llm_main(int argc, char **argv) {
     else if (!strcmp(a, "--output-median")) c.output_median = sim_opt_pos("llm", a, v);
     else if (!strcmp(a, "--max-prompt")) c.max_prompt = sim_opt_u32("llm", a, v, 1, 1u << 24);
     else if (!strcmp(a, "--max-output")) c.max_output = sim_opt_u32("llm", a, v, 1, 1u << 24);
+    else if (!strcmp(a, "--store")) c.store_url = v;
     else if (!strcmp(a, "--store-gbs")) c.store_bw = 1e9 * sim_opt_pos("llm", a, v);
     else sim_usage_error("llm", "unknown option %s", a);
   }
