@@ -179,6 +179,8 @@ typedef struct sim_llm_cfg {
   double prompt_median, output_median; /* synthetic lengths (lognormal medians) */
   uint32_t max_prompt, max_output;     /* synthetic caps */
   int check;                     /* kvp_check after every iteration */
+  const char *store_url;         /* --store: swap preempted requests to this store, share prefixes; NULL = off */
+  double store_bw;               /* store bytes/s, for the clock (--store-gbs) */
 } sim_llm_cfg;
 
 typedef struct sim_llm_out {
@@ -189,6 +191,14 @@ typedef struct sim_llm_out {
   double sim_time_s, throughput_tokens_per_s, ttft_mean_s, ttft_p90_s, tpot_mean_s;
   double savings_vs_bf16;         /* bf16-equivalent / allocated, at the allocated peak */
   double wall_s;
+  /* the store tier (--store), else 0 */
+  uint64_t prefill_tokens;        /* prefill tokens computed (prompts, recomputes; not attached ones) */
+  uint64_t swapped_out, swapped_in; /* preemptions by offload to the store, restores */
+  uint64_t offload_fallbacks;     /* offloads refused (the request was recomputed instead) */
+  uint64_t prefix_hit_tokens;     /* prompt tokens attached from the pool's prefix table */
+  uint64_t store_prefix_tokens;   /* prompt tokens attached from the store's published prefixes */
+  uint64_t store_sent_bytes, store_received_bytes; /* value bytes to and from the store */
+  double store_time_s;            /* simulated time of the transfers */
 } sim_llm_out;
 
 typedef struct sim_video_cfg {

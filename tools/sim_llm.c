@@ -26,10 +26,30 @@
  * the first token comes at the end of the prefill (TTFT) and each decode
  * produces one more (TPOT). A request that cannot fit an empty pool is
  * rejected (counted, never retried).
+ *
+ * The store tier (--store URL): the same run again, beside the recompute
+ * baseline, where
+ *   - a preempted request is offloaded (kvp_seq_offload) instead of freed,
+ *     and restored whole (kvp_seq_restore) when it is admitted again: its
+ *     context is not recomputed. An open step cannot be offloaded, so room
+ *     is made before a step opens (store_make_room); a refusal inside a
+ *     step (the estimate fell short) still preempts by recompute;
+ *   - a prompt carries token ids, so equal prefixes share blocks: mooncake's
+ *     hash_ids name 512-token blocks, and block id h becomes the tokens
+ *     tok(h, j) = mix64(h * 512 + j) >> 32, j < 512 (equal ids, equal
+ *     tokens; the pool keys its blocks by the tokens, so any --block-tokens
+ *     works, and a divisor of 512 loses no hit). Admission attaches what the
+ *     pool's prefix table holds, then what the store holds
+ *     (kvp_prefix_fetch); a finished request publishes its prompt's chunks
+ *     (kvp_prefix_publish) for those that come after it.
+ *   - the clock adds the bytes offloads, restores and fetches move, over
+ *     --store-gbs; publishing is write-behind and costs no simulated time.
+ * Traces without hash ids (azure, sharegpt, synthetic) share no prefixes.
  */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "sim.h"
 #include "traces.h"
@@ -59,6 +79,7 @@ void sim_llm_defaults(sim_llm_cfg *c) {
   c->output_median = 129;
   c->max_prompt = 8192;
   c->max_output = 1024;
+  c->store_bw = 10e9;
 }
 
 int sim_llm_preset(sim_llm_cfg *c, const char *name) {
@@ -88,6 +109,10 @@ typedef struct req {
   uint64_t seq;          /* sequence id while running */
   double first_token_s;  /* time of the first output token */
   double finish_s;       /* time of the last */
+  size_t hash0;          /* first of its prompt's block ids in llm.hash */
+  uint32_t nblk;         /* block ids of its prompt (mooncake), else 0 */
+  int offloaded;         /* its sequence waits in the store */
+  uint32_t pool_hit, store_hit; /* prompt tokens attached at this admission: pool table, store */
 } req;
 
 typedef struct llm {
@@ -106,6 +131,10 @@ typedef struct llm {
   double open_bytes;     /* bytes of the OPEN blocks of one sequence */
   sim_llm_out *o;
   uint64_t done;         /* requests finished or rejected */
+  kvp_store *st;         /* --store, or NULL */
+  uint64_t *hash;        /* the trace's block ids (req.hash0), or NULL */
+  uint32_t *tokens;      /* scratch: one prompt's token ids */
+  uint32_t bt;           /* layer 0's stream-mode block size (the pool's choice when --block-tokens is 0) */
 } llm;
 
 static void gen_synthetic(const sim_llm_cfg *c, uint64_t seed, trace *t) {
@@ -186,11 +215,26 @@ static void seq_free(llm *m, req *q) {
   if (rc) sim_die_kvp("kvp_seq_free", rc);
 }
 
-/* Preempt running[pos] by recompute: its sequence goes, and its whole
- * context (prompt + generated) will be prefilled again. */
-static void preempt_at(llm *m, size_t pos) {
+/* Preempt running[pos]: to the store when there is one and its step is
+ * closed (in_step: it is the one appending); else by recompute: its
+ * sequence goes, and its whole context (prompt + generated) will be
+ * prefilled again. */
+static void preempt_at(llm *m, size_t pos, int in_step) {
   size_t i = m->running[pos];
   req *q = &m->r[i];
+  if (m->st && !in_step) {
+    int rc = kvp_seq_offload(m->pool, q->seq, m->st);
+    if (!rc) {
+      q->offloaded = 1;
+      drop_running(m, pos);
+      wait_push_front(m, i);
+      m->o->preemptions++;
+      m->o->swapped_out++;
+      return;
+    }
+    if (rc != KVP_ENOTSUP && rc != KVP_EIO) sim_die_kvp("kvp_seq_offload", rc);
+    if (!m->o->offload_fallbacks++) fprintf(stderr, SIM_NAME ": offload refused, recomputing: %s\n", kvp_last_error());
+  }
   seq_free(m, q);
   q->cached = 0;
   q->target = q->prompt + q->generated;
@@ -215,8 +259,27 @@ static void reject_at(llm *m, size_t pos) {
  * (vLLM's order: the lowest priority goes first, possibly the asker). */
 static int preempt_last(llm *m, size_t keep) {
   if (!m->nrun || m->running[m->nrun - 1] == keep) return 0;
-  preempt_at(m, m->nrun - 1);
+  preempt_at(m, m->nrun - 1, 0);
   return 1;
+}
+
+/* With the store, before running[p] opens a step of n tokens (an open step
+ * cannot be offloaded): while the budget lacks the bytes the step may take
+ * (n tokens, plus fresh OPEN blocks unless a decode fills one already
+ * open), offload the newest running requests, the asker last. 1 when the
+ * asker itself went. Alone, it is left to its step (which rejects it). */
+static int store_make_room(llm *m, size_t p, uint32_t n) {
+  if (!m->st) return 0;
+  req *q = &m->r[m->running[p]];
+  if (n == 1 && q->cached % m->bt) return 0; /* a decode into an open block takes nothing */
+  double need = n * m->bytes_per_token + m->open_bytes;
+  while ((double)sim_allocated(m->pool) + need > (double)m->c->budget_bytes) {
+    if (preempt_last(m, m->running[p])) continue;
+    if (m->nrun == 1) return 0;
+    preempt_at(m, p, 0);
+    return 1;
+  }
+  return 0;
 }
 
 /* One step of n tokens for request i. make_room: preempt others when the
@@ -236,11 +299,53 @@ static int step(llm *m, size_t i, uint32_t n, int make_room) {
   return 0;
 }
 
-static int seq_add(llm *m, req *q) {
+/* Token j of the 512-token trace block named h (splitmix64's finalizer). */
+static uint32_t block_token(uint64_t h, uint32_t j) {
+  uint64_t z = h * 512 + j + 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return (uint32_t)((z ^ (z >> 31)) >> 32);
+}
+
+/* Add q's sequence. With the store and block ids, its prompt's token ids go
+ * with it, and the shared prefix is attached: from the pool's table, then
+ * from the store. Returns the tokens attached (cached already). */
+static uint32_t seq_add(llm *m, req *q) {
   q->seq = ++m->next_seq;
-  int rc = kvp_seq_add(m->pool, q->seq, NULL);
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  int share = m->st && q->nblk;
+  if (share) {
+    for (uint32_t t = 0; t < q->prompt; t++) m->tokens[t] = block_token(m->hash[q->hash0 + t / 512], t % 512);
+    sc.tokens = m->tokens;
+    sc.n_tokens = q->prompt;
+  }
+  int rc = kvp_seq_add(m->pool, q->seq, &sc);
   if (rc) sim_die_kvp("kvp_seq_add", rc);
-  return 0;
+  if (!share) return 0;
+  kvp_seq_desc d = {.struct_size = sizeof d};
+  if ((rc = kvp_seq_info(m->pool, q->seq, &d))) sim_die_kvp("kvp_seq_info", rc);
+  uint32_t fetched = 0;
+  rc = kvp_prefix_fetch(m->pool, q->seq, m->st, &fetched);
+  if (rc == KVP_EBUDGET || rc == KVP_ENOSPC) fetched = 0; /* all or nothing: the pool is as it was */
+  else if (rc) sim_die_kvp("kvp_prefix_fetch", rc);
+  q->pool_hit = d.n_positions;
+  q->store_hit = fetched;
+  return d.n_positions + fetched;
+}
+
+/* Simulated seconds of the store traffic since the last call (0 when not
+ * charged: publishing is write-behind, off the requests' path). */
+static double store_clock(llm *m, int charge) {
+  if (!m->st) return 0;
+  uint64_t sent, recv;
+  int rc = kvp_store_traffic(m->st, &sent, &recv);
+  if (rc) sim_die_kvp("kvp_store_traffic", rc);
+  uint64_t moved = sent + recv - m->o->store_sent_bytes - m->o->store_received_bytes;
+  m->o->store_sent_bytes = sent, m->o->store_received_bytes = recv;
+  double t = charge ? (double)moved / m->c->store_bw : 0;
+  m->o->store_time_s += t;
+  return t;
 }
 
 static double percentile(double *x, size_t n, double p) {
@@ -257,7 +362,7 @@ static double percentile(double *x, size_t n, double p) {
 
 void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   memset(o, 0, sizeof *o);
-  trace t;
+  trace t = {0};
   if (c->trace_path) {
     char err[512];
     int rc = trace_load(c->trace_path, (trace_format)c->trace_format, c->requests, &t, err, sizeof err);
@@ -283,12 +388,22 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   m.waiting = calloc(m.wcap, sizeof *m.waiting);
   if (!m.r || !m.running || !m.waiting) sim_die("out of memory for %zu requests", t.n);
   m.wh = m.wt = t.n; /* room in front for preempted requests */
+  uint32_t max_prompt = 0;
   for (size_t i = 0; i < t.n; i++) {
     m.r[i] = (req){.arrival_s = t.reqs[i].arrival_s, .prompt = t.reqs[i].prompt_tokens,
-                   .output = t.reqs[i].output_tokens, .target = t.reqs[i].prompt_tokens, .state = ST_FUTURE};
+                   .output = t.reqs[i].output_tokens, .target = t.reqs[i].prompt_tokens, .state = ST_FUTURE,
+                   .hash0 = t.reqs[i].hash0, .nblk = t.hash_ids ? t.reqs[i].n_prefix_blocks : 0};
     o->prompt_tokens += t.reqs[i].prompt_tokens;
+    if (t.reqs[i].prompt_tokens > max_prompt) max_prompt = t.reqs[i].prompt_tokens;
   }
   o->requests_total = t.n;
+  if (c->store_url) {
+    int rc = kvp_store_open(c->store_url, &m.st);
+    if (rc) sim_die_kvp("--store: kvp_store_open", rc);
+    m.hash = t.hash_ids; /* kept for the prompts' token ids */
+    t.hash_ids = NULL;
+    if (m.hash && !(m.tokens = malloc((size_t)max_prompt * sizeof *m.tokens))) sim_die("out of memory");
+  }
   trace_free(&t);
   probe(&m, com);
 
@@ -311,6 +426,10 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   }
   int rc = kvp_pool_create(&k, &m.pool);
   if (rc) sim_die_kvp("kvp_pool_create", rc);
+  kvp_layer_info li;
+  kvp_layer_info_init(&li);
+  if ((rc = kvp_pool_info(m.pool, 0, &li))) sim_die_kvp("kvp_pool_info", rc);
+  m.bt = li.block_tokens[0] ? li.block_tokens[0] : 1;
   m.k = sim_kv_alloc(c->max_batch_tokens, c->n_kv_heads, c->head_dim, KVP_DTYPE_BF16, com->seed, 1);
   m.v = sim_kv_alloc(c->max_batch_tokens, c->n_kv_heads, c->head_dim, KVP_DTYPE_BF16, com->seed, 0);
   o->budget_bytes = c->budget_bytes;
@@ -335,9 +454,10 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       size_t i = m.running[p];
       req *q = &m.r[i];
       if (!q->decoding) continue;
+      if (store_make_room(&m, p, 1)) break;
       if (step(&m, i, 1, 1)) { /* it is the last one left: it preempts itself */
         if (m.nrun == 1) reject_at(&m, p); /* alone and still no room: it never fits */
-        else preempt_at(&m, p);
+        else preempt_at(&m, p, 1);
         break;
       }
       budget_tokens--, batch_tokens++;
@@ -352,21 +472,37 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       req *q = &m.r[i];
       if (q->decoding) continue;
       uint32_t n = q->target - q->cached < budget_tokens ? q->target - q->cached : budget_tokens;
+      if (store_make_room(&m, p, n)) break;
       if (step(&m, i, n, 1)) {
         if (m.nrun == 1) reject_at(&m, p);
-        else preempt_at(&m, p);
+        else preempt_at(&m, p, 1);
         break;
       }
       q->cached += n, budget_tokens -= n, batch_tokens += n;
+      o->prefill_tokens += n;
     }
     /* 3b. admissions */
     while (budget_tokens && m.wh < m.wt && m.nrun < c->max_running) {
       size_t i = m.waiting[m.wh];
       req *q = &m.r[i];
-      double need = q->target * m.bytes_per_token + m.open_bytes + 0.01 * (double)c->budget_bytes;
+      uint32_t span = q->cached > q->target ? q->cached : q->target; /* a restore brings back what it held */
+      double need = span * m.bytes_per_token + m.open_bytes + 0.01 * (double)c->budget_bytes;
       if (m.nrun && (double)sim_allocated(m.pool) + need > (double)c->budget_bytes) break;
-      uint32_t n = q->target < budget_tokens ? q->target : budget_tokens;
-      seq_add(&m, q);
+      if (q->offloaded) { /* back from the store, where it stopped */
+        if ((rc = kvp_seq_restore(m.pool, q->seq, m.st))) {
+          if (rc != KVP_EBUDGET && rc != KVP_ENOSPC) sim_die_kvp("kvp_seq_restore", rc);
+          if (m.nrun) break;
+          sim_die("request %zu (%u tokens) cannot be restored into an empty pool", i, q->cached);
+        }
+        q->offloaded = 0;
+        m.wh++;
+        q->state = ST_RUNNING;
+        m.running[m.nrun++] = i;
+        o->swapped_in++;
+        continue;
+      }
+      uint32_t hit = seq_add(&m, q);
+      uint32_t n = q->target - hit < budget_tokens ? q->target - hit : budget_tokens;
       if (step(&m, i, n, 0)) {
         seq_free(&m, q); /* nothing of it stays */
         if (!m.nrun) { /* it cannot fit an empty pool */
@@ -380,13 +516,17 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       }
       m.wh++;
       q->state = ST_RUNNING;
-      q->cached = n;
+      q->cached = hit + n;
       m.running[m.nrun++] = i;
       budget_tokens -= n, batch_tokens += n;
+      o->prefill_tokens += n;
+      o->prefix_hit_tokens += q->pool_hit;
+      o->store_prefix_tokens += q->store_hit;
     }
     if (m.nrun > o->max_running) o->max_running = m.nrun;
     /* 4. the clock */
     now += sim_cost_s(&com->cost, c->params, batch_tokens ? batch_tokens : 1, (double)sim_allocated(m.pool));
+    now += store_clock(&m, 1); /* offloads, restores and fetches wait for the store */
     o->iterations++;
     for (size_t p = 0; p < m.nrun; p++) { /* prefills that completed produce a token */
       size_t i = m.running[p];
@@ -403,6 +543,10 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       if (q->state != ST_RUNNING) continue;
       q->finish_s = now;
       q->state = ST_DONE;
+      if (m.st && q->nblk) {
+        if ((rc = kvp_prefix_publish(m.pool, q->seq, m.st, NULL))) sim_die_kvp("kvp_prefix_publish", rc);
+        store_clock(&m, 0);
+      }
       seq_free(&m, q);
       for (size_t p = 0; p < m.nrun; p++)
         if (m.running[p] == i) {
@@ -446,6 +590,9 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
   o->throughput_tokens_per_s = now > 0 ? (double)o->generated_tokens / now : 0;
   if (sim_run_close(&run)) exit(1);
   kvp_pool_destroy(m.pool);
+  kvp_store_close(m.st);
+  free(m.hash);
+  free(m.tokens);
   free(ttft);
   free(fin);
   free(m.r);
@@ -476,12 +623,75 @@ static const char *const LLM_HELP =
     "  --rate R              synthetic arrivals per second (default 4)\n"
     "  --prompt-median N --output-median N   synthetic lognormal medians (default 1020, 129)\n"
     "  --max-prompt N --max-output N         synthetic caps (default 8192, 1024)\n"
-    "  --check               kvp_check after every iteration\n\n"
+    "  --check               kvp_check after every iteration\n"
+    "  --store URL           run twice and compare: the recompute baseline, then with the store tier\n"
+    "                        (redis://host:port[/db][?prefix=..&ttl=..]): preempted requests are\n"
+    "                        offloaded and restored instead of recomputed, and prompts share prefixes\n"
+    "                        (mooncake hash_ids) through the pool and the store. Keys go under a\n"
+    "                        prefix of this run (kvp-sim:<pid>:) and expire after an hour unless the\n"
+    "                        URL says otherwise. Not with --policy or --dry; --csv follows the store run\n"
+    "  --store-gbs G         store bandwidth for the clock, GB/s (default 10)\n\n"
     "JSON keys: requests_total, requests_finished, rejected, preemptions, max_running,\n"
     "peak_allocated_bytes, budget_bytes, budget_violations, throughput_tokens_per_s,\n"
-    "ttft_mean_s, ttft_p90_s, tpot_mean_s, sim_time_s, ...\n\n";
+    "ttft_mean_s, ttft_p90_s, tpot_mean_s, sim_time_s, ...; with --store, those of the store run\n"
+    "prefixed store_, and recomputed_tokens_saved, prefill_tokens_saved, ttft_mean_change_s.\n\n";
 
-static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm_out *o) {
+static void store_json(sim_json *j, const sim_llm_out *o, const sim_llm_out *so) {
+  sim_json_u64(j, "prefill_tokens", o->prefill_tokens);
+  sim_json_u64(j, "store_preemptions", so->preemptions);
+  sim_json_u64(j, "store_swapped_out", so->swapped_out);
+  sim_json_u64(j, "store_swapped_in", so->swapped_in);
+  sim_json_u64(j, "store_offload_fallbacks", so->offload_fallbacks);
+  sim_json_u64(j, "store_recomputed_tokens", so->recomputed_tokens);
+  sim_json_u64(j, "store_prefill_tokens", so->prefill_tokens);
+  sim_json_u64(j, "store_requests_finished", so->requests_finished);
+  sim_json_u64(j, "store_rejected", so->rejected);
+  sim_json_u64(j, "store_budget_violations", so->budget_violations);
+  sim_json_u64(j, "store_peak_allocated_bytes", so->peak_allocated_bytes);
+  sim_json_u64(j, "prefix_hit_tokens", so->prefix_hit_tokens);
+  sim_json_u64(j, "store_prefix_tokens", so->store_prefix_tokens);
+  sim_json_u64(j, "store_sent_bytes", so->store_sent_bytes);
+  sim_json_u64(j, "store_received_bytes", so->store_received_bytes);
+  sim_json_f64(j, "store_time_s", so->store_time_s);
+  sim_json_f64(j, "store_sim_time_s", so->sim_time_s);
+  sim_json_f64(j, "store_throughput_tokens_per_s", so->throughput_tokens_per_s);
+  sim_json_f64(j, "store_ttft_mean_s", so->ttft_mean_s);
+  sim_json_f64(j, "store_ttft_p90_s", so->ttft_p90_s);
+  sim_json_f64(j, "store_tpot_mean_s", so->tpot_mean_s);
+  sim_json_f64(j, "recomputed_tokens_saved", (double)o->recomputed_tokens - (double)so->recomputed_tokens);
+  sim_json_f64(j, "prefill_tokens_saved", (double)o->prefill_tokens - (double)so->prefill_tokens);
+  sim_json_f64(j, "ttft_mean_change_s", so->ttft_mean_s - o->ttft_mean_s);
+}
+
+static double pct(double now, double before) { return before > 0 ? 100.0 * (now - before) / before : 0; }
+
+/* The two runs side by side. */
+static void store_table(const sim_llm_cfg *c, const sim_llm_out *o, const sim_llm_out *so) {
+  char a[32], b[32];
+  printf("  store tier       %s, %.0f GB/s for the clock\n", c->store_url, c->store_bw / 1e9);
+  printf("                   %-16s %s\n", "recompute", "store");
+  printf("  preemptions      %-16llu %llu (%llu swapped out, %llu in; %llu recomputed)\n",
+         (unsigned long long)o->preemptions, (unsigned long long)so->preemptions,
+         (unsigned long long)so->swapped_out, (unsigned long long)so->swapped_in,
+         (unsigned long long)(so->preemptions - so->swapped_out));
+  printf("  recomputed tok   %-16llu %llu (saved %.0f)\n", (unsigned long long)o->recomputed_tokens,
+         (unsigned long long)so->recomputed_tokens, (double)o->recomputed_tokens - (double)so->recomputed_tokens);
+  printf("  prefill tok      %-16llu %llu (saved %.0f)\n", (unsigned long long)o->prefill_tokens,
+         (unsigned long long)so->prefill_tokens, (double)o->prefill_tokens - (double)so->prefill_tokens);
+  printf("  prefix hits      %-16s %llu tokens from the pool, %llu from the store\n", "-",
+         (unsigned long long)so->prefix_hit_tokens, (unsigned long long)so->store_prefix_tokens);
+  printf("  bytes moved      %-16s %s to the store, %s back (%.3f s)\n", "-", sim_bytes(so->store_sent_bytes, a, sizeof a),
+         sim_bytes(so->store_received_bytes, b, sizeof b), so->store_time_s);
+  printf("  TTFT mean        %-16.3f %.3f s (%+.1f%%)\n", o->ttft_mean_s, so->ttft_mean_s, pct(so->ttft_mean_s, o->ttft_mean_s));
+  printf("  TTFT p90         %-16.3f %.3f s (%+.1f%%)\n", o->ttft_p90_s, so->ttft_p90_s, pct(so->ttft_p90_s, o->ttft_p90_s));
+  printf("  TPOT mean        %-16.1f %.1f ms\n", 1e3 * o->tpot_mean_s, 1e3 * so->tpot_mean_s);
+  printf("  throughput       %-16.0f %.0f output tokens/s\n", o->throughput_tokens_per_s, so->throughput_tokens_per_s);
+  printf("  simulated        %-16.1f %.1f s; finished %llu, %llu rejected, %llu budget violations\n", o->sim_time_s,
+         so->sim_time_s, (unsigned long long)so->requests_finished, (unsigned long long)so->rejected,
+         (unsigned long long)so->budget_violations);
+}
+
+static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm_out *o, const sim_llm_out *so) {
   double savings = o->savings_vs_bf16;
   if (com->json) {
     sim_json j;
@@ -516,6 +726,7 @@ static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm
     sim_json_f64(&j, "ttft_p90_s", o->ttft_p90_s);
     sim_json_f64(&j, "tpot_mean_s", o->tpot_mean_s);
     sim_json_f64(&j, "wall_s", o->wall_s);
+    if (so) store_json(&j, o, so);
     sim_json_end(&j);
     return;
   }
@@ -532,6 +743,26 @@ static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm
   printf("  simulated        %.1f s: %.0f output tokens/s, TTFT mean %.3f s (p90 %.3f s), TPOT %.1f ms\n",
          o->sim_time_s, o->throughput_tokens_per_s, o->ttft_mean_s, o->ttft_p90_s, 1e3 * o->tpot_mean_s);
   printf("  wall             %.2f s, %llu iterations\n", o->wall_s, (unsigned long long)o->iterations);
+  if (so) store_table(c, o, so);
+}
+
+/* The store URL with this run's key prefix and an expiry, unless given. */
+static char *store_url(const char *url) {
+  size_t n = strlen(url) + 64;
+  char *u = malloc(n);
+  if (!u) sim_die("out of memory");
+  int has_q = strchr(url, '?') != NULL;
+  snprintf(u, n, "%s", url);
+  if (!strstr(url, "prefix=")) {
+    size_t l = strlen(u);
+    snprintf(u + l, n - l, "%cprefix=kvp-sim:%ld:", has_q ? '&' : '?', (long)getpid());
+    has_q = 1;
+  }
+  if (!strstr(url, "ttl=")) {
+    size_t l = strlen(u);
+    snprintf(u + l, n - l, "%cttl=3600", has_q ? '&' : '?');
+  }
+  return u;
 }
 
 int sim_llm_main(int argc, char **argv) {
@@ -574,6 +805,8 @@ int sim_llm_main(int argc, char **argv) {
     else if (!strcmp(a, "--output-median")) c.output_median = sim_opt_pos("llm", a, v);
     else if (!strcmp(a, "--max-prompt")) c.max_prompt = sim_opt_u32("llm", a, v, 1, 1u << 24);
     else if (!strcmp(a, "--max-output")) c.max_output = sim_opt_u32("llm", a, v, 1, 1u << 24);
+    else if (!strcmp(a, "--store")) c.store_url = v;
+    else if (!strcmp(a, "--store-gbs")) c.store_bw = 1e9 * sim_opt_pos("llm", a, v);
     else sim_usage_error("llm", "unknown option %s", a);
   }
   if (format && !c.trace_path) sim_usage_error("llm", "--format needs --trace FILE");
@@ -587,7 +820,22 @@ int sim_llm_main(int argc, char **argv) {
   if (!params_set && !strcmp(c.model, "custom"))
     c.params = 12.0 * c.n_layers * (double)c.n_kv_heads * c.head_dim * (double)c.n_kv_heads * c.head_dim;
   sim_llm_out o;
-  sim_llm_run(&c, &com, &o);
-  llm_print(&c, &com, &o);
+  if (!c.store_url) {
+    sim_llm_run(&c, &com, &o);
+    llm_print(&c, &com, &o, NULL);
+    return 0;
+  }
+  if (com.dry) sim_usage_error("llm", "--store needs real pages: not with --dry");
+  if (c.policy) sim_usage_error("llm", "--store: offload and prefix sharing refuse sequences with a policy (--policy)");
+  char *url = store_url(c.store_url);
+  sim_llm_cfg base = c;
+  sim_common bcom = com;
+  base.store_url = NULL, bcom.csv_path = NULL;
+  sim_llm_run(&base, &bcom, &o);
+  sim_llm_out so;
+  c.store_url = url;
+  sim_llm_run(&c, &com, &so);
+  llm_print(&c, &com, &o, &so);
+  free(url);
   return 0;
 }

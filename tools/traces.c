@@ -166,7 +166,7 @@ static int parse_azure(cursor *c, size_t max_reqs, trace *t) {
     if (t->n == 0) t0 = prev = ns;
     if (ns < prev) return fail(c, KVP_EFORMAT, "TIMESTAMP goes back in time (rows must be sorted)");
     prev = ns;
-    if ((rc = push(c, t, &cap, (trace_req){(double)(ns - t0) * 1e-9, (uint32_t)pt, (uint32_t)ot, 0}))) return rc;
+    if ((rc = push(c, t, &cap, (trace_req){(double)(ns - t0) * 1e-9, (uint32_t)pt, (uint32_t)ot, 0, 0}))) return rc;
   }
   t->has_arrivals = 1;
   return rc < 0 ? rc : 0;
@@ -201,7 +201,7 @@ static int parse_sharegpt(cursor *c, size_t max_reqs, trace *t) {
     double want = (double)pt / (double)ot;
     if (fabs(r - want) > 1e-9 * want)
       return fail(c, KVP_EFORMAT, "pd_ratio %s is not %llu / %llu", num, (unsigned long long)pt, (unsigned long long)ot);
-    if ((rc = push(c, t, &cap, (trace_req){0, (uint32_t)pt, (uint32_t)ot, 0}))) return rc;
+    if ((rc = push(c, t, &cap, (trace_req){0, (uint32_t)pt, (uint32_t)ot, 0, 0}))) return rc;
   }
   t->has_arrivals = 0;
   return rc < 0 ? rc : 0;
@@ -219,7 +219,7 @@ static int json_uint(cursor *c, json_t *o, const char *key, uint64_t lo, uint64_
   return 0;
 }
 
-static int mooncake_row(cursor *c, json_t *o, uint64_t *prev_ms, trace *t, size_t *cap) {
+static int mooncake_row(cursor *c, json_t *o, uint64_t *prev_ms, trace *t, size_t *cap, size_t *hcap) {
   uint64_t ms, in, outl;
   int rc;
   if (!json_is_object(o)) return fail(c, KVP_EFORMAT, "expected a JSON object");
@@ -238,11 +238,21 @@ static int mooncake_row(cursor *c, json_t *o, uint64_t *prev_ms, trace *t, size_
       return fail(c, KVP_EFORMAT, "\"hash_ids\"[%zu] is not a non-negative integer", i);
   if (t->n && ms < *prev_ms) return fail(c, KVP_EFORMAT, "\"timestamp\" goes back in time (rows must be sorted)");
   *prev_ms = ms;
-  return push(c, t, cap, (trace_req){(double)ms * 1e-3, (uint32_t)in, (uint32_t)outl, (uint32_t)nb});
+  if (t->n_hash_ids + nb > *hcap) {
+    size_t ncap = *hcap ? *hcap : 4096;
+    while (ncap < t->n_hash_ids + nb) ncap *= 2;
+    uint64_t *n = realloc(t->hash_ids, ncap * sizeof *n);
+    if (!n) return fail(c, KVP_ENOMEM, "out of memory for %zu hash ids", ncap);
+    t->hash_ids = n;
+    *hcap = ncap;
+  }
+  size_t hash0 = t->n_hash_ids;
+  for (size_t i = 0; i < nb; i++) t->hash_ids[t->n_hash_ids++] = (uint64_t)json_integer_value(json_array_get(h, i));
+  return push(c, t, cap, (trace_req){(double)ms * 1e-3, (uint32_t)in, (uint32_t)outl, (uint32_t)nb, hash0});
 }
 
 static int parse_mooncake(cursor *c, size_t max_reqs, trace *t) {
-  size_t cap = 0;
+  size_t cap = 0, hcap = 0;
   uint64_t prev_ms = 0;
   const char *b, *e;
   int rc = 0;
@@ -251,7 +261,7 @@ static int parse_mooncake(cursor *c, size_t max_reqs, trace *t) {
     json_error_t je;
     json_t *o = json_loadb(b, (size_t)(e - b), JSON_REJECT_DUPLICATES, &je);
     if (!o) return fail(c, KVP_EFORMAT, "bad JSON at column %d: %s", je.column, je.text);
-    rc = mooncake_row(c, o, &prev_ms, t, &cap);
+    rc = mooncake_row(c, o, &prev_ms, t, &cap, &hcap);
     json_decref(o);
     if (rc) return rc;
   }
@@ -274,15 +284,15 @@ const char *trace_format_name(trace_format f) {
 int trace_parse(const char *buf, size_t len, const char *name, trace_format fmt, size_t max_reqs, trace *out,
                 char *err, size_t errcap) {
   cursor c = {buf, buf + len, 0, name, err, errcap};
-  trace t = {NULL, 0, 0};
+  trace t = {0};
   if (errcap) err[0] = 0;
   int rc = fmt == TRACE_AZURE ? parse_azure(&c, max_reqs, &t)
            : fmt == TRACE_MOONCAKE ? parse_mooncake(&c, max_reqs, &t)
                                    : parse_sharegpt(&c, max_reqs, &t);
   if (!rc && t.n == 0) rc = fail(&c, KVP_EFORMAT, "no requests after the header");
   if (rc) {
-    free(t.reqs);
-    *out = (trace){NULL, 0, 0};
+    trace_free(&t);
+    *out = (trace){0};
     return rc;
   }
   *out = t;
@@ -290,7 +300,7 @@ int trace_parse(const char *buf, size_t len, const char *name, trace_format fmt,
 }
 
 int trace_load(const char *path, trace_format fmt, size_t max_reqs, trace *out, char *err, size_t errcap) {
-  *out = (trace){NULL, 0, 0};
+  *out = (trace){0};
   FILE *f = fopen(path, "rb");
   if (!f) return snprintf(err, errcap, "%s: cannot open: %s", path, strerror(errno)), KVP_ENOENT;
   size_t cap = 1 << 16, n = 0;
@@ -313,5 +323,6 @@ int trace_load(const char *path, trace_format fmt, size_t max_reqs, trace *out, 
 
 void trace_free(trace *t) {
   free(t->reqs);
-  *t = (trace){NULL, 0, 0};
+  free(t->hash_ids);
+  *t = (trace){0};
 }

@@ -9,7 +9,8 @@
  *             the first row
  *   mooncake  JSONL, one object per line: "timestamp" (ms since the start),
  *             "input_length", "output_length", "hash_ids" (one id per
- *             512-token prompt block: its length must be ceil(input/512))
+ *             512-token prompt block: its length must be ceil(input/512);
+ *             equal ids mean equal blocks, and the ids are kept)
  *   sharegpt  CSV "num_prefill_tokens,num_decode_tokens,num_total_tokens,
  *             pd_ratio"; total must equal prefill + decode; no arrivals
  *
@@ -32,12 +33,16 @@ typedef struct trace_req {
   uint32_t prompt_tokens; /* prompt (prefill) tokens, >= 1 */
   uint32_t output_tokens; /* generated tokens, >= 1 */
   uint32_t n_prefix_blocks; /* mooncake: entries of hash_ids; else 0 */
+  size_t hash0;           /* mooncake: index of its first hash id in trace.hash_ids */
 } trace_req;
 
 typedef struct trace {
   trace_req *reqs;   /* [n], in file order */
   size_t n;          /* requests */
   int has_arrivals;  /* 1 when the format carries arrival times */
+  uint64_t *hash_ids; /* mooncake: every request's hash_ids, back to back
+                         (request r's are [r.hash0, r.hash0 + r.n_prefix_blocks)); else NULL */
+  size_t n_hash_ids;  /* entries of hash_ids */
 } trace;
 
 /* "azure" | "mooncake" | "sharegpt" -> *out; KVP_EINVAL otherwise. */

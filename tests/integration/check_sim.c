@@ -4,7 +4,9 @@
  * JSON is checked against figures this test computes on its own from the
  * geometry (bytes per token of the codec layouts, the size-class formula of
  * DESIGN.md section 5, the trace it wrote), budget violations 0 under every
- * policy, the CSV contract, and clear errors with a non-zero exit.
+ * policy, the CSV contract, and clear errors with a non-zero exit. The
+ * store tier (llm --store) runs against a private redis-server on a free
+ * loopback port (skipped, with a message, without redis-server or hiredis).
  */
 #include <check.h>
 #include <jansson.h>
@@ -15,9 +17,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "itest.h"
+#include "../../tools/redis_srv.h"
+
+enum { MOONCAKE_REQS = 120 }; /* the store run of the mooncake trace: its first requests (~10 s) */
 
 static char SIM[PATH_MAX];
 static char TMP[PATH_MAX];
@@ -64,6 +70,12 @@ static json_t *run_json(const char *args) {
   free(out);
   free(err);
   return j;
+}
+
+static double sim_wall(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 static uint64_t U(json_t *j, const char *key) {
@@ -440,6 +452,150 @@ START_TEST(llm_preempts_under_pressure) {
 }
 END_TEST
 
+/* ---- the store tier: llm --store against a private redis-server ---- */
+
+static redis_srv R;
+static int have_server;
+
+static void store_setup(void) {
+  have_server = redis_srv_start(&R) == 0;
+  if (!have_server) printf("check_sim: skipped the store tier: %s\n", R.why);
+}
+static void store_teardown(void) {
+  if (have_server) redis_srv_stop(&R);
+}
+
+/* Run a --store command; 0 and *j when it ran, 1 when the build has no
+ * store tier (hiredis): skipped with a message. */
+static int run_store(const char *args, json_t **j) {
+  char *out, *err;
+  int rc = run_sim(args, &out, &err);
+  if (rc && strstr(err, "KVP_ENOTSUP") && strstr(err, "kvp_store_open")) {
+    printf("check_sim: skipped the store tier: %s", err);
+    free(out), free(err);
+    return 1;
+  }
+  ck_assert_msg(rc == 0, "kvpool-sim %s exited %d: %s", args, rc, err);
+  json_error_t je;
+  *j = json_loads(out, 0, &je);
+  ck_assert_msg(*j && json_is_object(*j), "kvpool-sim %s: not one JSON object (%s): %.200s", args, je.text, out);
+  free(out), free(err);
+  return 0;
+}
+
+/* A mooncake-format trace of conversations: request i is turn i / 8 of
+ * conversation i % 8; every prompt starts with block 0 (a shared system
+ * prompt), then its conversation's block, then one of its own. Arrivals
+ * 100 ms apart; long outputs collide in a small budget. */
+static void write_mooncake(const char *path, int n, uint64_t *prompt) {
+  FILE *f = fopen(path, "wb");
+  ck_assert_ptr_nonnull(f);
+  *prompt = 0;
+  for (int i = 0; i < n; i++) {
+    unsigned in = 1030 + (unsigned)(i * 37) % 500, out = 300 + (unsigned)(i * 13) % 100; /* 3 blocks of 512 */
+    fprintf(f, "{\"timestamp\": %d, \"input_length\": %u, \"output_length\": %u, \"hash_ids\": [0, %d, %d]}\n", i * 100,
+            in, out, 100 + i % 8, 1000 + i);
+    *prompt += in;
+  }
+  fclose(f);
+}
+
+/* Keys of the baseline that must equal a run without --store: the store
+ * changes nothing of the recompute run it is compared with. */
+static const char *const BASE_KEYS[] = {"requests_finished", "preemptions", "recomputed_tokens", "iterations",
+                                        "generated_tokens", "peak_allocated_bytes", "max_running"};
+
+START_TEST(llm_store_swaps_and_shares) {
+  if (!have_server) return;
+  char path[PATH_MAX + 16], args[5 * PATH_MAX], base[4 * PATH_MAX], run[3 * PATH_MAX];
+  snprintf(path, sizeof path, "%s/mooncake.jsonl", TMP);
+  uint64_t prompt;
+  write_mooncake(path, 32, &prompt);
+  /* 2 layers x 1 head x 64 x 2 bytes x 2 = 512 bytes per token: 2 MiB holds ~4000 tokens, 2 or 3 requests */
+  snprintf(run, sizeof run, "llm --layers 2 --kv-heads 1 --head-dim 64 --params 7e9 --trace %s --format mooncake "
+           "--budget-bytes 2M --block-tokens 16 --check", path);
+  snprintf(base, sizeof base, "%s --json --quiet", run);
+  snprintf(args, sizeof args, "%s --store %s", base, R.url);
+  json_t *j;
+  if (run_store(args, &j)) return;
+  ck_assert_uint_eq(U(j, "requests_total"), 32);
+  ck_assert_uint_eq(U(j, "prompt_tokens"), prompt);
+  /* the baseline recomputes; the store run swaps instead */
+  ck_assert_uint_gt(U(j, "preemptions"), 0);
+  ck_assert_uint_gt(U(j, "recomputed_tokens"), 0);
+  ck_assert_uint_gt(U(j, "store_swapped_out"), 0);
+  ck_assert_uint_eq(U(j, "store_swapped_in"), U(j, "store_swapped_out"));
+  ck_assert_uint_eq(U(j, "store_offload_fallbacks"), 0);
+  ck_assert(F(j, "recomputed_tokens_saved") > 0);
+  ck_assert_uint_eq(F(j, "recomputed_tokens_saved"), U(j, "recomputed_tokens") - U(j, "store_recomputed_tokens"));
+  /* prefixes: block 0 from the pool while another request holds it, finished conversations from the store */
+  ck_assert_uint_gt(U(j, "prefix_hit_tokens"), 0);
+  ck_assert_uint_gt(U(j, "store_prefix_tokens"), 0);
+  ck_assert_uint_eq(U(j, "prefix_hit_tokens") % 16, 0); /* whole blocks */
+  /* every prefill token is computed, attached, or a recompute: nothing lost, nothing twice */
+  ck_assert_uint_eq(U(j, "prefill_tokens"), prompt + U(j, "recomputed_tokens"));
+  ck_assert_uint_eq(U(j, "store_prefill_tokens") + U(j, "prefix_hit_tokens") + U(j, "store_prefix_tokens"),
+                    prompt + U(j, "store_recomputed_tokens"));
+  ck_assert(F(j, "prefill_tokens_saved") > 0);
+  ck_assert_uint_gt(U(j, "store_sent_bytes"), 0);
+  ck_assert_uint_gt(U(j, "store_received_bytes"), 0);
+  ck_assert(F(j, "store_time_s") > 0);
+  ck_assert(F(j, "store_ttft_mean_s") > 0);
+  ck_assert_double_eq_tol(F(j, "ttft_mean_change_s"), F(j, "store_ttft_mean_s") - F(j, "ttft_mean_s"), 1e-9);
+  /* every request served, under the budget, the pool's check after every iteration (--check) */
+  ck_assert_uint_eq(U(j, "store_requests_finished"), 32);
+  ck_assert_uint_eq(U(j, "store_rejected"), 0);
+  ck_assert_uint_eq(U(j, "store_budget_violations"), 0);
+  ck_assert_uint_le(U(j, "store_peak_allocated_bytes"), 2u << 20);
+  /* the baseline is the run without --store */
+  json_t *b = run_json(base);
+  for (size_t k = 0; k < sizeof BASE_KEYS / sizeof *BASE_KEYS; k++)
+    ck_assert_msg(U(b, BASE_KEYS[k]) == U(j, BASE_KEYS[k]), "%s: %llu without --store, %llu as the baseline",
+                  BASE_KEYS[k], (unsigned long long)U(b, BASE_KEYS[k]), (unsigned long long)U(j, BASE_KEYS[k]));
+  ck_assert_double_eq(F(b, "ttft_mean_s"), F(j, "ttft_mean_s"));
+  ck_assert_ptr_null(json_object_get(b, "store_swapped_out"));
+  json_decref(b);
+  json_decref(j);
+  /* the table shows both columns */
+  char *out, *err;
+  snprintf(args, sizeof args, "%s --store %s", run, R.url);
+  ck_assert_int_eq(run_sim(args, &out, &err), 0);
+  ck_assert_msg(strstr(out, "recompute") && strstr(out, "swapped out") && strstr(out, "from the store") &&
+                    strstr(out, "TTFT mean"),
+                "table: %s", out);
+  free(out), free(err);
+}
+END_TEST
+
+/* The published mooncake conversation trace, cut to its first requests. */
+START_TEST(llm_store_mooncake_trace) {
+  if (!have_server) return;
+  const char *path = SHARED_TRACES[1][0];
+  if (access(path, R_OK) != 0) {
+    printf("check_sim: skipped the store run of the mooncake trace: %s not found\n", path);
+    return;
+  }
+  char args[3 * PATH_MAX];
+  snprintf(args, sizeof args, "llm --layers 2 --kv-heads 2 --head-dim 64 --params 8e9 --trace %s --format mooncake "
+           "--requests %d --budget-bytes 32M --max-batch-tokens 8192 --json --quiet --store %s", path, MOONCAKE_REQS, R.url);
+  json_t *j;
+  double t0 = sim_wall();
+  if (run_store(args, &j)) return;
+  ck_assert_uint_eq(U(j, "store_requests_finished") + U(j, "store_rejected"), MOONCAKE_REQS);
+  ck_assert_uint_eq(U(j, "store_budget_violations"), 0);
+  ck_assert_uint_eq(U(j, "store_offload_fallbacks"), 0);
+  ck_assert_uint_eq(U(j, "store_swapped_in"), U(j, "store_swapped_out"));
+  ck_assert_uint_gt(U(j, "prefix_hit_tokens"), 0); /* the trace's shared first block */
+  ck_assert(F(j, "prefill_tokens_saved") > 0);
+  printf("check_sim: mooncake trace with --store, %d requests in %.1f s: %llu swapped out, %.0f recompute tokens "
+         "saved, %llu + %llu prefix tokens attached (pool + store), TTFT %.3f -> %.3f s\n", MOONCAKE_REQS,
+         sim_wall() - t0, (unsigned long long)U(j, "store_swapped_out"), F(j, "recomputed_tokens_saved"),
+         (unsigned long long)U(j, "prefix_hit_tokens"), (unsigned long long)U(j, "store_prefix_tokens"),
+         F(j, "ttft_mean_s"), F(j, "store_ttft_mean_s"));
+  json_decref(j);
+}
+END_TEST
+
 START_TEST(llm_synthetic_presets) {
   json_t *j = run_json("llm --model llama-2-7b --requests 6 --prompt-median 64 --output-median 8 --max-prompt 128 "
                        "--max-output 16 --budget-bytes 256M --json --quiet");
@@ -500,6 +656,8 @@ static const struct bad_run {
     {"llm --codecs kv=kivi:bits=2:group=32 --block-tokens 16 --requests 1", 1, "32 would be"},
     {"llm --codecs kv=qvg --block-tokens 16 --requests 1", 1, "compresses from block_tokens = 297"},
     {"llm --requests -5", 2, "--requests -5"},
+    {"llm --store redis://127.0.0.1:1 --policy window:sink=4:recent=64", 2, "--policy"},
+    {"llm --store redis://127.0.0.1:1 --dry", 2, "--dry"},
     {"var --model infinity-3b", 2, "infinity-3b"},
     {"var --schedule 1,0,4", 2, "--schedule"},
     {"var --layers 2 --kv-heads 1 --head-dim 16 --policy heatkv:b=0.001:s=3:orders=synthetic", 1, "b=0.001"},
@@ -562,6 +720,12 @@ int main(int argc, char **argv) {
   tcase_add_loop_test(tc, errors_exit_nonzero_with_a_message, 0, (int)(sizeof BAD_RUNS / sizeof *BAD_RUNS));
   tcase_add_test(tc, help_per_subcommand);
   suite_add_tcase(s, tc);
+  TCase *ts = tcase_create("store"); /* one private redis-server for the tcase */
+  tcase_set_timeout(ts, 120);
+  tcase_add_unchecked_fixture(ts, store_setup, store_teardown);
+  tcase_add_test(ts, llm_store_swaps_and_shares);
+  tcase_add_test(ts, llm_store_mooncake_trace);
+  suite_add_tcase(s, ts);
   int rc = it_run(s);
   char cmd[PATH_MAX + 16];
   snprintf(cmd, sizeof cmd, "rm -rf %s", TMP);

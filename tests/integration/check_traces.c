@@ -110,7 +110,7 @@ static const struct bad {
 
 START_TEST(rejections_name_the_line) {
   const struct bad *b = &BAD[_i];
-  trace t = {(trace_req *)&t, 99, 1};
+  trace t = {(trace_req *)&t, 99, 1, NULL, 0};
   int rc = parse(b->text, b->f, &t);
   ck_assert_msg(rc == KVP_EFORMAT, "case %d: rc %d (%s)", _i, rc, err);
   ck_assert_msg(strstr(err, b->want) != NULL, "case %d: message \"%s\" lacks \"%s\"", _i, err, b->want);
@@ -137,6 +137,11 @@ START_TEST(mooncake_sample) {
   ck_assert_uint_eq(t.reqs[0].n_prefix_blocks, 14);
   ck_assert_uint_eq(t.reqs[2].n_prefix_blocks, 2);
   ck_assert_uint_eq(t.reqs[2].output_tokens, 1);
+  ck_assert_uint_eq(t.n_hash_ids, 17); /* the ids are kept, request by request */
+  ck_assert_uint_eq(t.reqs[1].hash0, 14);
+  ck_assert_uint_eq(t.hash_ids[t.reqs[0].hash0 + 13], 13);
+  ck_assert_uint_eq(t.hash_ids[t.reqs[1].hash0], 0);
+  ck_assert_uint_eq(t.hash_ids[t.reqs[2].hash0 + 1], 46);
   trace_free(&t);
 }
 END_TEST
