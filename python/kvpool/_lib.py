@@ -174,6 +174,26 @@ class LayerInfo(Structure):
                 ("bytes_per_token", ctypes.c_double * 2), ("source_bytes_per_token", ctypes.c_double * 2)]
 
 
+class GatherItem(Structure):
+    _fields_ = [("seq", c_uint64), ("layer", c_uint32), ("row0", c_uint32), ("n_rows", c_uint32)]
+
+
+class GatherReq(Structure):
+    _fields_ = [("struct_size", c_size_t), ("items", POINTER(GatherItem)), ("n_items", c_uint32),
+                ("k_out", c_void_p), ("v_out", c_void_p), ("positions_out", c_void_p),
+                ("capacity_rows", c_uint32), ("workspace", c_void_p), ("workspace_bytes", c_uint64),
+                ("n_rows", c_uint32), ("n_launches", c_uint32), ("workspace_needed", c_uint64),
+                ("stream", c_void_p)]
+
+
+class AttendReq(Structure):
+    _fields_ = [("struct_size", c_size_t), ("layer", c_uint32), ("seqs", POINTER(c_uint64)), ("batch", c_uint32),
+                ("n_q_heads", c_uint32), ("q", c_void_p), ("scale", ctypes.c_float), ("out", c_void_p),
+                ("out_dtype", c_int), ("workspace", c_void_p), ("workspace_bytes", c_uint64),
+                ("split_tokens", c_uint32), ("workspace_needed", c_uint64), ("n_splits", c_uint32),
+                ("token_heads", c_uint64), ("bytes_read", c_uint64), ("stream", c_void_p)]
+
+
 class CodecVtableHead(Structure):
     """The first fields of kvp_codec_vtable (include/kvpool_codec.h): enough for the name."""
     _fields_ = [("abi_version", c_uint32), ("name", c_char_p)]
@@ -182,7 +202,8 @@ class CodecVtableHead(Structure):
 STRUCTS = {"kvp_config": Config, "kvp_seq_config": SeqConfig, "kvp_kv": KV, "kvp_read_req": ReadReq,
            "kvp_view_block": ViewBlock, "kvp_view": View, "kvp_gauge": Gauge, "kvp_usage": Usage,
            "kvp_stats": Stats, "kvp_seq_usage": SeqUsage, "kvp_seq_desc": SeqDesc,
-           "kvp_layer_info": LayerInfo}
+           "kvp_layer_info": LayerInfo, "kvp_gather_item": GatherItem, "kvp_gather_req": GatherReq,
+           "kvp_attend_req": AttendReq}
 
 # ---- prototypes ------------------------------------------------------------------------------
 
@@ -222,8 +243,17 @@ _proto("kvp_reclaim", c_int, P)
 _proto("kvp_seq_info", c_int, P, c_uint64, POINTER(SeqDesc))
 _proto("kvp_layer_info_init", None, POINTER(LayerInfo))
 _proto("kvp_pool_info", c_int, P, c_uint32, POINTER(LayerInfo))
+_proto("kvp_gather_req_init", None, POINTER(GatherReq))
+_proto("kvp_gather", c_int, P, POINTER(GatherReq))
+_proto("kvp_attend_req_init", None, POINTER(AttendReq))
+_proto("kvp_attend_decode", c_int, P, POINTER(AttendReq))
 _proto("kvp_codec_find", c_int, c_char_p, POINTER(c_uint32))
 _proto("kvp_codec_get", POINTER(CodecVtableHead), c_uint32)
+
+
+def status(name: str) -> int:
+    """The value of KVP_<name> ("ENOSPC" -> -4)."""
+    return dict(STATUS)[name]
 
 
 def last_error() -> str:

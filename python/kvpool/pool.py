@@ -605,6 +605,119 @@ class Pool:
             raise e
         return req.n_tokens
 
+    # ---- the device paths: paged gather and attention (CUDA pools, torch tensors) -------------
+
+    def _cuda_torch(self, call: str):
+        """torch, the pool's device and its current stream; NotSupportedError on a host pool
+        (from the library, which names the reason)."""
+        if not self._cuda:
+            if call == "kvp_attend_decode":
+                req = _lib.AttendReq()
+                lib.kvp_attend_req_init(byref(req))
+                self._call(lib.kvp_attend_decode, call, self._handle(), byref(req))
+            else:
+                req = _lib.GatherReq()
+                lib.kvp_gather_req_init(byref(req))
+                self._call(lib.kvp_gather, call, self._handle(), byref(req))
+        torch = _arrays.torch_module()
+        if torch is None:
+            raise InvalidError("this call takes torch tensors and torch is not installed", call)
+        dev = torch.device("cuda", self._cfg.device)
+        return torch, dev, torch.cuda.current_stream(dev).cuda_stream
+
+    def _workspace(self, torch, dev, need: int):
+        """The pool's device scratch for table-building calls, grown (never shrunk) to need
+        bytes. Reuse is stream-ordered by torch's allocator."""
+        ws = getattr(self, "_ws", None)
+        if ws is None or ws.numel() < need or ws.device != dev:
+            ws = self._ws = torch.empty((max(need, 1 << 16),), dtype=torch.uint8, device=dev)
+        return ws
+
+    def attend_decode(self, layer: int, seqs: Sequence[int], q: Any, *, scale: Optional[float] = None,
+                      out: Any = None, out_dtype: Any = "bf16", split_tokens: int = 0) -> Any:
+        """One decode step of attention over the pool's pages (kvp_attend_decode): ``q`` a
+        contiguous bf16 CUDA tensor ``[len(seqs), n_q_heads, head_dim]`` on the pool's device,
+        n_q_heads a multiple of the pool's KV heads (at most 8 per KV head). Each KV head attends
+        over the tokens it retains; the codes are read and dequantized in the kernel. ``scale``
+        defaults to 1/sqrt(head_dim). Returns ``out`` (allocated when None: bf16, or f32 with
+        ``out_dtype="f32"``), written on the current stream."""
+        call = "kvp_attend_decode"
+        torch, dev, stream = self._cuda_torch(call)
+        D = self._cfg.head_dim
+        B = len(seqs)
+        if not _arrays.is_torch(q) or q.dtype != torch.bfloat16 or q.device != dev or q.dim() != 3 or \
+                q.shape[0] != B or q.shape[2] != D or not q.is_contiguous():
+            raise InvalidError(f"q: a contiguous bf16 tensor [{B}, n_q_heads, {D}] on {dev}", call)
+        code = self._out_code(out_dtype)
+        tdt = _arrays.torch_dtype(code)
+        if out is None:
+            out = torch.empty(tuple(q.shape), dtype=tdt, device=dev)
+        elif not _arrays.is_torch(out) or out.dtype != tdt or out.device != dev or \
+                tuple(out.shape) != tuple(q.shape) or not out.is_contiguous():
+            raise InvalidError(f"out: a contiguous {out_dtype} tensor of q's shape on {dev}", call)
+        ids = (ctypes.c_uint64 * max(B, 1))(*[_seq(x) for x in seqs])
+        req = _lib.AttendReq()
+        lib.kvp_attend_req_init(byref(req))
+        req.layer, req.seqs, req.batch, req.n_q_heads = layer, ids, B, q.shape[1]
+        req.q, req.out, req.out_dtype = q.data_ptr(), out.data_ptr(), code
+        req.scale = float(scale) if scale is not None else D ** -0.5
+        req.split_tokens, req.stream = split_tokens, stream
+        ws = getattr(self, "_ws", None)
+        for _ in range(4):  # the writer may grow the table between the sizing and the call
+            if ws is not None:
+                req.workspace, req.workspace_bytes = ws.data_ptr(), ws.numel()
+            rc = lib.kvp_attend_decode(self._handle(), byref(req))
+            if rc != _lib.status("ENOSPC") or not req.workspace_needed:
+                break
+            ws = self._workspace(torch, dev, req.workspace_needed)
+        if rc:
+            raise error_for(rc, call)
+        self.last_attend = {"splits": req.n_splits, "token_heads": req.token_heads, "bytes_read": req.bytes_read,
+                            "workspace_bytes": req.workspace_needed}
+        return out
+
+    def gather(self, items: Sequence[Tuple[int, int]], *, positions: bool = False) -> Tuple[Any, Any, List, Any]:
+        """The retained tokens of many (seq, layer) pairs, every KV head, decoded to bf16 on the
+        device (kvp_gather): returns ``(k, v, spans, positions)``: ``k``/``v`` ``[rows, kv_heads,
+        head_dim]`` bf16 tensors, ``spans`` a list of (first row, rows) per item (heads holding
+        fewer tokens leave zero rows), ``positions`` an int32 CPU tensor ``[rows, kv_heads]``
+        (-1 past a head's tokens) when asked, else None."""
+        call = "kvp_gather"
+        torch, dev, stream = self._cuda_torch(call)
+        H, D = self._cfg.n_kv_heads, self._cfg.head_dim
+        n = len(items)
+        arr = (_lib.GatherItem * max(n, 1))()
+        for i, (sq, layer) in enumerate(items):
+            arr[i].seq, arr[i].layer = _seq(sq), layer
+        req = _lib.GatherReq()
+        lib.kvp_gather_req_init(byref(req))
+        req.items, req.n_items, req.stream = arr, n, stream
+        cap = -1
+        rows_needed = 256
+        enospc = _lib.status("ENOSPC")
+        for _ in range(8):  # rows, then workspace, may grow (the writer appends meanwhile)
+            if rows_needed > cap:
+                cap = rows_needed + 16
+                k = torch.empty((cap, H, D), dtype=torch.bfloat16, device=dev)
+                v = torch.empty((cap, H, D), dtype=torch.bfloat16, device=dev)
+                pos = torch.empty((cap, H), dtype=torch.int32) if positions else None
+            req.capacity_rows, req.k_out, req.v_out = cap, k.data_ptr(), v.data_ptr()
+            req.positions_out = pos.data_ptr() if pos is not None else None
+            ws = getattr(self, "_ws", None)
+            if ws is not None:
+                req.workspace, req.workspace_bytes = ws.data_ptr(), ws.numel()
+            rc = lib.kvp_gather(self._handle(), byref(req))
+            if rc != enospc:
+                break
+            rows_needed = max(req.n_rows, rows_needed)
+            if req.workspace_needed > req.workspace_bytes:
+                self._workspace(torch, dev, req.workspace_needed)
+        if rc:
+            raise error_for(rc, call)
+        rows = req.n_rows
+        spans = [(arr[i].row0, arr[i].n_rows) for i in range(n)]
+        return k[:rows], v[:rows], spans, (pos[:rows] if pos is not None else None)
+
     def _read_numpy(self, seq, layer, head, k_out, v_out, positions_out) -> int:
         call = "kvp_read"
         D = self._cfg.head_dim

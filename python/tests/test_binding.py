@@ -321,3 +321,15 @@ def test_torch_cpu_tensors():
         pool.step_end(1)
         k1, v1, pos = pool.read(1, 1, 1, as_torch=True)
         assert torch.equal(k1, k[:, 1]) and torch.equal(v1, v[:, 1]) and pos.tolist() == list(range(5))
+
+
+def test_device_paths_refused_on_a_host_pool():
+    """attend_decode and gather run on CUDA pools only: a host pool refuses by name (the
+    library's message), before any torch is needed."""
+    with kvpool.Pool(layers=1, kv_heads=2, head_dim=64) as pool:
+        pool.add(1)
+        with pytest.raises(kvpool.NotSupportedError, match="not a CUDA region"):
+            pool.attend_decode(0, [1], None)
+        with pytest.raises(kvpool.NotSupportedError, match="not a CUDA region"):
+            pool.gather([(1, 0)])
+        pool.check()
