@@ -151,7 +151,7 @@ static void key_content(kvp_store *st, const uint64_t *key, char *k) {
 
 static blob_hdr hdr_for(const kvp_pool *pool, uint16_t kind, uint32_t n_items, uint64_t t0, uint64_t t1) {
   const kvp_config *c = &pool->cfg;
-  return (blob_hdr){BLOB_MAGIC, BLOB_VERSION, kind, c->n_layers, c->n_kv_heads, c->head_dim, c->block_tokens,
+  return (blob_hdr){BLOB_MAGIC, BLOB_VERSION, kind, c->n_layers, c->n_kv_heads, c->head_dim, pool->chunk_tokens,
                     (uint32_t)c->k_dtype | (uint32_t)c->v_dtype << 8, n_items, pool->codec_fp, 0, 0, {t0, t1}};
 }
 
@@ -179,10 +179,10 @@ static int hdr_check(const kvp_pool *pool, const char *key, const void *data, si
   if (h->kind != kind)
     return kvp__err(KVP_EFORMAT, "store key %s: blob of kind %u where kind %u was expected", key, h->kind, kind);
   if (h->n_layers != c->n_layers || h->n_kv_heads != c->n_kv_heads || h->head_dim != c->head_dim ||
-      h->block_tokens != c->block_tokens || h->dtypes != ((uint32_t)c->k_dtype | (uint32_t)c->v_dtype << 8))
+      h->block_tokens != pool->chunk_tokens || h->dtypes != ((uint32_t)c->k_dtype | (uint32_t)c->v_dtype << 8))
     return kvp__err(KVP_EFORMAT, "store key %s: blob of another geometry (layers %u, heads %u, head_dim %u, block "
                     "tokens %u, dtypes %#x; this pool: %u, %u, %u, %u, %#x)", key, h->n_layers, h->n_kv_heads,
-                    h->head_dim, h->block_tokens, h->dtypes, c->n_layers, c->n_kv_heads, c->head_dim, c->block_tokens,
+                    h->head_dim, h->block_tokens, h->dtypes, c->n_layers, c->n_kv_heads, c->head_dim, pool->chunk_tokens,
                     (uint32_t)c->k_dtype | (uint32_t)c->v_dtype << 8);
   if (h->codec_fp != pool->codec_fp)
     return kvp__err(KVP_EFORMAT, "store key %s: blob written under other codecs (fingerprint %016llx, this pool's "
@@ -1182,4 +1182,37 @@ KVP_API int kvp_store_traffic(kvp_store *st, uint64_t *sent_bytes, uint64_t *rec
   if (!st || !sent_bytes || !received_bytes) return kvp__err(KVP_EINVAL, "store traffic: NULL argument");
   kvp__store_traffic(st, sent_bytes, received_bytes);
   return KVP_OK;
+}
+
+/* ---- the fuzzers' door ------------------------------------------------------------------ */
+
+int kvp__store_fuzz_parse(kvp_pool *pool, int kind, uint32_t n_items, uint32_t index, int content, const uint64_t *tag,
+                          const void *payload, size_t len) {
+  wbuf w = {0};
+  uint64_t seq = tag[0];
+  blob_hdr h = hdr_for(pool, kind == 1 ? KIND_MANIFEST : KIND_GROUP, n_items, tag[0], tag[1]);
+  wput(&w, &h, sizeof h);
+  wput(&w, payload, len);
+  hdr_seal(&w);
+  if (w.oom) return kvp__err(KVP_ENOMEM, "fuzz blob");
+  int rc;
+  kvp__lock(pool);
+  if (kind == 1) {
+    manifest mf;
+    memset(&mf, 0, sizeof mf);
+    kvp__seq *s = NULL;
+    rc = man_parse(pool, seq, "fuzz", w.p, w.n, &mf);
+    if (!rc && !(rc = man_build(pool, &mf, &s))) {
+      kvp__seq_build_undo(pool, s);
+      kvp__seq_free_struct(pool, s);
+    }
+  } else {
+    parsed pr = {0};
+    rc = parse_group(pool, seq, "fuzz", w.p, w.n, index, tag, content != 0, n_items, &pr);
+    if (!rc) parsed_destroy(pool, &pr);
+    parsed_free(&pr);
+  }
+  kvp__unlock(pool);
+  wfree(&w);
+  return rc;
 }

@@ -256,6 +256,12 @@ void kvp__seq_publish(kvp_pool *pool, kvp__seq *s);
 /* Unlink and free a live sequence, as kvp_seq_free (writer). */
 void kvp__seq_remove(kvp_pool *pool, kvp__seq *s);
 void kvp__seq_free_struct(kvp_pool *pool, kvp__seq *s); /* an unpublished one's metadata */
+/* For tests/fuzz/fuzz_store_blob.c: payload as a manifest (kind 1) or group
+ * blob (kind 2) of this pool, under a correct header and checksum, parsed
+ * (and a group's blocks built, then destroyed) as a restore would. Touches
+ * no store; the pool is as before. */
+int kvp__store_fuzz_parse(kvp_pool *pool, int kind, uint32_t n_items, uint32_t index, int content, const uint64_t *tag,
+                          const void *payload, size_t len);
 kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint32_t n_plan);
 void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
 
