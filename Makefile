@@ -299,7 +299,7 @@ test-gpu:
 	@echo "test-gpu: skipped: built without CUDA (no nvcc; set CUDA=1 CUDA_HOME=...)"
 endif
 
-$(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
+$(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h tests/gpu/*.h)
 	@mkdir -p $(dir $@)
 	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) \
 	  -lpthread $(CUDA_LIBS) $(LDFLAGS)

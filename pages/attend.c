@@ -54,19 +54,9 @@ static int attend_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
     c->rc = kvp__err(KVP_ENOMEM, "attention block table");
     return 1;
   }
+  kvp__gjob_fill(r, b, c->head, a, e, 0, b->raw ? 1 : 0);
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++) {
-      r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
-      if (i < b->npages[kv]) c->bytes += (double)b->pages[kv][i].requested_bytes * m / b->cap_tokens;
-    }
-  r->row = 0;
-  r->pos0 = b->pos0;
-  r->head = (uint16_t)c->head;
-  r->tag = b->raw ? 1 : 0;
-  r->t0 = (uint16_t)(a - b->pos0);
-  r->m1 = (uint16_t)(m - 1);
-  r->n1 = (uint16_t)(kvp__block_n(b) - 1);
-  r->cap1 = (uint16_t)(b->cap_tokens - 1);
+    for (unsigned i = 0; i < b->npages[kv]; i++) c->bytes += (double)b->pages[kv][i].requested_bytes * m / b->cap_tokens;
   c->tokens += m;
   return 0;
 }

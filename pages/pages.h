@@ -366,6 +366,10 @@ typedef struct kvp__dev_gather {
   uint32_t nragged;          /* items whose heads fill different row counts */
   uint32_t ragged[2][64];    /* their (row0, n_rows), the first 64 (beyond: every row is zeroed first) */
 } kvp__dev_gather;
+/* Record r: rows [a, e) of head's block b (pages as 64-byte units), output
+ * row, binding tag. */
+void kvp__gjob_fill(kvp__gjob *r, const kvp__block *b, uint32_t head, uint32_t a, uint32_t e, uint32_t row,
+                    uint16_t tag);
 int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_req *req);
 /* The segment of layer (item i for the message); KVP_EINVAL past the limit. */
 int kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer, uint32_t item);

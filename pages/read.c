@@ -345,6 +345,21 @@ KVP_API void kvp_gather_req_init(kvp_gather_req *req) {
 }
 
 #ifdef KVP_HAVE_CUDA
+void kvp__gjob_fill(kvp__gjob *r, const kvp__block *b, uint32_t head, uint32_t a, uint32_t e, uint32_t row,
+                    uint16_t tag) {
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++)
+      r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
+  r->row = row;
+  r->pos0 = b->pos0;
+  r->head = (uint16_t)head;
+  r->tag = tag;
+  r->t0 = (uint16_t)(a - b->pos0);
+  r->m1 = (uint16_t)(e - a - 1);
+  r->n1 = (uint16_t)(kvp__block_n(b) - 1);
+  r->cap1 = (uint16_t)(b->cap_tokens - 1);
+}
+
 /* The walk of one head of one item: a K and a V job per block, tagged with
  * the item's layer segment and the block's binding group. */
 typedef struct gather_ctx {
@@ -366,17 +381,7 @@ static int gather_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
     c->rc = kvp__err(KVP_ENOMEM, "gather table");
     return 1;
   }
-  for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++)
-      r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
-  r->row = c->row;
-  r->pos0 = b->pos0;
-  r->head = (uint16_t)c->head;
-  r->tag = (uint16_t)(c->seg * 4 + (b->raw ? 1 : 0));
-  r->t0 = (uint16_t)(a - b->pos0);
-  r->m1 = (uint16_t)(m - 1);
-  r->n1 = (uint16_t)(kvp__block_n(b) - 1);
-  r->cap1 = (uint16_t)(b->cap_tokens - 1);
+  kvp__gjob_fill(r, b, c->head, a, e, c->row, (uint16_t)(c->seg * 4 + (b->raw ? 1 : 0)));
   if (c->req->positions_out) {
     uint32_t *pos = c->req->positions_out + (size_t)c->row * H + c->head;
     for (uint32_t i = 0; i < m; i++) pos[(size_t)i * H] = a + i;

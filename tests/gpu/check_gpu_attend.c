@@ -15,45 +15,11 @@
  *
  * Public headers only. NOFORK; skips with a message without a GPU.
  */
-#include <check.h>
-#include <cuda_runtime_api.h>
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "gpu_test.h"
 
-#include "kvpool.h"
-
-#define ck_ok(expr)                                                                                  \
-  do {                                                                                               \
-    int rc_ = (expr);                                                                                \
-    ck_assert_msg(rc_ == KVP_OK, "%s: %s (%s)", #expr, kvp_err_name(rc_), kvp_last_error());          \
-  } while (0)
-#define ck_cuda(expr)                                                                                \
-  do {                                                                                               \
-    cudaError_t e_ = (expr);                                                                         \
-    ck_assert_msg(e_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(e_));                        \
-  } while (0)
 
 static uint64_t seed = 11;
-static float rnd(void) {
-  seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-  double u1 = ((seed >> 11) + 1.0) / 9007199254740993.0;
-  seed = seed * 6364136223846793005ull + 1442695040888963407ull;
-  double u2 = (seed >> 11) / 9007199254740992.0;
-  return (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
-}
-static uint16_t bf16_of(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
-}
-static float f32_of_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float x;
-  memcpy(&x, &u, 4);
-  return x;
-}
+static float rnd(void) { return gpu_normal(&seed); }
 
 typedef struct fixture {
   kvp_pool *pool;
@@ -100,8 +66,8 @@ static void fx_step(fixture *f, uint64_t seq, uint32_t n) {
   size_t cnt = (size_t)n * f->H * f->D;
   for (uint32_t l = 0; l < f->L; l++) {
     for (size_t i = 0; i < cnt; i++) {
-      f->hk[i] = bf16_of(rnd() * (i % f->D < 3 ? 4.0f : 1.0f));
-      f->hv[i] = bf16_of(rnd());
+      f->hk[i] = gpu_bf16_of(rnd() * (i % f->D < 3 ? 4.0f : 1.0f));
+      f->hv[i] = gpu_bf16_of(rnd());
     }
     ck_cuda(cudaMemcpyAsync(f->dk, f->hk, cnt * 2, cudaMemcpyHostToDevice, f->stream));
     ck_cuda(cudaMemcpyAsync(f->dv, f->hv, cnt * 2, cudaMemcpyHostToDevice, f->stream));
@@ -146,7 +112,7 @@ static void reference(fixture *f, uint32_t layer, const uint64_t *seqs, uint32_t
         double *o = ref + ((size_t)b * Hq + h * G + g) * D, mx = -INFINITY, sum = 0;
         for (uint32_t t = 0; t < n; t++) {
           double d = 0;
-          for (uint32_t i = 0; i < D; i++) d += (double)f32_of_bf16(qq[i]) * k[(size_t)t * D + i];
+          for (uint32_t i = 0; i < D; i++) d += (double)gpu_f32_of_bf16(qq[i]) * k[(size_t)t * D + i];
           s[t] = d * scale;
           mx = s[t] > mx ? s[t] : mx;
         }
@@ -176,7 +142,7 @@ static void attend_vs_ref(fixture *f, uint32_t layer, const uint64_t *seqs, uint
   uint32_t D = f->D;
   size_t nq = (size_t)B * Hq * D;
   uint16_t *q = malloc(nq * 2);
-  for (size_t i = 0; i < nq; i++) q[i] = bf16_of(rnd());
+  for (size_t i = 0; i < nq; i++) q[i] = gpu_bf16_of(rnd());
   float scale = 1.0f / sqrtf((float)D);
   double *ref = malloc(nq * sizeof *ref);
   reference(f, layer, seqs, B, Hq, scale, q, ref);
@@ -202,7 +168,7 @@ static void attend_vs_ref(fixture *f, uint32_t layer, const uint64_t *seqs, uint
   for (size_t r = 0; r < (size_t)B * Hq; r++) {
     double mref = 0, merr = 0;
     for (uint32_t i = 0; i < D; i++) {
-      double o = osz == 4 ? ((float *)out)[r * D + i] : f32_of_bf16(((uint16_t *)out)[r * D + i]);
+      double o = osz == 4 ? ((float *)out)[r * D + i] : gpu_f32_of_bf16(((uint16_t *)out)[r * D + i]);
       double e = fabs(o - ref[r * D + i]);
       ck_assert_msg(isfinite(o), "row %zu channel %u: %g", r, i, o);
       mref = fabs(ref[r * D + i]) > mref ? fabs(ref[r * D + i]) : mref;
@@ -217,15 +183,6 @@ static void attend_vs_ref(fixture *f, uint32_t layer, const uint64_t *seqs, uint
   ck_ok(kvp_check(f->pool));
   free(q), free(ref), free(out);
   cudaFree(dq), cudaFree(dout), cudaFree(a.workspace);
-}
-
-static int have_gpu(void) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
-    cudaGetLastError();
-    return 0;
-  }
-  return 1;
 }
 
 static const char *const specs[] = {
@@ -246,8 +203,7 @@ static const char *const specs[] = {
 /* Every codec: lengths 1, 16, 17, 100, 250 in one batch, per-head
  * evictions, GQA 4, both layers, forced splits and the automatic one. */
 START_TEST(codecs_vs_reference) {
-  const char *only = getenv("KVP_GPU_SPEC");
-  if (only && !strstr(specs[_i], only)) return;
+  if (gpu_spec_off(specs[_i])) return;
   fixture f;
   fx_open(&f, specs[_i], 2, 4, 128, 64ull << 20, 256);
   static const uint32_t len[] = {1, 16, 17, 100, 250};
@@ -367,10 +323,7 @@ START_TEST(refusals) {
 END_TEST
 
 int main(void) {
-  if (!have_gpu()) {
-    printf("check_gpu_attend: SKIPPED: no CUDA device\n");
-    return 0;
-  }
+  if (!gpu_present("check_gpu_attend")) return 0;
   Suite *s = suite_create("gpu_attend");
   TCase *tc = tcase_create("attend");
   tcase_set_timeout(tc, 900);
@@ -379,10 +332,5 @@ int main(void) {
   tcase_add_test(tc, long_context);
   tcase_add_test(tc, refusals);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_set_fork_status(sr, CK_NOFORK);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return gpu_run(s, CK_NORMAL);
 }

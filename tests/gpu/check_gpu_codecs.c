@@ -12,20 +12,9 @@
  * many jobs (more than one launch) matches job for job.
  * NOFORK; skips with a message without a GPU.
  */
-#include <check.h>
-#include <cuda_runtime_api.h>
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
+#include "gpu_test.h"
 #include "kvpool_codec.h"
 
-#define ck_cuda(expr)                                                                                \
-  do {                                                                                               \
-    cudaError_t e_ = (expr);                                                                         \
-    ck_assert_msg(e_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(e_));                        \
-  } while (0)
 
 static const char *const specs[] = {"raw",        "raw:dtype=bf16",     "raw:dtype=fp16",        "raw:dtype=fp32",
                                     "fp8",        "fp8:scale=0.05",     "int8",                  "int8:pct=99",
@@ -57,11 +46,6 @@ static float pattern(int pat, size_t i, int kv) {
   }
 }
 
-static uint16_t bf16_of(float x) { /* RNE, finite x */
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
-}
 static uint16_t f16_of(float x) {
   /* through CUDA-free bit math: round to nearest even, saturating to inf is fine for the tests' ranges */
   uint32_t u;
@@ -85,7 +69,7 @@ static void *make_rows(kvp_dtype dt, uint32_t n, uint32_t D, int pat, int kv, si
     float x = pattern(pat, i, kv);
     if (dt == KVP_DTYPE_F32) memcpy(p + 4 * i, &x, 4);
     else {
-      uint16_t h = dt == KVP_DTYPE_BF16 ? bf16_of(x) : f16_of(x);
+      uint16_t h = dt == KVP_DTYPE_BF16 ? gpu_bf16_of(x) : f16_of(x);
       memcpy(p + 2 * i, &h, 2);
     }
   }
@@ -316,22 +300,14 @@ START_TEST(nonfinite_reported) {
 END_TEST
 
 int main(void) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    printf("check_gpu_codecs: skipped: no CUDA device visible\n");
-    return 0;
-  }
+  if (!gpu_present("check_gpu_codecs")) return 0;
   Suite *s = suite_create("gpu_codecs");
   TCase *tc = tcase_create("bitexact");
   tcase_set_timeout(tc, 600);
   tcase_add_loop_test(tc, bit_exact_sweep, 0, NSPECS);
   tcase_add_test(tc, nonfinite_reported);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_set_fork_status(sr, CK_NOFORK);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
+  int rc = gpu_run(s, CK_NORMAL);
   if (arena) cudaFree(arena); /* the sweep's scratch (compute-sanitizer's leak check) */
-  return nf ? 1 : 0;
+  return rc;
 }

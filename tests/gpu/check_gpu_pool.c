@@ -13,25 +13,9 @@
  *
  * Public headers only. NOFORK; skips with a message without a GPU.
  */
-#include <check.h>
-#include <cuda_runtime_api.h>
-#include <math.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
+#include "gpu_test.h"
 #include "kvpool_codec.h"
 
-#define ck_ok(expr)                                                                                  \
-  do {                                                                                               \
-    int rc_ = (expr);                                                                                \
-    ck_assert_msg(rc_ == KVP_OK, "%s: %s (%s)", #expr, kvp_err_name(rc_), kvp_last_error());          \
-  } while (0)
-#define ck_cuda(expr)                                                                                \
-  do {                                                                                               \
-    cudaError_t e_ = (expr);                                                                         \
-    ck_assert_msg(e_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(e_));                        \
-  } while (0)
 
 enum { L = 3, H = 4, D = 128, MAXTOK = 512 };
 
@@ -56,25 +40,7 @@ typedef struct pair {
   uint64_t seed;
 } pair;
 
-static uint16_t bf16_of(float x) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  return (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
-}
-
-static float rnd(pair *p) {
-  p->seed = p->seed * 6364136223846793005ull + 1442695040888963407ull;
-  double u1 = ((p->seed >> 11) + 1.0) / 9007199254740993.0;
-  p->seed = p->seed * 6364136223846793005ull + 1442695040888963407ull;
-  double u2 = (p->seed >> 11) / 9007199254740992.0;
-  return (float)(sqrt(-2 * log(u1)) * cos(6.283185307179586 * u2));
-}
-
-/* KVP_GPU_SPEC=text runs only the specs that contain it. */
-static int spec_off(const char *spec) {
-  const char *only = getenv("KVP_GPU_SPEC");
-  return only && !strstr(spec, only);
-}
+static float rnd(pair *p) { return gpu_normal(&p->seed); }
 
 static void pair_open(pair *p, const char *spec, uint32_t block_tokens) {
   memset(p, 0, sizeof *p);
@@ -131,8 +97,8 @@ static void step(pair *p, uint64_t seq, uint32_t n) {
   ck_ok(kvp_step_begin(p->dev, seq, n, 0));
   for (uint32_t l = 0; l < L; l++) {
     for (size_t i = 0; i < (size_t)n * H * D; i++) {
-      p->hk[i] = bf16_of(rnd(p) * (i % D < 3 ? 6.0f : 1.0f));
-      p->hv[i] = bf16_of(rnd(p));
+      p->hk[i] = gpu_bf16_of(rnd(p) * (i % D < 3 ? 6.0f : 1.0f));
+      p->hv[i] = gpu_bf16_of(rnd(p));
     }
     size_t bytes = (size_t)n * H * D * 2;
     ck_cuda(cudaMemcpyAsync(p->dk, p->hk, bytes, cudaMemcpyHostToDevice, p->stream));
@@ -184,7 +150,7 @@ static void same_reads(pair *p, uint64_t seq) {
 }
 
 START_TEST(pool_matches_host) {
-  if (spec_off(specs[_i])) return;
+  if (gpu_spec_off(specs[_i])) return;
   pair p;
   pair_open(&p, specs[_i], 32);
   /* stream mode: a prefill across blocks, decode tokens that fill and seal blocks, a chunk */
@@ -244,7 +210,7 @@ END_TEST
 
 /* A NaN or Inf in device input: KVP_EINVAL naming layer, head, token; nothing changed. */
 START_TEST(nonfinite_append_refused) {
-  if (spec_off(specs[_i])) return;
+  if (gpu_spec_off(specs[_i])) return;
   pair p;
   pair_open(&p, specs[_i], 16);
   ck_ok(kvp_seq_add(p.dev, 1, NULL));
@@ -252,7 +218,7 @@ START_TEST(nonfinite_append_refused) {
   kvp_stats before = {.struct_size = sizeof before}, after = {.struct_size = sizeof after};
   int rc;
   uint32_t n = 40;
-  for (size_t i = 0; i < (size_t)n * H * D; i++) p.hk[i] = p.hv[i] = bf16_of(rnd(&p));
+  for (size_t i = 0; i < (size_t)n * H * D; i++) p.hk[i] = p.hv[i] = gpu_bf16_of(rnd(&p));
   const uint32_t bad_tok = 33, bad_head = 2, bad_ch = 9;
   p.hv[((size_t)bad_tok * H + bad_head) * D + bad_ch] = _i % 2 ? 0x7F80 /* +Inf */ : 0xFFC1 /* NaN */;
   ck_cuda(cudaMemcpy(p.dk, p.hk, (size_t)n * H * D * 2, cudaMemcpyHostToDevice));
@@ -300,7 +266,7 @@ END_TEST
 
 /* kvp_gather == kvp_read (bf16) per item and head, positions, zero padding. */
 START_TEST(gather_matches_read) {
-  if (spec_off(specs[_i])) return;
+  if (gpu_spec_off(specs[_i])) return;
   pair p;
   pair_open(&p, specs[_i], 16);
   kvp_seq_config sc;
@@ -490,11 +456,7 @@ START_TEST(host_only_codec_refused) {
 END_TEST
 
 int main(void) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    printf("check_gpu_pool: skipped: no CUDA device visible\n");
-    return 0;
-  }
+  if (!gpu_present("check_gpu_pool")) return 0;
   Suite *s = suite_create("gpu_pool");
   TCase *tc = tcase_create("pool");
   tcase_set_timeout(tc, 600);
@@ -504,10 +466,5 @@ int main(void) {
   tcase_add_test(tc, host_only_codec_refused);
   tcase_add_test(tc, third_party_device_codec);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_set_fork_status(sr, CK_NOFORK);
-  srunner_run_all(sr, CK_NORMAL);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return gpu_run(s, CK_NORMAL);
 }

@@ -6,24 +6,8 @@
  * NOFORK (CUDA does not survive fork); skips with a message without a GPU.
  */
 #define KVP_EXPERIMENTAL_API
-#include <check.h>
-#include <cuda_runtime_api.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
+#include "gpu_test.h"
 
-#include "kvpool.h"
-
-#define ck_ok(expr)                                                                                  \
-  do {                                                                                               \
-    int rc_ = (expr);                                                                                \
-    ck_assert_msg(rc_ == KVP_OK, "%s: %s (%s)", #expr, kvp_err_name(rc_), kvp_last_error());          \
-  } while (0)
-#define ck_cuda(expr)                                                                                \
-  do {                                                                                               \
-    cudaError_t e_ = (expr);                                                                         \
-    ck_assert_msg(e_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(e_));                        \
-  } while (0)
 
 static void show(const char *stage, kvp_pool *p) {
   kvp_stats s = {.struct_size = sizeof s};
@@ -129,21 +113,12 @@ START_TEST(cuda_bad_device) {
 END_TEST
 
 int main(void) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    printf("check_gpu_region: skipped: no CUDA device visible\n");
-    return 0;
-  }
+  if (!gpu_present("check_gpu_region")) return 0;
   Suite *s = suite_create("gpu_region");
   TCase *tc = tcase_create("cuda");
   tcase_set_timeout(tc, 120);
   tcase_add_test(tc, cuda_region_flat_device_moving_ledger);
   tcase_add_test(tc, cuda_bad_device);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_set_fork_status(sr, CK_NOFORK);
-  srunner_run_all(sr, CK_VERBOSE);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return gpu_run(s, CK_VERBOSE);
 }

@@ -6,25 +6,10 @@
  * every call, device-level usage flat while the ledger moves. Public header
  * only; NOFORK; skips without a GPU.
  */
-#include <check.h>
-#include <cuda_runtime_api.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-
+#include "gpu_test.h"
 #include "../integration/kvgen.h"
 #include "kvpool.h"
 
-#define ck_ok(expr)                                                                                  \
-  do {                                                                                               \
-    int rc_ = (expr);                                                                                \
-    ck_assert_msg(rc_ == KVP_OK, "%s: %s (%s)", #expr, kvp_err_name(rc_), kvp_last_error());          \
-  } while (0)
-#define ck_cuda(expr)                                                                                \
-  do {                                                                                               \
-    cudaError_t e_ = (expr);                                                                         \
-    ck_assert_msg(e_ == cudaSuccess, "%s: %s", #expr, cudaGetErrorString(e_));                        \
-  } while (0)
 
 enum { L = 4, H = 4, D = 64, MAXT = 2048 };
 
@@ -167,20 +152,11 @@ START_TEST(cuda_scheduler_loop) {
 END_TEST
 
 int main(void) {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    printf("check_gpu_sched: skipped: no CUDA device visible\n");
-    return 0;
-  }
+  if (!gpu_present("check_gpu_sched")) return 0;
   Suite *s = suite_create("gpu_sched");
   TCase *tc = tcase_create("cuda");
   tcase_set_timeout(tc, 300);
   tcase_add_test(tc, cuda_scheduler_loop);
   suite_add_tcase(s, tc);
-  SRunner *sr = srunner_create(s);
-  srunner_set_fork_status(sr, CK_NOFORK);
-  srunner_run_all(sr, CK_VERBOSE);
-  int nf = srunner_ntests_failed(sr);
-  srunner_free(sr);
-  return nf ? 1 : 0;
+  return gpu_run(s, CK_VERBOSE);
 }
