@@ -77,13 +77,15 @@ int kvp__dev_init(kvp_pool *pool) {
     dev_leave(pool, prev);
     return kvp__err(KVP_ENOMEM, "device control block");
   }
+  const char *what = "the pool's device status words and job stage";
   cudaError_t e = cudaMalloc((void **)&d->status, 4 * sizeof(uint64_t));
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->host_status, 4 * sizeof(uint64_t));
   if (e == cudaSuccess) e = cudaMalloc((void **)&d->stage_dev, STAGE_JOBS * sizeof(kvp_codec_dev_job));
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->stage_host, STAGE_JOBS * sizeof(kvp_codec_dev_job));
   int sms = 0;
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, pool->cfg.device);
-  if (e == cudaSuccess) e = (cudaError_t)kvp__kern_attend_preload();
+  if (e == cudaSuccess && (e = (cudaError_t)kvp__kern_attend_preload()) != cudaSuccess)
+    what = "loading kvpool's kernels on the device (built for another GPU? see CUDA_ARCH)";
   d->sms = sms > 0 ? (uint32_t)sms : 1;
   int grc = e == cudaSuccess ? gstage_init(d) : KVP_OK;
   dev_leave(pool, prev);
@@ -95,7 +97,7 @@ int kvp__dev_init(kvp_pool *pool) {
     cudaFreeHost(d->stage_host);
     kvp__meta_free(&pool->meta, d, sizeof *d);
     cudaGetLastError();
-    return grc ? grc : cuda_fail(e, "the pool's device status words");
+    return grc ? grc : cuda_fail(e, what);
   }
   pool->dev = d;
   return KVP_OK;
