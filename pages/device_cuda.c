@@ -43,6 +43,7 @@ struct kvp__dev {
   void *gstage_old[24];           /* outgrown stages, freed at pool destroy (cudaFreeHost may
                                      synchronize the device: never on a call's path) */
   uint32_t n_gstage_old;
+  uint64_t pinned_bytes;          /* pinned host bytes held (atomic: stats read it beside a growing call) */
   cudaEvent_t gstage_done;        /* recorded after the last copy from the stage */
   uint64_t *status;              /* device: 4 status words, one per group of an append */
   uint64_t *host_status;         /* pinned host: their copy */
@@ -87,6 +88,7 @@ int kvp__dev_init(kvp_pool *pool) {
   if (e == cudaSuccess && (e = (cudaError_t)kvp__kern_attend_preload()) != cudaSuccess)
     what = "loading kvpool's kernels on the device (built for another GPU? see CUDA_ARCH)";
   d->sms = sms > 0 ? (uint32_t)sms : 1;
+  __atomic_add_fetch(&d->pinned_bytes, 4 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job), __ATOMIC_RELAXED);
   int grc = e == cudaSuccess ? gstage_init(d) : KVP_OK;
   dev_leave(pool, prev);
   if (e != cudaSuccess || grc) {
@@ -243,6 +245,7 @@ int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void 
 static int gstage_init(struct kvp__dev *d) {
   pthread_mutex_init(&d->gstage_lock, NULL);
   d->gstage_cap = GSTAGE_RECS;
+  __atomic_add_fetch(&d->pinned_bytes, GSTAGE_RECS * sizeof(kvp__gjob), __ATOMIC_RELAXED);
   cudaError_t e = cudaMallocHost((void **)&d->gstage, GSTAGE_RECS * sizeof(kvp__gjob));
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->gstage_done, cudaEventDisableTiming);
   return e == cudaSuccess ? KVP_OK : cuda_fail(e, "the pool's pinned gather stage");
@@ -300,6 +303,7 @@ static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
     if (cudaMallocHost((void **)&st, cap * sizeof *st) == cudaSuccess) {
       memcpy(st, g->recs, g->n * sizeof *st);
       d->gstage_old[d->n_gstage_old++] = d->gstage;
+      __atomic_add_fetch(&d->pinned_bytes, cap * sizeof *st, __ATOMIC_RELAXED);
       d->gstage = g->recs = st;
       d->gstage_cap = g->cap = cap;
       return KVP_OK;
@@ -405,6 +409,14 @@ int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
   if (e != cudaSuccess) rc = cuda_fail(e, "gather copies");
   dev_leave(pool, prev);
   return rc;
+}
+
+/* ---- what the control block holds ----------------------------------------- */
+
+void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes) {
+  const struct kvp__dev *d = pool->dev;
+  *device_bytes = d ? 4 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job) : 0;
+  *pinned_bytes = d ? __atomic_load_n(&d->pinned_bytes, __ATOMIC_RELAXED) : 0;
 }
 
 /* ---- decode attention ------------------------------------------------------ */

@@ -384,6 +384,8 @@ void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
  * a->recs in one transfer, then kernels/attend.cu's launches. */
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
                         void *stream);
+/* Device and pinned host bytes the control block holds (stats). */
+void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes);
 /* Streaming multiprocessors of the pool's device (for splitting work). */
 uint32_t kvp__dev_sm_count(const kvp_pool *pool);
 /* The device control block of a CUDA pool (status words); 0 or an error. */

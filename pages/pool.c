@@ -416,6 +416,9 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
     const kvp__binding *b = &pool->bind[i];
     if (b->vt->static_bytes) out->codec_static_bytes += b->vt->static_bytes(b->inst);
   }
+#ifdef KVP_HAVE_CUDA
+  kvp__dev_control_bytes(pool, &out->device_control_bytes, &out->host_pinned_bytes);
+#endif
   gauge_from_meta(&pool->meta, &out->metadata_bytes);
   kvp__region *r = &pool->alloc.region;
   uint64_t span = atomic_load_explicit(&pool->alloc.ext.hwm_bytes, memory_order_relaxed);

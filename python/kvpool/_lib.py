@@ -103,6 +103,7 @@ STATS_FIELDS = (
     ("C", "prefix_query_tokens", "prefix.query_tokens"), ("C", "prefix_hit_tokens", "prefix.hit_tokens"),
     ("G", "prefix_chunks", "prefix.chunks"), ("C", "store_offload_bytes", "store.offload_bytes"),
     ("C", "store_restore_bytes", "store.restore_bytes"), ("C", "store_prefix_tokens", "store.prefix_tokens"),
+    ("V", "device_control_bytes", "device.control_bytes"), ("V", "host_pinned_bytes", "host.pinned_bytes"),
 )
 
 # ---- structs ---------------------------------------------------------------------------------
