@@ -1,0 +1,283 @@
+/*
+ * pages/blob.c - the store tier's blobs (format: pages/blob.h): header
+ * checks, group blobs built from blocks and parsed back into fresh blocks,
+ * batched pipelined writes, and what every store call checks first.
+ */
+#include "blob.h"
+#include "policy.h"
+
+#include <stdio.h>
+
+int kvp__blob_hdr_check(const kvp_pool *pool, const char *key, const void *data, size_t len, uint16_t kind,
+                     blob_hdr *h, rbuf *r) {
+  const kvp_config *c = &pool->cfg;
+  if (len < sizeof *h)
+    return kvp__err(KVP_EFORMAT, "store key %s: truncated blob (%zu bytes, a header alone is %zu)", key, len, sizeof *h);
+  memcpy(h, data, sizeof *h);
+  if (h->magic != BLOB_MAGIC) return kvp__err(KVP_EFORMAT, "store key %s: not a kvpool blob (magic %08x)", key, h->magic);
+  if (h->version != BLOB_VERSION)
+    return kvp__err(KVP_EFORMAT, "store key %s: blob format version %u, this library reads version %u", key, h->version,
+                    BLOB_VERSION);
+  if (h->kind != kind)
+    return kvp__err(KVP_EFORMAT, "store key %s: blob of kind %u where kind %u was expected", key, h->kind, kind);
+  if (h->n_layers != c->n_layers || h->n_kv_heads != c->n_kv_heads || h->head_dim != c->head_dim ||
+      h->block_tokens != pool->chunk_tokens || h->dtypes != ((uint32_t)c->k_dtype | (uint32_t)c->v_dtype << 8))
+    return kvp__err(KVP_EFORMAT, "store key %s: blob of another geometry (layers %u, heads %u, head_dim %u, block "
+                    "tokens %u, dtypes %#x; this pool: %u, %u, %u, %u, %#x)", key, h->n_layers, h->n_kv_heads,
+                    h->head_dim, h->block_tokens, h->dtypes, c->n_layers, c->n_kv_heads, c->head_dim, pool->chunk_tokens,
+                    (uint32_t)c->k_dtype | (uint32_t)c->v_dtype << 8);
+  if (h->codec_fp != pool->codec_fp)
+    return kvp__err(KVP_EFORMAT, "store key %s: blob written under other codecs (fingerprint %016llx, this pool's "
+                    "%016llx): its pages cannot be read here", key, (unsigned long long)h->codec_fp,
+                    (unsigned long long)pool->codec_fp);
+  if (h->payload_bytes != len - sizeof *h)
+    return kvp__err(KVP_EFORMAT, "store key %s: truncated or padded blob: header says %llu payload bytes, the blob "
+                    "holds %zu", key, (unsigned long long)h->payload_bytes, len - sizeof *h);
+  const unsigned char *pl = (const unsigned char *)data + sizeof *h;
+  uint64_t sum = kvp__xxh64(pl, h->payload_bytes, 0);
+  if (sum != h->checksum)
+    return kvp__err(KVP_EFORMAT, "store key %s: checksum mismatch (stored %016llx, computed %016llx): the blob is "
+                    "corrupt", key, (unsigned long long)h->checksum, (unsigned long long)sum);
+  *r = (rbuf){pl, h->payload_bytes, false};
+  return KVP_OK;
+}
+
+
+/* ---- what can move ------------------------------------------------------------- */
+
+int kvp__store_pool_ok(kvp_pool *pool, const char *what) {
+  if (pool->cfg.flags & KVP_POOL_DRY)
+    return kvp__err(KVP_ENOTSUP, "%s: the pool is dry (KVP_POOL_DRY): it holds no payload to move", what);
+  for (uint32_t l = 0; l < pool->cfg.n_layers; l++)
+    if (kvp__layer_rowwise(pool, l))
+      return kvp__err(KVP_ENOTSUP, "%s: layer %u's codec %s lays out its blocks row by row; the store tier does not "
+                      "move such blocks yet", what, l, pool->bind[2 * l].vt->name);
+  if (pool->policy && pool->policy->vt)
+    return kvp__err(KVP_ENOTSUP, "%s: the pool's policy %s keeps per-sequence state the store does not carry", what,
+                    pool->policy->vt->name);
+  if (!pool->chunk_tokens)
+    return kvp__err(KVP_ENOTSUP, "%s: the pool's layers have different block sizes; the store tier moves chunks of "
+                    "one size (set config.block_tokens)", what);
+  return KVP_OK;
+}
+
+
+int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  blob_hdr h = hdr_for(pool, KIND_GROUP, n, t0, t1);
+  w->n = 0;
+  wput(w, &h, sizeof h);
+  kvp__region *rg = &pool->alloc.region;
+  for (uint32_t i = 0; i < n && !w->oom; i++) {
+    const kvp__block *b = items[i].b;
+    blk_rec r;
+    memset(&r, 0, sizeof r);
+    r.layer = (uint16_t)(items[i].lh / H);
+    r.head = (uint16_t)(items[i].lh % H);
+    r.pos0 = b->pos0;
+    r.cap_tokens = b->cap_tokens;
+    r.n_tokens = b->n_tokens;
+    r.raw = b->raw;
+    r.sealed = b->sealed;
+    for (int kv = 0; kv < 2; kv++) {
+      r.npages[kv] = b->npages[kv];
+      for (unsigned p = 0; p < b->npages[kv]; p++) {
+        r.types[kv][p] = (uint8_t)b->pages[kv][p].tag.type;
+        r.bytes[kv][p] = b->pages[kv][p].requested_bytes;
+      }
+    }
+    wput(w, &r, sizeof r);
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned p = 0; p < b->npages[kv] && !w->oom; p++) {
+        size_t at = w->n, nb = b->pages[kv][p].requested_bytes;
+        wput(w, NULL, nb);
+        if (w->oom) break;
+        int rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
+        if (rc) return rc;
+      }
+  }
+  if (w->oom) return kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
+  return KVP_OK;
+}
+
+
+int kvp__putq_flush(kvp_pool *pool, kvp_store *st, putq *q) {
+  if (!q->n) return KVP_OK;
+  int rc = pool->alloc.region.ops->quiesce(&pool->alloc.region); /* device copies of the pages landed */
+  const char *keys[64];
+  const void *vals[64];
+  size_t lens[64];
+  for (uint32_t i = 0; i < q->n; i++) keys[i] = q->keys[i], vals[i] = q->bufs[i].p, lens[i] = q->bufs[i].n;
+  if (!rc) rc = kvp__store_put(st, q->n, keys, vals, lens);
+  if (!rc) q->written += q->bytes;
+  q->n = 0;
+  q->bytes = 0;
+  return rc;
+}
+
+void kvp__putq_free(putq *q) {
+  for (uint32_t i = 0; i < q->cap; i++) wfree(&q->bufs[i]);
+}
+
+/* The next staging slot (flushing first when the batch is full). */
+int kvp__putq_slot(kvp_pool *pool, kvp_store *st, putq *q, wbuf **w, char **key) {
+  if (q->n == q->cap || q->bytes >= PUT_BATCH_BYTES) {
+    int rc = kvp__putq_flush(pool, st, q);
+    if (rc) return rc;
+  }
+  *w = &q->bufs[q->n];
+  *key = q->keys[q->n];
+  return KVP_OK;
+}
+
+void kvp__putq_push(putq *q) {
+  q->bytes += q->bufs[q->n].n;
+  q->n++;
+}
+
+/* Which content keys the store already holds (dedup). */
+int kvp__store_content_present(kvp_store *st, uint32_t n, const uint64_t (*keys)[2], bool *present) {
+  key_t_ *names = kvp__meta_alloc(NULL, n * sizeof *names + 1);
+  const char **kp = kvp__meta_alloc(NULL, n * sizeof *kp + 1);
+  int rc = names && kp ? KVP_OK : kvp__err(KVP_ENOMEM, "store key list");
+  for (uint32_t i = 0; !rc && i < n; i++) {
+    key_content(st, keys[i], names[i]);
+    kp[i] = names[i];
+  }
+  if (!rc && n) rc = kvp__store_exists(st, n, kp, present);
+  kvp__meta_free(NULL, names, n * sizeof *names + 1);
+  kvp__meta_free(NULL, kp, n * sizeof *kp + 1);
+  return rc;
+}
+
+void kvp__store_count(kvp_pool *pool, uint64_t out_bytes, uint64_t in_bytes, uint64_t prefix_tokens) {
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__count_add(&pool->alloc.ledger.store_offload_bytes, (int64_t)out_bytes);
+  kvp__count_add(&pool->alloc.ledger.store_restore_bytes, (int64_t)in_bytes);
+  kvp__count_add(&pool->alloc.ledger.store_prefix_tokens, (int64_t)prefix_tokens);
+  kvp__ledger_end(&pool->alloc.ledger);
+}
+
+int kvp__store_lock_live(kvp_pool *pool, uint64_t seq, kvp_store *st, const char *what, kvp__seq **out) {
+  if (!pool || !st) return kvp__err(KVP_EINVAL, "%s of seq %llu: %s is NULL", what, (unsigned long long)seq,
+                                    pool ? "store" : "pool");
+  kvp__lock(pool);
+  kvp__rcu_read_lock();
+  *out = kvp__seq_find(pool, seq);
+  kvp__rcu_read_unlock();
+  if (*out) return KVP_OK;
+  kvp__unlock(pool);
+  return kvp__err(KVP_ENOENT, "%s: sequence %llu does not exist", what, (unsigned long long)seq);
+}
+
+
+/* ---- reading group blobs ---------------------------------------------------------------- */
+
+
+void kvp__parsed_destroy(kvp_pool *pool, parsed *p) {
+  for (uint32_t i = 0; i < p->n; i++) kvp__block_destroy(pool, p->blk[i]);
+  p->n = 0;
+}
+void kvp__parsed_free(parsed *p) {
+  kvp__meta_free(NULL, p->blk, p->cap * sizeof *p->blk + 1);
+  kvp__meta_free(NULL, p->lh, p->cap * sizeof *p->lh + 1);
+  *p = (parsed){0};
+}
+int kvp__parsed_room(parsed *p, uint32_t n) {
+  if (n <= p->cap) return KVP_OK;
+  parsed np = {kvp__meta_alloc(NULL, n * sizeof *np.blk + 1), kvp__meta_alloc(NULL, n * sizeof *np.lh + 1), 0, n};
+  if (!np.blk || !np.lh) {
+    kvp__parsed_free(&np);
+    return kvp__err(KVP_ENOMEM, "restore: block list of %u", n);
+  }
+  kvp__parsed_free(p);
+  *p = np;
+  return KVP_OK;
+}
+
+/* Check one record against the pool; lay receives the layouts. */
+static int rec_check(kvp_pool *pool, const char *key, uint32_t index, const blk_rec *r, bool content,
+                     kvp_codec_layout *lay) {
+  uint32_t bt = pool->chunk_tokens;
+  if (r->layer >= pool->cfg.n_layers || r->head >= pool->cfg.n_kv_heads || r->pos0 / bt != index ||
+      !r->cap_tokens || r->cap_tokens > bt || !r->n_tokens || r->n_tokens > r->cap_tokens || r->raw > 1 ||
+      r->sealed > 1 || (!r->raw && !r->sealed) || r->pos0 > KVP_MAX_SEQ_TOKENS - r->cap_tokens)
+    return kvp__err(KVP_EFORMAT, "store key %s: block record (layer %u, head %u, position %u, %u of %u tokens) does not "
+                    "fit this pool or chunk %u", key, r->layer, r->head, r->pos0, r->n_tokens, r->cap_tokens, index);
+  if (content && (r->pos0 != index * bt || r->cap_tokens != bt || r->n_tokens != bt || !r->sealed))
+    return kvp__err(KVP_EFORMAT, "store key %s: a content chunk holds a block that is not full and sealed", key);
+  kvp__block tmp = {.raw = r->raw};
+  for (int kv = 0; kv < 2; kv++) {
+    kvp__bind_layout(kvp__block_binding(pool, r->layer, kv, &tmp), r->pos0, r->cap_tokens, &lay[kv]);
+    bool same = lay[kv].npages == r->npages[kv];
+    for (unsigned i = 0; same && i < lay[kv].npages; i++)
+      same = (unsigned)lay[kv].types[i] == r->types[kv][i] && lay[kv].bytes[i] == r->bytes[kv][i];
+    if (!same)
+      return kvp__err(KVP_EFORMAT, "store key %s: layer %u head %u position %u: the %c pages differ from this pool's "
+                      "codec layout", key, r->layer, r->head, r->pos0, "KV"[kv]);
+  }
+  return KVP_OK;
+}
+
+/* Parse a group blob into fresh blocks (pages taken and filled). tag: the
+ * header's expected tag. On failure nothing is left taken. */
+int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const void *data, size_t len, uint32_t index,
+                       const uint64_t *tag, bool content, uint32_t expect_n, parsed *out) {
+  blob_hdr h;
+  rbuf r;
+  uint32_t H = pool->cfg.n_kv_heads, LH = pool->cfg.n_layers * H;
+  int rc = kvp__blob_hdr_check(pool, key, data, len, KIND_GROUP, &h, &r);
+  if (rc) return rc;
+  if (h.tag[0] != tag[0] || h.tag[1] != tag[1] || h.n_items != expect_n)
+    return kvp__err(KVP_EFORMAT, "store key %s: blob of another chunk or offload (tag %016llx:%llx, %u blocks; "
+                    "expected %016llx:%llx, %u)", key, (unsigned long long)h.tag[0], (unsigned long long)h.tag[1],
+                    h.n_items, (unsigned long long)tag[0], (unsigned long long)tag[1], expect_n);
+  if (content && expect_n != LH) return kvp__err(KVP_EFORMAT, "store key %s: a content chunk of %u blocks", key, expect_n);
+  if ((rc = kvp__parsed_room(out, expect_n))) return rc;
+  out->n = 0;
+  kvp__region *rg = &pool->alloc.region;
+  for (uint32_t i = 0; i < expect_n && !rc; i++) {
+    blk_rec rec;
+    kvp_codec_layout lay[2];
+    if (!rget(&r, &rec, sizeof rec)) {
+      rc = kvp__err(KVP_EFORMAT, "store key %s: block record %u runs past the payload", key, i);
+      break;
+    }
+    if ((rc = rec_check(pool, key, index, &rec, content, lay))) break;
+    uint32_t lh = (uint32_t)rec.layer * H + rec.head;
+    if (content && lh != i) {
+      rc = kvp__err(KVP_EFORMAT, "store key %s: content chunk records out of (layer, head) order", key);
+      break;
+    }
+    uint64_t need = 0;
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned p = 0; p < lay[kv].npages; p++) need += lay[kv].bytes[p];
+    if (need > r.left) {
+      rc = kvp__err(KVP_EFORMAT, "store key %s: block %u needs %llu page bytes, %zu are left", key, i,
+                    (unsigned long long)need, r.left);
+      break;
+    }
+    kvp__block *b;
+    if ((rc = kvp__block_new_sized(pool, seq, rec.layer, rec.head, rec.pos0, rec.cap_tokens, rec.raw, lay, &b))) {
+      char msg[400];
+      snprintf(msg, sizeof msg, "%s", kvp__err_detail());
+      rc = kvp__err(rc, "store key %s: pages of layer %u head %u position %u: %s", key, rec.layer, rec.head, rec.pos0,
+                    msg);
+      break;
+    }
+    out->blk[out->n] = b;
+    out->lh[out->n++] = lh;
+    for (int kv = 0; kv < 2 && !rc; kv++)
+      for (unsigned p = 0; p < b->npages[kv] && !rc; p++) {
+        size_t nb = b->pages[kv][p].requested_bytes;
+        rc = rg->ops->write2d(rg, b->pages[kv][p].off, nb, r.p, nb, nb, 1, NULL);
+        rget(&r, NULL, nb);
+      }
+    kvp__block_set_n(b, rec.n_tokens);
+    b->sealed = rec.sealed;
+  }
+  if (!rc && r.left) rc = kvp__err(KVP_EFORMAT, "store key %s: %zu bytes past the last block", key, r.left);
+  if (rc) kvp__parsed_destroy(pool, out);
+  return rc;
+}
+
