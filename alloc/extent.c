@@ -16,10 +16,10 @@
  *   rmap_nused[c] = its non-NULL entries (so metadata follows use, not region size)
  *   used_bytes = sum of bytes of used extents
  *
- * Allocation is first fit over segregated bins: the bin of floor_class(n)
- * may hold extents large enough, every higher non-empty bin (found through a
- * bitmap) holds only large-enough ones, modulo alignment, which is checked
- * per candidate. Cost: O(1) bitmap scans plus the candidates inspected.
+ * Allocation is best fit over segregated bins: the smallest free extent
+ * that holds the request (lowest address among equal sizes; an exact fit ends
+ * the scan). Large pages are sized to the 4 KiB unit, so what a fit leaves
+ * is as little as the free space allows. See find_fit for the cost.
  */
 #include "alloc.h"
 
@@ -144,19 +144,41 @@ static bool fits(const kvp__extent *e, uint64_t bytes, uint64_t align, uint64_t 
   return true;
 }
 
-/* First free extent that can hold bytes at alignment, or NULL. */
+/* The best fit in one bin's list: the smallest extent that holds bytes at
+ * alignment, the lowest address among equal sizes. The lists are not sorted,
+ * so the scan is whole unless an exact fit turns up: it is taken at once
+ * (nothing smaller exists; among exact fits, the most recently freed). */
+static kvp__extent *best_in(kvp__extent *list, uint64_t bytes, uint64_t align, uint64_t *at) {
+  kvp__extent *best = NULL;
+  uint64_t best_at = 0, a = 0;
+  for (kvp__extent *e = list; e; e = e->fnext) {
+    if (!fits(e, bytes, align, &a)) continue;
+    if (!best || e->bytes < best->bytes || (e->bytes == best->bytes && e->off < best->off)) {
+      best = e;
+      best_at = a;
+      if (e->bytes == bytes) break; /* exact: nothing smaller exists; the first exact one is taken */
+    }
+  }
+  if (best) *at = best_at;
+  return best;
+}
+
+/* Best fit over the segregated bins: the bin of floor_class(n) may hold
+ * extents large enough, every higher non-empty bin (found through a bitmap)
+ * holds only large-enough ones (modulo alignment): the first bin with a fit
+ * has the smallest one, since bins do not overlap in size. Cost: O(1) bitmap
+ * scans plus the lists of the bins inspected (one, almost always). */
 static kvp__extent *find_fit(const kvp__extents *x, uint64_t bytes, uint64_t align, uint64_t *at) {
   uint32_t b = kvp__sc_index_floor(bytes);
-  for (kvp__extent *e = x->bins[b]; e; e = e->fnext)
-    if (fits(e, bytes, align, at)) return e;
+  kvp__extent *e = best_in(x->bins[b], bytes, align, at);
+  if (e) return e;
   for (uint32_t w = (b + 1) / 64; w < KVP__ARRAY_LEN(x->nonempty); w++) {
     uint64_t bits = x->nonempty[w];
     if (w == (b + 1) / 64) bits &= ~0ull << ((b + 1) % 64);
     while (bits) {
       uint32_t i = w * 64 + (uint32_t)__builtin_ctzll(bits);
       bits &= bits - 1;
-      for (kvp__extent *e = x->bins[i]; e; e = e->fnext)
-        if (fits(e, bytes, align, at)) return e;
+      if ((e = best_in(x->bins[i], bytes, align, at))) return e;
     }
   }
   return NULL;

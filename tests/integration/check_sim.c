@@ -78,9 +78,12 @@ static double F(json_t *j, const char *key) {
   return json_number_value(v);
 }
 
-/* Size classes as DESIGN.md section 5 states them: 4 per doubling from a
- * 64 B granule (64, 128, 192, 256, 320, 384, 448, 512, 640, ...). */
+/* Allocated bytes of a page: up to 16 KiB its size class as DESIGN.md
+ * section 5 states them (4 per doubling from a 64 B granule: 64, 128, 192,
+ * 256, 320, 384, 448, 512, 640, ...); above, the request rounded up to the
+ * 4 KiB extent unit only. */
 static uint64_t size_class(uint64_t n) {
+  if (n > 16384) return (n + 4095) / 4096 * 4096;
   if (n <= 256) return (n + 63) / 64 * 64;
   uint64_t b = 256;
   while (b * 2 < n) b *= 2;
