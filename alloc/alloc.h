@@ -167,7 +167,11 @@ void kvp__extent_free(kvp__extents *x, kvp__extent *e);
 /* Try to extend a used extent in place to bytes by taking the free extent
  * that follows it. Returns true on success. */
 bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes);
-/* Owning extent of the unit containing off, or NULL (free or out of range). */
+/* Owning extent of the unit containing off: any unit of a SLAB extent (a
+ * slot's slab on free), only the first unit of a LARGE one (a large page is
+ * freed and grown by its first byte, so mapping one unit keeps its
+ * allocation and free O(1) whatever its size); NULL otherwise (free, inside
+ * a large page, or out of range). */
 static inline kvp__extent *kvp__extent_at(const kvp__extents *x, uint64_t off) {
   uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT;
   if (u >= x->nunits) return NULL;
@@ -192,6 +196,7 @@ typedef struct kvp__slab {
   uint32_t nfree;                 /* free slots */
   uint32_t hint;                  /* bitmap word to search first */
   uint32_t nwords;                /* bitmap words */
+  uint32_t div_magic;             /* ceil(2^32 / slot_bytes): a slot's index by one multiply on free */
   bool listed;                    /* on its bin's non-full list */
   uint64_t bitmap[];              /* bit set = slot free */
 } kvp__slab;
@@ -231,9 +236,20 @@ static inline bool kvp__ledger_fits(const kvp__ledger *l, uint64_t alloc_bytes) 
 }
 void kvp__ledger_begin(kvp__ledger *l);
 void kvp__ledger_end(kvp__ledger *l);
-void kvp__gauge_add(kvp_gauge *g, uint64_t n);
-void kvp__gauge_sub(kvp_gauge *g, uint64_t n);
-void kvp__count_add(uint64_t *c, int64_t n); /* a ledger counter, by the writer */
+/* The writer stores with relaxed atomics (plain moves on x86-64) so that the
+ * readers' relaxed loads inside the sequence lock are not data races. Inline:
+ * the allocation fast path moves four of these per page. */
+static inline void kvp__w64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+static inline void kvp__count_add(uint64_t *c, int64_t n) { kvp__w64(c, *c + (uint64_t)n); } /* by the writer */
+static inline void kvp__gauge_add(kvp_gauge *g, uint64_t n) {
+  kvp__w64(&g->current, g->current + n);
+  kvp__w64(&g->total, g->total + n);
+  if (g->current > g->peak) kvp__w64(&g->peak, g->current);
+}
+static inline void kvp__gauge_sub(kvp_gauge *g, uint64_t n) {
+  kvp__assert(g->current >= n);
+  kvp__w64(&g->current, g->current - n);
+}
 /* Consistent copy of the ledger, from any thread. */
 void kvp__ledger_snapshot(const kvp__ledger *l, kvp__ledger *out);
 

@@ -84,6 +84,7 @@ static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
   s->slot_bytes = slot_bytes;
   s->nslots = s->nfree = nslots;
   s->nwords = nwords;
+  s->div_magic = (uint32_t)(((1ull << 32) + slot_bytes - 1) / slot_bytes);
   memset(s->bitmap, 0xff, nwords * sizeof(uint64_t));
   if (nslots % 64) s->bitmap[nwords - 1] = (1ull << (nslots % 64)) - 1;
   a->bins[sc].nslabs++;
@@ -142,8 +143,10 @@ int kvp__slab_put(kvp__alloc *a, uint64_t off, uint32_t sc) {
   if (!s)
     return kvp__err(KVP_EINVAL, "page at offset %llu: not inside a slab (foreign or already freed)",
                     (unsigned long long)off);
-  uint64_t rel = off - s->base, slot = rel / s->slot_bytes;
-  if (s->sc != sc || rel % s->slot_bytes || slot >= s->nslots)
+  /* rel < 2 MiB: (rel x ceil(2^32 / size)) >> 32 is rel / size when size divides rel (jemalloc's div_info);
+   * when it does not, slot x size != rel, so the check below still refuses it */
+  uint64_t rel = off - s->base, slot = (rel * s->div_magic) >> 32;
+  if (s->sc != sc || slot * s->slot_bytes != rel || slot >= s->nslots)
     return kvp__err(KVP_EINVAL, "page at offset %llu (class %u): not a slot of the slab of class %u there",
                     (unsigned long long)off, sc, s->sc);
   uint64_t mask = 1ull << (slot % 64);

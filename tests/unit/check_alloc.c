@@ -125,31 +125,42 @@ START_TEST(extents_address_map_is_lazy) {
   uint64_t empty = m.bytes;
   ck_assert_uint_lt(empty, 2 * MB); /* 12 bytes per 16 MiB: 768 KiB, not the 2 GiB of a flat map */
   ck_ok(kvp__extents_check(&x));
-  /* 20 MiB from offset 0: chunks 0 and 1 of 16 MiB */
+  /* 20 MiB from offset 0: a large extent maps its first unit only, so chunk 0 of 16 MiB only */
   kvp__extent *a, *b;
   ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
-  ck_assert_uint_ge(m.bytes, empty + 2 * chunk_bytes);
-  ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
-  ck_assert_ptr_eq(kvp__extent_at(&x, 17 * MB + 5), a); /* an interior unit in the second chunk */
+  ck_assert_uint_ge(m.bytes, empty + chunk_bytes);
+  ck_assert_uint_lt(m.bytes, empty + 2 * chunk_bytes);
+  ck_assert_ptr_eq(kvp__extent_at(&x, 5), a);
+  ck_assert_ptr_null(kvp__extent_at(&x, 17 * MB + 5)); /* an interior unit: not mapped */
+  ck_assert_ptr_null(x.rmap[1]);
   ck_assert_ptr_null(kvp__extent_at(&x, 20 * MB));
   ck_assert_ptr_null(kvp__extent_at(&x, tib - 1)); /* far away: no chunk, free */
   ck_ok(kvp__extent_alloc(&x, 4 * KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &b)); /* in chunk 1 */
+  ck_assert_uint_ge(m.bytes, empty + 2 * chunk_bytes);
   ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
   ck_ok(kvp__extents_check(&x));
   kvp__extent_free(&x, a); /* chunk 0 goes, chunk 1 stays for b */
   ck_ok(kvp__extents_check(&x));
   ck_assert_ptr_null(x.rmap[0]);
   ck_assert_ptr_nonnull(x.rmap[1]);
-  ck_assert_ptr_eq(kvp__extent_at(&x, b->off + KVP__EXTENT_UNIT), b);
+  ck_assert_ptr_eq(kvp__extent_at(&x, b->off + 5), b);
+  ck_assert_ptr_null(kvp__extent_at(&x, b->off + KVP__EXTENT_UNIT));
   kvp__extent_free(&x, b);
   ck_ok(kvp__extents_check(&x));
   ck_assert_ptr_null(x.rmap[1]);
   ck_assert_uint_eq(m.bytes, empty); /* every chunk returned */
-  /* a large extent grown in place takes the chunks it reaches */
+  /* a large extent grown in place maps no more units; a slab maps all of its own */
   ck_ok(kvp__extent_alloc(&x, 15 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
   ck_assert(kvp__extent_grow_in_place(&x, a, 40 * MB));
   ck_ok(kvp__extents_check(&x));
-  ck_assert_ptr_eq(kvp__extent_at(&x, 39 * MB), a);
+  ck_assert_ptr_eq(kvp__extent_at(&x, 0), a);
+  ck_assert_ptr_null(kvp__extent_at(&x, 39 * MB));
+  ck_assert_ptr_null(x.rmap[2]);
+  ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_SLAB, &b)); /* 40..60 MiB: chunks 2 and 3 */
+  ck_assert_ptr_eq(kvp__extent_at(&x, 59 * MB), b);
+  ck_assert_ptr_nonnull(x.rmap[3]);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent_free(&x, b);
   kvp__extent_free(&x, a);
   ck_assert_uint_eq(m.bytes, empty);
   /* a broken count is found */
