@@ -450,6 +450,10 @@ START_TEST(llm_synthetic_presets) {
   ck_assert_uint_eq(U(j, "n_kv_heads"), 32);
   ck_assert_uint_eq(U(j, "requests_finished"), 6);
   ck_assert_uint_eq(U(j, "budget_violations"), 0);
+  /* raw bf16 pages: a 16-token block of one head is 4 KiB, a class of its own: no rounding at the peak */
+  ck_assert_uint_gt(U(j, "peak_requested_bytes"), 0);
+  ck_assert_uint_le(U(j, "peak_requested_bytes"), U(j, "peak_allocated_bytes"));
+  ck_assert_double_le((double)U(j, "peak_allocated_bytes") / (double)U(j, "peak_requested_bytes"), 1.01);
   json_decref(j);
   j = run_json("llm --model llama-2-70b --requests 2 --prompt-median 16 --output-median 4 --max-prompt 32 "
                "--max-output 8 --budget-bytes 64M --json --quiet");
