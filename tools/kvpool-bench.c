@@ -750,9 +750,10 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --store]\n"                              \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --seqs | --store]\n"                     \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
-  "  per figure (--json: the JSON lines only); --quick: fewer rounds\n"
+  "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
+  "  figures alone\n"
 
 /* ---- the store tier: offload / restore through a private local Redis ----------------------- */
 
@@ -929,8 +930,34 @@ static int print_store(int quick, int json_only) {
   return 0;
 }
 
+static void print_seqs(int rounds, int quick, int json_only) {
+  seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
+  if (!json_only) {
+    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (per (seq, layer), H=%d D=%d bf16, %d seqs; memcpy of the same bytes)\n",
+           "decode append", f.decode, f.decode_base, f.decode / f.decode_base, BH, BD, NSEQ);
+    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (the same rows into one 16-token page per (seq, layer, head, side))\n",
+           "decode append vs paged memcpy", f.decode, f.decode_paged, f.decode / f.decode_paged);
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (4096-token scale, per (seq, layer), step mode)\n", "VAR scale append",
+           f.var / 1e3, f.var_base / 1e3, f.var / f.var_base);
+    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (per retained token, K and V of one head)\n", "kvp_read", f.read,
+           f.read_base, f.read / f.read_base);
+  }
+  printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
+         "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
+         f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
+  printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
+         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+         f.decode, f.decode_paged, f.decode / f.decode_paged);
+  printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
+         "\"ratio\":%.3f,\"tokens\":4096}\n",
+         f.var, f.var_base, f.var / f.var_base);
+  printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
+         "\"ratio\":%.3f}\n",
+         f.read, f.read_base, f.read / f.read_base);
+}
+
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
@@ -938,6 +965,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
+    else if (!strcmp(argv[i], "--seqs")) seqs_only = 1;
     else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
       fputs(BENCH_USAGE, stdout);
       return 0;
@@ -946,8 +974,9 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + heatkv_only + alloc_only + store_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc and --store each select one part: give one (or none: all)\n"
+  if (codecs_only + heatkv_only + alloc_only + store_only + seqs_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc, --seqs and --store each select one part: give one (or "
+                    "none: all)\n"
                     BENCH_USAGE);
     return 2;
   }
@@ -962,6 +991,12 @@ int main(int argc, char **argv) {
   }
   if (store_only) return print_store(quick, json_only);
   const int rounds = quick ? 3 : 11;
+  if (seqs_only) {
+    if (!json_only) printf("%-34s %12s %12s %10s\n", "figure", "kvpool", "baseline", "ratio");
+    print_seqs(rounds, quick, json_only);
+    print_dry(rounds, json_only);
+    return 0;
+  }
   const uint32_t nops = quick ? 200000 : 2000000, nlive = 4096;
   workload w = make_workload(nops, nlive);
   kvp_config c;
@@ -1012,33 +1047,11 @@ int main(int argc, char **argv) {
   print_scaling(quick, json_only);
   if (alloc_only) return 0;
 
-  seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
-  if (!json_only) {
-    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (per (seq, layer), H=%d D=%d bf16, %d seqs; memcpy of the same bytes)\n",
-           "decode append", f.decode, f.decode_base, f.decode / f.decode_base, BH, BD, NSEQ);
-    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (the same rows into one 16-token page per (seq, layer, head, side))\n",
-           "decode append vs paged memcpy", f.decode, f.decode_paged, f.decode / f.decode_paged);
-    printf("%-34s %10.1f us %10.1f us %9.2fx   (4096-token scale, per (seq, layer), step mode)\n", "VAR scale append",
-           f.var / 1e3, f.var_base / 1e3, f.var / f.var_base);
-    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (per retained token, K and V of one head)\n", "kvp_read", f.read,
-           f.read_base, f.read / f.read_base);
-  }
-  printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
-         "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
-         f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
-  printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
-         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
-         f.decode, f.decode_paged, f.decode / f.decode_paged);
-  printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
-         "\"ratio\":%.3f,\"tokens\":4096}\n",
-         f.var, f.var_base, f.var / f.var_base);
+  print_seqs(rounds, quick, json_only);
   print_dry(rounds, json_only);
   print_codecs(quick, json_only);
   print_kvquant_calib(quick, json_only);
   print_heatkv(quick, json_only);
   print_store(quick, json_only);
-  printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
-         "\"ratio\":%.3f}\n",
-         f.read, f.read_base, f.read / f.read_base);
   return 0;
 }
