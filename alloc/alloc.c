@@ -1,10 +1,13 @@
 /*
  * alloc/alloc.c - the page allocator: size-class dispatch (slab slots up to
- * 16 KiB, extents above), the strict budget, grow, and the allocator check.
+ * 16 KiB, extents above, sized to the 4 KiB unit), the strict budget, grow,
+ * and the allocator check.
  *
  * Invariants (kvp__alloc_check):
+ *   page.allocated   = kvp__alloc_size(requested) when taken; a page keeps its
+ *                      bytes when it shrinks in place
  *   ledger.allocated = sum over live slab slots of their class size
- *                    + sum over LARGE extents of their bytes
+ *                    + sum over LARGE extents of their bytes (no class rounding)
  *   ledger.committed = bytes of SLAB and LARGE extents = ext.used_bytes
  *   ledger.pages     = used slots + LARGE extents
  *   ledger.allocated <= ledger.budget (and peak too), committed <= reserved
@@ -32,11 +35,11 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
   int rc = kvp__region_open(mem, device, region_bytes, flags, &a->region);
   if (rc) return rc;
   a->slab_bytes = kvp__slab_bytes_for(region_bytes);
-  a->slab_map = kvp__meta_calloc(meta, (region_bytes / a->slab_bytes + 1) * sizeof *a->slab_map);
-  if (!a->slab_map || (rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
-    kvp__meta_free(meta, a->slab_map, (region_bytes / a->slab_bytes + 1) * sizeof *a->slab_map);
+  for (uint32_t c = 0; c < kvp__sc_small_count; c++)
+    a->class_slab_bytes[c] = kvp__slab_bytes_of(kvp__sc_size(c), a->slab_bytes);
+  if ((rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
     kvp__region_close(&a->region);
-    return rc ? rc : kvp__err(KVP_ENOMEM, "slab map of the region");
+    return rc;
   }
   kvp__ledger_init(&a->ledger, region_bytes, budget_bytes);
   return KVP_OK;
@@ -44,7 +47,6 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
 
 void kvp__alloc_fini(kvp__alloc *a) {
   kvp__slabs_fini(a);
-  kvp__meta_free(a->meta, a->slab_map, (a->region.bytes / a->slab_bytes + 1) * sizeof *a->slab_map);
   kvp__extents_fini(&a->ext);
   kvp__region_close(&a->region);
 }
@@ -52,23 +54,24 @@ void kvp__alloc_fini(kvp__alloc *a) {
 uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
   uint64_t room = a->ledger.reserved_bytes - a->ledger.committed.current;
   for (uint32_t c = 0; c < kvp__sc_small_count; c++) {
-    uint64_t size = kvp__sc_size(c), nslots = a->slab_bytes / size;
+    uint64_t size = kvp__sc_size(c), nslots = a->class_slab_bytes[c] / size;
     room += (a->bins[c].nslabs * nslots - a->bins[c].nused) * size;
   }
   return room;
 }
 
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
-  return bytes && bytes <= KVP_MAX_PAGE_BYTES && kvp__ledger_fits(&a->ledger, kvp__sc_size(kvp__sc_index(bytes)));
+  return bytes && bytes <= KVP_MAX_PAGE_BYTES && kvp__ledger_fits(&a->ledger, kvp__alloc_size(bytes));
 }
 
-/* Take the bytes of class sc; *off receives the region offset. */
-static int take(kvp__alloc *a, uint32_t sc, uint64_t *off) {
-  if (KVP__LIKELY(sc < kvp__sc_small_count)) return kvp__slab_take(a, sc, off);
+/* Take size bytes (kvp__alloc_size of a request); *off receives the region
+ * offset. */
+static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
+  if (KVP__LIKELY(size <= KVP__SMALL_MAX_BYTES)) return kvp__slab_take(a, kvp__sc_lut[size >> 6], off);
   kvp__extent *e = NULL;
-  int rc = kvp__extent_alloc(&a->ext, kvp__sc_size(sc), KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
+  int rc = kvp__extent_alloc(&a->ext, size, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
   if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
-    rc = kvp__extent_alloc(&a->ext, kvp__sc_size(sc), KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
+    rc = kvp__extent_alloc(&a->ext, size, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
   if (rc) return rc;
   kvp__gauge_add(&a->ledger.committed, e->bytes);
   kvp__gauge_add(&a->ledger.extents, 1);
@@ -76,12 +79,12 @@ static int take(kvp__alloc *a, uint32_t sc, uint64_t *off) {
   return KVP_OK;
 }
 
-static int put(kvp__alloc *a, uint64_t off, uint32_t sc) {
-  if (sc < kvp__sc_small_count) return kvp__slab_put(a, off, sc);
+static int put(kvp__alloc *a, uint64_t off, uint64_t size) {
+  if (size <= KVP__SMALL_MAX_BYTES) return kvp__slab_put(a, off, kvp__sc_lut[size >> 6]);
   kvp__extent *e = kvp__extent_at(&a->ext, off);
-  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != kvp__sc_size(sc))
-    return kvp__err(KVP_EINVAL, "page at offset %llu (class %u): not a live large page (foreign or already freed)",
-                    (unsigned long long)off, sc);
+  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size)
+    return kvp__err(KVP_EINVAL, "page at offset %llu (%llu bytes): not a live large page (foreign or already freed)",
+                    (unsigned long long)off, (unsigned long long)size);
   kvp__gauge_sub(&a->ledger.committed, e->bytes);
   kvp__gauge_sub(&a->ledger.extents, 1);
   kvp__extent_free(&a->ext, e);
@@ -101,28 +104,28 @@ static int check_tag(const kvp__alloc *a, const kvp__tag *tag) {
   return KVP_OK;
 }
 
-static int refuse_budget(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
+static int refuse_budget(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
   kvp__ledger_begin(&a->ledger);
   kvp__count_add(&a->ledger.budget_refusals, 1);
   kvp__ledger_end(&a->ledger);
-  return kvp__err(KVP_EBUDGET, "page of %llu bytes (class %llu): allocated %llu + %llu would pass budget %llu",
-                  (unsigned long long)bytes, (unsigned long long)class_bytes,
-                  (unsigned long long)a->ledger.allocated.current, (unsigned long long)class_bytes,
+  return kvp__err(KVP_EBUDGET, "page of %llu bytes (%llu allocated): allocated %llu + %llu would pass budget %llu",
+                  (unsigned long long)bytes, (unsigned long long)alloc_bytes,
+                  (unsigned long long)a->ledger.allocated.current, (unsigned long long)alloc_bytes,
                   (unsigned long long)a->ledger.budget_bytes);
 }
 
-static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t class_bytes) {
+static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
   kvp__ledger_begin(&a->ledger);
   kvp__count_add(&a->ledger.nospc_refusals, 1);
   kvp__ledger_end(&a->ledger);
-  return kvp__err(KVP_ENOSPC, "page of %llu bytes (class %llu): no room in the %llu-byte region (%llu committed)",
-                  (unsigned long long)bytes, (unsigned long long)class_bytes,
+  return kvp__err(KVP_ENOSPC, "page of %llu bytes (%llu allocated): no room in the %llu-byte region (%llu committed)",
+                  (unsigned long long)bytes, (unsigned long long)alloc_bytes,
                   (unsigned long long)a->ledger.reserved_bytes, (unsigned long long)a->ledger.committed.current);
 }
 
 /* Count a live page in (+1) or out (-1) of the ledger and the stats. */
 static void count(kvp__alloc *a, const kvp__page *p, int sign) {
-  uint64_t cls = kvp__sc_size(p->sc);
+  uint64_t cls = kvp__page_alloc_bytes(p);
   if (sign > 0) {
     kvp__gauge_add(&a->ledger.requested, p->requested_bytes);
     kvp__gauge_add(&a->ledger.allocated, cls);
@@ -137,16 +140,15 @@ static void count(kvp__alloc *a, const kvp__page *p, int sign) {
 
 /* Allocate without validation or ledger section (callers hold it). */
 static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
-  uint32_t sc = kvp__sc_index(bytes);
-  uint64_t cls = kvp__sc_size(sc);
-  if (KVP__UNLIKELY(!kvp__ledger_fits(&a->ledger, cls))) return KVP_EBUDGET;
+  uint64_t size = kvp__alloc_size(bytes);
+  if (KVP__UNLIKELY(!kvp__ledger_fits(&a->ledger, size))) return KVP_EBUDGET;
   if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, tag->seq))) return KVP_ENOMEM;
   uint64_t off = 0;
-  int rc = take(a, sc, &off);
+  int rc = take(a, size, &off);
   if (rc) return rc;
   out->off = off;
   out->requested_bytes = (uint32_t)bytes;
-  out->sc = sc;
+  out->size64 = (uint32_t)(size >> 6);
   out->tag = *tag;
   count(a, out, +1);
   kvp__count_add(&a->ledger.allocs, 1);
@@ -154,9 +156,9 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
 }
 
 static int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
-  uint64_t cls = kvp__sc_size(kvp__sc_index(bytes));
-  if (rc == KVP_EBUDGET) return refuse_budget(a, bytes, cls);
-  if (rc == KVP_ENOSPC) return refuse_space(a, bytes, cls);
+  uint64_t size = kvp__alloc_size(bytes);
+  if (rc == KVP_EBUDGET) return refuse_budget(a, bytes, size);
+  if (rc == KVP_ENOSPC) return refuse_space(a, bytes, size);
   return rc; /* ENOMEM: message already set */
 }
 
@@ -174,11 +176,14 @@ int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__pag
 
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   if (!p) return kvp__err(KVP_EINVAL, "page is NULL");
-  if (p->sc >= KVP__SC_COUNT || !p->requested_bytes || p->requested_bytes > kvp__sc_size(p->sc))
-    return kvp__err(KVP_EINVAL, "page at offset %llu: class %u / %u requested bytes is not a page",
-                    (unsigned long long)p->off, p->sc, p->requested_bytes);
+  uint64_t size = kvp__page_alloc_bytes(p);
+  bool small_ok = size <= KVP__SMALL_MAX_BYTES && size && kvp__sc_size(kvp__page_class(p)) == size;
+  bool large_ok = size > KVP__SMALL_MAX_BYTES && size % KVP__EXTENT_UNIT == 0;
+  if ((!small_ok && !large_ok) || !p->requested_bytes || p->requested_bytes > size)
+    return kvp__err(KVP_EINVAL, "page at offset %llu: %llu allocated / %u requested bytes is not a page",
+                    (unsigned long long)p->off, (unsigned long long)size, p->requested_bytes);
   kvp__ledger_begin(&a->ledger);
-  int rc = put(a, p->off, p->sc);
+  int rc = put(a, p->off, size);
   if (!rc) {
     count(a, p, -1);
     kvp__count_add(&a->ledger.frees, 1);
@@ -188,13 +193,13 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
 }
 
 /* Large page whose extent can take the following free extent. */
-static int grow_large_in_place(kvp__alloc *a, kvp__page *p, uint32_t sc, uint64_t bytes) {
+static int grow_large_in_place(kvp__alloc *a, kvp__page *p, uint64_t new_cls, uint64_t bytes) {
   kvp__extent *e = kvp__extent_at(&a->ext, p->off);
-  uint64_t old_cls = kvp__sc_size(p->sc), new_cls = kvp__sc_size(sc);
+  uint64_t old_cls = kvp__page_alloc_bytes(p);
   if (!e || e->state != KVP__EXT_LARGE || !kvp__ledger_fits(&a->ledger, new_cls - old_cls)) return KVP_ENOSPC;
   if (!kvp__extent_grow_in_place(&a->ext, e, new_cls)) return KVP_ENOSPC;
   count(a, p, -1);
-  p->sc = sc;
+  p->size64 = (uint32_t)(new_cls >> 6);
   p->requested_bytes = (uint32_t)bytes;
   count(a, p, +1);
   kvp__gauge_add(&a->ledger.committed, new_cls - old_cls);
@@ -205,15 +210,15 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
   if (!bytes || bytes > KVP_MAX_PAGE_BYTES)
     return kvp__err(KVP_EINVAL, "grow to %llu bytes: must be 1..%llu", (unsigned long long)bytes,
                     (unsigned long long)KVP_MAX_PAGE_BYTES);
-  uint32_t sc = kvp__sc_index(bytes);
+  uint64_t size = kvp__alloc_size(bytes);
   int rc = KVP_OK;
   kvp__ledger_begin(&a->ledger);
   kvp__count_add(&a->ledger.grows, 1);
-  if (sc <= p->sc) { /* the class still holds it: only the requested bytes move */
+  if (size <= kvp__page_alloc_bytes(p)) { /* the page still holds it: only the requested bytes move */
     count(a, p, -1);
     p->requested_bytes = (uint32_t)bytes;
     count(a, p, +1);
-  } else if (p->sc < kvp__sc_small_count || grow_large_in_place(a, p, sc, bytes) != KVP_OK) {
+  } else if (kvp__page_is_small(p) || grow_large_in_place(a, p, size, bytes) != KVP_OK) {
     kvp__page np;
     rc = alloc_locked(a, bytes, &p->tag, &np); /* both pages count while the move lasts */
     if (!rc) {
@@ -221,7 +226,7 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
                                stream);
       kvp__page old = *p;
       kvp__page *drop = rc ? &np : &old;
-      int prc = put(a, drop->off, drop->sc);
+      int prc = put(a, drop->off, kvp__page_alloc_bytes(drop));
       kvp__assert(prc == KVP_OK);
       (void)prc;
       count(a, drop, -1);
@@ -246,8 +251,9 @@ int kvp__alloc_check(const kvp__alloc *a) {
     if (e->state == KVP__EXT_SLAB) {
       const kvp__slab *s = e->owner;
       uint64_t u = 0;
-      if (!s || s->ext != e || a->slab_map[e->off / a->slab_bytes] != s || e->bytes != a->slab_bytes)
-        return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu: slab or slab map disagree", (unsigned long long)e->off);
+      if (!s || s->ext != e || s->base != e->off || e->bytes != a->class_slab_bytes[s->sc])
+        return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu: its slab disagrees (base or class slab size)",
+                        (unsigned long long)e->off);
       if ((rc = kvp__slab_check(a, s, &u))) return rc;
       allocated += u * s->slot_bytes;
       nused += u;

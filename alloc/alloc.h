@@ -7,10 +7,18 @@
  * is touched only through the backend's copy primitive).
  *
  *   region  [0 .............................................. reserved)
- *           | extent | extent (SLAB, slab_bytes aligned) | free | extent | ...
+ *           | extent | extent (SLAB) | free | extent | ...
  *   The region is tiled by extents in address order; each is FREE, SLAB
- *   (one slab of one size class: 2 MiB, less in a region under 64 MiB) or
- *   LARGE (one page > 16 KiB).
+ *   (one slab of one size class, sized by its class: kvp__slab_bytes_of) or
+ *   LARGE (one page > 16 KiB, its requested bytes rounded up to the 4 KiB
+ *   extent unit only: large pages waste < 4 KiB each, not a size class's
+ *   up to 20%).
+ *
+ * Allocated bytes of a request (kvp__alloc_size):
+ *   bytes <= 16 KiB: its size class (4 per doubling, 64 B granule)
+ *   bytes >  16 KiB: align_up(bytes, 4 KiB)
+ * The extent unit is the granule on a device region too: the region is one
+ * cudaMalloc, so sub-allocation needs no finer device granule than 4 KiB.
  */
 #ifndef KVP_ALLOC_H
 #define KVP_ALLOC_H
@@ -81,7 +89,8 @@ extern const kvp__region_ops kvp__region_cuda_ops;
 #define KVP__SC_MAX_BYTES (1ull << 44)        /* largest class: 16 TiB */
 #define KVP__SC_COUNT 148u                    /* classes up to KVP__SC_MAX_BYTES (checked by a test) */
 #define KVP__SLAB_BYTES (2ull << 20)          /* one slab (regions of 64 MiB and more) */
-#define KVP__SLAB_MIN_BYTES (64ull << 10)     /* smallest slab: 4 slots of the largest small class */
+#define KVP__SLAB_MIN_BYTES (64ull << 10)     /* smallest slab cap: 4 slots of the largest small class */
+#define KVP__SLAB_SLOTS 512u                  /* slots a slab is sized for (fewer where the cap binds) */
 #define KVP__SMALL_MAX_BYTES (16ull << 10)    /* largest class carved from slabs (>= 128 slots) */
 #define KVP__EXTENT_UNIT (4ull << 10)         /* extent granularity */
 #define KVP__EXTENT_UNIT_SHIFT 12u
@@ -158,7 +167,11 @@ void kvp__extent_free(kvp__extents *x, kvp__extent *e);
 /* Try to extend a used extent in place to bytes by taking the free extent
  * that follows it. Returns true on success. */
 bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes);
-/* Owning extent of the unit containing off, or NULL (free or out of range). */
+/* Owning extent of the unit containing off: any unit of a SLAB extent (a
+ * slot's slab on free), only the first unit of a LARGE one (a large page is
+ * freed and grown by its first byte, so mapping one unit keeps its
+ * allocation and free O(1) whatever its size); NULL otherwise (free, inside
+ * a large page, or out of range). */
 static inline kvp__extent *kvp__extent_at(const kvp__extents *x, uint64_t off) {
   uint64_t u = off >> KVP__EXTENT_UNIT_SHIFT;
   if (u >= x->nunits) return NULL;
@@ -169,8 +182,8 @@ static inline kvp__extent *kvp__extent_at(const kvp__extents *x, uint64_t off) {
 int kvp__extents_check(const kvp__extents *x);
 
 /* ======================================================================
- * Slabs (alloc/slab.c): one extent of slab_bytes (2 MiB, less in a small
- * region), slots of one class, a bitmap.
+ * Slabs (alloc/slab.c): one extent sized by its class (KVP__SLAB_SLOTS
+ * slots, at most the region's cap), slots of one class, a bitmap.
  * ==================================================================== */
 
 typedef struct kvp__slab {
@@ -183,6 +196,7 @@ typedef struct kvp__slab {
   uint32_t nfree;                 /* free slots */
   uint32_t hint;                  /* bitmap word to search first */
   uint32_t nwords;                /* bitmap words */
+  uint32_t div_magic;             /* ceil(2^32 / slot_bytes): a slot's index by one multiply on free */
   bool listed;                    /* on its bin's non-full list */
   uint64_t bitmap[];              /* bit set = slot free */
 } kvp__slab;
@@ -222,9 +236,20 @@ static inline bool kvp__ledger_fits(const kvp__ledger *l, uint64_t alloc_bytes) 
 }
 void kvp__ledger_begin(kvp__ledger *l);
 void kvp__ledger_end(kvp__ledger *l);
-void kvp__gauge_add(kvp_gauge *g, uint64_t n);
-void kvp__gauge_sub(kvp_gauge *g, uint64_t n);
-void kvp__count_add(uint64_t *c, int64_t n); /* a ledger counter, by the writer */
+/* The writer stores with relaxed atomics (plain moves on x86-64) so that the
+ * readers' relaxed loads inside the sequence lock are not data races. Inline:
+ * the allocation fast path moves four of these per page. */
+static inline void kvp__w64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
+static inline void kvp__count_add(uint64_t *c, int64_t n) { kvp__w64(c, *c + (uint64_t)n); } /* by the writer */
+static inline void kvp__gauge_add(kvp_gauge *g, uint64_t n) {
+  kvp__w64(&g->current, g->current + n);
+  kvp__w64(&g->total, g->total + n);
+  if (g->current > g->peak) kvp__w64(&g->peak, g->current);
+}
+static inline void kvp__gauge_sub(kvp_gauge *g, uint64_t n) {
+  kvp__assert(g->current >= n);
+  kvp__w64(&g->current, g->current - n);
+}
 /* Consistent copy of the ledger, from any thread. */
 void kvp__ledger_snapshot(const kvp__ledger *l, kvp__ledger *out);
 
@@ -236,34 +261,53 @@ void kvp__ledger_snapshot(const kvp__ledger *l, kvp__ledger *out);
 typedef struct kvp__page {
   uint64_t off;             /* region offset of the first byte */
   uint32_t requested_bytes; /* what the layout asked */
-  uint32_t sc;              /* size class index */
+  uint32_t size64;          /* allocated bytes / 64: a small class size (<= 16 KiB: a slab slot) or a
+                               large page's extent bytes (> 16 KiB, a multiple of 4 KiB) */
   kvp__tag tag;             /* where its bytes are counted */
 } kvp__page;
+
+/* Allocated bytes for a request of bytes (1..KVP_MAX_PAGE_BYTES): the size
+ * class up to 16 KiB, the 4 KiB extent unit above. */
+static inline uint64_t kvp__alloc_size(uint64_t bytes) {
+  if (KVP__LIKELY(bytes <= KVP__SMALL_MAX_BYTES)) return kvp__sc_size(kvp__sc_lut[(bytes + 63) >> 6]);
+  return kvp__align_up(bytes, KVP__EXTENT_UNIT);
+}
 
 typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
   kvp__bin bins[KVP__SC_COUNT]; /* slab bins, small classes only */
-  uint64_t slab_bytes;         /* bytes of every slab: kvp__slab_bytes_for(region) */
-  struct kvp__slab **slab_map; /* [region / slab_bytes + 1]: the slab of each slab-sized chunk, or NULL */
+  uint64_t slab_bytes;         /* largest slab: kvp__slab_bytes_for(region) */
+  uint64_t class_slab_bytes[KVP__SC_COUNT]; /* bytes of a slab of each small class: kvp__slab_bytes_of */
   kvp__ledger ledger;          /* byte truth */
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */
 } kvp__alloc;
 
-/* Slab size for a region: 2 MiB, or for a region under 64 MiB the power of
- * two at or below a 32nd of it (at least 64 KiB), so a small region still
- * holds slabs of many classes at once. */
+/* Largest slab of a region: 2 MiB, or for a region under 64 MiB the power
+ * of two at or below a 32nd of it (at least 64 KiB). */
 static inline uint64_t kvp__slab_bytes_for(uint64_t region_bytes) {
   uint64_t want = region_bytes / 32;
   if (want >= KVP__SLAB_BYTES) return KVP__SLAB_BYTES;
   if (want <= KVP__SLAB_MIN_BYTES) return KVP__SLAB_MIN_BYTES;
   return 1ull << kvp__lg_floor(want);
 }
+/* Slab bytes of a class of slot_bytes under a cap (kvp__slab_bytes_for): room
+ * for KVP__SLAB_SLOTS slots (a multiple of the 4 KiB unit, since classes are
+ * multiples of 64 B), at most the cap. A 64 B class takes a 32 KiB slab, a
+ * 4 KiB class 2 MiB, the 16 KiB class 2 MiB (128 slots): a small class never
+ * needs a large slab, so a small region holds many classes at once. */
+static inline uint64_t kvp__slab_bytes_of(uint64_t slot_bytes, uint64_t cap_bytes) {
+  uint64_t want = slot_bytes * KVP__SLAB_SLOTS;
+  return want < cap_bytes ? want : cap_bytes;
+}
 int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes,
                     uint64_t budget_bytes, uint32_t flags, kvp__stats *stats, kvp__meta *meta);
 void kvp__alloc_fini(kvp__alloc *a);
-static inline uint64_t kvp__page_alloc_bytes(const kvp__page *p) { return kvp__sc_size(p->sc); }
+static inline uint64_t kvp__page_alloc_bytes(const kvp__page *p) { return (uint64_t)p->size64 << 6; }
+/* A small page is a slab slot; its class is one table load. */
+static inline bool kvp__page_is_small(const kvp__page *p) { return p->size64 <= (KVP__SMALL_MAX_BYTES >> 6); }
+static inline uint32_t kvp__page_class(const kvp__page *p) { return kvp__sc_lut[p->size64]; }
 static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {
   return a->region.base + p->off;
 }
@@ -278,7 +322,7 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
  * budget must hold both while the move lasts), the payload copied, the old
  * freed. On failure p is unchanged. */
 int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream);
-/* Do alloc_bytes more allocated bytes (class sizes, already summed) fit the
+/* Do alloc_bytes more allocated bytes (kvp__alloc_size, already summed) fit the
  * budget now? */
 static inline bool kvp__alloc_fits_bytes(const kvp__alloc *a, uint64_t alloc_bytes) {
   return kvp__ledger_fits(&a->ledger, alloc_bytes);

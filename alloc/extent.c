@@ -11,15 +11,16 @@
  *   off(first) = 0; off(next) = off + bytes; sum of bytes = x->bytes
  *   no two address-adjacent extents are both FREE (free coalesces)
  *   a FREE extent is in bins[floor_class(bytes)], and that bin's bit is set
- *   rmap[u] = e for every unit u of a used extent e; NULL for free units
+ *   rmap[u] = e for every unit u of a SLAB extent e and for the first unit of
+ *   a LARGE one; NULL for every other unit (free, or inside a large page)
  *   a chunk of the address map exists iff one of its units is used, and its
  *   rmap_nused[c] = its non-NULL entries (so metadata follows use, not region size)
  *   used_bytes = sum of bytes of used extents
  *
- * Allocation is first fit over segregated bins: the bin of floor_class(n)
- * may hold extents large enough, every higher non-empty bin (found through a
- * bitmap) holds only large-enough ones, modulo alignment, which is checked
- * per candidate. Cost: O(1) bitmap scans plus the candidates inspected.
+ * Allocation is best fit over segregated bins: the smallest free extent
+ * that holds the request (lowest address among equal sizes; an exact fit ends
+ * the scan). Large pages are sized to the 4 KiB unit, so what a fit leaves
+ * is as little as the free space allows. See find_fit for the cost.
  */
 #include "alloc.h"
 
@@ -137,6 +138,11 @@ void kvp__extents_fini(kvp__extents *x) {
   memset(x, 0, sizeof *x);
 }
 
+/* Bytes from a used extent's start that the address map covers. */
+static uint64_t mapped_bytes(kvp__ext_state state, uint64_t bytes) {
+  return state == KVP__EXT_SLAB ? bytes : KVP__EXTENT_UNIT;
+}
+
 static bool fits(const kvp__extent *e, uint64_t bytes, uint64_t align, uint64_t *at) {
   uint64_t a = kvp__align_up(e->off, align);
   if (a + bytes > e->off + e->bytes) return false;
@@ -144,19 +150,41 @@ static bool fits(const kvp__extent *e, uint64_t bytes, uint64_t align, uint64_t 
   return true;
 }
 
-/* First free extent that can hold bytes at alignment, or NULL. */
+/* The best fit in one bin's list: the smallest extent that holds bytes at
+ * alignment, the lowest address among equal sizes. The lists are not sorted,
+ * so the scan is whole unless an exact fit turns up: it is taken at once
+ * (nothing smaller exists; among exact fits, the most recently freed). */
+static kvp__extent *best_in(kvp__extent *list, uint64_t bytes, uint64_t align, uint64_t *at) {
+  kvp__extent *best = NULL;
+  uint64_t best_at = 0, a = 0;
+  for (kvp__extent *e = list; e; e = e->fnext) {
+    if (!fits(e, bytes, align, &a)) continue;
+    if (!best || e->bytes < best->bytes || (e->bytes == best->bytes && e->off < best->off)) {
+      best = e;
+      best_at = a;
+      if (e->bytes == bytes) break; /* exact: nothing smaller exists; the first exact one is taken */
+    }
+  }
+  if (best) *at = best_at;
+  return best;
+}
+
+/* Best fit over the segregated bins: the bin of floor_class(n) may hold
+ * extents large enough, every higher non-empty bin (found through a bitmap)
+ * holds only large-enough ones (modulo alignment): the first bin with a fit
+ * has the smallest one, since bins do not overlap in size. Cost: O(1) bitmap
+ * scans plus the lists of the bins inspected (one, almost always). */
 static kvp__extent *find_fit(const kvp__extents *x, uint64_t bytes, uint64_t align, uint64_t *at) {
   uint32_t b = kvp__sc_index_floor(bytes);
-  for (kvp__extent *e = x->bins[b]; e; e = e->fnext)
-    if (fits(e, bytes, align, at)) return e;
+  kvp__extent *e = best_in(x->bins[b], bytes, align, at);
+  if (e) return e;
   for (uint32_t w = (b + 1) / 64; w < KVP__ARRAY_LEN(x->nonempty); w++) {
     uint64_t bits = x->nonempty[w];
     if (w == (b + 1) / 64) bits &= ~0ull << ((b + 1) % 64);
     while (bits) {
       uint32_t i = w * 64 + (uint32_t)__builtin_ctzll(bits);
       bits &= bits - 1;
-      for (kvp__extent *e = x->bins[i]; e; e = e->fnext)
-        if (fits(e, bytes, align, at)) return e;
+      if ((e = best_in(x->bins[i], bytes, align, at))) return e;
     }
   }
   return NULL;
@@ -173,7 +201,7 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
   kvp__extent *lead = NULL, *tail = NULL;
   if (at > e->off && !(lead = kvp__meta_calloc(x->meta, sizeof *lead))) goto nomem;
   if (at + bytes < e->off + e->bytes && !(tail = kvp__meta_calloc(x->meta, sizeof *tail))) goto nomem;
-  if (rmap_ensure(x, at, bytes)) {
+  if (rmap_ensure(x, at, mapped_bytes(state, bytes))) {
     kvp__meta_free(x->meta, lead, sizeof *lead);
     kvp__meta_free(x->meta, tail, sizeof *tail);
     return KVP_ENOMEM;
@@ -203,7 +231,7 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
   }
   e->state = (uint8_t)state;
   e->owner = NULL;
-  rmap_set(x, e->off, e->bytes, e);
+  rmap_set(x, e->off, mapped_bytes(state, e->bytes), e);
   hwm_raise(x, e->off + e->bytes);
   x->used_bytes += bytes;
   if (state == KVP__EXT_SLAB) x->nslab++;
@@ -217,7 +245,7 @@ nomem:
 
 void kvp__extent_free(kvp__extents *x, kvp__extent *e) {
   kvp__assert(e->state != KVP__EXT_FREE);
-  rmap_set(x, e->off, e->bytes, NULL);
+  rmap_set(x, e->off, mapped_bytes((kvp__ext_state)e->state, e->bytes), NULL);
   x->used_bytes -= e->bytes;
   if (e->state == KVP__EXT_SLAB) x->nslab--;
   else x->nlarge--;
@@ -247,7 +275,8 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) 
   if (bytes <= e->bytes) return bytes == e->bytes;
   uint64_t need = bytes - e->bytes;
   if (!n || n->state != KVP__EXT_FREE || n->bytes < need) return false;
-  if (rmap_ensure(x, e->off + e->bytes, need)) return false; /* the caller moves the page instead */
+  bool map = e->state == KVP__EXT_SLAB; /* a LARGE extent maps its first unit only */
+  if (map && rmap_ensure(x, e->off + e->bytes, need)) return false; /* the caller moves the page instead */
   bin_remove(x, n);
   if (n->bytes == need) {
     unlink_addr(x, n);
@@ -258,7 +287,7 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) 
     n->bytes -= need;
     bin_insert(x, n);
   }
-  rmap_set(x, e->off + e->bytes, need, e);
+  if (map) rmap_set(x, e->off + e->bytes, need, e);
   e->bytes = bytes;
   hwm_raise(x, e->off + e->bytes);
   x->used_bytes += need;
@@ -283,18 +312,21 @@ static int check_bins(const kvp__extents *x, uint64_t nfree) {
                                             (unsigned long long)listed);
 }
 
-/* rmap over e's units: e if used, NULL if free (absent chunks are NULL). */
+/* rmap over e's units: e on the mapped ones (every unit of a slab, the
+ * first of a large extent), NULL on the others (absent chunks are NULL). */
 static int check_rmap(const kvp__extents *x, const kvp__extent *e) {
-  const kvp__extent *want = e->state == KVP__EXT_FREE ? NULL : e;
   uint64_t u = e->off >> KVP__EXTENT_UNIT_SHIFT, end = (e->off + e->bytes) >> KVP__EXTENT_UNIT_SHIFT;
+  uint64_t map_end = e->state == KVP__EXT_FREE ? u : (e->off + mapped_bytes((kvp__ext_state)e->state, e->bytes)) >>
+                                                          KVP__EXTENT_UNIT_SHIFT;
   while (u < end) {
     const kvp__rmap_chunk *c = x->rmap[u >> KVP__RMAP_CHUNK_SHIFT];
     uint64_t stop = ((u >> KVP__RMAP_CHUNK_SHIFT) + 1) << KVP__RMAP_CHUNK_SHIFT;
     if (stop > end) stop = end;
-    if (!c && want) return CORRUPT("address map chunk of unit %llu is missing under the used extent at offset %llu",
-                                   (unsigned long long)u, (unsigned long long)e->off);
+    if (!c && u < map_end)
+      return CORRUPT("address map chunk of unit %llu is missing under the used extent at offset %llu",
+                     (unsigned long long)u, (unsigned long long)e->off);
     for (; c && u < stop; u++)
-      if (c->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)] != want)
+      if (c->unit[u & (KVP__RMAP_CHUNK_UNITS - 1)] != (u < map_end ? e : NULL))
         return CORRUPT("address map of unit %llu disagrees with the extent at offset %llu", (unsigned long long)u,
                        (unsigned long long)e->off);
     u = stop;

@@ -20,22 +20,7 @@ void kvp__ledger_init(kvp__ledger *l, uint64_t reserved_bytes, uint64_t budget_b
   l->budget_bytes = budget_bytes;
 }
 
-/* The writer stores with relaxed atomics (plain moves on x86-64) so that the
- * readers' relaxed loads inside the sequence lock are not data races. */
-static void w64(uint64_t *p, uint64_t v) { __atomic_store_n(p, v, __ATOMIC_RELAXED); }
-
-void kvp__count_add(uint64_t *c, int64_t n) { w64(c, *c + (uint64_t)n); }
-
-void kvp__gauge_add(kvp_gauge *g, uint64_t n) {
-  w64(&g->current, g->current + n);
-  w64(&g->total, g->total + n);
-  if (g->current > g->peak) w64(&g->peak, g->current);
-}
-
-void kvp__gauge_sub(kvp_gauge *g, uint64_t n) {
-  kvp__assert(g->current >= n);
-  w64(&g->current, g->current - n);
-}
+/* kvp__gauge_add/sub and kvp__count_add are inline in alloc.h. */
 
 void kvp__ledger_begin(kvp__ledger *l) {
   atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_relaxed);

@@ -1,22 +1,25 @@
 /*
- * alloc/slab.c - slabs: one slab_bytes-aligned extent cut into slots of one
- * size class, with a host-side bitmap (bit set = slot free). slab_bytes is
- * 2 MiB, or less in a region under 64 MiB (kvp__slab_bytes_for: a 32nd of
- * the region, at least 64 KiB), so a small region holds many classes.
+ * alloc/slab.c - slabs: one extent cut into slots of one size class, with a
+ * host-side bitmap (bit set = slot free). A slab is sized by its class
+ * (kvp__slab_bytes_of: 512 slots, at most 2 MiB, or less in a region under
+ * 64 MiB: a 32nd of the region, at least 64 KiB), so a 64 B class takes a
+ * 32 KiB slab and a small region holds many classes at once.
  *
  *   slab          | slot 0 | slot 1 | ... | slot nslots-1 | unused tail |
  *   bitmap        [ word 0: slots 0..63 ][ word 1 ] ... [ word nwords-1 ]
  *
  * Invariants (kvp__slab_check):
- *   nslots = slab_bytes / slot_bytes; nfree = popcount(bitmap); bits >= nslots clear
+ *   nslots = class_slab_bytes / slot_bytes; nfree = popcount(bitmap); bits >= nslots clear
  *   the bin's cur slab is not on the avail list; every other non-full slab is
  *   listed; a full slab is nowhere; at most one empty slab per class (cur),
  *   the others go back to the extents at once. The kept empty slabs are
  *   hysteresis only: when the extents run out of room, they are purged
  *   before any allocation answers ENOSPC.
  *
- * Slabs are slab_bytes-aligned, so such a chunk holds at most one: slab_map
- * finds a slot's slab in one load on free.
+ * A slot's slab is found on free through the extents' address map (two
+ * loads, no hashing): the extent of the slot's 4 KiB unit owns the slab.
+ * Full 2 MiB slabs are 2 MiB aligned (transparent huge pages); smaller ones
+ * sit at any 4 KiB unit.
  *
  * Fast path (kvp__slab_take with a current slab that has room): the bin's
  * cur slab is never NULL (an empty sentinel with nfree = 0 stands in), so
@@ -63,29 +66,29 @@ uint64_t kvp__slabs_purge_empty(kvp__alloc *a) {
 
 static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
   uint32_t slot_bytes = (uint32_t)kvp__sc_size(sc);
-  uint32_t nslots = (uint32_t)(a->slab_bytes / slot_bytes), nwords = (nslots + 63) / 64;
+  uint64_t bytes = a->class_slab_bytes[sc], align = bytes == KVP__SLAB_BYTES ? KVP__SLAB_BYTES : KVP__EXTENT_UNIT;
+  uint32_t nslots = (uint32_t)(bytes / slot_bytes), nwords = (nslots + 63) / 64;
   kvp__slab *s = kvp__meta_calloc(a->meta, slab_desc_bytes(nwords));
   if (!s) return kvp__err(KVP_ENOMEM, "slab descriptor for class %u", sc);
   kvp__extent *e = NULL;
-  int rc = kvp__extent_alloc(&a->ext, a->slab_bytes, a->slab_bytes, KVP__EXT_SLAB, &e);
-  if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
-    rc = kvp__extent_alloc(&a->ext, a->slab_bytes, a->slab_bytes, KVP__EXT_SLAB, &e);
+  int rc = kvp__extent_alloc(&a->ext, bytes, align, KVP__EXT_SLAB, &e);
+  if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a)) rc = kvp__extent_alloc(&a->ext, bytes, align, KVP__EXT_SLAB, &e);
   if (rc) {
     kvp__meta_free(a->meta, s, slab_desc_bytes(nwords));
     return rc;
   }
   e->owner = s;
-  a->slab_map[e->off / a->slab_bytes] = s;
   s->ext = e;
   s->base = e->off;
   s->sc = sc;
   s->slot_bytes = slot_bytes;
   s->nslots = s->nfree = nslots;
   s->nwords = nwords;
+  s->div_magic = (uint32_t)(((1ull << 32) + slot_bytes - 1) / slot_bytes);
   memset(s->bitmap, 0xff, nwords * sizeof(uint64_t));
   if (nslots % 64) s->bitmap[nwords - 1] = (1ull << (nslots % 64)) - 1;
   a->bins[sc].nslabs++;
-  kvp__gauge_add(&a->ledger.committed, a->slab_bytes);
+  kvp__gauge_add(&a->ledger.committed, bytes);
   kvp__gauge_add(&a->ledger.slabs, 1);
   *out = s;
   return KVP_OK;
@@ -96,9 +99,9 @@ static void slab_release(kvp__alloc *a, kvp__slab *s) {
   if (s->listed) avail_remove(b, s);
   if (b->cur == s) b->cur = &kvp__slab_empty;
   b->nslabs--;
-  a->slab_map[s->base / a->slab_bytes] = NULL;
+  uint64_t bytes = s->ext->bytes;
   kvp__extent_free(&a->ext, s->ext);
-  kvp__gauge_sub(&a->ledger.committed, a->slab_bytes);
+  kvp__gauge_sub(&a->ledger.committed, bytes);
   kvp__gauge_sub(&a->ledger.slabs, 1);
   kvp__meta_free(a->meta, s, slab_desc_bytes(s->nwords));
 }
@@ -135,12 +138,15 @@ int kvp__slab_take(kvp__alloc *a, uint32_t sc, uint64_t *off) {
 }
 
 int kvp__slab_put(kvp__alloc *a, uint64_t off, uint32_t sc) {
-  kvp__slab *s = off < a->region.bytes ? a->slab_map[off / a->slab_bytes] : NULL;
+  const kvp__extent *e = kvp__extent_at(&a->ext, off);
+  kvp__slab *s = e && e->state == KVP__EXT_SLAB ? e->owner : NULL;
   if (!s)
     return kvp__err(KVP_EINVAL, "page at offset %llu: not inside a slab (foreign or already freed)",
                     (unsigned long long)off);
-  uint64_t rel = off - s->base, slot = rel / s->slot_bytes;
-  if (s->sc != sc || rel % s->slot_bytes || slot >= s->nslots)
+  /* rel < 2 MiB: (rel x ceil(2^32 / size)) >> 32 is rel / size when size divides rel (jemalloc's div_info);
+   * when it does not, slot x size != rel, so the check below still refuses it */
+  uint64_t rel = off - s->base, slot = (rel * s->div_magic) >> 32;
+  if (s->sc != sc || slot * s->slot_bytes != rel || slot >= s->nslots)
     return kvp__err(KVP_EINVAL, "page at offset %llu (class %u): not a slot of the slab of class %u there",
                     (unsigned long long)off, sc, s->sc);
   uint64_t mask = 1ull << (slot % 64);
@@ -162,7 +168,8 @@ int kvp__slab_check(const kvp__alloc *a, const kvp__slab *s, uint64_t *nused) {
   if (s->nslots % 64 && (s->bitmap[s->nwords - 1] >> (s->nslots % 64)))
     return kvp__err(KVP_ECORRUPT, "slab at offset %llu: free bits set past slot %u", (unsigned long long)s->base,
                     s->nslots);
-  if (nfree != s->nfree || s->nslots != a->slab_bytes / s->slot_bytes || s->slot_bytes != kvp__sc_size(s->sc))
+  if (nfree != s->nfree || s->nslots != a->class_slab_bytes[s->sc] / s->slot_bytes ||
+      s->slot_bytes != kvp__sc_size(s->sc))
     return kvp__err(KVP_ECORRUPT, "slab at offset %llu (class %u): bitmap has %llu free slots, counter %u",
                     (unsigned long long)s->base, s->sc, (unsigned long long)nfree, s->nfree);
   const kvp__bin *b = &a->bins[s->sc];

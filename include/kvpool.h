@@ -191,8 +191,9 @@ KVP_API int kvp_pool_info(kvp_pool *pool, uint32_t layer, kvp_layer_info *out);
  * The ledger is the pool's byte truth. At every instant:
  *   requested <= allocated <= committed <= reserved
  *   allocated <= budget
- * requested: bytes the page layouts asked for; allocated: their size-class
- * (or extent) sizes; committed: bytes of slabs and extents in use; reserved:
+ * requested: bytes the page layouts asked for; allocated: their size class
+ * up to 16 KiB, above that the request rounded up to the 4 KiB extent unit
+ * only (less than 4 KiB of rounding per large page); committed: bytes of slabs and extents in use; reserved:
  * the region. Gauges carry {current, peak, total}: total is the sum of all
  * increases. Counters carry a total.
  * ---------------------------------------------------------------------- */
@@ -233,7 +234,7 @@ typedef struct kvp_usage {
  * table are all generated from this list. */
 #define KVP_STATS_LIST(X)                                                          \
   X(GAUGE, bytes_requested, "bytes.requested", "bytes the page layouts asked for")  \
-  X(GAUGE, bytes_allocated, "bytes.allocated", "size-class bytes of live pages")    \
+  X(GAUGE, bytes_allocated, "bytes.allocated", "allocated bytes of live pages")      \
   X(GAUGE, bytes_committed, "bytes.committed", "bytes of slabs and extents in use") \
   X(VALUE, bytes_reserved, "bytes.reserved", "bytes of the region")                 \
   X(VALUE, budget_bytes, "bytes.budget", "strict cap on allocated bytes")           \
@@ -665,7 +666,7 @@ typedef struct kvp_page_tag {
 typedef struct kvp_page_desc {
   void *addr;               /* first byte (host or device address) */
   uint64_t requested_bytes; /* what was asked */
-  uint64_t allocated_bytes; /* its size-class or extent size */
+  uint64_t allocated_bytes; /* its size class (<= 16 KiB) or extent size (4 KiB units) */
 } kvp_page_desc;
 
 /* Allocate a page of bytes (1..KVP_MAX_PAGE_BYTES) with a tag. Errors:

@@ -491,7 +491,7 @@ typedef struct walk_sum {
 
 static void visit(void *ctx, const kvp__page *pg) {
   walk_sum *w = ctx;
-  uint64_t cls = kvp__sc_size(pg->sc);
+  uint64_t cls = kvp__page_alloc_bytes(pg);
   if (pg->requested_bytes > cls && !w->bad) {
     w->bad = true;
     w->bad_off = pg->off;

@@ -65,7 +65,7 @@ static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
 static uint64_t class_bytes(const kvp_codec_layout *lay) {
   uint64_t sum = 0;
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < lay[kv].npages; i++) sum += kvp__sc_size(kvp__sc_index(lay[kv].bytes[i]));
+    for (unsigned i = 0; i < lay[kv].npages; i++) sum += kvp__alloc_size(lay[kv].bytes[i]);
   return sum;
 }
 
@@ -302,7 +302,7 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
           for (unsigned i = 0; i < e->blk->npages[side]; i++) {
             const kvp__page *o = &e->blk->pages[side][i], *p = &e->rep->pages[side][i];
             kvp__count_add(&pool->alloc.ledger.grows, p->requested_bytes != o->requested_bytes);
-            kvp__count_add(&pool->alloc.ledger.grow_moves, p->sc != o->sc);
+            kvp__count_add(&pool->alloc.ledger.grow_moves, p->off != o->off);
           }
         kvp__ledger_end(&pool->alloc.ledger);
         kvp__block_set_n(e->rep, have);

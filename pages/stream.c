@@ -81,7 +81,7 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
     const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
     kvp_codec_layout lay;
     kvp__bind_layout(bd, pos0, cap, &lay);
-    for (unsigned i = 0; i < lay.npages; i++) sum += kvp__sc_size(kvp__sc_index(lay.bytes[i]));
+    for (unsigned i = 0; i < lay.npages; i++) sum += kvp__alloc_size(lay.bytes[i]);
   }
   return sum;
 }
@@ -271,14 +271,26 @@ bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, 
   return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
 }
 
+/* The plan's per-head arrays. A decode token that only fills the OPEN tail
+ * takes no new block, so both arrays are empty: an empty one is a shared
+ * sentinel (never read or written), not an allocation: two metadata
+ * allocations and frees less per such append. */
+static void *plan_none[1];
+static void *plan_array(kvp_pool *pool, size_t bytes) {
+  return bytes ? kvp__meta_calloc(&pool->meta, bytes) : (void *)plan_none;
+}
+static void plan_array_free(kvp_pool *pool, void *p, size_t bytes) {
+  if (bytes) kvp__meta_free(&pool->meta, p, bytes);
+}
+
 static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
   uint32_t H = pool->cfg.n_kv_heads;
   for (uint32_t i = 0; pl->blocks && i < nblocks; i++) /* either array may be missing (its allocation failed) */
     if (pl->blocks[i]) kvp__block_destroy(pool, pl->blocks[i]);
   for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
   if (pl->run) kvp__run_free_now(pool, pl->run);
-  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
-  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  plan_array_free(pool, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks);
+  plan_array_free(pool, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
   pl->blocks = NULL, pl->brefs = NULL, pl->run = NULL; /* undone: a second undo does nothing */
 }
 
@@ -308,8 +320,8 @@ static int plan_take_pages(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_p
 static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, bt = kvp__layer_bt(pool, layer, s->mode);
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
-  pl->blocks = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
-  pl->brefs = kvp__meta_calloc(&pool->meta, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  pl->blocks = plan_array(pool, (size_t)H * pl->nb * sizeof *pl->blocks);
+  pl->brefs = plan_array(pool, (size_t)H * pl->nnew * sizeof *pl->brefs);
   pl->run = NULL;
   bool ok = pl->blocks && pl->brefs;
   uint64_t mask[KVP_MAX_KV_HEADS / 64];
@@ -527,8 +539,8 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
   kvp__append_tx_before_publish(pool, s, tx);
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
   kvp__run_publish(s, layer, pos + n, kvp__run_settle(pool, s, layer, pl->run), pl->nskip == H);
-  kvp__meta_free(&pool->meta, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks + 1);
-  kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);
+  plan_array_free(pool, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks);
+  plan_array_free(pool, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
   kvp__append_tx_after_publish(pool, s, tx);
 }

@@ -25,8 +25,6 @@
  * whole values. */
 #define ADD(field, n) \
   atomic_store_explicit(&(field), atomic_load_explicit(&(field), memory_order_relaxed) + (n), memory_order_relaxed)
-#define SUB(field, n) \
-  atomic_store_explicit(&(field), atomic_load_explicit(&(field), memory_order_relaxed) - (n), memory_order_relaxed)
 
 static kvp__seq_table *table_new(kvp__meta *meta, uint32_t cap) {
   kvp__seq_table *t = kvp__meta_calloc(meta, sizeof *t + (size_t)cap * sizeof t->slot[0]);
@@ -221,25 +219,24 @@ int kvp__stats_top_seqs(const kvp__stats *st, uint32_t n, kvp_seq_usage *out, ui
   return KVP_OK;
 }
 
-static void usage_move(kvp__usage *u, uint64_t req, uint64_t alloc, int sign) {
-  if (sign > 0) {
-    ADD(u->requested_bytes, req);
-    ADD(u->allocated_bytes, alloc);
-    ADD(u->npages, 1);
-  } else {
-    SUB(u->requested_bytes, req);
-    SUB(u->allocated_bytes, alloc);
-    SUB(u->npages, 1);
-  }
+/* Branch-free (alloc and free alternate on the hot path; a branch on the
+ * sign mispredicts): the deltas are added modulo 2^64. */
+static inline __attribute__((always_inline)) void usage_move(kvp__usage *u, uint64_t dreq, uint64_t dalloc,
+                                                             uint64_t dpages) {
+  ADD(u->requested_bytes, dreq);
+  ADD(u->allocated_bytes, dalloc);
+  ADD(u->npages, dpages);
 }
 
 void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_bytes, uint64_t allocated_bytes,
                       int sign) {
-  usage_move(&st->page_types[tag->type], requested_bytes, allocated_bytes, sign);
-  usage_move(&st->kv[tag->kv], requested_bytes, allocated_bytes, sign);
-  usage_move(&st->codecs[tag->codec], requested_bytes, allocated_bytes, sign);
-  usage_move(&st->layers[tag->layer], requested_bytes, allocated_bytes, sign);
-  usage_move(&st->heads[tag->head], requested_bytes, allocated_bytes, sign);
+  uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
+  uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
+  usage_move(&st->page_types[tag->type], dreq, dalloc, dpages);
+  usage_move(&st->kv[tag->kv], dreq, dalloc, dpages);
+  usage_move(&st->codecs[tag->codec], dreq, dalloc, dpages);
+  usage_move(&st->layers[tag->layer], dreq, dalloc, dpages);
+  usage_move(&st->heads[tag->head], dreq, dalloc, dpages);
   kvp__seq_usage *e = st->seq_last;
   if (!e || slot_seq(e) != tag->seq) {
     bool found;
@@ -250,7 +247,7 @@ void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_by
   uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
   atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
   atomic_thread_fence(memory_order_release);
-  usage_move(&e->u, requested_bytes, allocated_bytes, sign);
+  usage_move(&e->u, dreq, dalloc, dpages);
   atomic_store_explicit(&e->ver, v + 2, memory_order_release);
 }
 

@@ -12,6 +12,14 @@
  *                       mix drawn from the codec table (64 B .. 1 MiB), single
  *                       thread, steady state of W live pages; baseline:
  *                       jemalloc mallocx/sdallocx replaying the same sequence.
+ *   var_allocated_over_requested  allocated / requested bytes of the pages of
+ *                       a raw bf16 Infinity-2B full cache (one page per scale,
+ *                       head and side) from the pool's stats; baseline: exact.
+ *   scaling_*_ns        alloc+free pairs (page mix), decode append per (seq,
+ *                       layer) and kvp_read per token at 8, 64, 512 and 8192
+ *                       live sequences, and alloc+free and a dry decode append
+ *                       on 1 GiB .. 1 TiB dry regions; baseline: the first
+ *                       row of each axis, same run (target: within 1.5x).
  *   metadata_per_byte   host metadata bytes per managed (region) byte, and per
  *                       allocated byte at the peak of the run.
  *   decode_append_ns    host cost of one decode-step append of one (seq,
@@ -325,6 +333,192 @@ static void print_dry(int rounds, int json_only) {
   }
 }
 
+/* ---- scaling: the same costs at 8 .. 8192 live sequences, 1 GiB .. 1 TiB regions ---- */
+
+/* alloc+free pairs of the page mix with tags spread over nseq sequences
+ * (every sequence's pages counted apart in the stats), on a region of
+ * region bytes (dry above 4 GiB: nothing is touched either way). */
+static double scale_alloc(const workload *w, uint32_t nseq, uint64_t region, int rounds) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 32;
+  c.n_kv_heads = 8;
+  c.region_bytes = region;
+  c.flags = KVP_POOL_DRY;
+  kvp_pool *p;
+  int rc = kvp_pool_create(&c, &p);
+  if (rc) die("kvp_pool_create (scaling)", rc);
+  kvp_page_id *ids = calloc(w->nlive, sizeof *ids);
+  kvp_page_tag t = {0, 0, 0, KVP_PAGE_RAW, 0, 0};
+  double a[32];
+  for (int r = -1; r < rounds; r++) {
+    for (uint32_t s = 0; s < w->nlive; s++) {
+      t.seq = s % nseq;
+      if ((rc = kvp_page_alloc(p, w->bytes[s], &t, &ids[s]))) die("warm alloc (scaling)", rc);
+    }
+    double t0 = now_ns();
+    for (uint32_t i = 0; i < w->nops; i++) {
+      uint32_t s = w->slot[i];
+      t.type = w->type[i];
+      t.seq = (s + i) % nseq;
+      kvp_page_free(p, ids[s]);
+      if ((rc = kvp_page_alloc(p, w->bytes[i], &t, &ids[s]))) die("kvp_page_alloc (scaling)", rc);
+    }
+    if (r >= 0) a[r] = (now_ns() - t0) / w->nops;
+    for (uint32_t s = 0; s < w->nlive; s++) kvp_page_free(p, ids[s]);
+  }
+  if ((rc = kvp_check(p))) die("kvp_check (scaling)", rc);
+  free(ids);
+  kvp_pool_destroy(p);
+  return median(a, rounds);
+}
+
+enum { SL = 2, SH = 2, SPRE = 16, SPICK = 64 };
+
+typedef struct scale_fig {
+  double append, read; /* ns per (seq, layer) decode append; ns per token read (NAN on a dry pool) */
+} scale_fig;
+
+/* nseq live sequences of SPRE tokens (L = 2, H = 2, D = 128, bf16, 16-token
+ * blocks); timed: decode steps of SPICK sequences spread over all of them,
+ * then kvp_read of head 0 of each of those (normal pools only). */
+static scale_fig scale_seqs(uint32_t nseq, uint64_t region, int dry, int rounds, int steps) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = SL;
+  c.n_kv_heads = SH;
+  c.head_dim = BD;
+  c.region_bytes = region;
+  c.block_tokens = 16;
+  c.flags = dry ? KVP_POOL_DRY : KVP_POOL_PREFAULT; /* no first-touch faults in the timings, as seq_pool */
+  kvp_pool *p;
+  int rc = kvp_pool_create(&c, &p);
+  if (rc) die("kvp_pool_create (scaling)", rc);
+  size_t tok = (size_t)SH * BD;
+  uint16_t *k = malloc(SPRE * tok * 2), *v = malloc(SPRE * tok * 2);
+  fill_bf16(k, SPRE * tok, 5);
+  fill_bf16(v, SPRE * tok, 6);
+  kvp_kv kv = {k, v, NULL};
+  for (uint64_t s = 0; s < nseq; s++) {
+    if ((rc = kvp_seq_add(p, s, NULL))) die("kvp_seq_add (scaling)", rc);
+    if ((rc = kvp_step_begin(p, s, SPRE, 0))) die("kvp_step_begin (scaling)", rc);
+    for (uint32_t l = 0; l < SL; l++)
+      if ((rc = kvp_append(p, s, l, &kv))) die("kvp_append (scaling)", rc);
+    if ((rc = kvp_step_end(p, s))) die("kvp_step_end (scaling)", rc);
+  }
+  uint32_t cap = SPRE + (uint32_t)((rounds + 1) * steps) + 16;
+  uint32_t *pos = malloc(cap * sizeof *pos);
+  uint16_t *ko = malloc((size_t)cap * BD * 2), *vo = malloc((size_t)cap * BD * 2);
+  double a[32], b[32];
+  const uint32_t npick = nseq < SPICK ? nseq : SPICK;
+  for (int r = -1; r < rounds; r++) {
+    double t0 = now_ns();
+    for (int st = 0; st < steps; st++)
+      for (uint32_t i = 0; i < npick; i++) {
+        uint64_t s = (uint64_t)i * nseq / npick;
+        kvp_kv one = {k + (size_t)(st % SPRE) * tok, v + (size_t)(st % SPRE) * tok, NULL};
+        if ((rc = kvp_step_begin(p, s, 1, 0))) die("kvp_step_begin (scaling)", rc);
+        for (uint32_t l = 0; l < SL; l++)
+          if ((rc = kvp_append(p, s, l, &one))) die("kvp_append (scaling)", rc);
+        if ((rc = kvp_step_end(p, s))) die("kvp_step_end (scaling)", rc);
+      }
+    if (r >= 0) a[r] = (now_ns() - t0) / ((double)steps * npick * SL);
+    if (dry) continue;
+    uint64_t toks = 0;
+    t0 = now_ns();
+    for (uint32_t i = 0; i < npick; i++) {
+      kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, ko, vo, pos, cap, 0, NULL};
+      if ((rc = kvp_read(p, (uint64_t)i * nseq / npick, 0, &q))) die("kvp_read (scaling)", rc);
+      toks += q.n_tokens;
+    }
+    if (r >= 0) b[r] = (now_ns() - t0) / (double)toks;
+  }
+  if ((rc = kvp_check(p))) die("kvp_check (scaling)", rc);
+  scale_fig f = {median(a, rounds), dry ? 0 : median(b, rounds)};
+  free(pos), free(ko), free(vo), free(k), free(v);
+  kvp_pool_destroy(p);
+  return f;
+}
+
+static void print_scale_row(int json_only, const char *figure, const char *axis, uint64_t n, const char *unit,
+                            double v, double base, const char *base_label) {
+  if (!json_only) {
+    char label[64];
+    snprintf(label, sizeof label, "  %s, %llu %s", figure, (unsigned long long)n, unit);
+    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (baseline: %s; target <= 1.5x)\n", label, v, base, v / base,
+           base_label);
+  }
+  printf("{\"figure\":\"scaling_%s_ns\",\"axis\":\"%s\",\"n\":%llu,\"kvpool\":%.2f,\"baseline\":\"%s\","
+         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+         figure, axis, (unsigned long long)n, v, base_label, base, v / base);
+}
+
+static void print_scaling(int quick, int json_only) {
+  const int rounds = quick ? 3 : 7, steps = quick ? 8 : 32;
+  workload w = make_workload(quick ? 100000 : 500000, 4096);
+  static const uint32_t nseqs[] = {8, 64, 512, 8192};
+  static const uint64_t regions[] = {1ull << 30, 16ull << 30, 256ull << 30, 1ull << 40};
+  if (!json_only) printf("scaling (medians; each row against the first of its axis, measured in the same run)\n");
+  double base = 0;
+  for (unsigned i = 0; i < 4; i++) {
+    double v = scale_alloc(&w, nseqs[i], 4ull << 30, rounds);
+    if (!i) base = v;
+    print_scale_row(json_only, "alloc_free", "sequences", nseqs[i], "seqs", v, base, "8 sequences");
+  }
+  for (unsigned i = 0; i < 4; i++) {
+    double v = scale_alloc(&w, 64, regions[i], rounds);
+    if (!i) base = v;
+    print_scale_row(json_only, "alloc_free", "region_gib", regions[i] >> 30, "GiB dry", v, base, "1 GiB region");
+  }
+  scale_fig f0 = {0, 0};
+  for (unsigned i = 0; i < 4; i++) {
+    scale_fig f = scale_seqs(nseqs[i], 1ull << 30, 0, rounds, steps);
+    if (!i) f0 = f;
+    print_scale_row(json_only, "decode_append", "sequences", nseqs[i], "seqs", f.append, f0.append, "8 sequences");
+    print_scale_row(json_only, "read_per_token", "sequences", nseqs[i], "seqs", f.read, f0.read, "8 sequences");
+  }
+  for (unsigned i = 0; i < 4; i++) {
+    scale_fig f = scale_seqs(512, regions[i], 1, rounds, steps);
+    if (!i) f0 = f;
+    print_scale_row(json_only, "dry_decode_append", "region_gib", regions[i] >> 30, "GiB dry", f.append, f0.append,
+                    "1 GiB region");
+  }
+  free(w.slot), free(w.bytes), free(w.type);
+}
+
+/* ---- rounding: allocated over requested bytes of VAR-scale pages ---------- */
+
+/* The pages of a raw bf16 Infinity-2B full cache (13-scale 1024x1024
+ * schedule, D = 128: one page per (scale, head, side)) taken from a dry pool:
+ * allocated / requested from the pool's own stats; baseline: 1.0 (exact). */
+static void print_rounding(int json_only) {
+  static const uint32_t sched[13] = {1, 4, 16, 36, 64, 144, 256, 400, 576, 1024, 1600, 2304, 4096};
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 1;
+  c.n_kv_heads = 1;
+  c.region_bytes = 1ull << 30;
+  c.flags = KVP_POOL_DRY;
+  kvp_pool *p;
+  int rc = kvp_pool_create(&c, &p);
+  if (rc) die("kvp_pool_create (rounding)", rc);
+  kvp_page_tag t = {1, 0, 0, KVP_PAGE_RAW, 0, 0};
+  kvp_page_id id;
+  for (unsigned i = 0; i < 12; i++) /* the last scale is never cached */
+    for (int side = 0; side < 2; side++)
+      if ((rc = kvp_page_alloc(p, (uint64_t)sched[i] * 128 * 2, &t, &id))) die("kvp_page_alloc (rounding)", rc);
+  kvp_stats s = {.struct_size = sizeof s};
+  if ((rc = kvp_stats_get(p, &s))) die("kvp_stats_get", rc);
+  double ratio = (double)s.bytes_allocated.current / (double)s.bytes_requested.current;
+  if (!json_only)
+    printf("%-34s %10.4f    %10.4f    %9.4fx   (raw bf16 Infinity-2B scale pages, D=128; target <= 1.01)\n",
+           "allocated / requested, VAR pages", ratio, 1.0, ratio);
+  printf("{\"figure\":\"var_allocated_over_requested\",\"kvpool\":%.5f,\"baseline\":\"exact\",\"baseline_value\":1.0,"
+         "\"ratio\":%.5f,\"allocated_bytes\":%llu,\"requested_bytes\":%llu}\n",
+         ratio, ratio, (unsigned long long)s.bytes_allocated.current, (unsigned long long)s.bytes_requested.current);
+  kvp_pool_destroy(p);
+}
+
 /* ---- codecs: host encode/decode throughput --------------------------------- */
 
 typedef struct codec_fig {
@@ -556,9 +750,10 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --store]\n"                              \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --seqs | --store]\n"                     \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
-  "  per figure (--json: the JSON lines only); --quick: fewer rounds\n"
+  "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
+  "  figures alone\n"
 
 /* ---- the store tier: offload / restore through a private local Redis ----------------------- */
 
@@ -735,8 +930,34 @@ static int print_store(int quick, int json_only) {
   return 0;
 }
 
+static void print_seqs(int rounds, int quick, int json_only) {
+  seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
+  if (!json_only) {
+    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (per (seq, layer), H=%d D=%d bf16, %d seqs; memcpy of the same bytes)\n",
+           "decode append", f.decode, f.decode_base, f.decode / f.decode_base, BH, BD, NSEQ);
+    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (the same rows into one 16-token page per (seq, layer, head, side))\n",
+           "decode append vs paged memcpy", f.decode, f.decode_paged, f.decode / f.decode_paged);
+    printf("%-34s %10.1f us %10.1f us %9.2fx   (4096-token scale, per (seq, layer), step mode)\n", "VAR scale append",
+           f.var / 1e3, f.var_base / 1e3, f.var / f.var_base);
+    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (per retained token, K and V of one head)\n", "kvp_read", f.read,
+           f.read_base, f.read / f.read_base);
+  }
+  printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
+         "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
+         f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
+  printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
+         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+         f.decode, f.decode_paged, f.decode / f.decode_paged);
+  printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
+         "\"ratio\":%.3f,\"tokens\":4096}\n",
+         f.var, f.var_base, f.var / f.var_base);
+  printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
+         "\"ratio\":%.3f}\n",
+         f.read, f.read_base, f.read / f.read_base);
+}
+
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
@@ -744,6 +965,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
+    else if (!strcmp(argv[i], "--seqs")) seqs_only = 1;
     else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
       fputs(BENCH_USAGE, stdout);
       return 0;
@@ -752,8 +974,9 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + heatkv_only + alloc_only + store_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc and --store each select one part: give one (or none: all)\n"
+  if (codecs_only + heatkv_only + alloc_only + store_only + seqs_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc, --seqs and --store each select one part: give one (or "
+                    "none: all)\n"
                     BENCH_USAGE);
     return 2;
   }
@@ -768,6 +991,12 @@ int main(int argc, char **argv) {
   }
   if (store_only) return print_store(quick, json_only);
   const int rounds = quick ? 3 : 11;
+  if (seqs_only) {
+    if (!json_only) printf("%-34s %12s %12s %10s\n", "figure", "kvpool", "baseline", "ratio");
+    print_seqs(rounds, quick, json_only);
+    print_dry(rounds, json_only);
+    return 0;
+  }
   const uint32_t nops = quick ? 200000 : 2000000, nlive = 4096;
   workload w = make_workload(nops, nlive);
   kvp_config c;
@@ -814,35 +1043,15 @@ int main(int argc, char **argv) {
   free(ptrs);
   free(sizes);
   kvp_pool_destroy(p);
+  print_rounding(json_only);
+  print_scaling(quick, json_only);
   if (alloc_only) return 0;
 
-  seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
-  if (!json_only) {
-    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (per (seq, layer), H=%d D=%d bf16, %d seqs; memcpy of the same bytes)\n",
-           "decode append", f.decode, f.decode_base, f.decode / f.decode_base, BH, BD, NSEQ);
-    printf("%-34s %10.1f ns %10.1f ns %9.2fx   (the same rows into one 16-token page per (seq, layer, head, side))\n",
-           "decode append vs paged memcpy", f.decode, f.decode_paged, f.decode / f.decode_paged);
-    printf("%-34s %10.1f us %10.1f us %9.2fx   (4096-token scale, per (seq, layer), step mode)\n", "VAR scale append",
-           f.var / 1e3, f.var_base / 1e3, f.var / f.var_base);
-    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (per retained token, K and V of one head)\n", "kvp_read", f.read,
-           f.read_base, f.read / f.read_base);
-  }
-  printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
-         "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
-         f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
-  printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
-         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
-         f.decode, f.decode_paged, f.decode / f.decode_paged);
-  printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
-         "\"ratio\":%.3f,\"tokens\":4096}\n",
-         f.var, f.var_base, f.var / f.var_base);
+  print_seqs(rounds, quick, json_only);
   print_dry(rounds, json_only);
   print_codecs(quick, json_only);
   print_kvquant_calib(quick, json_only);
   print_heatkv(quick, json_only);
   print_store(quick, json_only);
-  printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
-         "\"ratio\":%.3f}\n",
-         f.read, f.read_base, f.read / f.read_base);
   return 0;
 }

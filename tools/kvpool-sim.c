@@ -34,6 +34,7 @@ static const char *const HELP =
 typedef struct tour_row {
   char run[40], codecs[40], policy[48], served[64];
   uint64_t peak_bytes;     /* allocated peak */
+  uint64_t peak_req_bytes; /* requested bytes at the allocated peak */
   double savings;          /* bf16 bytes / allocated */
   uint64_t violations;     /* checkpoints over a budget */
 } tour_row;
@@ -80,6 +81,7 @@ static void tour_llm(const sim_common *com, const char *name, const char *codecs
            (unsigned long long)o.requests_finished, (unsigned long long)o.requests_total,
            (unsigned long long)o.max_running, o.throughput_tokens_per_s);
   r->peak_bytes = o.peak_allocated_bytes;
+  r->peak_req_bytes = o.peak_requested_bytes;
   r->savings = o.savings_vs_bf16;
   r->violations = o.budget_violations;
 }
@@ -99,6 +101,7 @@ static void tour_var(const sim_common *com, double b, const char *codecs, uint64
   snprintf(r->policy, sizeof r->policy, "heatkv b=%g", b);
   snprintf(r->served, sizeof r->served, "%llu images fit", (unsigned long long)o.images_that_fit);
   r->peak_bytes = o.peak_allocated_bytes;
+  r->peak_req_bytes = o.peak_requested_bytes;
   r->savings = o.peak_allocated_bytes ? (double)o.bf16_full_bytes / (double)o.peak_allocated_bytes : 0;
   r->violations = o.budget_violations + o.policy_budget_violations;
 }
@@ -182,6 +185,9 @@ static int tour(int argc, char **argv) {
       sim_json_str(&j, "codecs", rows[i].codecs);
       sim_json_str(&j, "policy", rows[i].policy);
       sim_json_u64(&j, "peak_allocated_bytes", rows[i].peak_bytes);
+      sim_json_u64(&j, "peak_requested_bytes", rows[i].peak_req_bytes);
+      sim_json_f64(&j, "allocated_over_requested",
+                   rows[i].peak_req_bytes ? (double)rows[i].peak_bytes / (double)rows[i].peak_req_bytes : 0);
       sim_json_f64(&j, "savings_vs_bf16", rows[i].savings);
       sim_json_str(&j, "served", rows[i].served);
       sim_json_u64(&j, "budget_violations", rows[i].violations);
@@ -200,14 +206,16 @@ static int tour(int argc, char **argv) {
   printf("VAR: Infinity-2B, one 1024x1024 image (2 CFG rows, 13 scales); \"images fit\" counts how many\n"
          "images run side by side in %s, the bf16 cache of one image with no eviction.\n\n",
          sim_bytes(var_budget, a, sizeof a));
-  printf("%-16s %-13s %-13s %12s %8s  %-38s %s\n", "run", "codecs", "policy", "peak KV", "vs bf16", "served",
-         "violations");
+  printf("%-16s %-13s %-13s %12s %8s %8s  %-38s %s\n", "run", "codecs", "policy", "peak KV", "alloc/req", "vs bf16",
+         "served", "violations");
   for (int i = 0; i < n; i++)
-    printf("%-16s %-13s %-13s %12s %7.2fx  %-38s %llu\n", rows[i].run, rows[i].codecs, rows[i].policy,
-           sim_bytes(rows[i].peak_bytes, a, sizeof a), rows[i].savings, rows[i].served,
-           (unsigned long long)rows[i].violations);
+    printf("%-16s %-13s %-13s %12s %9.4f %7.2fx  %-38s %llu\n", rows[i].run, rows[i].codecs, rows[i].policy,
+           sim_bytes(rows[i].peak_bytes, a, sizeof a),
+           rows[i].peak_req_bytes ? (double)rows[i].peak_bytes / (double)rows[i].peak_req_bytes : 0, rows[i].savings,
+           rows[i].served, (unsigned long long)rows[i].violations);
   for (int i = 0; i < nnotes; i++) printf("note: %s\n", notes[i]);
-  printf("\npeak KV: the ledger's largest allocated bytes; vs bf16: the same tokens in raw bf16 over it.\n"
+  printf("\npeak KV: the ledger's largest allocated bytes; alloc/req: those over the requested bytes then\n"
+         "(the allocator's rounding); vs bf16: the same tokens in raw bf16 over it.\n"
          "HeatKV b: the fraction of the full cache it may keep, evicting (layer, head, scale) units early.\n"
          "(dry): the pool's dry mode, same pages and bytes without the payload (a slow CPU encode).\n"
          "violations: checkpoints (iterations, or layers of a scale) where the pool held more than the\n"

@@ -187,6 +187,7 @@ typedef struct sim_llm_out {
   uint64_t requests_total, requests_finished, preemptions, max_running, iterations;
   uint64_t prompt_tokens, generated_tokens, recomputed_tokens;
   uint64_t peak_allocated_bytes, peak_bf16_equivalent_bytes, budget_bytes, budget_violations;
+  uint64_t peak_requested_bytes;  /* requested bytes at the allocated peak */
   uint64_t rejected;              /* requests that can never fit the budget */
   double sim_time_s, throughput_tokens_per_s, ttft_mean_s, ttft_p90_s, tpot_mean_s;
   double savings_vs_bf16;         /* bf16-equivalent / allocated, at the allocated peak */

@@ -560,6 +560,7 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
     sim_stats(m.pool, &s);
     if (s.bytes_allocated.current > o->peak_allocated_bytes) {
       o->peak_allocated_bytes = s.bytes_allocated.current;
+      o->peak_requested_bytes = s.bytes_requested.current;
       o->savings_vs_bf16 = (double)s.bf16_equivalent_bytes.current / (double)s.bytes_allocated.current;
     }
     if (s.bf16_equivalent_bytes.current > o->peak_bf16_equivalent_bytes)
@@ -716,6 +717,7 @@ static void llm_print(const sim_llm_cfg *c, const sim_common *com, const sim_llm
     sim_json_u64(&j, "prompt_tokens", o->prompt_tokens);
     sim_json_u64(&j, "generated_tokens", o->generated_tokens);
     sim_json_u64(&j, "peak_allocated_bytes", o->peak_allocated_bytes);
+    sim_json_u64(&j, "peak_requested_bytes", o->peak_requested_bytes);
     sim_json_u64(&j, "peak_bf16_equivalent_bytes", o->peak_bf16_equivalent_bytes);
     sim_json_u64(&j, "budget_bytes", o->budget_bytes);
     sim_json_u64(&j, "budget_violations", o->budget_violations);

@@ -90,9 +90,12 @@ static double F(json_t *j, const char *key) {
   return json_number_value(v);
 }
 
-/* Size classes as DESIGN.md section 5 states them: 4 per doubling from a
- * 64 B granule (64, 128, 192, 256, 320, 384, 448, 512, 640, ...). */
+/* Allocated bytes of a page: up to 16 KiB its size class as DESIGN.md
+ * section 5 states them (4 per doubling from a 64 B granule: 64, 128, 192,
+ * 256, 320, 384, 448, 512, 640, ...); above, the request rounded up to the
+ * 4 KiB extent unit only. */
 static uint64_t size_class(uint64_t n) {
+  if (n > 16384) return (n + 4095) / 4096 * 4096;
   if (n <= 256) return (n + 63) / 64 * 64;
   uint64_t b = 256;
   while (b * 2 < n) b *= 2;
@@ -603,6 +606,10 @@ START_TEST(llm_synthetic_presets) {
   ck_assert_uint_eq(U(j, "n_kv_heads"), 32);
   ck_assert_uint_eq(U(j, "requests_finished"), 6);
   ck_assert_uint_eq(U(j, "budget_violations"), 0);
+  /* raw bf16 pages: a 16-token block of one head is 4 KiB, a class of its own: no rounding at the peak */
+  ck_assert_uint_gt(U(j, "peak_requested_bytes"), 0);
+  ck_assert_uint_le(U(j, "peak_requested_bytes"), U(j, "peak_allocated_bytes"));
+  ck_assert_double_le((double)U(j, "peak_allocated_bytes") / (double)U(j, "peak_requested_bytes"), 1.01);
   json_decref(j);
   j = run_json("llm --model llama-2-70b --requests 2 --prompt-median 16 --output-median 4 --max-prompt 32 "
                "--max-output 8 --budget-bytes 64M --json --quiet");

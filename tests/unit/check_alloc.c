@@ -125,31 +125,42 @@ START_TEST(extents_address_map_is_lazy) {
   uint64_t empty = m.bytes;
   ck_assert_uint_lt(empty, 2 * MB); /* 12 bytes per 16 MiB: 768 KiB, not the 2 GiB of a flat map */
   ck_ok(kvp__extents_check(&x));
-  /* 20 MiB from offset 0: chunks 0 and 1 of 16 MiB */
+  /* 20 MiB from offset 0: a large extent maps its first unit only, so chunk 0 of 16 MiB only */
   kvp__extent *a, *b;
   ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
-  ck_assert_uint_ge(m.bytes, empty + 2 * chunk_bytes);
-  ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
-  ck_assert_ptr_eq(kvp__extent_at(&x, 17 * MB + 5), a); /* an interior unit in the second chunk */
+  ck_assert_uint_ge(m.bytes, empty + chunk_bytes);
+  ck_assert_uint_lt(m.bytes, empty + 2 * chunk_bytes);
+  ck_assert_ptr_eq(kvp__extent_at(&x, 5), a);
+  ck_assert_ptr_null(kvp__extent_at(&x, 17 * MB + 5)); /* an interior unit: not mapped */
+  ck_assert_ptr_null(x.rmap[1]);
   ck_assert_ptr_null(kvp__extent_at(&x, 20 * MB));
   ck_assert_ptr_null(kvp__extent_at(&x, tib - 1)); /* far away: no chunk, free */
   ck_ok(kvp__extent_alloc(&x, 4 * KVP__EXTENT_UNIT, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &b)); /* in chunk 1 */
+  ck_assert_uint_ge(m.bytes, empty + 2 * chunk_bytes);
   ck_assert_uint_lt(m.bytes, empty + 3 * chunk_bytes);
   ck_ok(kvp__extents_check(&x));
   kvp__extent_free(&x, a); /* chunk 0 goes, chunk 1 stays for b */
   ck_ok(kvp__extents_check(&x));
   ck_assert_ptr_null(x.rmap[0]);
   ck_assert_ptr_nonnull(x.rmap[1]);
-  ck_assert_ptr_eq(kvp__extent_at(&x, b->off + KVP__EXTENT_UNIT), b);
+  ck_assert_ptr_eq(kvp__extent_at(&x, b->off + 5), b);
+  ck_assert_ptr_null(kvp__extent_at(&x, b->off + KVP__EXTENT_UNIT));
   kvp__extent_free(&x, b);
   ck_ok(kvp__extents_check(&x));
   ck_assert_ptr_null(x.rmap[1]);
   ck_assert_uint_eq(m.bytes, empty); /* every chunk returned */
-  /* a large extent grown in place takes the chunks it reaches */
+  /* a large extent grown in place maps no more units; a slab maps all of its own */
   ck_ok(kvp__extent_alloc(&x, 15 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &a));
   ck_assert(kvp__extent_grow_in_place(&x, a, 40 * MB));
   ck_ok(kvp__extents_check(&x));
-  ck_assert_ptr_eq(kvp__extent_at(&x, 39 * MB), a);
+  ck_assert_ptr_eq(kvp__extent_at(&x, 0), a);
+  ck_assert_ptr_null(kvp__extent_at(&x, 39 * MB));
+  ck_assert_ptr_null(x.rmap[2]);
+  ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_SLAB, &b)); /* 40..60 MiB: chunks 2 and 3 */
+  ck_assert_ptr_eq(kvp__extent_at(&x, 59 * MB), b);
+  ck_assert_ptr_nonnull(x.rmap[3]);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent_free(&x, b);
   kvp__extent_free(&x, a);
   ck_assert_uint_eq(m.bytes, empty);
   /* a broken count is found */
@@ -186,7 +197,7 @@ START_TEST(slab_fill_and_drain) {
   static const uint64_t sizes[] = {64, 192, 320, 4096, 72 * 128, 16 << 10};
   uint64_t sz = sizes[_i];
   kvp_pool *p = mkpool(32 * MB, 0, 1, 1);
-  uint32_t sc = kvp__sc_index(sz), nslots = (uint32_t)(p->alloc.slab_bytes / kvp__sc_size(sc));
+  uint32_t sc = kvp__sc_index(sz), nslots = (uint32_t)(p->alloc.class_slab_bytes[sc] / kvp__sc_size(sc));
   uint32_t n = nslots + 1;
   kvp_page_id *ids = calloc(n, sizeof *ids);
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
@@ -204,7 +215,7 @@ START_TEST(slab_fill_and_drain) {
       ck_abort_msg("slot %u is not at its place in the slab", i);
   kvp_stats s = {.struct_size = sizeof s};
   ck_ok(kvp_stats_get(p, &s));
-  ck_assert_uint_eq(s.bytes_committed.current, 2 * p->alloc.slab_bytes);
+  ck_assert_uint_eq(s.bytes_committed.current, 2 * p->alloc.class_slab_bytes[sc]);
   for (uint32_t i = 0; i < n; i++) {
     if (kvp_page_free(p, ids[i])) ck_abort_msg("free %u: %s", i, kvp_last_error());
     if (i % 97 == 0 && kvp_check(p)) ck_abort_msg("after free %u: %s", i, kvp_last_error());
@@ -222,27 +233,65 @@ END_TEST
 
 /* A small region holds slabs of many classes at once: a 4 MiB region takes
  * one page of each of 24 small classes (a 2 MiB slab per class fitted two),
- * and the slab size follows the region up to 2 MiB. */
+ * and the slab size follows the class (512 slots), capped by the region. */
 START_TEST(small_region_many_classes) {
   ck_assert_uint_eq(kvp__slab_bytes_for(4ull << 20), 128ull << 10);
   ck_assert_uint_eq(kvp__slab_bytes_for(1ull << 20), KVP__SLAB_MIN_BYTES);
   ck_assert_uint_eq(kvp__slab_bytes_for(100ull << 20), KVP__SLAB_BYTES);
   ck_assert_uint_eq(kvp__slab_bytes_for(48ull << 20), 1ull << 20);
   kvp_pool *p = mkpool(4 * MB, 0, 1, 1);
+  ck_assert_uint_eq(p->alloc.class_slab_bytes[0], 32 << 10); /* 512 x 64 B */
+  ck_assert_uint_eq(p->alloc.class_slab_bytes[1], 64 << 10);
+  ck_assert_uint_eq(p->alloc.class_slab_bytes[23], 128 << 10); /* the cap: 8 x 16 KiB */
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
   kvp_page_id ids[24];
+  uint64_t want = 0;
   for (uint32_t c = 0; c < 24; c++) {
     uint64_t sz = kvp__sc_size(c);
     ck_assert_uint_le(sz, KVP__SMALL_MAX_BYTES);
+    ck_assert_uint_ge(p->alloc.class_slab_bytes[c] / sz, 8);
+    want += p->alloc.class_slab_bytes[c];
     if (kvp_page_alloc(p, sz, &t, &ids[c])) ck_abort_msg("class %u (%llu bytes): %s", c, (unsigned long long)sz,
                                                          kvp_last_error());
     ck_pool(p);
   }
   kvp_stats s = {.struct_size = sizeof s};
   ck_ok(kvp_stats_get(p, &s));
-  ck_assert_uint_eq(s.bytes_committed.current, 24 * p->alloc.slab_bytes);
+  ck_assert_uint_eq(s.bytes_committed.current, want);
+  ck_assert_uint_lt(want, 24 * p->alloc.slab_bytes);
   for (uint32_t c = 0; c < 24; c++) ck_ok(kvp_page_free(p, ids[c]));
   ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* A small class never needs a 2 MiB slab, in a large region too: a 64 B
+ * page commits 32 KiB; a region with room for a few small slabs only still
+ * serves many classes, and every slab's slot is found again on free. */
+START_TEST(small_class_small_slab) {
+  kvp_pool *p = mkpool(128 * MB, 0, 1, 1);
+  ck_assert_uint_eq(p->alloc.slab_bytes, KVP__SLAB_BYTES);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_SCALES, 0);
+  kvp_page_id a, big;
+  ck_ok(kvp_page_alloc(p, 64, &t, &a));
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_committed.current, 32 << 10);
+  /* leave 512 KiB of the region: room for slabs of three more classes (64 + 96 + 128 KiB), where one
+   * 2 MiB slab per class would have none */
+  ck_ok(kvp_page_alloc(p, 128 * MB - (32 << 10) - (512 << 10), &t, &big));
+  kvp_page_id ids[5];
+  static const uint64_t sz[5] = {100, 150, 200, 60, 64};
+  for (int i = 0; i < 5; i++) {
+    ck_ok(kvp_page_alloc(p, sz[i], &t, &ids[i]));
+    ck_pool(p);
+  }
+  for (int i = 0; i < 5; i++) ck_ok(kvp_page_free(p, ids[i]));
+  ck_ok(kvp_page_free(p, a));
+  ck_ok(kvp_page_free(p, big));
+  ck_pool(p);
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_allocated.current, 0);
   kvp_pool_destroy(p);
 }
 END_TEST
@@ -351,8 +400,8 @@ START_TEST(region_full_is_enospc) {
   ck_ok(kvp_page_alloc(p, 3 * MB, &t, &a));
   ck_status(kvp_page_alloc(p, 2 * MB, &t, &b), KVP_ENOSPC);
   ck_assert(strstr(kvp_last_error(), "region") != NULL);
-  ck_ok(kvp_page_alloc(p, 64, &t, &b)); /* a 128 KiB slab in the last MiB */
-  ck_ok(kvp_page_alloc(p, 1 * MB - p->alloc.slab_bytes, &t, &c));
+  ck_ok(kvp_page_alloc(p, 64, &t, &b)); /* a 32 KiB slab in the last MiB */
+  ck_ok(kvp_page_alloc(p, 1 * MB - p->alloc.class_slab_bytes[0], &t, &c));
   ck_status(kvp_page_alloc(p, 192, &t, &d), KVP_ENOSPC); /* no room for a slab of another class */
   ck_ok(kvp_page_alloc(p, 64, &t, &d));                  /* the slab of its class has room */
   ck_pool(p);
@@ -423,6 +472,120 @@ START_TEST(large_grow_in_place) {
 }
 END_TEST
 
+/* Large pages are sized to the 4 KiB extent unit, not to a size class: the
+ * ledger, the stats and kvp_page_describe all say align_up(requested, 4 KiB),
+ * the budget binds on those bytes exactly, and a refused page changes nothing. */
+START_TEST(large_pages_exact_sizes) {
+  static const uint64_t sizes[] = {16385, 20479, 20480, 20481, 65536 + 1, 1180000, 1310720 - 4096 + 1, 3 * MB + 17};
+  enum { N = sizeof sizes / sizeof *sizes };
+  kvp__sc_init();
+  uint64_t want = 0, req = 0;
+  for (int i = 0; i < N; i++) {
+    uint64_t a = kvp__alloc_size(sizes[i]);
+    ck_assert_uint_eq(a, (sizes[i] + KVP__EXTENT_UNIT - 1) / KVP__EXTENT_UNIT * KVP__EXTENT_UNIT);
+    ck_assert_uint_lt(a - sizes[i], KVP__EXTENT_UNIT);
+    want += a;
+    req += sizes[i];
+  }
+  ck_assert_uint_eq(kvp__alloc_size(KVP__SMALL_MAX_BYTES), KVP__SMALL_MAX_BYTES); /* small: still a class */
+  ck_assert_uint_eq(kvp__alloc_size(1000), 1024);
+  ck_assert_uint_eq(kvp__alloc_size(KVP_MAX_PAGE_BYTES), 1ull << 32);
+  /* the budget is exactly the sum: a size class would have passed it (1180000 -> 1.25 MiB) */
+  kvp_pool *p = mkpool(32 * MB, want, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
+  kvp_page_id ids[N];
+  for (int i = 0; i < N; i++) {
+    ck_ok(kvp_page_alloc(p, sizes[i], &t, &ids[i]));
+    kvp_page_desc d;
+    ck_ok(kvp_page_describe(p, ids[i], &d));
+    ck_assert_uint_eq(d.requested_bytes, sizes[i]);
+    ck_assert_uint_eq(d.allocated_bytes, kvp__alloc_size(sizes[i]));
+    ck_assert_uint_eq((uintptr_t)d.addr % KVP__EXTENT_UNIT, 0);
+    ck_pool(p);
+  }
+  kvp_stats s = {.struct_size = sizeof s}, s2 = {.struct_size = sizeof s2};
+  ck_ok(kvp_stats_get(p, &s));
+  ck_assert_uint_eq(s.bytes_allocated.current, want);
+  ck_assert_uint_eq(s.bytes_requested.current, req);
+  ck_assert_uint_eq(s.bytes_allocated.current, s.budget_bytes);
+  ck_assert_double_le((double)s.bytes_allocated.current / (double)s.bytes_requested.current, 1.01);
+  /* both figures are emitted */
+  char buf[1 << 16];
+  size_t len = 0;
+  ck_ok(kvp_stats_write(p, KVP_STATS_JSON, buf, sizeof buf, &len));
+  ck_assert(strstr(buf, "\"bytes.requested\"") && strstr(buf, "\"bytes.allocated\""));
+  /* full to the byte: one more unit is refused and nothing changes */
+  kvp_page_id extra;
+  ck_status(kvp_page_alloc(p, 16385, &t, &extra), KVP_EBUDGET);
+  ck_assert(strstr(kvp_last_error(), "20480 allocated") != NULL);
+  ck_ok(kvp_stats_get(p, &s2));
+  ck_assert_uint_eq(s2.bytes_allocated.current, want);
+  ck_assert_uint_eq(s2.bytes_requested.current, req);
+  ck_assert_uint_eq(s2.bytes_committed.current, s.bytes_committed.current);
+  ck_pool(p);
+  /* growing inside the page's own 4 KiB unit moves nothing and allocates nothing */
+  ck_ok(kvp_page_grow(p, ids[1], 20480));
+  ck_ok(kvp_stats_get(p, &s2));
+  ck_assert_uint_eq(s2.bytes_allocated.current, want);
+  ck_assert_uint_eq(s2.bytes_requested.current, req + 1);
+  /* shrinking keeps the bytes (no move), the request follows */
+  ck_ok(kvp_page_grow(p, ids[5], 100));
+  kvp_page_desc d;
+  ck_ok(kvp_page_describe(p, ids[5], &d));
+  ck_assert_uint_eq(d.allocated_bytes, kvp__alloc_size(1180000));
+  ck_assert_uint_eq(d.requested_bytes, 100);
+  ck_pool(p);
+  /* growing past it would pass the budget: refused, unchanged */
+  ck_status(kvp_page_grow(p, ids[0], 20481), KVP_EBUDGET);
+  ck_ok(kvp_page_describe(p, ids[0], &d));
+  ck_assert_uint_eq(d.requested_bytes, 16385);
+  ck_assert_uint_eq(d.allocated_bytes, 20480);
+  ck_pool(p);
+  for (int i = 0; i < N; i++) ck_ok(kvp_page_free(p, ids[i]));
+  ck_ok(kvp_stats_get(p, &s2));
+  ck_assert_uint_eq(s2.bytes_allocated.current, 0);
+  ck_assert_uint_eq(s2.bytes_requested.current, 0);
+  ck_assert_uint_eq(s2.bytes_committed.current, 0);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* Best fit: of the free holes, the smallest that holds the request is taken,
+ * whatever order they were freed in. */
+START_TEST(extents_best_fit) {
+  kvp__sc_init();
+  kvp__meta m = {0};
+  kvp__extents x;
+  const uint64_t U = KVP__EXTENT_UNIT;
+  ck_ok(kvp__extents_init(&x, 16 * MB, &m));
+  /* holes of 10, 6, 8 and 7 units between used separators */
+  static const uint64_t holes[] = {10, 6, 8, 7};
+  kvp__extent *h[4], *sep[5];
+  for (int i = 0; i < 4; i++) {
+    ck_ok(kvp__extent_alloc(&x, U, U, KVP__EXT_LARGE, &sep[i]));
+    ck_ok(kvp__extent_alloc(&x, holes[i] * U, U, KVP__EXT_LARGE, &h[i]));
+  }
+  ck_ok(kvp__extent_alloc(&x, U, U, KVP__EXT_LARGE, &sep[4]));
+  uint64_t off[4];
+  for (int i = 0; i < 4; i++) off[i] = h[i]->off;
+  for (int i = 0; i < 4; i++) kvp__extent_free(&x, h[i]);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent *e;
+  ck_ok(kvp__extent_alloc(&x, 7 * U, U, KVP__EXT_LARGE, &e)); /* exact: the 7-unit hole */
+  ck_assert_uint_eq(e->off, off[3]);
+  ck_ok(kvp__extent_alloc(&x, 5 * U, U, KVP__EXT_LARGE, &e)); /* the 6-unit hole, not the first (10) */
+  ck_assert_uint_eq(e->off, off[1]);
+  ck_ok(kvp__extent_alloc(&x, 8 * U, U, KVP__EXT_LARGE, &e)); /* the 8-unit hole */
+  ck_assert_uint_eq(e->off, off[2]);
+  ck_ok(kvp__extent_alloc(&x, 9 * U, U, KVP__EXT_LARGE, &e)); /* the 10-unit hole */
+  ck_assert_uint_eq(e->off, off[0]);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extents_fini(&x);
+  ck_assert_uint_eq(m.bytes, 0);
+}
+END_TEST
+
 /* ---- bad input --------------------------------------------------------- */
 
 START_TEST(bad_sizes_and_ids) {
@@ -476,7 +639,13 @@ START_TEST(internal_free_rejects_foreign_and_double) {
   f.off = 1ull << 40; /* outside the region */
   ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
   f = a;
-  f.sc += 1; /* wrong class */
+  f.size64 = (uint32_t)(kvp__sc_size(kvp__page_class(&a) + 1) >> 6); /* wrong class */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  f = a;
+  f.size64 += 1; /* no class at all */
+  ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
+  f = big;
+  f.size64 += KVP__EXTENT_UNIT >> 6; /* a large page of the wrong size */
   ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
   f = big;
   f.off += KVP__EXTENT_UNIT; /* inside a large page */
@@ -596,11 +765,13 @@ static Suite *suite(void) {
   tcase_add_test(tc, extents_split_and_coalesce);
   tcase_add_test(tc, extents_alignment_and_full);
   tcase_add_test(tc, extents_address_map_is_lazy);
+  tcase_add_test(tc, extents_best_fit);
   suite_add_tcase(s, tc);
   tc = tcase_create("slab");
   tcase_add_loop_test(tc, slab_fill_and_drain, 0, 6);
   tcase_add_test(tc, slab_bitmap_reuses_lowest);
   tcase_add_test(tc, small_region_many_classes);
+  tcase_add_test(tc, small_class_small_slab);
   suite_add_tcase(s, tc);
   tc = tcase_create("ledger");
   tcase_add_test(tc, budget_exactly_reachable_never_passable);
@@ -608,6 +779,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, region_full_is_enospc);
   tcase_add_test(tc, grow_moves_keep_payload);
   tcase_add_test(tc, large_grow_in_place);
+  tcase_add_test(tc, large_pages_exact_sizes);
   suite_add_tcase(s, tc);
   tc = tcase_create("bad_input");
   tcase_add_test(tc, bad_sizes_and_ids);

@@ -238,7 +238,9 @@ START_TEST(layout_formula) {
 END_TEST
 
 /* The allocated bytes of a page of b requested bytes (DESIGN.md 5). */
-static uint64_t class_bytes(uint64_t b) { return kvp__sc_size_slow(kvp__sc_index_slow(b)); }
+static uint64_t class_bytes(uint64_t b) {
+  return b > KVP__SMALL_MAX_BYTES ? kvp__align_up(b, KVP__EXTENT_UNIT) : kvp__sc_size_slow(kvp__sc_index_slow(b));
+}
 
 START_TEST(ratio_vs_bf16) {
   enum { N = 38400, D = 128 };
