@@ -526,7 +526,7 @@ typedef struct kvp_attend_req {
   float scale;                /* in: softmax scale (e.g. 1/sqrt(head_dim)); finite */
   void *out;                  /* out: device [batch][n_q_heads][head_dim] of out_dtype, 16-byte aligned */
   kvp_dtype out_dtype;        /* in: KVP_DTYPE_BF16 (default) or KVP_DTYPE_F32 */
-  void *workspace;            /* in: device scratch (block table, partial results) */
+  void *workspace;            /* in: device scratch (block table, partial results), 16-byte aligned */
   uint64_t workspace_bytes;
   uint32_t split_tokens;      /* in: tokens per thread block's split; 0: chosen to fill the device */
   uint64_t workspace_needed;  /* out: bytes of workspace this call needs */

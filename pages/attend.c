@@ -86,6 +86,9 @@ static int attend_check(kvp_pool *pool, const kvp_attend_req *q) {
   if (q->out_dtype != KVP_DTYPE_BF16 && q->out_dtype != KVP_DTYPE_F32)
     return kvp__err(KVP_EINVAL, "attend: out_dtype %d (bf16 or f32)", (int)q->out_dtype);
   if (!isfinite(q->scale)) return kvp__err(KVP_EINVAL, "attend: scale is not finite");
+  if (q->workspace_bytes && (!q->workspace || (uintptr_t)q->workspace % 16))
+    return kvp__err(KVP_EINVAL, "attend: workspace must be a device buffer aligned to 16 bytes (%llu bytes given)",
+                    (unsigned long long)q->workspace_bytes);
   if ((uint64_t)q->batch * H >= UINT32_MAX)
     return kvp__err(KVP_EINVAL, "attend: batch %u x %u KV heads is too many", q->batch, H);
   return KVP_OK;
