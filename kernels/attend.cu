@@ -96,11 +96,6 @@ template <uint32_t GM> KVP_D void merge(State<GM> &s, uint32_t g, float om, floa
   s.m[g] = M;
 }
 
-template <uint32_t D> KVP_D void store_out(void *out, uint32_t dt, size_t i, float x) {
-  if (dt == kF32) ((float *)out)[i] = x;
-  else ((uint16_t *)out)[i] = (uint16_t)bf16_from_f32(x);
-}
-
 template <uint32_t D, uint32_t GM>
 __global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_constant__ AttnArgs a) {
   constexpr uint32_t TPT = D / 8, TPW = 32 / TPT;
@@ -222,7 +217,7 @@ __global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_const
         A = fmaf(sm_acc[w][g][d], f, A);
       }
     if (sp.slot == KVP__ASPLIT_ONLY) {
-      store_out<D>(a.out, a.out_dtype, ((size_t)b * a.Hq + h * G + g) * D + d, L > 0.0f ? A / L : 0.0f);
+      store_elem(a.out, a.out_dtype, ((size_t)b * a.Hq + h * G + g) * D + d, L > 0.0f ? A / L : 0.0f);
     } else {
       float *pr = a.part + ((size_t)sp.slot * G + g) * (2 + D);
       if (d == 0) pr[0] = M, pr[1] = L;
@@ -247,7 +242,7 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
       L = fmaf(pr[1], f, L);
       A = fmaf(pr[2 + d], f, A);
     }
-  store_out<D>(a.out, a.out_dtype, ((size_t)b * a.Hq + hq) * D + d, L > 0.0f ? A / L : 0.0f);
+  store_elem(a.out, a.out_dtype, ((size_t)b * a.Hq + hq) * D + d, L > 0.0f ? A / L : 0.0f);
 }
 
 template <uint32_t D>

@@ -177,3 +177,10 @@ kvp__run *kvp__run_settle(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__run 
   }
   return run;
 }
+
+int kvp__append_budget_err(kvp_pool *pool, const kvp__seq *s, uint32_t layer, uint64_t bytes) {
+  return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass the "
+                  "budget (%llu of %llu in use)", (unsigned long long)s->id, layer, s->cur_tokens,
+                  (unsigned long long)bytes, (unsigned long long)pool->alloc.ledger.allocated.current,
+                  (unsigned long long)pool->alloc.ledger.budget_bytes);
+}

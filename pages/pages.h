@@ -299,6 +299,8 @@ int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx); /* both plans' r
  * the budget hold, apply them and reclaim (true: take again); false when
  * there are none left or they would not be enough (nothing changed). */
 bool kvp__append_tx_make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx, uint64_t need_bytes);
+/* KVP_EBUDGET for an append of layer to s that needs bytes more than the budget leaves (the shared message). */
+int kvp__append_budget_err(kvp_pool *pool, const kvp__seq *s, uint32_t layer, uint64_t bytes);
 void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx); /* tx may be NULL */
 void kvp__append_tx_after_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx);
 /* An append takes its run ahead; at publish, once the before-evictions

@@ -346,11 +346,7 @@ retry: /* again after the policy's evictions made room (kvp__append_tx_make_room
   if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
     if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
     rw_undo(pool, &pl);
-    return kvp__err(KVP_EBUDGET, "append of seq %llu layer %u (%u tokens): %llu more allocated bytes would pass "
-                                 "the budget (%llu of %llu in use)",
-                    (unsigned long long)s->id, layer, s->cur_tokens, (unsigned long long)pl.bytes,
-                    (unsigned long long)pool->alloc.ledger.allocated.current,
-                    (unsigned long long)pool->alloc.ledger.budget_bytes);
+    return kvp__append_budget_err(pool, s, layer, pl.bytes);
   }
   rc = rw_take_pages(pool, s, layer, &pl);
   if (rc == KVP_ENOSPC && pool->limbo) {

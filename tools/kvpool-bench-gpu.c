@@ -280,11 +280,20 @@ static float attend_ms(kvp_pool *p, kvp_attend_req *a, float *host_us) {
   return ms_since_start();
 }
 
+/* only: a comma list of spec prefixes ("kv=kivi" selects "kv=kivi:bits=2:group=16"); NULL selects all. */
+static int selected(const char *only, const char *spec) {
+  for (const char *t = only; t && *t; t += strcspn(t, ",") + (t[strcspn(t, ",")] == ',')) {
+    size_t n = strcspn(t, ",");
+    if (n && !strncmp(spec, t, n)) return 1;
+  }
+  return !only;
+}
+
 static void attend_figures(int rounds, int json) {
   enum { HQ = 32, H = 8, D = 128, NB = 3, NCTX = 3, STEP = 1024, MAXB = 64 };
   static const uint32_t batch[NB] = {1, 8, 64}, ctx[NCTX] = {4096, 32768, 131072};
   static const char *const ac[] = {"kv=bf16", "kv=fp8", "kv=int8", "kv=nvfp4", "kv=kivi:bits=2:group=16"};
-  const char *only = getenv("KVP_ATTEND_CODECS"); /* a comma list of the codecs below, to narrow a run */
+  const char *only = getenv("KVP_ATTEND_CODECS"); /* a comma list of spec prefixes, to narrow a run */
   uint32_t maxctx = getenv("KVP_ATTEND_MAXCTX") ? (uint32_t)atoi(getenv("KVP_ATTEND_MAXCTX")) : 0;
   size_t step_bytes = (size_t)STEP * H * D * 2, cbytes = 256ull << 20;
   void *k, *v, *q, *out, *ws, *cs, *cd, *go_k = NULL, *go_v = NULL, *gws = NULL;
@@ -307,7 +316,7 @@ static void attend_figures(int rounds, int json) {
   CK(cudaMalloc(&go_k, gcap * H * D * 2));
   CK(cudaMalloc(&go_v, gcap * H * D * 2));
   for (unsigned c = 0; c < sizeof ac / sizeof *ac; c++)
-    for (unsigned x = 0; x < NCTX && (!only || strstr(only, ac[c])) && (!maxctx || ctx[x] <= maxctx); x++) {
+    for (unsigned x = 0; x < NCTX && selected(only, ac[c]) && (!maxctx || ctx[x] <= maxctx); x++) {
       uint64_t region = (uint64_t)MAXB * ctx[x] * H * D * 4 * (c ? 6 : 10) / 10 + (256ull << 20);
       double t_build = now_us();
       kvp_pool *p = cuda_pool(ac[c], 1, region);
