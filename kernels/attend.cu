@@ -1,7 +1,7 @@
 /*
  * kernels/attend.cu - decode attention over kvpool's pages: one query token
  * per (sequence, query head) against the tokens each KV head retains,
- * dequantized in registers from the codes (no bf16 copy of the cache).
+ * dequantized on chip from the codes (no bf16 copy of the cache in memory).
  *
  * The host (pages/attend.c) walks the page tables and hands a table of
  * splits: a split is a run of block records (kvp__gjob, one per retained
@@ -9,20 +9,31 @@
  * kAttnThreads runs one split for the G = n_q_heads / n_kv_heads query
  * heads that share the KV head (GQA: each K/V row is read once for all G).
  *
- * CTA mapping: TPT = D / 8 lanes per token, each holding 8 channels (its
- * query slice for the G heads, its share of the G output rows). A warp
- * reads 32 / TPT tokens at once, TB tokens deep, K and V rows loaded
- * together before any arithmetic. Warps take the split's records in turn.
- * Scores: 8-element partial dots reduced over the TPT lanes by xor
- * shuffles; softmax online in base 2 (scores pre-scaled by scale *
- * log2(e)), the running max raised at most once per TB tokens. The lanes'
- * and warps' states merge at the end (log-sum-exp), into the output when the
+ * Each warp takes the split's records in turn (the next record's fields
+ * loaded while the current one runs) and walks a record 16 tokens at a
+ * time:
+ *   1. decode: the codec's <codec>_row8 reader (8 elements of a row, the
+ *      host decode's f32 bit for bit) fills the warp's K and V tiles in
+ *      shared memory, rounded to fp16 ([16][D + 8]: padded rows, so the
+ *      matrix loads below hit distinct banks); rows past the record's end
+ *      are zeros;
+ *   2. scores S = Q K^T on the tensor cores (mma m16n8k16, fp16 in, f32
+ *      accumulate): rows are the G query heads (the 16 - G others zero),
+ *      columns the 16 tokens;
+ *   3. online softmax in base 2 per query head (scores pre-scaled by
+ *      scale * log2(e)); the probabilities, rounded to fp16, are already in
+ *      the layout of the B operand of
+ *   4. O^T += V^T P^T (mma, M = 16 channels, N = 8 query heads, K = the 16
+ *      tokens), so no shuffle moves P between the two products.
+ * The warps' states merge at the end (log-sum-exp), into the output when the
  * split is its (sequence, KV head)'s only one, else into a partial record
  * [max, sum, acc[D]] per query head that attend_reduce merges
  * (flash-decoding: one long sequence spreads over many CTAs).
  *
- * The values are the host decode's f32 bit for bit (each codec's
- * <codec>_row8); products and sums in f32, exp2 by ex2.approx (2 ulp).
+ * Precision: K, V and Q enter the products as fp16 (10-bit mantissa: raw
+ * bf16 and fp16 pages exactly, the lossy codecs' decoded values and fp32
+ * pages within 2^-11 relative; magnitudes past fp16's 65504 are not
+ * supported), P as fp16, every sum in f32, exp2 by ex2.approx (2 ulp).
  */
 #include <cuda_runtime.h>
 
@@ -36,6 +47,7 @@
 namespace kvpk {
 
 constexpr uint32_t kAttnThreads = 128, kAttnWarps = kAttnThreads / 32;
+constexpr uint32_t kTile = 16; /* tokens per step of a warp */
 
 struct AttnArgs {
   kvp__kparams p[4];           /* K codec, K tail (raw), V codec, V tail */
@@ -56,165 +68,247 @@ KVP_D float ex2(float x) {
   return y;
 }
 
-/* Rows t0 + tok[u] (u < TB, those with ok[u]) of one side, chunk c. */
-template <uint32_t TB, typename F>
-KVP_D void rows(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t0,
-                const uint32_t (&tok)[TB], const bool (&ok)[TB], uint32_t c, float (&x)[TB][8]) {
+/* {lo, hi} as fp16x2 (round to nearest even) */
+KVP_D uint32_t f16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
+
+KVP_D uint32_t smem_addr(const void *p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+KVP_D void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+KVP_D void ldsm_x4_t(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+/* d += a b: m16n8k16, fp16 operands, f32 accumulators */
+KVP_D void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+/* Rows t0 .. t0 + n - 1 (n <= 16) of one side into tile [16][D + 8] fp16,
+ * rows n .. 15 zeros. Every lane reads 8 elements of 16 / (32 / (D / 8))
+ * rows, every row before the first store (the loads in flight together);
+ * past the end it reads row n - 1 again (a valid row) and stores zeros. */
+template <uint32_t D, typename F>
+KVP_D void tile_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t0,
+                       uint32_t n, uint32_t lane, uint16_t *tile) {
+  constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP;
+  const uint32_t c = lane % TPT, r0 = lane / TPT;
+  uint4 w[NP];
 #pragma unroll
-  for (uint32_t u = 0; u < TB; u++) {
-    if (ok[u]) fn(p, pg, cap, t0 + tok[u], c, x[u]);
-    else
+  for (uint32_t i = 0; i < NP; i++) {
+    float x[8];
+    fn(p, pg, cap, t0 + min(i * RPP + r0, n - 1), c, x);
+    w[i] = make_uint4(f16x2(x[0], x[1]), f16x2(x[2], x[3]), f16x2(x[4], x[5]), f16x2(x[6], x[7]));
+  }
 #pragma unroll
-      for (int e = 0; e < 8; e++) x[u][e] = 0.0f;
+  for (uint32_t i = 0; i < NP; i++) {
+    uint32_t r = i * RPP + r0;
+    *(uint4 *)(tile + r * (D + 8) + 8 * c) = r < n ? w[i] : make_uint4(0, 0, 0, 0);
   }
 }
 
-template <uint32_t TB>
-KVP_D void load_rows(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t0,
-                     const uint32_t (&tok)[TB], const bool (&ok)[TB], uint32_t c, float (&x)[TB][8]) {
+/* Two kernels per head size: one for layers whose K and V pages are all
+ * raw (fewer registers, more warps per SM) and one that reads every codec. */
+constexpr uint32_t kAnyCodec = 0xFFu;
+
+template <uint32_t D, uint32_t C>
+KVP_D void side_decode(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t0, uint32_t n,
+                       uint32_t lane, uint16_t *tile) {
+  if (C == KVP__K_RAW || p.codec == KVP__K_RAW) {
+    if (p.store_dtype == kBF16) tile_decode<D>(raw_row8<kBF16>, p, pg, cap, t0, n, lane, tile);
+    else if (p.store_dtype == kF16) tile_decode<D>(raw_row8<kF16>, p, pg, cap, t0, n, lane, tile);
+    else tile_decode<D>(raw_row8<kF32>, p, pg, cap, t0, n, lane, tile);
+    return;
+  }
   switch (p.codec) {
-  case KVP__K_FP8: rows<TB>(fp8_row8, p, pg, cap, t0, tok, ok, c, x); break;
-  case KVP__K_INT8: rows<TB>(int8_row8, p, pg, cap, t0, tok, ok, c, x); break;
-  case KVP__K_KIVI: rows<TB>(kivi_row8, p, pg, cap, t0, tok, ok, c, x); break;
-  case KVP__K_NVFP4: rows<TB>(nvfp4_row8, p, pg, cap, t0, tok, ok, c, x); break;
-  default: rows<TB>(raw_row8, p, pg, cap, t0, tok, ok, c, x); break;
+  case KVP__K_FP8:
+    if (p.fp8_dynamic) tile_decode<D>(fp8_row8<true>, p, pg, cap, t0, n, lane, tile);
+    else tile_decode<D>(fp8_row8<false>, p, pg, cap, t0, n, lane, tile);
+    break;
+  case KVP__K_INT8: tile_decode<D>(int8_row8, p, pg, cap, t0, n, lane, tile); break;
+  case KVP__K_KIVI:
+    if (p.kivi_bits == 2 && p.kivi_kv == 0) tile_decode<D>(kivi_row8<2, 0>, p, pg, cap, t0, n, lane, tile);
+    else if (p.kivi_bits == 2) tile_decode<D>(kivi_row8<2, 1>, p, pg, cap, t0, n, lane, tile);
+    else if (p.kivi_kv == 0) tile_decode<D>(kivi_row8<4, 0>, p, pg, cap, t0, n, lane, tile);
+    else tile_decode<D>(kivi_row8<4, 1>, p, pg, cap, t0, n, lane, tile);
+    break;
+  default:
+    if (p.nvfp4_ksmooth) tile_decode<D>(nvfp4_row8<true>, p, pg, cap, t0, n, lane, tile);
+    else tile_decode<D>(nvfp4_row8<false>, p, pg, cap, t0, n, lane, tile);
+    break;
   }
 }
 
-/* The online-softmax state of one lane for up to GM query heads. */
-template <uint32_t GM> struct State {
-  float m[GM], l[GM], acc[GM][8];
+/* A record's fields, loaded ahead of its turn. */
+struct Rec {
+  uint32_t page[2][4], tag, t0, m, cap;
 };
 
-/* Merge o into s (both in base-2 log-sum-exp form). */
-template <uint32_t GM> KVP_D void merge(State<GM> &s, uint32_t g, float om, float ol, const float (&oacc)[8]) {
-  float M = fmaxf(s.m[g], om);
-  float a = s.m[g] == -INFINITY ? 0.0f : ex2(s.m[g] - M), b = om == -INFINITY ? 0.0f : ex2(om - M);
-  s.l[g] = s.l[g] * a + ol * b;
+KVP_D void rec_load(const kvp__gjob *r, Rec &o) {
 #pragma unroll
-  for (int e = 0; e < 8; e++) s.acc[g][e] = s.acc[g][e] * a + oacc[e] * b;
-  s.m[g] = M;
+  for (int kv = 0; kv < 2; kv++)
+#pragma unroll
+    for (int i = 0; i < 4; i++) o.page[kv][i] = __ldg(&r->page[kv][i]);
+  o.tag = __ldg(&r->tag), o.t0 = __ldg(&r->t0), o.m = __ldg(&r->m1) + 1u, o.cap = __ldg(&r->cap1) + 1u;
 }
 
-template <uint32_t D, uint32_t GM>
-__global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_constant__ AttnArgs a) {
-  constexpr uint32_t TPT = D / 8, TPW = 32 / TPT;
-  /* tokens per lane group per pass: about 8 tokens per warp pass, fewer rows in flight for wide groups */
-  constexpr uint32_t TB = GM >= 8 ? 2 : (TPW >= 4 ? 2 : 4);
-  const kvp__asplit sp = a.splits[blockIdx.x];
-  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, c = lane % TPT, tg = lane / TPT;
-  const uint32_t b = sp.bh / a.Hkv, h = sp.bh % a.Hkv, G = a.G;
+/* d += a b: m16n8k16, bf16 operands, f32 accumulators */
+KVP_D void mma16816_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+               "{%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
-  float qf[GM][8];
-#pragma unroll
-  for (uint32_t g = 0; g < GM; g++) {
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (g < G) v = __ldg((const uint4 *)(a.q + ((size_t)b * a.Hq + h * G + g) * D) + c);
-    uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int e = 0; e < 4; e++) {
-      qf[g][2 * e] = bf16_to_f32(w[e] & 0xFFFFu) * a.scale_log2;
-      qf[g][2 * e + 1] = bf16_to_f32(w[e] >> 16) * a.scale_log2;
-    }
-  }
-  State<GM> st;
-#pragma unroll
-  for (uint32_t g = 0; g < GM; g++) {
-    st.m[g] = -INFINITY, st.l[g] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; e++) st.acc[g][e] = 0.0f;
-  }
+/* {lo, hi} as bf16x2 (round to nearest even) */
+KVP_D uint32_t bf16x2(float lo, float hi) {
+  uint32_t d;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  return d;
+}
 
-  for (uint32_t r = warp; r < sp.nrec; r += kAttnWarps) {
-    const kvp__gjob *rec = &a.recs[sp.rec0 + r];
-    const uint8_t *kpg[4], *vpg[4];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-      uint32_t ko = __ldg(&rec->page[0][i]), vo = __ldg(&rec->page[1][i]);
-      kpg[i] = ko == KVP__GJOB_NO_PAGE ? nullptr : (const uint8_t *)a.base + (uint64_t)ko * 64;
-      vpg[i] = vo == KVP__GJOB_NO_PAGE ? nullptr : (const uint8_t *)a.base + (uint64_t)vo * 64;
-    }
-    const uint32_t tag = __ldg(&rec->tag), t0 = __ldg(&rec->t0), m = __ldg(&rec->m1) + 1u,
-                   cap = __ldg(&rec->cap1) + 1u;
-    const kvp__kparams &kp = a.p[tag & 1u], &vp = a.p[2 + (tag & 1u)];
-    for (uint32_t ib = 0; ib < m; ib += TPW * TB) { /* uniform over the warp: shuffles below need every lane */
-      uint32_t tok[TB];
-      bool ok[TB];
-#pragma unroll
-      for (uint32_t u = 0; u < TB; u++) tok[u] = ib + u * TPW + tg, ok[u] = tok[u] < m;
-      float kx[TB][8], vx[TB][8];
-      load_rows<TB>(kp, kpg, cap, t0, tok, ok, c, kx);
-      load_rows<TB>(vp, vpg, cap, t0, tok, ok, c, vx);
-      float s[TB][GM];
-#pragma unroll
-      for (uint32_t u = 0; u < TB; u++)
-#pragma unroll
-        for (uint32_t g = 0; g < GM; g++) {
-          float d = 0.0f;
-#pragma unroll
-          for (int e = 0; e < 8; e++) d = fmaf(qf[g][e], kx[u][e], d);
-#pragma unroll
-          for (uint32_t o = TPT / 2; o; o >>= 1) d += __shfl_xor_sync(0xFFFFFFFFu, d, o);
-          s[u][g] = d;
-        }
-#pragma unroll
-      for (uint32_t g = 0; g < GM; g++) {
-        if (g >= G) break;
-        float mn = st.m[g];
-#pragma unroll
-        for (uint32_t u = 0; u < TB; u++)
-          if (ok[u]) mn = fmaxf(mn, s[u][g]);
-        if (mn > st.m[g]) { /* the max rose: rescale what was summed */
-          float al = st.m[g] == -INFINITY ? 0.0f : ex2(st.m[g] - mn);
-          st.l[g] *= al;
-#pragma unroll
-          for (int e = 0; e < 8; e++) st.acc[g][e] *= al;
-          st.m[g] = mn;
-        }
-#pragma unroll
-        for (uint32_t u = 0; u < TB; u++) {
-          if (!ok[u]) continue;
-          float pu = ex2(s[u][g] - mn);
-          st.l[g] += pu;
-#pragma unroll
-          for (int e = 0; e < 8; e++) st.acc[g][e] = fmaf(pu, vx[u][e], st.acc[g][e]);
-        }
-      }
-    }
-  }
+/* 16 bytes from global to shared, asynchronously; src_bytes 0 writes zeros */
+KVP_D void cp_async16(uint32_t dst, const void *src, uint32_t src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+KVP_D void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N> KVP_D void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-  /* the warp's lane groups into group 0 */
+/* Tile rows in fp16 (or bf16) per warp and buffer: [kTile][D + 8]. */
+template <uint32_t D> __host__ __device__ constexpr uint32_t tile_elems() { return kTile * (D + 8); }
+
+/* Dynamic shared memory: per warp NB buffers of a K and a V tile; the
+ * warps' states of the final merge ([warps][8 heads][m, l, acc[D]] f32)
+ * reuse the same bytes once every warp is done. */
+template <uint32_t D, uint32_t NB> constexpr size_t attend_smem() {
+  return (size_t)kAttnWarps * NB * 2 * tile_elems<D>() * 2 > (size_t)kAttnWarps * 8 * (D + 2) * 4
+             ? (size_t)kAttnWarps * NB * 2 * tile_elems<D>() * 2
+             : (size_t)kAttnWarps * 8 * (D + 2) * 4;
+}
+
+/* Q of query heads gr (< G, else zeros) as the A operand of Q K^T: the
+ * rows gr + 8 are zeros. BF: bf16 as given; else rounded to fp16. */
+template <uint32_t D, bool BF>
+KVP_D void load_q(const AttnArgs &a, uint32_t b, uint32_t h, uint32_t gr, uint32_t qd, uint32_t (&qa)[D / 16][2]) {
+  const uint32_t *qr = (const uint32_t *)(a.q + ((size_t)b * a.Hq + h * a.G + (gr < a.G ? gr : 0)) * D);
 #pragma unroll
-  for (uint32_t o = TPT; o < 32; o <<= 1)
-#pragma unroll
-    for (uint32_t g = 0; g < GM; g++) {
-      float om = __shfl_xor_sync(0xFFFFFFFFu, st.m[g], o), ol = __shfl_xor_sync(0xFFFFFFFFu, st.l[g], o);
-      float oacc[8];
-#pragma unroll
-      for (int e = 0; e < 8; e++) oacc[e] = __shfl_xor_sync(0xFFFFFFFFu, st.acc[g][e], o);
-      merge(st, g, om, ol, oacc);
-    }
-  /* the warps through shared memory */
-  __shared__ float sm_m[kAttnWarps][GM], sm_l[kAttnWarps][GM], sm_acc[kAttnWarps][GM][D];
-  if (tg == 0) {
-#pragma unroll
-    for (uint32_t g = 0; g < GM; g++) {
-      if (c == 0) sm_m[warp][g] = st.m[g], sm_l[warp][g] = st.l[g];
-#pragma unroll
-      for (int e = 0; e < 8; e++) sm_acc[warp][g][8 * c + e] = st.acc[g][e];
+  for (uint32_t k = 0; k < D / 16; k++) {
+    uint32_t w0 = gr < a.G ? __ldg(qr + 8 * k + qd) : 0u, w1 = gr < a.G ? __ldg(qr + 8 * k + 4 + qd) : 0u;
+    if (BF) {
+      qa[k][0] = w0, qa[k][1] = w1;
+    } else {
+      qa[k][0] = f16x2(bf16_to_f32(w0 & 0xFFFFu), bf16_to_f32(w0 >> 16));
+      qa[k][1] = f16x2(bf16_to_f32(w1 & 0xFFFFu), bf16_to_f32(w1 >> 16));
     }
   }
+}
+
+/* The online-softmax state of a lane: query head gr's running max (base 2)
+ * and its share of the sum; O^T: channels 16 i + gr (+ 8) x query heads
+ * 2 qd, 2 qd + 1. */
+template <uint32_t D> struct Acc {
+  float mx, l, o[D / 16][4];
+};
+
+/* One step over the warp's tiles (k_addr, v_addr: this lane's ldmatrix row
+ * in them) of n <= 16 tokens. BF: bf16 tiles, P split into a bf16 value and
+ * its bf16 remainder (two products: P to 2^-16); else fp16 tiles and P. */
+template <uint32_t D, bool BF>
+KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t v_addr, uint32_t n, float scale_log2,
+                     uint32_t qd, Acc<D> &st) {
+  constexpr uint32_t KS = D / 16;
+  /* S = Q K^T: tokens 2 qd, 2 qd + 1 (s[0]) and 8 + those (s[1]) of head gr */
+  float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (uint32_t k = 0; k < KS; k++) {
+    uint32_t kb[4];
+    ldsm_x4(kb, k_addr + k * 32);
+    const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
+    if (BF) mma16816_bf16(s[0], qk, kb[0], kb[1]), mma16816_bf16(s[1], qk, kb[2], kb[3]);
+    else mma16816(s[0], qk, kb[0], kb[1]), mma16816(s[1], qk, kb[2], kb[3]);
+  }
+  float x[4] = {s[0][0] * scale_log2, s[0][1] * scale_log2, s[1][0] * scale_log2, s[1][1] * scale_log2};
+  const uint32_t tok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
+  float tm = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < 4; e++) {
+    if (tok[e] >= n) x[e] = -INFINITY;
+    tm = fmaxf(tm, x[e]);
+  }
+  tm = fmaxf(tm, __shfl_xor_sync(0xFFFFFFFFu, tm, 1));
+  tm = fmaxf(tm, __shfl_xor_sync(0xFFFFFFFFu, tm, 2));
+  const float mn = fmaxf(st.mx, tm), al = ex2(st.mx - mn); /* mn is finite: row 0 of the step is a token */
+  float pr[4];
+#pragma unroll
+  for (int e = 0; e < 4; e++) pr[e] = ex2(x[e] - mn);
+  st.l = fmaf(st.l, al, (pr[0] + pr[1]) + (pr[2] + pr[3]));
+  st.mx = mn;
+  /* rescale O^T's columns: heads 2 qd and 2 qd + 1 */
+  const float a0 = __shfl_sync(0xFFFFFFFFu, al, 8 * qd), a1 = __shfl_sync(0xFFFFFFFFu, al, 8 * qd + 4);
+#pragma unroll
+  for (uint32_t i = 0; i < KS; i++) st.o[i][0] *= a0, st.o[i][1] *= a1, st.o[i][2] *= a0, st.o[i][3] *= a1;
+  /* O^T += V^T P^T: P^T's B fragment is this lane's probabilities */
+  uint32_t p0, p1, r0 = 0, r1 = 0;
+  if (BF) {
+    p0 = bf16x2(pr[0], pr[1]), p1 = bf16x2(pr[2], pr[3]);
+    r0 = bf16x2(pr[0] - bf16_to_f32(p0 & 0xFFFFu), pr[1] - bf16_to_f32(p0 >> 16));
+    r1 = bf16x2(pr[2] - bf16_to_f32(p1 & 0xFFFFu), pr[3] - bf16_to_f32(p1 >> 16));
+  } else {
+    p0 = f16x2(pr[0], pr[1]), p1 = f16x2(pr[2], pr[3]);
+  }
+#pragma unroll
+  for (uint32_t i = 0; i < KS; i++) {
+    uint32_t va[4]; /* V^T's A fragment: tokens 0-7 / 8-15 x channels 16 i + (0-7 / 8-15) */
+    ldsm_x4_t(va, v_addr + i * 32);
+    if (BF) mma16816_bf16(st.o[i], va, p0, p1), mma16816_bf16(st.o[i], va, r0, r1);
+    else mma16816(st.o[i], va, p0, p1);
+  }
+}
+
+/* The CTA's warps' states merged (log-sum-exp) into the output, or into
+ * the split's partial records. smem: the tiles' bytes, free once every
+ * warp passed the barrier at the top. */
+template <uint32_t D>
+KVP_D void cta_merge(const AttnArgs &a, const kvp__asplit &sp, Acc<D> &st, unsigned char *smem) {
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4, G = a.G;
+  const uint32_t b = sp.bh / a.Hkv, h = sp.bh % a.Hkv;
+  st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 1);
+  st.l += __shfl_xor_sync(0xFFFFFFFFu, st.l, 2);
+  __syncthreads(); /* every warp is done with its tiles */
+  float *sm = (float *)smem;
+  float *wst = sm + (size_t)warp * 8 * (D + 2); /* [8 heads][m, l, acc[D]] */
+  if (qd == 0 && gr < G) wst[gr * (D + 2)] = st.mx, wst[gr * (D + 2) + 1] = st.l;
+#pragma unroll
+  for (uint32_t i = 0; i < D / 16; i++)
+#pragma unroll
+    for (uint32_t e = 0; e < 4; e++) {
+      uint32_t hd = 2 * qd + (e & 1u), ch = 16 * i + gr + (e & 2u ? 8 : 0);
+      if (hd < G) wst[hd * (D + 2) + 2 + ch] = st.o[i][e];
+    }
   __syncthreads();
   for (uint32_t i = threadIdx.x; i < G * D; i += kAttnThreads) {
     uint32_t g = i / D, d = i % D;
     float M = -INFINITY;
-    for (uint32_t w = 0; w < kAttnWarps; w++) M = fmaxf(M, sm_m[w][g]);
+    for (uint32_t w = 0; w < kAttnWarps; w++) M = fmaxf(M, sm[(w * 8 + g) * (D + 2)]);
     float L = 0.0f, A = 0.0f;
     if (M != -INFINITY)
       for (uint32_t w = 0; w < kAttnWarps; w++) {
-        float f = sm_m[w][g] == -INFINITY ? 0.0f : ex2(sm_m[w][g] - M);
-        L = fmaf(sm_l[w][g], f, L);
-        A = fmaf(sm_acc[w][g][d], f, A);
+        const float *ws = sm + (w * 8 + g) * (D + 2);
+        float f = ws[0] == -INFINITY ? 0.0f : ex2(ws[0] - M);
+        L = fmaf(ws[1], f, L);
+        A = fmaf(ws[2 + d], f, A);
       }
     if (sp.slot == KVP__ASPLIT_ONLY) {
       store_elem(a.out, a.out_dtype, ((size_t)b * a.Hq + h * G + g) * D + d, L > 0.0f ? A / L : 0.0f);
@@ -224,6 +318,113 @@ __global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_const
       pr[2 + d] = A;
     }
   }
+}
+
+template <uint32_t D> KVP_D void acc_init(Acc<D> &st) {
+  st.mx = -INFINITY, st.l = 0.0f;
+#pragma unroll
+  for (uint32_t i = 0; i < D / 16; i++) st.o[i][0] = st.o[i][1] = st.o[i][2] = st.o[i][3] = 0.0f;
+}
+
+/* Any codec: each step's rows decoded (the codec's row8 reader) into fp16
+ * tiles, one buffer per warp. C: KVP__K_RAW when every binding is raw
+ * (fewer registers), else kAnyCodec. */
+template <uint32_t D, uint32_t C>
+__global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_constant__ AttnArgs a) {
+  constexpr uint32_t LD = D + 8; /* tile row, in elements */
+  extern __shared__ __align__(16) unsigned char smem[];
+  const kvp__asplit sp = a.splits[blockIdx.x];
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
+  uint16_t *kt = (uint16_t *)smem + (size_t)warp * 2 * tile_elems<D>(), *vt = kt + tile_elems<D>();
+  uint32_t qa[D / 16][2];
+  load_q<D, false>(a, sp.bh / a.Hkv, sp.bh % a.Hkv, gr, qd, qa);
+  Acc<D> st;
+  acc_init(st);
+  const uint32_t j = lane / 8, rr = lane % 8; /* ldmatrix: this lane's row of its 8x8 matrix */
+  const uint32_t k_addr = smem_addr(kt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
+  const uint32_t v_addr = smem_addr(vt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
+
+  Rec cur = {}, nxt = {};
+  if (warp < sp.nrec) rec_load(&a.recs[sp.rec0 + warp], cur);
+  for (uint32_t r = warp; r < sp.nrec; r += kAttnWarps) {
+    if (r + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + r + kAttnWarps], nxt);
+    const uint8_t *kpg[4], *vpg[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+      kpg[i] = cur.page[0][i] == KVP__GJOB_NO_PAGE ? nullptr : (const uint8_t *)a.base + (uint64_t)cur.page[0][i] * 64;
+      vpg[i] = cur.page[1][i] == KVP__GJOB_NO_PAGE ? nullptr : (const uint8_t *)a.base + (uint64_t)cur.page[1][i] * 64;
+    }
+    const kvp__kparams &kp = a.p[cur.tag & 1u], &vp = a.p[2 + (cur.tag & 1u)];
+    for (uint32_t ib = 0; ib < cur.m; ib += kTile) {
+      const uint32_t n = min(kTile, cur.m - ib);
+      __syncwarp(); /* the previous step's matrix loads are done with the tiles */
+      side_decode<D, C>(kp, kpg, cur.cap, cur.t0 + ib, n, lane, kt);
+      side_decode<D, C>(vp, vpg, cur.cap, cur.t0 + ib, n, lane, vt);
+      __syncwarp();
+      tile_step<D, false>(qa, k_addr, v_addr, n, a.scale_log2, qd, st);
+    }
+    cur = nxt;
+  }
+  cta_merge<D>(a, sp, st, smem);
+}
+
+/* Raw bf16 pages (every binding): the rows go to shared memory as they
+ * are, by cp.async, one step ahead (two buffers per warp), and the
+ * products read them in bf16. */
+template <uint32_t D>
+__global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_constant__ AttnArgs a) {
+  constexpr uint32_t LD = D + 8, TE = tile_elems<D>();
+  constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP; /* 16-byte chunks per row, rows per pass */
+  extern __shared__ __align__(16) unsigned char smem[];
+  const kvp__asplit sp = a.splits[blockIdx.x];
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
+  uint16_t *wt = (uint16_t *)smem + (size_t)warp * 4 * TE; /* [buffer][K, V] tiles */
+  uint32_t qa[D / 16][2];
+  load_q<D, true>(a, sp.bh / a.Hkv, sp.bh % a.Hkv, gr, qd, qa);
+  Acc<D> st;
+  acc_init(st);
+  const uint32_t j = lane / 8, rr = lane % 8;
+  const uint32_t lds0 = smem_addr(wt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8); /* buffer 0's K tile */
+  const uint32_t c = lane % TPT, rw = lane / TPT;                          /* cp.async: chunk, first row */
+  const uint32_t cpa0 = smem_addr(wt + rw * LD + 8 * c);
+
+  /* the issue side: record fr (fields; the warp's next record in fnx), its next step at fib */
+  uint32_t ri = warp, fib = 0;
+  Rec fr = {}, fnx = {};
+  if (ri < sp.nrec) rec_load(&a.recs[sp.rec0 + ri], fr);
+  if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+  auto issue = [&](uint32_t buf) -> uint32_t { /* the step at (fr, fib) into buf: its token count */
+    const uint32_t n = min(kTile, fr.m - fib);
+#pragma unroll
+    for (uint32_t kv = 0; kv < 2; kv++) {
+      const char *pg = a.base + (uint64_t)fr.page[kv][0] * 64 + ((size_t)(fr.t0 + fib) * D + 8 * c) * 2;
+#pragma unroll
+      for (uint32_t i = 0; i < NP; i++) {
+        const uint32_t r = i * RPP + rw;
+        cp_async16(cpa0 + (buf * 2 + kv) * TE * 2 + i * RPP * LD * 2, pg + (size_t)min(r, n - 1) * D * 2,
+                   r < n ? 16u : 0u);
+      }
+    }
+    cp_async_commit();
+    fib += kTile;
+    if (fib >= fr.m) { /* on to the warp's next record */
+      ri += kAttnWarps, fib = 0, fr = fnx;
+      if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+    }
+    return n;
+  };
+  uint32_t buf = 0, n = ri < sp.nrec ? issue(0) : 0;
+  while (n) {
+    const uint32_t nn = ri < sp.nrec ? issue(buf ^ 1u) : 0;
+    if (nn) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncwarp();
+    const uint32_t ka = lds0 + buf * 2 * TE * 2;
+    tile_step<D, true>(qa, ka, ka + TE * 2, n, a.scale_log2, qd, st);
+    __syncwarp(); /* done with buf before the step after next fills it */
+    buf ^= 1u, n = nn;
+  }
+  cta_merge<D>(a, sp, st, smem);
 }
 
 /* One CTA per (sequence, query head) whose KV head has several splits:
@@ -245,12 +446,23 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
   store_elem(a.out, a.out_dtype, ((size_t)b * a.Hq + hq) * D + d, L > 0.0f ? A / L : 0.0f);
 }
 
+template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
+
+/* The kernel for a layer's bindings, and its shared memory */
+enum { kPickBf16, kPickRaw, kPickAny };
+template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
+  *smem = which == kPickBf16 ? attend_smem<D, 2>() : attend_smem<D, 1>();
+  return which == kPickBf16 ? attend_bf16_kernel<D>
+                            : which == kPickRaw ? attend_kernel<D, KVP__K_RAW> : attend_kernel<D, kAnyCodec>;
+}
+
 template <uint32_t D>
 cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool reduce, cudaStream_t s) {
-  if (a.G == 1) attend_kernel<D, 1><<<nsplits, kAttnThreads, 0, s>>>(a);
-  else if (a.G == 2) attend_kernel<D, 2><<<nsplits, kAttnThreads, 0, s>>>(a);
-  else if (a.G <= 4) attend_kernel<D, 4><<<nsplits, kAttnThreads, 0, s>>>(a);
-  else attend_kernel<D, 8><<<nsplits, kAttnThreads, 0, s>>>(a);
+  bool raw = true, bf16 = true;
+  for (int i = 0; i < 4; i++) raw = raw && a.p[i].codec == KVP__K_RAW, bf16 = bf16 && a.p[i].store_dtype == kBF16;
+  size_t smem;
+  AttnFn<D> k = attend_pick<D>(raw && bf16 ? kPickBf16 : raw ? kPickRaw : kPickAny, &smem);
+  k<<<nsplits, kAttnThreads, smem, s>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess && reduce) {
     attend_reduce<D><<<B * a.Hq, D, 0, s>>>(a);
@@ -261,17 +473,22 @@ cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool 
 
 } // namespace kvpk
 
-/* Load every attention kernel now: with CUDA's lazy module loading the
- * first launch would load them, and a load inside a call whose stream is
- * held (a host function waiting, a graph being captured) can wait forever. */
+/* Load every attention kernel now (and allow it its shared memory): with
+ * CUDA's lazy module loading the first launch would load them, and a load
+ * inside a call whose stream is held (a host function waiting, a graph
+ * being captured) can wait forever. Per device: call it with the pool's
+ * device current. */
 template <uint32_t D> static cudaError_t preload_d() {
+  cudaError_t e = cudaSuccess;
+  for (int w = kvpk::kPickBf16; e == cudaSuccess && w <= kvpk::kPickAny; w++) {
+    size_t smem;
+    kvpk::AttnFn<D> k = kvpk::attend_pick<D>(w, &smem);
+    cudaFuncAttributes fa;
+    e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, k);
+  }
   cudaFuncAttributes fa;
-  cudaError_t e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 1>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 2>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 4>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_kernel<D, 8>);
-  if (e == cudaSuccess) e = cudaFuncGetAttributes(&fa, kvpk::attend_reduce<D>);
-  return e;
+  return e == cudaSuccess ? cudaFuncGetAttributes(&fa, kvpk::attend_reduce<D>) : e;
 }
 
 extern "C" int kvp__kern_attend_preload(void) {

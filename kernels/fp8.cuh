@@ -87,12 +87,14 @@ KVP_D void fp8_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_
   }
 }
 
-/* Attention's reader: elements [8c, 8c + 8) of row t as fp8_decode's f32. */
+/* Attention's reader: elements [8c, 8c + 8) of row t as fp8_decode's f32
+ * (DYN: p.fp8_dynamic, a template argument: no branch between rows). */
+template <bool DYN>
 KVP_D void fp8_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
                     float (&x)[8]) {
   (void)cap;
   uint2 q = __ldg((const uint2 *)(pg[0] + (size_t)t * p.head_dim + 8 * c));
-  float s = p.fp8_dynamic ? __ldg((const float *)pg[1] + t) : p.fp8_static_scale;
+  float s = DYN ? __ldg((const float *)pg[1] + t) : p.fp8_static_scale;
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     x[e] = __fmul_rn(fp8_to_f32(q.x >> 8 * e & 0xFFu), s);

@@ -308,15 +308,16 @@ template <uint32_t B> KVP_D void decode_b(const kvp__kparams &p, const kvp_codec
 
 /* Attention's reader: elements [8c, 8c + 8) of row t as decode_b's f32
  * (8 channels: half a 2-bit word, one 4-bit word; K's 8 records in two
- * 16-byte loads). */
-template <uint32_t B>
+ * 16-byte loads). B and KV (p.kivi_bits, p.kivi_kv): template arguments,
+ * no branch between rows. */
+template <uint32_t B, uint32_t KV>
 KVP_D void row8_b(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t t, uint32_t c, float (&x)[8]) {
   constexpr uint32_t Q = (1u << B) - 1;
   uint32_t D = p.head_dim, G = p.kivi_group, row_bytes = D * B / 8;
   const uint8_t *codes = pg[0], *scales = pg[1];
   uint32_t cw = B == 4 ? ldg_u32(codes, (size_t)t * row_bytes + 4 * c)
                        : (uint32_t)__ldg((const unsigned short *)(codes + (size_t)t * row_bytes) + c);
-  if (p.kivi_kv == 0) {
+  if (KV == 0) {
     uint32_t rr[8];
     load_recs<8, true>(scales + 4 * ((size_t)(t / G) * D + 8 * c), true, rr);
 #pragma unroll
@@ -352,11 +353,11 @@ KVP_D void kivi_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32
   else kivi_::decode_b<4>(p, j, out);
 }
 
+template <uint32_t B, uint32_t KV>
 KVP_D void kivi_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
                      float (&x)[8]) {
   (void)cap;
-  if (p.kivi_bits == 2) kivi_::row8_b<2>(p, pg, t, c, x);
-  else kivi_::row8_b<4>(p, pg, t, c, x);
+  kivi_::row8_b<B, KV>(p, pg, t, c, x);
 }
 
 } // namespace kvpk

@@ -280,7 +280,9 @@ KVP_D void nvfp4_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint3
   }
 }
 
-/* Attention's reader: elements [8c, 8c + 8) of row t as nvfp4_decode's f32. */
+/* Attention's reader: elements [8c, 8c + 8) of row t as nvfp4_decode's f32
+ * (KS: p.nvfp4_ksmooth, a template argument: no branch between rows). */
+template <bool KS>
 KVP_D void nvfp4_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
                       float (&x)[8]) {
   using namespace nvfp4_;
@@ -289,7 +291,7 @@ KVP_D void nvfp4_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint
   float s = fp8_to_f32(__ldg(pg[1] + (size_t)t * nsc + c / 2)), g = __ldg((const float *)pg[2]);
 #pragma unroll
   for (int e = 0; e < 8; e++) x[e] = __fmul_rn(__fmul_rn(e2m1_to_f32(cw >> (4 * e) & 0xFu), s), g);
-  if (p.nvfp4_ksmooth) {
+  if (KS) {
     const uint8_t *mp = pg[1] + (size_t)cap * nsc + (size_t)t * 2;
     float mean = bf16_to_f32((uint32_t)__ldg(mp) | (uint32_t)__ldg(mp + 1) << 8);
 #pragma unroll

@@ -82,12 +82,15 @@ KVP_D void raw_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_
 }
 
 /* Attention's reader (kernels/attend.cu): elements [8c, 8c + 8) of row t,
- * as raw_decode would give them in f32 (pages 16-byte aligned, D % 8 == 0). */
+ * as raw_decode would give them in f32 (pages 16-byte aligned, D % 8 == 0);
+ * DT, the store dtype, a template argument so that a tile's rows hold no
+ * branch between their loads. */
+template <uint32_t DT>
 KVP_D void raw_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
                     float (&x)[8]) {
   (void)cap;
   uint32_t D = p.head_dim;
-  if (p.store_dtype == kF32) {
+  if (DT == kF32) {
     const float4 *r = (const float4 *)(pg[0] + ((size_t)t * D + 8 * c) * 4);
     float4 a = __ldg(r), b = __ldg(r + 1);
     x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
@@ -95,11 +98,10 @@ KVP_D void raw_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32
   }
   uint4 v = __ldg((const uint4 *)(pg[0] + ((size_t)t * D + 8 * c) * 2));
   uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  bool bf = p.store_dtype == kBF16;
 #pragma unroll
   for (int e = 0; e < 4; e++) {
-    x[2 * e] = bf ? bf16_to_f32(w[e] & 0xFFFFu) : f16_to_f32(w[e] & 0xFFFFu);
-    x[2 * e + 1] = bf ? bf16_to_f32(w[e] >> 16) : f16_to_f32(w[e] >> 16);
+    x[2 * e] = DT == kBF16 ? bf16_to_f32(w[e] & 0xFFFFu) : f16_to_f32(w[e] & 0xFFFFu);
+    x[2 * e + 1] = DT == kBF16 ? bf16_to_f32(w[e] >> 16) : f16_to_f32(w[e] >> 16);
   }
 }
 

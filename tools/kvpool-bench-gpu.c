@@ -89,12 +89,20 @@ static float ms_since_start(void) {
   return ms;
 }
 
-/* A gate on the stream: work enqueued after it starts once gate_open. */
+/* A gate on the stream: work enqueued after it starts once gate_open.
+ * KVP_BENCH_NOGATE=1 leaves it out (profilers that replay a kernel at its
+ * launch would wait on it forever); the device times then include the
+ * host part of the call. */
 static volatile int gate_open;
+static int no_gate;
 static void CUDART_CB gate_fn(void *arg) {
   (void)arg;
   while (!__atomic_load_n(&gate_open, __ATOMIC_ACQUIRE)) {
   }
+}
+static void gate_close(void) {
+  gate_open = 0;
+  if (!no_gate) CK(cudaLaunchHostFunc(S, gate_fn, NULL));
 }
 
 static const char *const codecs[] = {"raw", "fp8", "fp8:scale=0.05", "int8", "int8:pct=99", "kivi:bits=2:group=16",
@@ -242,8 +250,7 @@ static void gather_figures(int rounds, int json) {
     g.workspace = ws, g.workspace_bytes = g.workspace_needed;
     float tg[64], tc[64], th[64];
     for (int r = 0; r < rounds; r++) {
-      gate_open = 0;
-      CK(cudaLaunchHostFunc(S, gate_fn, NULL));
+      gate_close();
       CK(cudaEventRecord(E0, S));
       double h0 = now_us();
       KV(kvp_gather(p, &g));
@@ -270,8 +277,7 @@ static void gather_figures(int rounds, int json) {
 /* Device ms of one kvp_attend_decode (the stream gated until the call
  * returned, so its host part is apart: *host_us). */
 static float attend_ms(kvp_pool *p, kvp_attend_req *a, float *host_us) {
-  gate_open = 0;
-  CK(cudaLaunchHostFunc(S, gate_fn, NULL));
+  gate_close();
   CK(cudaEventRecord(E0, S));
   double h0 = now_us();
   KV(kvp_attend_decode(p, a));
@@ -381,8 +387,7 @@ static void attend_figures(int rounds, int json) {
           g.workspace = gws, g.workspace_bytes = g.workspace_needed;
           float tg[64];
           for (int r = 0; r < rounds; r++) {
-            gate_open = 0;
-            CK(cudaLaunchHostFunc(S, gate_fn, NULL));
+            gate_close();
             CK(cudaEventRecord(E0, S));
             KV(kvp_gather(p, &g));
             __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
@@ -493,6 +498,7 @@ int main(int argc, char **argv) {
   struct cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
   if (!json) printf("kvpool-bench-gpu on %s, %d rounds, medians\n", prop.name, rounds);
+  no_gate = getenv("KVP_BENCH_NOGATE") && *getenv("KVP_BENCH_NOGATE") == '1';
   const char *only = getenv("KVP_BENCH_ONLY"); /* codec, gather, attend or append */
   if (!only || strstr(only, "codec")) codec_figures(rounds, json);
   if (!only || strstr(only, "gather")) gather_figures(rounds, json);
