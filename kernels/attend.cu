@@ -427,6 +427,138 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
   cta_merge<D>(a, sp, st, smem);
 }
 
+/* fp8, int8 and nvfp4 pages (K and V of one codec): each step's code rows
+ * go to shared memory by cp.async one step ahead (two buffers per warp),
+ * then the codec's row8s reader (the per-row scales from the pages, small
+ * and cached) turns them into the fp16 tiles. A RAW tail record (an open
+ * stream block) is read from its page directly. */
+template <uint32_t C> __host__ __device__ constexpr uint32_t code_row_bytes(uint32_t D) { return C == KVP__K_NVFP4 ? D / 2 : D; }
+
+template <uint32_t D, uint32_t C> __host__ __device__ constexpr size_t attend_q_smem() {
+  return (size_t)kAttnWarps * (2 * 2 * kTile * code_row_bytes<C>(D) + 2 * tile_elems<D>() * 2) >
+                 (size_t)kAttnWarps * 8 * (D + 2) * 4
+             ? (size_t)kAttnWarps * (2 * 2 * kTile * code_row_bytes<C>(D) + 2 * tile_elems<D>() * 2)
+             : (size_t)kAttnWarps * 8 * (D + 2) * 4;
+}
+
+template <uint32_t D, typename F>
+KVP_D void staged_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, const uint8_t *stage,
+                         uint32_t rb, uint32_t t0, uint32_t n, uint32_t lane, uint16_t *tile) {
+  constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP;
+  const uint32_t c = lane % TPT, r0 = lane / TPT;
+  uint4 w[NP];
+#pragma unroll
+  for (uint32_t i = 0; i < NP; i++) {
+    const uint32_t r = min(i * RPP + r0, n - 1);
+    float x[8];
+    fn(p, pg, cap, stage + r * rb, t0 + r, c, x);
+    w[i] = make_uint4(f16x2(x[0], x[1]), f16x2(x[2], x[3]), f16x2(x[4], x[5]), f16x2(x[6], x[7]));
+  }
+#pragma unroll
+  for (uint32_t i = 0; i < NP; i++) {
+    uint32_t r = i * RPP + r0;
+    *(uint4 *)(tile + r * (D + 8) + 8 * c) = r < n ? w[i] : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <uint32_t D, uint32_t C>
+KVP_D void staged_side(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, const uint8_t *stage,
+                       uint32_t t0, uint32_t n, uint32_t lane, uint16_t *tile) {
+  constexpr uint32_t RB = code_row_bytes<C>(D);
+  if (C == KVP__K_FP8) {
+    if (p.fp8_dynamic) staged_decode<D>(fp8_row8s<true>, p, pg, cap, stage, RB, t0, n, lane, tile);
+    else staged_decode<D>(fp8_row8s<false>, p, pg, cap, stage, RB, t0, n, lane, tile);
+  } else if (C == KVP__K_INT8) {
+    staged_decode<D>(int8_row8s, p, pg, cap, stage, RB, t0, n, lane, tile);
+  } else {
+    if (p.nvfp4_ksmooth) staged_decode<D>(nvfp4_row8s<true>, p, pg, cap, stage, RB, t0, n, lane, tile);
+    else staged_decode<D>(nvfp4_row8s<false>, p, pg, cap, stage, RB, t0, n, lane, tile);
+  }
+}
+
+/* A step of a warp: its record and first row in it, its token count */
+struct Step {
+  Rec r;
+  uint32_t ib, n;
+};
+
+KVP_D void rec_pages(const char *base, const Rec &r, int kv, const uint8_t *(&pg)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; i++)
+    pg[i] = r.page[kv][i] == KVP__GJOB_NO_PAGE ? nullptr : (const uint8_t *)base + (uint64_t)r.page[kv][i] * 64;
+}
+
+template <uint32_t D, uint32_t C>
+__global__ void __launch_bounds__(kAttnThreads) attend_q_kernel(const __grid_constant__ AttnArgs a) {
+  constexpr uint32_t LD = D + 8, TE = tile_elems<D>(), RB = code_row_bytes<C>(D), SB = kTile * RB;
+  constexpr uint32_t CPR = RB / 16; /* 16-byte chunks per code row */
+  extern __shared__ __align__(16) unsigned char smem[];
+  const kvp__asplit sp = a.splits[blockIdx.x];
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
+  unsigned char *ws = smem + (size_t)warp * (4 * SB + 2 * TE * 2); /* [buffer][K, V] code rows, then the tiles */
+  uint16_t *kt = (uint16_t *)(ws + 4 * SB), *vt = kt + TE;
+  uint32_t qa[D / 16][2];
+  load_q<D, false>(a, sp.bh / a.Hkv, sp.bh % a.Hkv, gr, qd, qa);
+  Acc<D> st;
+  acc_init(st);
+  const uint32_t j = lane / 8, rr = lane % 8;
+  const uint32_t k_addr = smem_addr(kt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
+  const uint32_t v_addr = smem_addr(vt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
+  const uint32_t stage0 = smem_addr(ws);
+
+  uint32_t ri = warp, fib = 0;
+  Rec fr = {}, fnx = {};
+  if (ri < sp.nrec) rec_load(&a.recs[sp.rec0 + ri], fr);
+  if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+  auto issue = [&](uint32_t buf, Step &o) { /* the step at (fr, fib): its code rows into buf */
+    o.r = fr, o.ib = fib, o.n = min(kTile, fr.m - fib);
+    if (!(fr.tag & 1u)) {
+#pragma unroll
+      for (uint32_t kv = 0; kv < 2; kv++) {
+        const char *pg = a.base + (uint64_t)fr.page[kv][0] * 64 + (size_t)(fr.t0 + fib) * RB;
+        for (uint32_t i = lane; i < kTile * CPR; i += 32) {
+          const uint32_t r = i / CPR, cc = i % CPR;
+          cp_async16(stage0 + (buf * 2 + kv) * SB + r * RB + cc * 16, pg + (size_t)min(r, o.n - 1) * RB + cc * 16,
+                     r < o.n ? 16u : 0u);
+        }
+      }
+    }
+    cp_async_commit();
+    fib += kTile;
+    if (fib >= fr.m) {
+      ri += kAttnWarps, fib = 0, fr = fnx;
+      if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+    }
+  };
+  Step cur = {}, nxt = {};
+  uint32_t buf = 0;
+  bool has = ri < sp.nrec;
+  if (has) issue(0, cur);
+  while (has) {
+    const bool hn = ri < sp.nrec;
+    if (hn) issue(buf ^ 1u, nxt);
+    if (hn) cp_async_wait<1>();
+    else cp_async_wait<0>();
+    __syncwarp();
+    const uint8_t *kpg[4], *vpg[4];
+    rec_pages(a.base, cur.r, 0, kpg);
+    rec_pages(a.base, cur.r, 1, vpg);
+    const uint32_t t = cur.r.t0 + cur.ib;
+    if (cur.r.tag & 1u) {
+      side_decode<D, KVP__K_RAW>(a.p[1], kpg, cur.r.cap, t, cur.n, lane, kt);
+      side_decode<D, KVP__K_RAW>(a.p[3], vpg, cur.r.cap, t, cur.n, lane, vt);
+    } else {
+      staged_side<D, C>(a.p[0], kpg, cur.r.cap, ws + buf * 2 * SB, t, cur.n, lane, kt);
+      staged_side<D, C>(a.p[2], vpg, cur.r.cap, ws + (buf * 2 + 1) * SB, t, cur.n, lane, vt);
+    }
+    __syncwarp();
+    tile_step<D, false>(qa, k_addr, v_addr, cur.n, a.scale_log2, qd, st);
+    __syncwarp(); /* the tiles and buf are free */
+    cur = nxt, has = hn, buf ^= 1u;
+  }
+  cta_merge<D>(a, sp, st, smem);
+}
+
 /* One CTA per (sequence, query head) whose KV head has several splits:
  * their partial records merged. */
 template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const __grid_constant__ AttnArgs a) {
@@ -449,19 +581,33 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
 template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
 /* The kernel for a layer's bindings, and its shared memory */
-enum { kPickBf16, kPickRaw, kPickAny };
+enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny };
 template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
-  *smem = which == kPickBf16 ? attend_smem<D, 2>() : attend_smem<D, 1>();
-  return which == kPickBf16 ? attend_bf16_kernel<D>
-                            : which == kPickRaw ? attend_kernel<D, KVP__K_RAW> : attend_kernel<D, kAnyCodec>;
+  switch (which) {
+  case kPickBf16: *smem = attend_smem<D, 2>(); return attend_bf16_kernel<D>;
+  case kPickFp8: *smem = attend_q_smem<D, KVP__K_FP8>(); return attend_q_kernel<D, KVP__K_FP8>;
+  case kPickInt8: *smem = attend_q_smem<D, KVP__K_INT8>(); return attend_q_kernel<D, KVP__K_INT8>;
+  case kPickNvfp4: *smem = attend_q_smem<D, KVP__K_NVFP4>(); return attend_q_kernel<D, KVP__K_NVFP4>;
+  case kPickRaw: *smem = attend_smem<D, 1>(); return attend_kernel<D, KVP__K_RAW>;
+  default: *smem = attend_smem<D, 1>(); return attend_kernel<D, kAnyCodec>;
+  }
 }
 
 template <uint32_t D>
 cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool reduce, cudaStream_t s) {
   bool raw = true, bf16 = true;
   for (int i = 0; i < 4; i++) raw = raw && a.p[i].codec == KVP__K_RAW, bf16 = bf16 && a.p[i].store_dtype == kBF16;
+  /* fp8, int8, nvfp4: K and V of one codec, and a raw tail (if any) the kernel's generic reader takes */
+  const uint32_t kc = a.p[0].codec;
+  const bool one = kc == a.p[2].codec && a.p[1].codec == KVP__K_RAW && a.p[3].codec == KVP__K_RAW;
+  int which = raw && bf16 ? kPickBf16
+              : raw       ? kPickRaw
+              : one && kc == KVP__K_FP8   ? kPickFp8
+              : one && kc == KVP__K_INT8  ? kPickInt8
+              : one && kc == KVP__K_NVFP4 ? kPickNvfp4
+                                          : kPickAny;
   size_t smem;
-  AttnFn<D> k = attend_pick<D>(raw && bf16 ? kPickBf16 : raw ? kPickRaw : kPickAny, &smem);
+  AttnFn<D> k = attend_pick<D>(which, &smem);
   k<<<nsplits, kAttnThreads, smem, s>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess && reduce) {

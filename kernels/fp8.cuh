@@ -87,19 +87,34 @@ KVP_D void fp8_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32_
   }
 }
 
-/* Attention's reader: elements [8c, 8c + 8) of row t as fp8_decode's f32
- * (DYN: p.fp8_dynamic, a template argument: no branch between rows). */
-template <bool DYN>
-KVP_D void fp8_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
-                    float (&x)[8]) {
-  (void)cap;
-  uint2 q = __ldg((const uint2 *)(pg[0] + (size_t)t * p.head_dim + 8 * c));
-  float s = DYN ? __ldg((const float *)pg[1] + t) : p.fp8_static_scale;
+/* Attention's readers: elements [8c, 8c + 8) of row t as fp8_decode's f32
+ * (DYN: p.fp8_dynamic, a template argument: no branch between rows).
+ * fp8_row8 reads the codes from the page, fp8_row8s from a copy of the
+ * row in shared memory (srow); both convert by fp8_cvt8. */
+KVP_D void fp8_cvt8(uint2 q, float s, float (&x)[8]) {
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     x[e] = __fmul_rn(fp8_to_f32(q.x >> 8 * e & 0xFFu), s);
     x[4 + e] = __fmul_rn(fp8_to_f32(q.y >> 8 * e & 0xFFu), s);
   }
+}
+
+template <bool DYN> KVP_D float fp8_scale(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t t) {
+  return DYN ? __ldg((const float *)pg[1] + t) : p.fp8_static_scale;
+}
+
+template <bool DYN>
+KVP_D void fp8_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
+                    float (&x)[8]) {
+  (void)cap;
+  fp8_cvt8(__ldg((const uint2 *)(pg[0] + (size_t)t * p.head_dim + 8 * c)), fp8_scale<DYN>(p, pg, t), x);
+}
+
+template <bool DYN>
+KVP_D void fp8_row8s(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, const uint8_t *srow,
+                     uint32_t t, uint32_t c, float (&x)[8]) {
+  (void)cap;
+  fp8_cvt8(*(const uint2 *)(srow + 8 * c), fp8_scale<DYN>(p, pg, t), x);
 }
 
 } // namespace kvpk

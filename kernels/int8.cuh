@@ -122,17 +122,27 @@ KVP_D void int8_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint32
   }
 }
 
-/* Attention's reader: elements [8c, 8c + 8) of row t as int8_decode's f32. */
-KVP_D void int8_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
-                     float (&x)[8]) {
-  (void)cap;
-  uint2 q = __ldg((const uint2 *)(pg[0] + (size_t)t * p.head_dim + 8 * c));
-  float s = bf16_to_f32(__ldg((const unsigned short *)pg[1] + t));
+/* Attention's readers: elements [8c, 8c + 8) of row t as int8_decode's f32;
+ * int8_row8s reads the codes from a copy of the row in shared memory. */
+KVP_D void int8_cvt8(uint2 q, float s, float (&x)[8]) {
 #pragma unroll
   for (int e = 0; e < 4; e++) {
     x[e] = __fmul_rn((float)(int8_t)(q.x >> 8 * e), s);
     x[4 + e] = __fmul_rn((float)(int8_t)(q.y >> 8 * e), s);
   }
+}
+
+KVP_D void int8_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
+                     float (&x)[8]) {
+  (void)cap;
+  int8_cvt8(__ldg((const uint2 *)(pg[0] + (size_t)t * p.head_dim + 8 * c)),
+            bf16_to_f32(__ldg((const unsigned short *)pg[1] + t)), x);
+}
+
+KVP_D void int8_row8s(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, const uint8_t *srow,
+                      uint32_t t, uint32_t c, float (&x)[8]) {
+  (void)cap, (void)p;
+  int8_cvt8(*(const uint2 *)(srow + 8 * c), bf16_to_f32(__ldg((const unsigned short *)pg[1] + t)), x);
 }
 
 } // namespace kvpk

@@ -280,14 +280,15 @@ KVP_D void nvfp4_decode(const kvp__kparams &p, const kvp_codec_dev_job &j, uint3
   }
 }
 
-/* Attention's reader: elements [8c, 8c + 8) of row t as nvfp4_decode's f32
- * (KS: p.nvfp4_ksmooth, a template argument: no branch between rows). */
+/* Attention's readers: elements [8c, 8c + 8) of row t as nvfp4_decode's f32
+ * (KS: p.nvfp4_ksmooth, a template argument: no branch between rows), from
+ * the code word cw of the page (nvfp4_row8) or of a copy of the row in
+ * shared memory (nvfp4_row8s). */
 template <bool KS>
-KVP_D void nvfp4_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
-                      float (&x)[8]) {
+KVP_D void nvfp4_cvt8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
+                      uint32_t cw, float (&x)[8]) {
   using namespace nvfp4_;
-  uint32_t D = p.head_dim, nsc = D / kBlock;
-  uint32_t cw = __ldg((const unsigned int *)(pg[0] + (size_t)t * (D / 2) + 4 * c));
+  uint32_t nsc = p.head_dim / kBlock;
   float s = fp8_to_f32(__ldg(pg[1] + (size_t)t * nsc + c / 2)), g = __ldg((const float *)pg[2]);
 #pragma unroll
   for (int e = 0; e < 8; e++) x[e] = __fmul_rn(__fmul_rn(e2m1_to_f32(cw >> (4 * e) & 0xFu), s), g);
@@ -297,6 +298,18 @@ KVP_D void nvfp4_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint
 #pragma unroll
     for (int e = 0; e < 8; e++) x[e] = __fadd_rn(x[e], mean);
   }
+}
+
+template <bool KS>
+KVP_D void nvfp4_row8(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t, uint32_t c,
+                      float (&x)[8]) {
+  nvfp4_cvt8<KS>(p, pg, cap, t, c, __ldg((const unsigned int *)(pg[0] + (size_t)t * (p.head_dim / 2) + 4 * c)), x);
+}
+
+template <bool KS>
+KVP_D void nvfp4_row8s(const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, const uint8_t *srow,
+                       uint32_t t, uint32_t c, float (&x)[8]) {
+  nvfp4_cvt8<KS>(p, pg, cap, t, c, *(const uint32_t *)(srow + 4 * c), x);
 }
 
 } // namespace kvpk
