@@ -224,10 +224,15 @@ template <uint32_t D> struct Acc {
 
 /* One step over the warp's tiles (k_addr, v_addr: this lane's ldmatrix row
  * in them) of n <= 16 tokens. BF: bf16 tiles, P split into a bf16 value and
- * its bf16 remainder (two products: P to 2^-16); else fp16 tiles and P. */
+ * its bf16 remainder (two products: P to 2^-16); else fp16 tiles and P.
+ * ks, vs: per-token scales of this lane's tokens (2 qd, 2 qd + 1, 8 + those)
+ * that the tiles leave out: K's multiply the scores, V's the probabilities
+ * as the product takes them (the sum of the softmax is of the unscaled). */
+__device__ constexpr float kOnes[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+
 template <uint32_t D, bool BF>
 KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t v_addr, uint32_t n, float scale_log2,
-                     uint32_t qd, Acc<D> &st) {
+                     uint32_t qd, Acc<D> &st, const float (&ks)[4] = kOnes, const float (&vs)[4] = kOnes) {
   constexpr uint32_t KS = D / 16;
   /* S = Q K^T: tokens 2 qd, 2 qd + 1 (s[0]) and 8 + those (s[1]) of head gr */
   float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -239,7 +244,8 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
     if (BF) mma16816_bf16(s[0], qk, kb[0], kb[1]), mma16816_bf16(s[1], qk, kb[2], kb[3]);
     else mma16816(s[0], qk, kb[0], kb[1]), mma16816(s[1], qk, kb[2], kb[3]);
   }
-  float x[4] = {s[0][0] * scale_log2, s[0][1] * scale_log2, s[1][0] * scale_log2, s[1][1] * scale_log2};
+  float x[4] = {s[0][0] * ks[0] * scale_log2, s[0][1] * ks[1] * scale_log2, s[1][0] * ks[2] * scale_log2,
+                s[1][1] * ks[3] * scale_log2};
   const uint32_t tok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
   float tm = -INFINITY;
 #pragma unroll
@@ -266,7 +272,7 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
     r0 = bf16x2(pr[0] - bf16_to_f32(p0 & 0xFFFFu), pr[1] - bf16_to_f32(p0 >> 16));
     r1 = bf16x2(pr[2] - bf16_to_f32(p1 & 0xFFFFu), pr[3] - bf16_to_f32(p1 >> 16));
   } else {
-    p0 = f16x2(pr[0], pr[1]), p1 = f16x2(pr[2], pr[3]);
+    p0 = f16x2(pr[0] * vs[0], pr[1] * vs[1]), p1 = f16x2(pr[2] * vs[2], pr[3] * vs[3]);
   }
 #pragma unroll
   for (uint32_t i = 0; i < KS; i++) {
@@ -428,9 +434,12 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
 }
 
 /* fp8, int8 and nvfp4 pages (K and V of one codec): each step's code rows
- * go to shared memory by cp.async one step ahead (two buffers per warp),
- * then the codec's row8s reader (the per-row scales from the pages, small
- * and cached) turns them into the fp16 tiles. A RAW tail record (an open
+ * go to shared memory by cp.async one step ahead (two buffers per warp).
+ * fp8 and int8 codes become fp16 exactly and their per-token scales
+ * (loaded when the step is issued) multiply the scores and the
+ * probabilities: the products see fl(q K) s instead of q fl(K s), the same
+ * within fp16's rounding. nvfp4 (scales along the channels): the codec's
+ * row8s reader turns the rows into the tile. A RAW tail record (an open
  * stream block) is read from its page directly. */
 template <uint32_t C> __host__ __device__ constexpr uint32_t code_row_bytes(uint32_t D) { return C == KVP__K_NVFP4 ? D / 2 : D; }
 
@@ -476,10 +485,55 @@ KVP_D void staged_side(const kvp__kparams &p, const uint8_t *const (&pg)[4], uin
   }
 }
 
-/* A step of a warp: its record and first row in it, its token count */
+/* 4 fp8 e4m3 or int8 codes (one word) as two fp16x2 words, exactly (no
+ * scale): e4m3 bits moved into fp16's (exponent bias 15 against 7, so the
+ * fp16 is 2^-8 of the value) times 256; int8 as 1152 + x (fp16 bits 0x6400
+ * | (x + 128)) less 1152. */
+template <uint32_t C> KVP_D void codes4_f16(uint32_t w, uint32_t &lo, uint32_t &hi) {
+#pragma unroll
+  for (int k = 0; k < 2; k++) {
+    uint32_t u = __byte_perm(w, 0u, k ? 0x4342u : 0x4140u), h; /* bytes 2k, 2k + 1 in the low bytes of the halves */
+    if (C == KVP__K_FP8) {
+      u = (u & 0x007F007Fu) << 7 | (u & 0x00800080u) << 8;
+      asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(u), "r"(0x5C005C00u)); /* 256 */
+    } else {
+      u = (u ^ 0x00800080u) | 0x64006400u;
+      asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(u), "r"(0x64806480u)); /* 1152 */
+    }
+    (k ? hi : lo) = h;
+  }
+}
+
+/* fp8 and int8 code rows (no scale) from the stage into the fp16 tile;
+ * rows n .. 15 zeros. */
+template <uint32_t D, uint32_t C>
+KVP_D void codes_decode(const uint8_t *stage, uint32_t n, uint32_t lane, uint16_t *tile) {
+  constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP;
+  const uint32_t c = lane % TPT, r0 = lane / TPT;
+#pragma unroll
+  for (uint32_t i = 0; i < NP; i++) {
+    const uint32_t r = i * RPP + r0;
+    const uint2 q = *(const uint2 *)(stage + r * D + 8 * c);
+    uint4 w;
+    codes4_f16<C>(q.x, w.x, w.y);
+    codes4_f16<C>(q.y, w.z, w.w);
+    *(uint4 *)(tile + r * (D + 8) + 8 * c) = r < n ? w : make_uint4(0, 0, 0, 0);
+  }
+}
+
+/* The per-token scale of row t of an fp8 or int8 page (the codec's decode
+ * multiplies by it; here the scores and the probabilities do). */
+template <uint32_t C> KVP_D float row_scale(const kvp__kparams &p, const uint8_t *scales, uint32_t t) {
+  if (C == KVP__K_FP8) return p.fp8_dynamic ? __ldg((const float *)scales + t) : p.fp8_static_scale;
+  return bf16_to_f32(__ldg((const unsigned short *)scales + t));
+}
+
+/* A step of a warp: its record and first row in it, its token count, and
+ * (fp8, int8) the scales of this lane's tokens */
 struct Step {
   Rec r;
   uint32_t ib, n;
+  float ks[4], vs[4];
 };
 
 KVP_D void rec_pages(const char *base, const Rec &r, int kv, const uint8_t *(&pg)[4]) {
@@ -492,6 +546,8 @@ template <uint32_t D, uint32_t C>
 __global__ void __launch_bounds__(kAttnThreads) attend_q_kernel(const __grid_constant__ AttnArgs a) {
   constexpr uint32_t LD = D + 8, TE = tile_elems<D>(), RB = code_row_bytes<C>(D), SB = kTile * RB;
   constexpr uint32_t CPR = RB / 16; /* 16-byte chunks per code row */
+  /* fp8, int8: the tiles hold the codes (exact in fp16), the per-token scales apply after the products */
+  constexpr bool kFold = C == KVP__K_FP8 || C == KVP__K_INT8;
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
@@ -512,6 +568,18 @@ __global__ void __launch_bounds__(kAttnThreads) attend_q_kernel(const __grid_con
   if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
   auto issue = [&](uint32_t buf, Step &o) { /* the step at (fr, fib): its code rows into buf */
     o.r = fr, o.ib = fib, o.n = min(kTile, fr.m - fib);
+#pragma unroll
+    for (int e = 0; e < 4; e++) o.ks[e] = o.vs[e] = 1.0f;
+    if (kFold && !(fr.tag & 1u)) {
+      const uint8_t *ksc = (const uint8_t *)a.base + (uint64_t)fr.page[0][1] * 64,
+                    *vsc = (const uint8_t *)a.base + (uint64_t)fr.page[1][1] * 64;
+      const uint32_t tok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const uint32_t t = fr.t0 + fib + min(tok[e], o.n - 1);
+        o.ks[e] = row_scale<C>(a.p[0], ksc, t), o.vs[e] = row_scale<C>(a.p[2], vsc, t);
+      }
+    }
     if (!(fr.tag & 1u)) {
 #pragma unroll
       for (uint32_t kv = 0; kv < 2; kv++) {
@@ -548,11 +616,16 @@ __global__ void __launch_bounds__(kAttnThreads) attend_q_kernel(const __grid_con
       side_decode<D, KVP__K_RAW>(a.p[1], kpg, cur.r.cap, t, cur.n, lane, kt);
       side_decode<D, KVP__K_RAW>(a.p[3], vpg, cur.r.cap, t, cur.n, lane, vt);
     } else {
-      staged_side<D, C>(a.p[0], kpg, cur.r.cap, ws + buf * 2 * SB, t, cur.n, lane, kt);
-      staged_side<D, C>(a.p[2], vpg, cur.r.cap, ws + (buf * 2 + 1) * SB, t, cur.n, lane, vt);
+      if (kFold) {
+        codes_decode<D, C>(ws + buf * 2 * SB, cur.n, lane, kt);
+        codes_decode<D, C>(ws + (buf * 2 + 1) * SB, cur.n, lane, vt);
+      } else {
+        staged_side<D, C>(a.p[0], kpg, cur.r.cap, ws + buf * 2 * SB, t, cur.n, lane, kt);
+        staged_side<D, C>(a.p[2], vpg, cur.r.cap, ws + (buf * 2 + 1) * SB, t, cur.n, lane, vt);
+      }
     }
     __syncwarp();
-    tile_step<D, false>(qa, k_addr, v_addr, cur.n, a.scale_log2, qd, st);
+    tile_step<D, false>(qa, k_addr, v_addr, cur.n, a.scale_log2, qd, st, cur.ks, cur.vs);
     __syncwarp(); /* the tiles and buf are free */
     cur = nxt, has = hn, buf ^= 1u;
   }
