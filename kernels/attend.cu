@@ -543,7 +543,7 @@ KVP_D void rec_pages(const char *base, const Rec &r, int kv, const uint8_t *(&pg
 }
 
 template <uint32_t D, uint32_t C>
-__global__ void __launch_bounds__(kAttnThreads) attend_q_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3) attend_q_kernel(const __grid_constant__ AttnArgs a) {
   constexpr uint32_t LD = D + 8, TE = tile_elems<D>(), RB = code_row_bytes<C>(D), SB = kTile * RB;
   constexpr uint32_t CPR = RB / 16; /* 16-byte chunks per code row */
   /* fp8, int8: the tiles hold the codes (exact in fp16), the per-token scales apply after the products */
@@ -666,26 +666,42 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
   }
 }
 
+/* The kernel kind for a layer's bindings (attend_pick's argument) */
+inline int attend_kind(const kvp__kparams *p) {
+  bool raw = true, bf16 = true;
+  for (int i = 0; i < 4; i++) raw = raw && p[i].codec == KVP__K_RAW, bf16 = bf16 && p[i].store_dtype == kBF16;
+  /* fp8, int8, nvfp4: K and V of one codec, and a raw tail (if any) the kernel's generic reader takes */
+  const uint32_t kc = p[0].codec;
+  const bool one = kc == p[2].codec && p[1].codec == KVP__K_RAW && p[3].codec == KVP__K_RAW;
+  return raw && bf16                  ? kPickBf16
+         : raw                        ? kPickRaw
+         : one && kc == KVP__K_FP8    ? kPickFp8
+         : one && kc == KVP__K_INT8   ? kPickInt8
+         : one && kc == KVP__K_NVFP4  ? kPickNvfp4
+                                      : kPickAny;
+}
+
 template <uint32_t D>
 cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool reduce, cudaStream_t s) {
-  bool raw = true, bf16 = true;
-  for (int i = 0; i < 4; i++) raw = raw && a.p[i].codec == KVP__K_RAW, bf16 = bf16 && a.p[i].store_dtype == kBF16;
-  /* fp8, int8, nvfp4: K and V of one codec, and a raw tail (if any) the kernel's generic reader takes */
-  const uint32_t kc = a.p[0].codec;
-  const bool one = kc == a.p[2].codec && a.p[1].codec == KVP__K_RAW && a.p[3].codec == KVP__K_RAW;
-  int which = raw && bf16 ? kPickBf16
-              : raw       ? kPickRaw
-              : one && kc == KVP__K_FP8   ? kPickFp8
-              : one && kc == KVP__K_INT8  ? kPickInt8
-              : one && kc == KVP__K_NVFP4 ? kPickNvfp4
-                                          : kPickAny;
   size_t smem;
-  AttnFn<D> k = attend_pick<D>(which, &smem);
+  AttnFn<D> k = attend_pick<D>(attend_kind(a.p), &smem);
   k<<<nsplits, kAttnThreads, smem, s>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess && reduce) {
     attend_reduce<D><<<B * a.Hq, D, 0, s>>>(a);
     e = cudaGetLastError();
+  }
+  return e;
+}
+
+template <uint32_t D> cudaError_t attend_occupancy(uint32_t *occ) {
+  cudaError_t e = cudaSuccess;
+  for (int w = kPickBf16; e == cudaSuccess && w <= kPickAny; w++) {
+    size_t smem;
+    AttnFn<D> k = attend_pick<D>(w, &smem);
+    int n = 0;
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, k, kAttnThreads, smem);
+    occ[w] = n > 0 ? (uint32_t)n : 1u;
   }
   return e;
 }
@@ -708,6 +724,19 @@ template <uint32_t D> static cudaError_t preload_d() {
   }
   cudaFuncAttributes fa;
   return e == cudaSuccess ? cudaFuncGetAttributes(&fa, kvpk::attend_reduce<D>) : e;
+}
+
+extern "C" uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]) { return (uint32_t)kvpk::attend_kind(p); }
+
+extern "C" int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ) {
+  for (uint32_t i = 0; i < KVP__KERN_ATTEND_KINDS; i++) occ[i] = 0;
+  switch (head_dim) {
+  case 32: return (int)kvpk::attend_occupancy<32>(occ);
+  case 64: return (int)kvpk::attend_occupancy<64>(occ);
+  case 128: return (int)kvpk::attend_occupancy<128>(occ);
+  case 256: return (int)kvpk::attend_occupancy<256>(occ);
+  default: return 0;
+  }
 }
 
 extern "C" int kvp__kern_attend_preload(void) {

@@ -125,6 +125,14 @@ int kvp__kern_attend(const kvp__attend_args *a, void *stream);
 /* Load the attention kernels on the current device (lazy module loading
  * would load them at the first launch, possibly on a held stream). */
 int kvp__kern_attend_preload(void);
+/* The attention kernels differ by the layer's bindings (raw bf16; fp8,
+ * int8 or nvfp4 on both sides; raw; any): the one p[4] selects, and how
+ * many of each kind's thread blocks fit on one SM of the current device at
+ * head_dim (occ[KVP__KERN_ATTEND_KINDS], 0 where head_dim is not one the
+ * kernels take). */
+#define KVP__KERN_ATTEND_KINDS 6u
+uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]);
+int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ);
 
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above
  * returned. */

@@ -32,10 +32,11 @@ KVP_API void kvp_attend_req_init(kvp_attend_req *req) {
 
 #ifdef KVP_HAVE_CUDA
 
-/* Auto split size: about 4 thread blocks per SM for the call, at least
- * this many tokens each (fewer leave the merge dominant). */
+/* Auto split size: as many splits as the device runs thread blocks of the
+ * layer's kernel at once (one wave: a second, partial one would cost a
+ * whole block's time), at least this many tokens each (fewer leave the
+ * merge dominant). */
 #define SPLIT_MIN_TOKENS 64u
-#define SPLITS_PER_SM 4u
 
 typedef struct attend_ctx {
   kvp_pool *pool;
@@ -136,6 +137,28 @@ static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, uint
   return n;
 }
 
+/* The smallest split size (tokens, >= SPLIT_MIN_TOKENS) whose splits,
+ * ceil(bh's tokens / size) per (sequence, KV head), fit in slots thread
+ * blocks (or one split per bh when there are more bh than slots). */
+static uint64_t wave_chunk(const kvp__gjob *recs, const uint32_t *recs_at, uint32_t nbh, uint64_t tokens,
+                           uint32_t slots) {
+  if (slots < nbh) slots = nbh;
+  uint64_t ch = (tokens + slots - 1) / slots;
+  if (ch < SPLIT_MIN_TOKENS) ch = SPLIT_MIN_TOKENS;
+  for (int it = 0; it < 8; it++) {
+    uint64_t n = 0, most = 0;
+    for (uint32_t bh = 0; bh < nbh; bh++) {
+      uint64_t t = 0;
+      for (uint32_t i = recs_at[bh]; i < recs_at[bh + 1]; i++) t += recs[i].m1 + 1u;
+      n += t ? (t + ch - 1) / ch : 1;
+      if (t > most) most = t;
+    }
+    if (n <= slots || ch >= most) break;
+    ch = ch * n / slots + 1; /* fewer, longer splits */
+  }
+  return ch;
+}
+
 KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
   int rc = attend_check(pool, req);
   if (rc) return rc;
@@ -173,8 +196,8 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
   uint64_t off_splits = 0, off_bh = 0, table = 0, off_part = 0;
   if (!rc) {
     recs_at[nbh] = (uint32_t)g.n;
-    uint64_t want = (uint64_t)kvp__dev_sm_count(pool) * SPLITS_PER_SM, ch = req->split_tokens;
-    if (!ch) ch = (c.tokens + want - 1) / want < SPLIT_MIN_TOKENS ? SPLIT_MIN_TOKENS : (c.tokens + want - 1) / want;
+    uint64_t ch = req->split_tokens;
+    if (!ch) ch = wave_chunk(g.recs, recs_at, nbh, c.tokens, kvp__dev_attend_slots(pool, a.p));
     chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
     nsplit = make_splits(g.recs, recs_at, nbh, chunk, NULL, NULL, &nslot);
     off_splits = align_up(g.n * sizeof(kvp__gjob), 16);

@@ -50,6 +50,7 @@ struct kvp__dev {
   kvp_codec_dev_job *stage_dev;  /* device: staged job tables of an append */
   kvp_codec_dev_job *stage_host; /* pinned host: what is copied there */
   uint32_t sms;                  /* streaming multiprocessors of the device */
+  uint32_t attend_occ[KVP__KERN_ATTEND_KINDS]; /* attention thread blocks per SM, per kernel kind */
 };
 
 static int gstage_init(struct kvp__dev *d);
@@ -88,6 +89,7 @@ int kvp__dev_init(kvp_pool *pool) {
   if (e == cudaSuccess && (e = (cudaError_t)kvp__kern_attend_preload()) != cudaSuccess)
     what = "loading kvpool's kernels on the device (built for another GPU? see CUDA_ARCH)";
   d->sms = sms > 0 ? (uint32_t)sms : 1;
+  if (e == cudaSuccess) e = (cudaError_t)kvp__kern_attend_occupancy(pool->cfg.head_dim, d->attend_occ);
   __atomic_add_fetch(&d->pinned_bytes, 4 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job), __ATOMIC_RELAXED);
   int grc = e == cudaSuccess ? gstage_init(d) : KVP_OK;
   dev_leave(pool, prev);
@@ -422,6 +424,12 @@ void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64
 /* ---- decode attention ------------------------------------------------------ */
 
 uint32_t kvp__dev_sm_count(const kvp_pool *pool) { return pool->dev ? pool->dev->sms : 1; }
+
+uint32_t kvp__dev_attend_slots(const kvp_pool *pool, const kvp__kparams p[4]) {
+  if (!pool->dev) return 1;
+  uint32_t occ = pool->dev->attend_occ[kvp__kern_attend_kind(p)];
+  return pool->dev->sms * (occ ? occ : 1);
+}
 
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
                         void *stream) {

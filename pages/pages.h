@@ -390,6 +390,9 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
 void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes);
 /* Streaming multiprocessors of the pool's device (for splitting work). */
 uint32_t kvp__dev_sm_count(const kvp_pool *pool);
+/* Attention thread blocks the device runs at once for a layer of these
+ * bindings (SMs x blocks per SM of its kernel). */
+uint32_t kvp__dev_attend_slots(const kvp_pool *pool, const kvp__kparams p[4]);
 /* The device control block of a CUDA pool (status words); 0 or an error. */
 int kvp__dev_init(kvp_pool *pool);
 void kvp__dev_fini(kvp_pool *pool);
