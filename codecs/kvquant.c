@@ -51,8 +51,9 @@
  * RoPE (prerope=1, K): after the outliers, channels i and i + R/2 (i <
  *   R/2, R = rope_dims) of the token at position p turn by p * theta^(-2i/R)
  *   (the rotate-half convention of LLaMA/GPT-NeoX), angles and sines in
- *   double, the rotation in f32: y_i = x_i cos - x_{i+R/2} sin,
- *   y_{i+R/2} = x_{i+R/2} cos + x_i sin.
+ *   double (theta^(-2i/R) by pow once at create, sin and cos by
+ *   kvp__sincos, so the device decode gives the same bits), the rotation in
+ *   f32: y_i = x_i cos - x_{i+R/2} sin, y_{i+R/2} = x_{i+R/2} cos + x_i sin.
  * Sinks: rows whose position (pos0 + t) is below sink are copied RAW in
  *   the appended dtype and decode exactly (then RoPE'd, if configured);
  *   their CODES, OUTLIERS and SCALES rows are zero.
@@ -117,6 +118,7 @@ typedef struct kvq_inst {
   float *inv;               /* [H * D]: 1 / cal.rng (malloc) */
   float lut[KVP__KVQ_LUT_MAX]; /* codebook in use */
   float mid[KVP__KVQ_LUT_MAX]; /* 2^b - 1 midpoints */
+  double *inv_freq;         /* [R / 2] theta^(-2i/R), prerope only (malloc), else NULL */
 } kvq_inst;
 
 enum { KEY_BITS, KEY_CALIB, KEY_SEED, KEY_CALIB_TOKENS, KEY_OUTLIERS, KEY_SINK, KEY_LUT, KEY_PREROPE, KEY_THETA,
@@ -240,9 +242,12 @@ static int kvq_create(const char *params, const kvp_codec_geom *geom, void **ins
   size_t hd = (size_t)q.n_heads * q.head_dim;
   q.inv = malloc(hd * sizeof *q.inv);
   for (size_t i = 0; q.inv && i < hd; i++) q.inv[i] = 1.0f / q.cal.rng[i];
-  kvq_inst *out = q.inv ? malloc(sizeof *out) : NULL;
+  if (q.prerope && (q.inv_freq = malloc(q.rope_dims / 2 * sizeof *q.inv_freq)))
+    for (uint32_t i = 0; i < q.rope_dims / 2; i++) q.inv_freq[i] = pow(q.theta, -2.0 * i / (double)q.rope_dims);
+  kvq_inst *out = q.inv && (!q.prerope || q.inv_freq) ? malloc(sizeof *out) : NULL;
   if (!out) {
     free(q.inv);
+    free(q.inv_freq);
     kvp__kvq_side_free(&q.cal);
     kvp__param_fail(err, errcap, NULL, 0, "kvquant: out of memory");
     return KVP_ENOMEM;
@@ -257,6 +262,7 @@ static void kvq_destroy(void *inst) {
   if (!q) return;
   kvp__kvq_side_free(&q->cal);
   free(q->inv);
+  free(q->inv_freq);
   free(q);
 }
 
@@ -264,7 +270,8 @@ static uint32_t kvq_group_tokens(const void *inst) { return 1; }
 
 static size_t kvq_static_bytes(const void *inst) {
   const kvq_inst *q = inst;
-  return sizeof *q + 3 * (size_t)q->n_heads * q->head_dim * sizeof(float);
+  return sizeof *q + 3 * (size_t)q->n_heads * q->head_dim * sizeof(float) +
+         (q->prerope ? q->rope_dims / 2 * sizeof(double) : 0);
 }
 
 /* ---- layout ------------------------------------------------------------------ */
@@ -510,8 +517,9 @@ static void kvq_out_add(const kvq_inst *q, const uint8_t *outl, uint32_t cap, ui
 static void kvq_rope(const kvq_inst *q, float *y, uint32_t pos) {
   uint32_t half = q->rope_dims / 2;
   for (uint32_t i = 0; i < half; i++) {
-    double ang = (double)pos * pow(q->theta, -2.0 * i / (double)q->rope_dims);
-    float cs = (float)cos(ang), sn = (float)sin(ang);
+    double ang = (double)pos * q->inv_freq[i], sd, cd;
+    kvp__sincos(ang, &sd, &cd);
+    float cs = (float)cd, sn = (float)sd;
     float a = y[i], b = y[i + half];
     y[i] = a * cs - b * sn;
     y[i + half] = b * cs + a * sn;
