@@ -119,6 +119,7 @@ typedef struct kvq_inst {
   float lut[KVP__KVQ_LUT_MAX]; /* codebook in use */
   float mid[KVP__KVQ_LUT_MAX]; /* 2^b - 1 midpoints */
   double *inv_freq;         /* [R / 2] theta^(-2i/R), prerope only (malloc), else NULL */
+  struct kvp__kvq_dev *dev; /* the device copy of the tables (codecs/kvquant_cuda.c), or NULL */
 } kvq_inst;
 
 enum { KEY_BITS, KEY_CALIB, KEY_SEED, KEY_CALIB_TOKENS, KEY_OUTLIERS, KEY_SINK, KEY_LUT, KEY_PREROPE, KEY_THETA,
@@ -260,6 +261,9 @@ static int kvq_create(const char *params, const kvp_codec_geom *geom, void **ins
 static void kvq_destroy(void *inst) {
   kvq_inst *q = inst;
   if (!q) return;
+#ifdef KVP_HAVE_CUDA
+  kvp__kvq_dev_release(q->dev);
+#endif
   kvp__kvq_side_free(&q->cal);
   free(q->inv);
   free(q->inv_freq);
@@ -658,6 +662,57 @@ static int kvq_decode_raw_at(const void *inst, const kvp_codec_block *blk, uint3
   return KVP_OK;
 }
 
+/* ---- the device twin's tables ---------------------------------------------------- */
+
+size_t kvp__kvq_dev_image(const void *inst, void *buf) {
+  const kvq_inst *q = inst;
+  size_t nf = q->prerope ? q->rope_dims / 2 : 0, hd = (size_t)q->n_heads * q->head_dim;
+  size_t bytes = nf * sizeof(double) + 2 * KVP__KVQ_LUT_MAX * sizeof(float) + 3 * hd * sizeof(float);
+  if (!buf) return bytes;
+  uint8_t *p = buf;
+  memset(p, 0, bytes);
+  if (nf) memcpy(p, q->inv_freq, nf * sizeof(double));
+  p += nf * sizeof(double);
+  memcpy(p, q->lut, (size_t)(1u << q->bits) * sizeof(float));
+  p += KVP__KVQ_LUT_MAX * sizeof(float);
+  memcpy(p, q->mid, (size_t)((1u << q->bits) - 1) * sizeof(float));
+  p += KVP__KVQ_LUT_MAX * sizeof(float);
+  memcpy(p, q->cal.off, hd * sizeof(float));
+  memcpy(p + hd * sizeof(float), q->cal.rng, hd * sizeof(float));
+  memcpy(p + 2 * hd * sizeof(float), q->inv, hd * sizeof(float));
+  return bytes;
+}
+
+struct kvp__kvq_dev **kvp__kvq_dev_slot(const void *inst) { return &((kvq_inst *)inst)->dev; }
+uint32_t kvp__kvq_head_dim(const void *inst) { return ((const kvq_inst *)inst)->head_dim; }
+int kvp__kvq_prerope(const void *inst) { return ((const kvq_inst *)inst)->prerope; }
+
+void kvp__kvq_kparams_fill(const void *inst, const void *dev_tables, kvp__kvq_kparams *k) {
+  const kvq_inst *q = inst;
+  size_t nf = q->prerope ? q->rope_dims / 2 : 0, hd = (size_t)q->n_heads * q->head_dim;
+  const uint8_t *p = dev_tables; /* device address: arithmetic only */
+  memset(k, 0, sizeof *k);
+  k->inv_freq = nf ? (const double *)p : NULL;
+  k->lut = (const float *)(p + nf * sizeof(double));
+  k->mid = k->lut + KVP__KVQ_LUT_MAX;
+  k->off = k->mid + KVP__KVQ_LUT_MAX;
+  k->rng = k->off + hd;
+  k->inv = k->rng + hd;
+  k->head_dim = q->head_dim;
+  k->n_heads = q->n_heads;
+  k->in_dtype = (uint32_t)q->in_dtype;
+  k->kv = q->kv;
+  k->bits = q->bits;
+  k->k = q->k;
+  k->thresh = q->thresh;
+  k->kmax = q->kmax;
+  k->cw = q->cw;
+  k->row_bytes = q->row_bytes;
+  k->sink = q->sink;
+  k->prerope = q->prerope;
+  k->rope_dims = q->rope_dims;
+}
+
 const kvp_codec_vtable kvp__codec_kvquant = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "kvquant",
@@ -674,4 +729,8 @@ const kvp_codec_vtable kvp__codec_kvquant = {
     .decode_raw_at = kvq_decode_raw_at,
     .open_layout = kvq_open_layout,
     .encode_rows = kvq_encode_rows,
+#ifdef KVP_HAVE_CUDA
+    .encode_dev = kvp__kvq_encode_dev,
+    .decode_dev = kvp__kvq_decode_dev,
+#endif
 };

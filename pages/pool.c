@@ -124,6 +124,9 @@ static int binding_make(kvp_pool *pool, const kvp__spec_entry *e, uint32_t layer
     return kvp__err(KVP_ENOTSUP, "config.codecs: codec %s (layer %u %c) has no device ops (encode_dev, decode_dev), "
                                  "so a CUDA region cannot hold it; it works on a host region", b->vt->name, layer,
                     "KV"[kv]); /* dry: nothing is encoded */
+  if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && kvp__bind_rowwise(b))
+    return kvp__err(KVP_ENOTSUP, "config.codecs: codec %s (layer %u %c) builds blocks row by row, which a CUDA region "
+                    "does not do yet; it works on a host region", b->vt->name, layer, "KV"[kv]);
   return KVP_OK;
 }
 
