@@ -591,7 +591,8 @@ static int kvq_open_layout(const void *inst, const kvp_codec_block *blk, const v
     return kvp__err(KVP_EINVAL, "kvquant: %u + %u rows in a block of %u", n_have, n_new, cap);
   if (n_have && !pages && q->thresh) /* a dry pool: fixed k sizes by count, threshold outliers cannot */
     return kvp__err(KVP_ENOTSUP, "kvquant: threshold outliers size the OUTLIERS page from the rows held; without "
-                    "them (a dry pool) only a fixed outlier fraction can be sized");
+                    "them (a dry pool, or rows on the device) only a fixed outlier count (outlier_mode=topk) can be "
+                    "sized");
   if (blk->head >= q->n_heads)
     return kvp__err(KVP_EINVAL, "kvquant: head %u >= the calibration's %u heads", blk->head, q->n_heads);
   kvq_layout_at(inst, blk->pos0, cap, out);

@@ -211,6 +211,9 @@ typedef struct kvp_codec_vtable {
    * n_have > 0, and a codec whose bytes depend only on the row counts
    * answers as usual, while one that must read the rows it holds returns
    * KVP_ENOTSUP (kvp_pool_create of a dry pool asks once and refuses it).
+   * A CUDA region holds its rows on the device: it too passes pages = NULL,
+   * and src is a device address open_layout must not read (the same
+   * question at create refuses a codec that needs them).
    * Returns KVP_OK, KVP_ECODEC or KVP_ENOTSUP. */
   int (*open_layout)(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
                      const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens, kvp_codec_layout *out);

@@ -431,6 +431,12 @@ void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *r
 /* pages/rowwise.c: appends to layers whose K and V codecs build blocks row
  * by row (open_layout/encode_rows): no RAW tail, OPEN blocks grow. */
 static inline bool kvp__bind_rowwise(const kvp__binding *b) { return b->vt->open_layout && b->vt->encode_rows; }
+/* Host code can read the rows the pool's blocks hold: not a dry pool (no
+ * rows) nor a CUDA region (rows on the device). Row-wise codecs are asked
+ * their open layouts with pages = NULL otherwise. */
+static inline bool kvp__rows_on_host(const kvp_pool *p) {
+  return !(p->cfg.flags & KVP_POOL_DRY) && p->cfg.memory == KVP_MEM_HOST;
+}
 static inline bool kvp__layer_rowwise(const kvp_pool *p, uint32_t layer) {
   return kvp__bind_rowwise(&p->bind[2 * layer]) && kvp__bind_rowwise(&p->bind[2 * layer + 1]);
 }
