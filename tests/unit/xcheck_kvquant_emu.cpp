@@ -14,7 +14,7 @@
  *
  * Specs: top-k and threshold outliers (past D/2 candidates too), none,
  * sinks straddling a block, pre-RoPE keys with a partial rope_dims; D 64,
- * 80, 128, 200; all three input dtypes. No GPU and no CUDA headers: host
+ * 80, 128, 200, 256; all three input dtypes. No GPU and no CUDA headers: host
  * C++ (g++ -ffp-contract=off, so products are not fused). KVP_EMU_FULL=1
  * widens the sweep. The last line has the Check summary format.
  */
@@ -279,7 +279,7 @@ int main() {
       "prerope=1:bits=2:outliers=0.1:lut=uniform",
       "bits=4:outliers=0.3:prerope=1:sink=2",
   };
-  static const uint32_t dims[] = {64, 80, 128, 200};
+  static const uint32_t dims[] = {64, 80, 128, 200, 256};
   static const uint32_t ns_full[] = {1, 16, 33, 64}, ns_quick[] = {1, 33};
   long cases = 0;
   for (const char *spec : specs)
