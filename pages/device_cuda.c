@@ -169,6 +169,13 @@ void kvp__dev_batch_fini(kvp_pool *pool, kvp__dev_batch *db) {
   memset(db, 0, sizeof *db);
 }
 
+int kvp__dev_region_copy(kvp_pool *pool, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream) {
+  int prev, rc = dev_enter(pool, &prev);
+  if (!rc) rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst_off, src_off, bytes, stream);
+  dev_leave(pool, prev);
+  return rc;
+}
+
 /* The message of a status word of group g. */
 static int bad_input(kvp_pool *pool, const kvp__dev_group *g, uint64_t st, uint32_t layer, uint32_t pos) {
   uint32_t kind = (uint32_t)(st >> 60), job = (uint32_t)(st >> 32 & 0x0FFFFFFFu), elem = (uint32_t)st;

@@ -344,6 +344,9 @@ int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *b
  * position). */
 int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint32_t pos, void *stream);
 void kvp__dev_batch_fini(kvp_pool *pool, kvp__dev_batch *db);
+/* A copy inside the region on stream, from the pool's device (a moved
+ * row-wise block's rows, enqueued before the batch that appends to it). */
+int kvp__dev_region_copy(kvp_pool *pool, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream);
 /* Reads: decode jobs, launched by group when one fills and at the flush
  * (enqueued only: kvp_read returns before the device finished). */
 int kvp__dev_read_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j,

@@ -259,8 +259,13 @@ static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, 
         uint64_t keep = e->blk->pages[side][i].requested_bytes < dst->pages[side][i].requested_bytes
                             ? e->blk->pages[side][i].requested_bytes
                             : dst->pages[side][i].requested_bytes;
-        int rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst->pages[side][i].off, e->blk->pages[side][i].off,
-                                              keep, kv->stream);
+        int rc;
+#ifdef KVP_HAVE_CUDA
+        if (db) rc = kvp__dev_region_copy(pool, dst->pages[side][i].off, e->blk->pages[side][i].off, keep, kv->stream);
+        else
+#endif
+          rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst->pages[side][i].off, e->blk->pages[side][i].off,
+                                            keep, NULL);
         if (rc) return rc;
       }
     void *pages[KVP_CODEC_MAX_PAGES];
