@@ -92,8 +92,11 @@
  * the block is exactly layout_at's (topk), or holds its entries (threshold).
  *
  * State: none per stream. Static data: the calibration of the binding's
- * layer and side and the inverse ranges, 3 H D floats (counted as
- * bytes.codec_static).
+ * layer and side and the inverse ranges, 3 H D floats, and R/2 RoPE
+ * frequencies (counted as bytes.codec_static). On a CUDA region a copy of
+ * them lives on the device (kvp__kvq_dev_image, codecs/kvquant_cuda.c;
+ * counted as device.control_bytes), and the device ops
+ * (kernels/kvquant.cuh) are encode_rows' and decode_at's twins.
  */
 #include "builtin.h"
 #include "kvquant.h"
