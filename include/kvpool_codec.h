@@ -237,15 +237,16 @@ typedef struct kvp_codec_vtable {
    * encode_dev: encode rows [t0, t0 + m) of each job's block from src
    * (geom.in_dtype, rows stride_bytes apart) into its pages, as encode
    * would for the block's n = t0 + m rows (t0 = 0 for a codec block; the
-   * pool writes rows into an OPEN block only through the raw codec), rows
-   * n..cap_tokens-1 as encode leaves them. A row-wise codec's
-   * (open_layout, encode_rows) encode_dev is encode_rows' twin instead:
-   * t0 = the rows the block holds, pages sized by open_layout for n rows,
-   * every byte that describes other rows left as it is (a block encoded
-   * whole from t0 = 0 into zeroed pages is then encode_at's). Every non-finite input
-   * element, and every element the format cannot hold, is reported in
-   * *status (a device address; see KVP_DEV_STATUS_OK above); the pages
-   * of such a job are then unspecified (the pool frees them).
+   * pool writes rows into an OPEN block through the raw codec, or through
+   * a row-wise codec below), rows n..cap_tokens-1 as encode leaves them.
+   * A row-wise codec's (open_layout, encode_rows) encode_dev is
+   * encode_rows' twin instead: t0 = the rows the block holds, pages sized
+   * by open_layout for n rows, every byte that describes other rows left as
+   * it is (a block encoded whole from t0 = 0 into zeroed pages is then
+   * encode_at's). Every non-finite input element, and every element the
+   * format cannot hold, is reported in *status (a device address; see
+   * KVP_DEV_STATUS_OK above); the pages of such a job are then unspecified
+   * (the pool frees them).
    * decode_dev: decode rows [t0, t0 + m) of each block into dst (out
    * dtype, rows stride_bytes apart), bit for bit as decode would.
    * Returns KVP_OK, KVP_EDEVICE (a launch failed; message set) or
