@@ -194,6 +194,17 @@ $(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeri
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Iinclude -isystem $(CUDA_HOME)/include $(SAN) \
 	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
 
+# KVQuant's device functions (kernels/kvquant.cuh) on the host, through a
+# CPU emulation of a CTA (tests/unit/cuda_emu.h): no GPU and no CUDA
+# headers, so built and run by `make test` in every build. Host C++ without
+# FMA contraction, so its float operations round as the kernels' __f*_rn.
+EMU_BIN := $(B)/tests/xcheck_kvquant_emu
+$(B)/tests/xcheck_kvquant_emu: tests/unit/xcheck_kvquant_emu.cpp tests/unit/cuda_emu.h $(wildcard kernels/*.cuh kernels/*.h) \
+  codecs/kvquant.h $(A)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
+	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+
 # Integration tests and tools see only include/ and link the shared library.
 PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
 # check_store damages blobs on its redis-server through hiredis directly.
@@ -243,9 +254,9 @@ $(B)/kvpool-calib: $(CALIB_SRC) tools/calib.h $(A)
 run: deps $(B)/kvpool-sim
 	$(B)/kvpool-sim
 
-test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) check-exports pylib
+test: deps lib $(TOOLS) $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) $(EMU_BIN) check-exports pylib
 	@$(if $(XCHECK_BIN),:,echo "skip xcheck_cuda_numeric  skipped: no CUDA headers")
-	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN); c=$$?; $(PYTEST_CMD); exit $$(( c | $$? ))
+	@tools/run-tests.sh $(UNIT_BIN) $(INTEG_BIN) $(STRESS_BIN) $(XCHECK_BIN) $(EMU_BIN); c=$$?; $(PYTEST_CMD); exit $$(( c | $$? ))
 
 check-exports: $(SO)
 	@tools/check-exports.sh $(SO)

@@ -57,6 +57,12 @@ void kvp__fp8_kparams(const void *inst, kvp__kparams *k);
 void kvp__int8_kparams(const void *inst, kvp__kparams *k);
 void kvp__kivi_kparams(const void *inst, kvp__kparams *k);
 void kvp__nvfp4_kparams(const void *inst, kvp__kparams *k);
+/* A binding's device-side static data (kvquant: its calibration tables),
+ * made once on the current device; a CUDA pool calls it at create. KVP_OK
+ * (nothing to make, or made) or an error with a message. */
+int kvp__codec_dev_prepare(const kvp_codec_vtable *vt, const void *inst);
+/* Device bytes that data holds (0: none). */
+uint64_t kvp__codec_dev_static_bytes(const kvp_codec_vtable *vt, const void *inst);
 #define KVP__DEV_OPS(name)                                                                                           \
   static int name##_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,  \
                                uint32_t njobs, uint64_t *status, void *stream) {                                     \

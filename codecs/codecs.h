@@ -47,4 +47,10 @@ void kvp__codec_spec_free(kvp__spec_entry *e, uint32_t n);
 extern const kvp_codec_vtable kvp__codec_raw;
 kvp_dtype kvp__raw_store_dtype(const void *raw_inst); /* stored dtype of a raw instance */
 
+/* An OPEN block's RAW rows read back as stored under this binding: it has
+ * no decode_raw_at, or it is one that presents them unchanged (kvquant
+ * without pre-RoPE keys). The device read path copies RAW rows: a CUDA pool
+ * refuses a binding for which this is 0 on a layer that keeps RAW tails. */
+int kvp__codec_raw_plain(const kvp_codec_vtable *vt, const void *inst);
+
 #endif /* KVP_CODECS_H */

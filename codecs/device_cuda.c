@@ -1,11 +1,13 @@
 /*
  * codecs/device_cuda.c - the built-in codecs' device ops, host side: the
  * launch of their kernels (kernels/codec.cu) with a message on failure,
- * and the kernels' parameters of a binding for the paged gather. Built only
- * with CUDA (files ending in _cuda.c are left out otherwise).
+ * the kernels' parameters of a binding for the paged gather, and the
+ * device-side static data of the bindings that have some (kvquant's tables).
+ * Built only with CUDA (files ending in _cuda.c are left out otherwise).
  */
 #include "builtin.h"
 #include "codecs.h"
+#include "kvquant.h"
 
 int kvp__dev_encode(const char *codec, const kvp__kparams *k, const kvp_codec_dev_job *jobs,
                     const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint64_t *status, void *stream) {
@@ -17,6 +19,14 @@ int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_de
                     const kvp_codec_dev_job *jobs_dev, uint32_t njobs, kvp_dtype out, void *stream) {
   int e = kvp__kern_decode(k, jobs, jobs_dev, njobs, (uint32_t)out, stream);
   return e ? kvp__err(KVP_EDEVICE, "%s device decode of %u blocks: %s", codec, njobs, kvp__kern_errstr(e)) : KVP_OK;
+}
+
+int kvp__codec_dev_prepare(const kvp_codec_vtable *vt, const void *inst) {
+  return vt == &kvp__codec_kvquant ? kvp__kvq_dev_prepare(inst) : KVP_OK;
+}
+
+uint64_t kvp__codec_dev_static_bytes(const kvp_codec_vtable *vt, const void *inst) {
+  return vt == &kvp__codec_kvquant ? kvp__kvq_dev_bytes(inst) : 0;
 }
 
 int kvp__codec_kparams(const kvp_codec_vtable *vt, const void *inst, kvp__kparams *out) {

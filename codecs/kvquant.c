@@ -51,8 +51,9 @@
  * RoPE (prerope=1, K): after the outliers, channels i and i + R/2 (i <
  *   R/2, R = rope_dims) of the token at position p turn by p * theta^(-2i/R)
  *   (the rotate-half convention of LLaMA/GPT-NeoX), angles and sines in
- *   double, the rotation in f32: y_i = x_i cos - x_{i+R/2} sin,
- *   y_{i+R/2} = x_{i+R/2} cos + x_i sin.
+ *   double (theta^(-2i/R) by pow once at create, sin and cos by
+ *   kvp__sincos, so the device decode gives the same bits), the rotation in
+ *   f32: y_i = x_i cos - x_{i+R/2} sin, y_{i+R/2} = x_{i+R/2} cos + x_i sin.
  * Sinks: rows whose position (pos0 + t) is below sink are copied RAW in
  *   the appended dtype and decode exactly (then RoPE'd, if configured);
  *   their CODES, OUTLIERS and SCALES rows are zero.
@@ -91,8 +92,11 @@
  * the block is exactly layout_at's (topk), or holds its entries (threshold).
  *
  * State: none per stream. Static data: the calibration of the binding's
- * layer and side and the inverse ranges, 3 H D floats (counted as
- * bytes.codec_static).
+ * layer and side and the inverse ranges, 3 H D floats, and R/2 RoPE
+ * frequencies (counted as bytes.codec_static). On a CUDA region a copy of
+ * them lives on the device (kvp__kvq_dev_image, codecs/kvquant_cuda.c;
+ * counted as device.control_bytes), and the device ops
+ * (kernels/kvquant.cuh) are encode_rows' and decode_at's twins.
  */
 #include "builtin.h"
 #include "kvquant.h"
@@ -117,6 +121,8 @@ typedef struct kvq_inst {
   float *inv;               /* [H * D]: 1 / cal.rng (malloc) */
   float lut[KVP__KVQ_LUT_MAX]; /* codebook in use */
   float mid[KVP__KVQ_LUT_MAX]; /* 2^b - 1 midpoints */
+  double *inv_freq;         /* [R / 2] theta^(-2i/R), prerope only (malloc), else NULL */
+  struct kvp__kvq_dev *dev; /* the device copy of the tables (codecs/kvquant_cuda.c), or NULL */
 } kvq_inst;
 
 enum { KEY_BITS, KEY_CALIB, KEY_SEED, KEY_CALIB_TOKENS, KEY_OUTLIERS, KEY_SINK, KEY_LUT, KEY_PREROPE, KEY_THETA,
@@ -240,9 +246,12 @@ static int kvq_create(const char *params, const kvp_codec_geom *geom, void **ins
   size_t hd = (size_t)q.n_heads * q.head_dim;
   q.inv = malloc(hd * sizeof *q.inv);
   for (size_t i = 0; q.inv && i < hd; i++) q.inv[i] = 1.0f / q.cal.rng[i];
-  kvq_inst *out = q.inv ? malloc(sizeof *out) : NULL;
+  if (q.prerope && (q.inv_freq = malloc(q.rope_dims / 2 * sizeof *q.inv_freq)))
+    for (uint32_t i = 0; i < q.rope_dims / 2; i++) q.inv_freq[i] = pow(q.theta, -2.0 * i / (double)q.rope_dims);
+  kvq_inst *out = q.inv && (!q.prerope || q.inv_freq) ? malloc(sizeof *out) : NULL;
   if (!out) {
     free(q.inv);
+    free(q.inv_freq);
     kvp__kvq_side_free(&q.cal);
     kvp__param_fail(err, errcap, NULL, 0, "kvquant: out of memory");
     return KVP_ENOMEM;
@@ -255,8 +264,12 @@ static int kvq_create(const char *params, const kvp_codec_geom *geom, void **ins
 static void kvq_destroy(void *inst) {
   kvq_inst *q = inst;
   if (!q) return;
+#ifdef KVP_HAVE_CUDA
+  kvp__kvq_dev_release(q->dev);
+#endif
   kvp__kvq_side_free(&q->cal);
   free(q->inv);
+  free(q->inv_freq);
   free(q);
 }
 
@@ -264,7 +277,8 @@ static uint32_t kvq_group_tokens(const void *inst) { return 1; }
 
 static size_t kvq_static_bytes(const void *inst) {
   const kvq_inst *q = inst;
-  return sizeof *q + 3 * (size_t)q->n_heads * q->head_dim * sizeof(float);
+  return sizeof *q + 3 * (size_t)q->n_heads * q->head_dim * sizeof(float) +
+         (q->prerope ? q->rope_dims / 2 * sizeof(double) : 0);
 }
 
 /* ---- layout ------------------------------------------------------------------ */
@@ -510,8 +524,9 @@ static void kvq_out_add(const kvq_inst *q, const uint8_t *outl, uint32_t cap, ui
 static void kvq_rope(const kvq_inst *q, float *y, uint32_t pos) {
   uint32_t half = q->rope_dims / 2;
   for (uint32_t i = 0; i < half; i++) {
-    double ang = (double)pos * pow(q->theta, -2.0 * i / (double)q->rope_dims);
-    float cs = (float)cos(ang), sn = (float)sin(ang);
+    double ang = (double)pos * q->inv_freq[i], sd, cd;
+    kvp__sincos(ang, &sd, &cd);
+    float cs = (float)cd, sn = (float)sd;
     float a = y[i], b = y[i + half];
     y[i] = a * cs - b * sn;
     y[i + half] = b * cs + a * sn;
@@ -579,7 +594,8 @@ static int kvq_open_layout(const void *inst, const kvp_codec_block *blk, const v
     return kvp__err(KVP_EINVAL, "kvquant: %u + %u rows in a block of %u", n_have, n_new, cap);
   if (n_have && !pages && q->thresh) /* a dry pool: fixed k sizes by count, threshold outliers cannot */
     return kvp__err(KVP_ENOTSUP, "kvquant: threshold outliers size the OUTLIERS page from the rows held; without "
-                    "them (a dry pool) only a fixed outlier fraction can be sized");
+                    "them (a dry pool, or rows on the device) only a fixed outlier count (outlier_mode=topk) can be "
+                    "sized");
   if (blk->head >= q->n_heads)
     return kvp__err(KVP_EINVAL, "kvquant: head %u >= the calibration's %u heads", blk->head, q->n_heads);
   kvq_layout_at(inst, blk->pos0, cap, out);
@@ -650,6 +666,57 @@ static int kvq_decode_raw_at(const void *inst, const kvp_codec_block *blk, uint3
   return KVP_OK;
 }
 
+/* ---- the device twin's tables ---------------------------------------------------- */
+
+size_t kvp__kvq_dev_image(const void *inst, void *buf) {
+  const kvq_inst *q = inst;
+  size_t nf = q->prerope ? q->rope_dims / 2 : 0, hd = (size_t)q->n_heads * q->head_dim;
+  size_t bytes = nf * sizeof(double) + 2 * KVP__KVQ_LUT_MAX * sizeof(float) + 3 * hd * sizeof(float);
+  if (!buf) return bytes;
+  uint8_t *p = buf;
+  memset(p, 0, bytes);
+  if (nf) memcpy(p, q->inv_freq, nf * sizeof(double));
+  p += nf * sizeof(double);
+  memcpy(p, q->lut, (size_t)(1u << q->bits) * sizeof(float));
+  p += KVP__KVQ_LUT_MAX * sizeof(float);
+  memcpy(p, q->mid, (size_t)((1u << q->bits) - 1) * sizeof(float));
+  p += KVP__KVQ_LUT_MAX * sizeof(float);
+  memcpy(p, q->cal.off, hd * sizeof(float));
+  memcpy(p + hd * sizeof(float), q->cal.rng, hd * sizeof(float));
+  memcpy(p + 2 * hd * sizeof(float), q->inv, hd * sizeof(float));
+  return bytes;
+}
+
+struct kvp__kvq_dev **kvp__kvq_dev_slot(const void *inst) { return &((kvq_inst *)inst)->dev; }
+uint32_t kvp__kvq_head_dim(const void *inst) { return ((const kvq_inst *)inst)->head_dim; }
+int kvp__kvq_prerope(const void *inst) { return ((const kvq_inst *)inst)->prerope; }
+
+void kvp__kvq_kparams_fill(const void *inst, const void *dev_tables, kvp__kvq_kparams *k) {
+  const kvq_inst *q = inst;
+  size_t nf = q->prerope ? q->rope_dims / 2 : 0, hd = (size_t)q->n_heads * q->head_dim;
+  const uint8_t *p = dev_tables; /* device address: arithmetic only */
+  memset(k, 0, sizeof *k);
+  k->inv_freq = nf ? (const double *)p : NULL;
+  k->lut = (const float *)(p + nf * sizeof(double));
+  k->mid = k->lut + KVP__KVQ_LUT_MAX;
+  k->off = k->mid + KVP__KVQ_LUT_MAX;
+  k->rng = k->off + hd;
+  k->inv = k->rng + hd;
+  k->head_dim = q->head_dim;
+  k->n_heads = q->n_heads;
+  k->in_dtype = (uint32_t)q->in_dtype;
+  k->kv = q->kv;
+  k->bits = q->bits;
+  k->k = q->k;
+  k->thresh = q->thresh;
+  k->kmax = q->kmax;
+  k->cw = q->cw;
+  k->row_bytes = q->row_bytes;
+  k->sink = q->sink;
+  k->prerope = q->prerope;
+  k->rope_dims = q->rope_dims;
+}
+
 const kvp_codec_vtable kvp__codec_kvquant = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "kvquant",
@@ -666,4 +733,8 @@ const kvp_codec_vtable kvp__codec_kvquant = {
     .decode_raw_at = kvq_decode_raw_at,
     .open_layout = kvq_open_layout,
     .encode_rows = kvq_encode_rows,
+#ifdef KVP_HAVE_CUDA
+    .encode_dev = kvp__kvq_encode_dev,
+    .decode_dev = kvp__kvq_decode_dev,
+#endif
 };

@@ -102,6 +102,36 @@ struct kvp_codec_block;
 int kvp__kvq_decode_f32(const void *inst, const struct kvp_codec_block *blk, const void *const *pages, uint32_t cap,
                         uint32_t t0, uint32_t m, float *dst, size_t dst_stride, int with_outliers, int rope);
 
+/* ---- the device twin --------------------------------------------------------
+ * A binding's tables go to the device once (codecs/kvquant_cuda.c; a pool
+ * does it at create, counted in device.control_bytes; a codec used alone,
+ * at its first device op). Their image, in order:
+ *   inv_freq [R / 2] f64 (prerope only), lut [16] f32, mid [16] f32,
+ *   off [H D] f32, rng [H D] f32, inv [H D] f32 */
+struct kvp__kvq_dev;
+/* Bytes of the image, written into buf when it is not NULL (8-byte aligned). */
+size_t kvp__kvq_dev_image(const void *inst, void *buf);
+/* The instance's device copy (NULL until made), for kvquant_cuda.c: read
+ * and set with atomics (set once, under its lock). */
+struct kvp__kvq_dev **kvp__kvq_dev_slot(const void *inst);
+uint32_t kvp__kvq_head_dim(const void *inst);
+/* Decode transforms rows by position (pre-RoPE keys). */
+int kvp__kvq_prerope(const void *inst);
+#include "../kernels/kernels.h" /* plain C: the kernels' parameter struct */
+/* The kernels' parameters, the tables (the image) at dev_tables. */
+void kvp__kvq_kparams_fill(const void *inst, const void *dev_tables, kvp__kvq_kparams *k);
+#ifdef KVP_HAVE_CUDA
+/* Copy the tables to the current device once: KVP_OK, KVP_ENOTSUP
+ * (head_dim over KVP__KVQ_DEV_MAX_DIM), KVP_EDEVICE, KVP_ENOMEM; messages set. */
+int kvp__kvq_dev_prepare(const void *inst);
+uint64_t kvp__kvq_dev_bytes(const void *inst); /* device bytes the copy holds (0: none) */
+void kvp__kvq_dev_release(struct kvp__kvq_dev *d);
+int kvp__kvq_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                        uint32_t njobs, uint64_t *status, void *stream);
+int kvp__kvq_decode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                        uint32_t njobs, kvp_dtype out, void *stream);
+#endif
+
 /* CRC-32 (IEEE 802.3, reflected, the zlib one) of n bytes, continuing crc. */
 uint32_t kvp__crc32(uint32_t crc, const void *p, size_t n);
 

@@ -41,8 +41,9 @@
  *
  * A reader checks, in order: magic, version, the size the header implies
  * (truncated or grown), the crc32 (corrupt), the geometry and bits against
- * the pool (mismatched), then the slice it loads (finite; rng > 0; lut
- * non-decreasing in [-1, 1]). Every failure names the file and the field.
+ * the pool (mismatched), then the slice it loads (finite; rng > 0 with
+ * 1 / rng finite; lut non-decreasing in [-1, 1]). Every failure names the
+ * file and the field.
  */
 #include "builtin.h"
 #include "kvquant.h"
@@ -443,6 +444,9 @@ static int check_slice(const uint8_t *p, uint32_t H, uint32_t D, uint32_t bits, 
     if (!isfinite(rng) || !(rng > 0))
       return ffail(err, errcap, path, "field layers[%u].%s.rng[head %zu][channel %zu] = %g is not a positive finite "
                    "number", layer, side, i / D, i % D, (double)rng);
+    if (!isfinite(1.0f / rng)) /* the codec normalizes by 1 / rng */
+      return ffail(err, errcap, path, "field layers[%u].%s.rng[head %zu][channel %zu] = %g is too small: its "
+                   "reciprocal overflows f32", layer, side, i / D, i % D, (double)rng);
   }
   float prev = -1.0f;
   for (uint32_t j = 0; j < 1u << bits; j++) {

@@ -25,6 +25,7 @@
 
 #include "../util/util.h"
 
+#include <math.h>
 #include <string.h>
 
 static inline uint32_t f32_bits(float x) {
@@ -138,6 +139,42 @@ static const float e2m1_values[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  
                                       -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
 
 float kvp__e2m1_to_f32(uint8_t code) { return e2m1_values[code & 0xFu]; }
+
+/* ---- sin and cos ----------------------------------------------------------- */
+
+/* pi/2 = P1 + P2 + P3 + P4 (P1..P3: 21 significant bits each) */
+#define SC_P1 0x1.921fbp+0
+#define SC_P2 0x1.5110bp-22
+#define SC_P3 0x1.18469p-44
+#define SC_P4 0x1.13198a2e03707p-65
+#define SC_2_PI 0x1.45f306dc9c883p-1 /* 2/pi */
+/* fdlibm k_sin.c and k_cos.c */
+#define SC_S1 -0x1.5555555555549p-3
+#define SC_S2 0x1.111111110f8a6p-7
+#define SC_S3 -0x1.a01a019c161d5p-13
+#define SC_S4 0x1.71de357b1fe7dp-19
+#define SC_S5 -0x1.ae5e68a2b9cebp-26
+#define SC_S6 0x1.5d93a5acfd57cp-33
+#define SC_C1 0x1.555555555554cp-5
+#define SC_C2 -0x1.6c16c16c15177p-10
+#define SC_C3 0x1.a01a019cb1590p-16
+#define SC_C4 -0x1.27e4f809c52adp-22
+#define SC_C5 0x1.1ee9ebdb4b1c4p-29
+#define SC_C6 -0x1.8fae9be8838d4p-37
+
+void kvp__sincos(double x, double *s, double *c) {
+  double k = floor(x * SC_2_PI + 0.5);
+  double r = x - k * SC_P1; /* exact (Sterbenz) */
+  r = r - k * SC_P2;
+  r = r - k * SC_P3;
+  r = r - k * SC_P4;
+  double z = r * r;
+  double ps = r + r * z * (SC_S1 + z * (SC_S2 + z * (SC_S3 + z * (SC_S4 + z * (SC_S5 + z * SC_S6)))));
+  double pc = 1.0 - 0.5 * z + z * z * (SC_C1 + z * (SC_C2 + z * (SC_C3 + z * (SC_C4 + z * (SC_C5 + z * SC_C6)))));
+  unsigned q = (unsigned)((uint64_t)k & 3u);
+  *s = q == 0 ? ps : q == 1 ? pc : q == 2 ? -ps : -pc;
+  *c = q == 0 ? pc : q == 1 ? -ps : q == 2 ? -pc : ps;
+}
 
 /* ---- rows ---------------------------------------------------------------
  * The branch-free forms of numeric.h over KVP__FOR_CHUNKS: each helper

@@ -97,6 +97,14 @@ float kvp__f16_to_f32(uint16_t code);
 uint8_t kvp__e2m1_from_f32(float x);    /* a code 0..15 */
 float kvp__e2m1_to_f32(uint8_t code);   /* uses the low 4 bits of code */
 
+/* sin and cos of x, 0 <= x < 2^32 pi/2 (KVQuant's RoPE angles), from
+ * correctly rounded double operations only, in a fixed order, so the device
+ * twin (kernels/numeric.cuh) gives the same bits: k = floor(x 2/pi + 1/2),
+ * r = x - k pi/2 by Cody-Waite in four parts (the first three of 21 bits:
+ * k times each is exact for k < 2^32), then fdlibm's kernel polynomials on
+ * |r| <= pi/4 and the quadrant k mod 4. Within 2 ulp of libm (check_numeric). */
+void kvp__sincos(double x, double *s, double *c);
+
 /* ---- branch-free forms ----------------------------------------------------
  * The conversions above again, written without branches or tables so that
  * a loop over them vectorizes: every choice is a mask select, and no float

@@ -8,6 +8,7 @@
  */
 #include "builtin.h"
 #include "codecs.h"
+#include "kvquant.h"
 
 #include <pthread.h>
 #include <string.h>
@@ -94,3 +95,8 @@ KVP_API int kvp_codec_find(const char *name, uint32_t *id) {
 }
 
 KVP_API const kvp_codec_vtable *kvp_codec_get(uint32_t id) { return kvp__codec_get(id); }
+
+int kvp__codec_raw_plain(const kvp_codec_vtable *vt, const void *inst) {
+  if (!vt->decode_raw_at) return 1;
+  return vt == &kvp__codec_kvquant && !kvp__kvq_prerope(inst);
+}

@@ -211,6 +211,9 @@ typedef struct kvp_codec_vtable {
    * n_have > 0, and a codec whose bytes depend only on the row counts
    * answers as usual, while one that must read the rows it holds returns
    * KVP_ENOTSUP (kvp_pool_create of a dry pool asks once and refuses it).
+   * A CUDA region holds its rows on the device: it too passes pages = NULL,
+   * and src is a device address open_layout must not read (the same
+   * question at create refuses a codec that needs them).
    * Returns KVP_OK, KVP_ECODEC or KVP_ENOTSUP. */
   int (*open_layout)(const void *inst, const kvp_codec_block *blk, const void *const *pages, uint32_t n_have,
                      const void *src, size_t src_stride, uint32_t n_new, uint32_t cap_tokens, kvp_codec_layout *out);
@@ -234,11 +237,16 @@ typedef struct kvp_codec_vtable {
    * encode_dev: encode rows [t0, t0 + m) of each job's block from src
    * (geom.in_dtype, rows stride_bytes apart) into its pages, as encode
    * would for the block's n = t0 + m rows (t0 = 0 for a codec block; the
-   * pool writes rows into an OPEN block only through the raw codec), rows
-   * n..cap_tokens-1 as encode leaves them. Every non-finite input
-   * element, and every element the format cannot hold, is reported in
-   * *status (a device address; see KVP_DEV_STATUS_OK above); the pages
-   * of such a job are then unspecified (the pool frees them).
+   * pool writes rows into an OPEN block through the raw codec, or through
+   * a row-wise codec below), rows n..cap_tokens-1 as encode leaves them.
+   * A row-wise codec's (open_layout, encode_rows) encode_dev is
+   * encode_rows' twin instead: t0 = the rows the block holds, pages sized
+   * by open_layout for n rows, every byte that describes other rows left as
+   * it is (a block encoded whole from t0 = 0 into zeroed pages is then
+   * encode_at's). Every non-finite input element, and every element the
+   * format cannot hold, is reported in *status (a device address; see
+   * KVP_DEV_STATUS_OK above); the pages of such a job are then unspecified
+   * (the pool frees them).
    * decode_dev: decode rows [t0, t0 + m) of each block into dst (out
    * dtype, rows stride_bytes apart), bit for bit as decode would.
    * Returns KVP_OK, KVP_EDEVICE (a launch failed; message set) or

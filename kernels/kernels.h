@@ -14,6 +14,7 @@
  *   kernels/<codec>.cuh  one codec's encode and decode of one block
  *   kernels/codec.cu     the batch kernels and their launchers
  *                        and the paged gather (many blocks, K and V, one launch)
+ *   kernels/kvquant.cu   KVQuant's batch kernels (its own parameters)
  *
  * Built only with CUDA (make CUDA=1 or nvcc found); without it the codecs
  * have no device ops and a CUDA pool cannot be created anyway.
@@ -133,6 +134,41 @@ int kvp__kern_attend_preload(void);
 #define KVP__KERN_ATTEND_KINDS 6u
 uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]);
 int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ);
+
+/* KVQuant (kernels/kvquant.cuh, kernels/kvquant.cu). Its parameters do not
+ * fit kvp__kparams (the gather passes 512 of those in a launch's 32 KiB), so
+ * it has its own, its own batch kernels, and no in-kernel reader for the
+ * gather or attention (the gather calls its decode_dev). The tables are the
+ * binding's, in device memory (codecs/kvquant_cuda.c copies them once). */
+#define KVP__KVQ_DEV_MAX_DIM 256u /* head_dim the device kernels take: a token in one warp */
+typedef struct kvp__kvq_kparams {
+  const float *lut;       /* device: [2^b] codebook */
+  const float *mid;       /* device: [2^b - 1] midpoints of the codebook */
+  const float *off;       /* device: [H][D] per-channel offsets */
+  const float *rng;       /* device: [H][D] per-channel half ranges */
+  const float *inv;       /* device: [H][D] 1 / rng */
+  const double *inv_freq; /* device: [R / 2] theta^(-2i/R) (prerope), else NULL */
+  uint32_t head_dim;      /* D, 1..KVP__KVQ_DEV_MAX_DIM */
+  uint32_t n_heads;       /* H of the tables */
+  uint32_t in_dtype;      /* kvp_dtype of appended rows (and of RAW sink rows) */
+  uint32_t kv;            /* 0: K (per channel), 1: V (per token, SCALES page) */
+  uint32_t bits;          /* b: 2, 3 or 4 */
+  uint32_t k;             /* outliers a token (topk) */
+  uint32_t thresh;        /* 1: outlier_mode=threshold */
+  uint32_t kmax;          /* most outliers a token (0: no OUTLIERS page) */
+  uint32_t cw;            /* bytes of an outlier's channel (1 or 2) */
+  uint32_t row_bytes;     /* CODES bytes a token, a multiple of 4 */
+  uint32_t sink;          /* positions kept RAW at the stream's start */
+  uint32_t prerope;       /* 1: decode rotates keys (RoPE) */
+  uint32_t rope_dims;     /* R: leading channels rotated */
+} kvp__kvq_kparams;
+/* Enqueue rows [t0, t0 + m) of each job into its pages (the host's
+ * encode_rows: other rows' bytes untouched) / the decode of rows
+ * [t0, t0 + m) into out dtype, as kvp__kern_encode / kvp__kern_decode. */
+int kvp__kern_kvq_encode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                         uint32_t njobs, uint64_t *status, void *stream);
+int kvp__kern_kvq_decode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                         uint32_t njobs, uint32_t out, void *stream);
 
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above
  * returned. */

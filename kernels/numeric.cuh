@@ -102,6 +102,33 @@ KVP_D float e2m1_to_f32(uint32_t c) {
 
 KVP_D bool finite(float x) { return lt(bits(x) & 0x7FFFFFFFu, 0x7F800000u); }
 
+/* sin and cos of x, 0 <= x < 2^32 pi/2: codecs/numeric.c's kvp__sincos
+ * operation for operation (each double operation rounded on its own, in
+ * the host's order), so the bits are the host's. */
+KVP_D void sincos_det(double x, double &s, double &c) {
+  double k = floor(__dadd_rn(__dmul_rn(x, 0x1.45f306dc9c883p-1), 0.5));
+  double r = __dsub_rn(x, __dmul_rn(k, 0x1.921fbp+0));
+  r = __dsub_rn(r, __dmul_rn(k, 0x1.5110bp-22));
+  r = __dsub_rn(r, __dmul_rn(k, 0x1.18469p-44));
+  r = __dsub_rn(r, __dmul_rn(k, 0x1.13198a2e03707p-65));
+  double z = __dmul_rn(r, r);
+  double ts = __dadd_rn(-0x1.ae5e68a2b9cebp-26, __dmul_rn(z, 0x1.5d93a5acfd57cp-33));
+  ts = __dadd_rn(0x1.71de357b1fe7dp-19, __dmul_rn(z, ts));
+  ts = __dadd_rn(-0x1.a01a019c161d5p-13, __dmul_rn(z, ts));
+  ts = __dadd_rn(0x1.111111110f8a6p-7, __dmul_rn(z, ts));
+  ts = __dadd_rn(-0x1.5555555555549p-3, __dmul_rn(z, ts));
+  double ps = __dadd_rn(r, __dmul_rn(__dmul_rn(r, z), ts));
+  double tc = __dadd_rn(0x1.1ee9ebdb4b1c4p-29, __dmul_rn(z, -0x1.8fae9be8838d4p-37));
+  tc = __dadd_rn(-0x1.27e4f809c52adp-22, __dmul_rn(z, tc));
+  tc = __dadd_rn(0x1.a01a019cb1590p-16, __dmul_rn(z, tc));
+  tc = __dadd_rn(-0x1.6c16c16c15177p-10, __dmul_rn(z, tc));
+  tc = __dadd_rn(0x1.555555555554cp-5, __dmul_rn(z, tc));
+  double pc = __dadd_rn(__dsub_rn(1.0, __dmul_rn(0.5, z)), __dmul_rn(__dmul_rn(z, z), tc));
+  uint32_t q = (uint32_t)((unsigned long long)k & 3ull);
+  s = q == 0 ? ps : q == 1 ? pc : q == 2 ? -ps : -pc;
+  c = q == 0 ? pc : q == 1 ? -ps : q == 2 ? -pc : ps;
+}
+
 } // namespace kvpk
 
 #endif /* KVP_KERNELS_NUMERIC_CUH */

@@ -16,8 +16,9 @@
  * append is published (pages/stream.c frees the pages then). No device
  * memory is allocated per call: the jobs ride in kernel parameters
  * (kernels/codec.cu) and the status words are the pool's (4 x 8 bytes,
- * cudaMalloc'd at create). The gather's block table goes into the
- * caller's workspace.
+ * cudaMalloc'd at create), as are the bindings' device tables (kvquant's
+ * calibration, copied once at create). The gather's block table goes into
+ * the caller's workspace.
  *
  * Freed pages are reused only after the device drained (the CUDA region's
  * quiesce, alloc/region_cuda.c), so a read or gather enqueued before an
@@ -71,6 +72,22 @@ static void dev_leave(const kvp_pool *pool, int prev) {
   if (prev != pool->cfg.device) cudaSetDevice(prev);
 }
 
+/* The bindings' device-side static data (kvquant's calibration tables),
+ * made once on the pool's device; counted in device.control_bytes. */
+static int dev_prepare_bindings(kvp_pool *pool) {
+  int prev, rc = dev_enter(pool, &prev);
+  for (uint32_t i = 0; !rc && i < 2 * pool->cfg.n_layers; i++) {
+    const kvp__binding *b = &pool->bind[i];
+    if (!(rc = kvp__codec_dev_prepare(b->vt, b->inst))) continue;
+    char why[256];
+    snprintf(why, sizeof why, "%s", kvp_last_error()); /* kvp__err rewrites the message it reads */
+    rc = kvp__err(rc, "config.codecs: %s for layer %u %c on CUDA device %d: %s", b->vt->name, i / 2, "KV"[i % 2],
+                  pool->cfg.device, why);
+  }
+  dev_leave(pool, prev);
+  return rc;
+}
+
 int kvp__dev_init(kvp_pool *pool) {
   int prev, rc = dev_enter(pool, &prev);
   if (rc) return rc;
@@ -104,7 +121,7 @@ int kvp__dev_init(kvp_pool *pool) {
     return grc ? grc : cuda_fail(e, what);
   }
   pool->dev = d;
-  return KVP_OK;
+  return dev_prepare_bindings(pool);
 }
 
 void kvp__dev_fini(kvp_pool *pool) {
@@ -152,6 +169,13 @@ void kvp__dev_batch_fini(kvp_pool *pool, kvp__dev_batch *db) {
   (void)pool;
   for (int i = 0; i < 4; i++) kvp__meta_free(db->meta, db->g[i].jobs, db->g[i].cap * sizeof *db->g[i].jobs);
   memset(db, 0, sizeof *db);
+}
+
+int kvp__dev_region_copy(kvp_pool *pool, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream) {
+  int prev, rc = dev_enter(pool, &prev);
+  if (!rc) rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst_off, src_off, bytes, stream);
+  dev_leave(pool, prev);
+  return rc;
 }
 
 /* The message of a status word of group g. */
@@ -418,6 +442,8 @@ int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
 void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes) {
   const struct kvp__dev *d = pool->dev;
   *device_bytes = d ? 4 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job) : 0;
+  for (uint32_t i = 0; d && i < 2 * pool->cfg.n_layers; i++) /* the bindings' tables */
+    *device_bytes += kvp__codec_dev_static_bytes(pool->bind[i].vt, pool->bind[i].inst);
   *pinned_bytes = d ? __atomic_load_n(&d->pinned_bytes, __ATOMIC_RELAXED) : 0;
 }
 

@@ -190,10 +190,10 @@ static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l, uint32_
     kvp_codec_layout lay;
     if (!b->raw && kvp__layer_rowwise(pool, l)) {
       const void *pages[KVP_CODEC_MAX_PAGES];
-      bool dry = pool->cfg.flags & KVP_POOL_DRY; /* no rows held: sized by count */
+      bool held = kvp__rows_on_host(pool); /* else (dry, device rows) sized by count */
       for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
       kvp_codec_block where = {h, b->pos0};
-      if (bd->vt->open_layout(bd->inst, &where, dry ? NULL : pages, b->n_tokens, NULL, 0, 0, b->cap_tokens, &lay))
+      if (bd->vt->open_layout(bd->inst, &where, held ? pages : NULL, b->n_tokens, NULL, 0, 0, b->cap_tokens, &lay))
         return CORRUPT("block at position %u of layer %u head %u: codec %s cannot lay out its %u rows", b->pos0, l, h,
                        bd->vt->name, b->n_tokens);
     } else {

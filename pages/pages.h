@@ -344,6 +344,9 @@ int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *b
  * position). */
 int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint32_t pos, void *stream);
 void kvp__dev_batch_fini(kvp_pool *pool, kvp__dev_batch *db);
+/* A copy inside the region on stream, from the pool's device (a moved
+ * row-wise block's rows, enqueued before the batch that appends to it). */
+int kvp__dev_region_copy(kvp_pool *pool, uint64_t dst_off, uint64_t src_off, uint64_t bytes, void *stream);
 /* Reads: decode jobs, launched by group when one fills and at the flush
  * (enqueued only: kvp_read returns before the device finished). */
 int kvp__dev_read_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j,
@@ -434,6 +437,12 @@ void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *r
 /* pages/rowwise.c: appends to layers whose K and V codecs build blocks row
  * by row (open_layout/encode_rows): no RAW tail, OPEN blocks grow. */
 static inline bool kvp__bind_rowwise(const kvp__binding *b) { return b->vt->open_layout && b->vt->encode_rows; }
+/* Host code can read the rows the pool's blocks hold: not a dry pool (no
+ * rows) nor a CUDA region (rows on the device). Row-wise codecs are asked
+ * their open layouts with pages = NULL otherwise. */
+static inline bool kvp__rows_on_host(const kvp_pool *p) {
+  return !(p->cfg.flags & KVP_POOL_DRY) && p->cfg.memory == KVP_MEM_HOST;
+}
 static inline bool kvp__layer_rowwise(const kvp_pool *p, uint32_t layer) {
   return kvp__bind_rowwise(&p->bind[2 * layer]) && kvp__bind_rowwise(&p->bind[2 * layer + 1]);
 }

@@ -197,8 +197,10 @@ static uint32_t compress_from(const kvp__binding *b, uint32_t cap, uint32_t g, u
   return 0;
 }
 
-/* b (of layer, side kv) at the layer's block sizes: valid layouts, a dry
- * pool's row-count sizing, and no expansion: a codec other than raw (which
+/* b (of layer, side kv) at the layer's block sizes: valid layouts, the
+ * row-count sizing of a pool whose rows the host cannot read (dry, or a
+ * CUDA region), RAW tails a CUDA region reads as the codec presents them,
+ * and no expansion: a codec other than raw (which
  * stores the dtype it names) must not store more bytes per token at the
  * stream-mode block size than the appended dtype takes, unless
  * KVP_POOL_ALLOW_EXPANSION. (In step mode a whole-step block's size is
@@ -209,19 +211,29 @@ static int binding_fit(kvp_pool *pool, uint32_t layer, int kv, const kvp__bindin
   if (!layout_ok(b, bts) || !layout_ok(b, btp))
     return kvp__err(KVP_ECODEC, "codec %s gives a bad layout (pages, types or sizes) for layer %u %c at %u tokens",
                     b->vt->name, layer, "KV"[kv], layout_ok(b, bts) ? btp : bts);
-  if ((c->flags & KVP_POOL_DRY) && kvp__bind_rowwise(b)) {
-    /* A dry pool holds no rows: a row-wise codec must size an OPEN block
-     * from its row count alone (pages = NULL), which it answers here. */
+  if (!kvp__rows_on_host(pool) && kvp__bind_rowwise(b)) {
+    /* A dry pool holds no rows, a CUDA region holds them on the device: a
+     * row-wise codec must size an OPEN block from its row count alone
+     * (pages = NULL), which it answers here. */
     kvp_codec_layout lay;
     kvp_codec_block where = {0, 0};
     int rc = b->vt->open_layout(b->inst, &where, NULL, 1, NULL, 0, 0, bts, &lay);
     if (rc) {
       char why[256];
       snprintf(why, sizeof why, "%s", kvp_last_error()); /* kvp__err rewrites the message it reads */
-      return kvp__err(KVP_ENOTSUP, "config.codecs: %s for layer %u %c sizes its pages from the rows it holds, and a dry "
-                      "pool (KVP_POOL_DRY) holds none (%s)", b->vt->name, layer, "KV"[kv], why);
+      return kvp__err(KVP_ENOTSUP, "config.codecs: %s for layer %u %c sizes its pages from the rows it holds, and %s "
+                      "(%s)", b->vt->name, layer, "KV"[kv],
+                      (c->flags & KVP_POOL_DRY) ? "a dry pool (KVP_POOL_DRY) holds none"
+                                                : "a CUDA region holds them on the device, out of the host's reach",
+                      why);
     }
   }
+  if (c->memory == KVP_MEM_CUDA && !(c->flags & KVP_POOL_DRY) && !kvp__layer_rowwise(pool, layer) &&
+      !kvp__codec_raw_plain(b->vt, b->inst))
+    return kvp__err(KVP_ENOTSUP, "config.codecs: %s for layer %u %c presents the RAW rows of an OPEN block transformed "
+                    "(as kvquant's pre-RoPE keys, rotated at read), which a CUDA region's reads do not do for a layer that keeps "
+                    "RAW tails; bind %c of layer %u to a row-wise codec too (%s) or use a host region", b->vt->name,
+                    layer, "KV"[kv], "VK"[kv], layer, b->vt->name);
   uint64_t src = source_token_bytes(c, kv), have = binding_block_bytes(b, bts);
   if (b->id == KVP__CODEC_RAW || (c->flags & KVP_POOL_ALLOW_EXPANSION) || have <= src * bts) return KVP_OK;
   const kvp__binding *o = &pool->bind[2 * layer + !kv];

@@ -92,7 +92,7 @@ static int rw_size(kvp_pool *pool, uint32_t layer, uint32_t h, const kvp_kv *kv,
     const unsigned char *src = (const unsigned char *)(side ? kv->v : kv->k) + (size_t)h * D * esz +
                                (size_t)e->src_row * stride;
     void *pages[KVP_CODEC_MAX_PAGES] = {0};
-    bool held = tail && !(pool->cfg.flags & KVP_POOL_DRY); /* a dry pool holds no rows: pages = NULL */
+    bool held = tail && kvp__rows_on_host(pool); /* dry, or rows on the device: pages = NULL */
     if (held) page_ptrs(pool, tail, side, pages);
     kvp_codec_block where = {h, e->pos0};
     int rc = bd->vt->open_layout(bd->inst, &where, held ? (const void *const *)pages : NULL, e->n_have, src, stride,
@@ -241,8 +241,11 @@ static int rw_take_pages(kvp_pool *pool, kvp__seq *s, uint32_t layer, rw_plan *p
 }
 
 /* Encode one entry's new rows (a replacement first receives the rows the
- * tail holds). */
-static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, const kvp_kv *kv, rw_blk *e) {
+ * tail holds). On a CUDA region the copy is enqueued on the append's
+ * stream and the encode is a job of db, run once per append after every
+ * copy (kvp__dev_batch_run). */
+static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, const kvp_kv *kv, rw_blk *e,
+                       kvp__dev_batch *db) {
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
   if (pool->cfg.flags & KVP_POOL_DRY) return KVP_OK; /* no payload: nothing to copy or encode */
   kvp__block *dst = e->rep ? e->rep : e->blk;
@@ -256,12 +259,29 @@ static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, 
         uint64_t keep = e->blk->pages[side][i].requested_bytes < dst->pages[side][i].requested_bytes
                             ? e->blk->pages[side][i].requested_bytes
                             : dst->pages[side][i].requested_bytes;
-        int rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst->pages[side][i].off, e->blk->pages[side][i].off,
-                                              keep, NULL);
+        int rc;
+#ifdef KVP_HAVE_CUDA
+        if (db) rc = kvp__dev_region_copy(pool, dst->pages[side][i].off, e->blk->pages[side][i].off, keep, kv->stream);
+        else
+#endif
+          rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst->pages[side][i].off, e->blk->pages[side][i].off,
+                                            keep, NULL);
         if (rc) return rc;
       }
     void *pages[KVP_CODEC_MAX_PAGES];
     page_ptrs(pool, dst, side, pages);
+#ifdef KVP_HAVE_CUDA
+    if (db) {
+      kvp_codec_dev_job j = {.src = src, .stride_bytes = stride, .n = e->n_have + e->n_new, .cap_tokens = e->cap,
+                             .t0 = e->n_have, .m = e->n_new, .head = h, .pos0 = e->pos0};
+      memcpy(j.pages, pages, sizeof j.pages);
+      int rc = kvp__dev_batch_add(pool, db, bd, side, &j);
+      if (rc) return rc;
+      continue;
+    }
+#else
+    (void)db;
+#endif
     kvp_codec_block where = {h, e->pos0};
     int rc = bd->vt->encode_rows(bd->inst, &where, kvp__seq_stream(pool, s, layer, h)->cstate[side], pages, e->n_have,
                                  src, stride, e->n_new, e->cap);
@@ -358,8 +378,21 @@ retry: /* again after the policy's evictions made room (kvp__append_tx_make_room
     rw_undo(pool, &pl);
     return rc;
   }
+  kvp__dev_batch *db = NULL;
+#ifdef KVP_HAVE_CUDA
+  kvp__dev_batch batch;
+  if (pool->cfg.memory == KVP_MEM_CUDA && !(pool->cfg.flags & KVP_POOL_DRY))
+    kvp__dev_batch_init(&batch, pool->cfg.n_kv_heads * pl.per, &pool->meta), db = &batch;
+#endif
   for (uint32_t h = 0; h < pool->cfg.n_kv_heads && !rc; h++)
-    for (uint32_t j = 0; j < pl.per && !rc && !rw_skipped(&pl, h); j++) rc = rw_fill_one(pool, s, layer, h, kv, &pl.e[h * pl.per + j]);
+    for (uint32_t j = 0; j < pl.per && !rc && !rw_skipped(&pl, h); j++)
+      rc = rw_fill_one(pool, s, layer, h, kv, &pl.e[h * pl.per + j], db);
+#ifdef KVP_HAVE_CUDA
+  if (db) {
+    if (!rc) rc = kvp__dev_batch_run(pool, db, layer, pos, kv->stream); /* waits: a bad input fails here */
+    kvp__dev_batch_fini(pool, db);
+  }
+#endif
   if (rc) {
     rw_undo(pool, &pl);
     return rc;

@@ -10,6 +10,9 @@
  *   token, and leaves the pool as before;
  *   kvp_gather gives, per (seq, layer) and head, the rows kvp_read gives,
  *   with their positions, zeros where a head holds fewer tokens.
+ * KVQuant's row-wise layers among the specs: their OPEN blocks grow on the
+ * device as on the host (the same grows and moves in the ledger); what a
+ * CUDA region refuses of it, and its tables in device.control_bytes.
  *
  * Public headers only. NOFORK; skips with a message without a GPU.
  */
@@ -29,6 +32,13 @@ static const char *const specs[] = {
     "kv=nvfp4",
     "k=nvfp4:rule=4/6:ksmooth=store,v=nvfp4:rule=4/6",
     "k=nvfp4:ksmooth=store,v=kivi;layers=1-1:k=fp8,v=int8;layers=2-2:kv=fp32",
+    /* kvquant: row-wise layers (OPEN blocks encoded as tokens come, their
+     * OUTLIERS page growing in place or moving), pre-RoPE keys and sinks,
+     * no outliers, and a layer that keeps RAW tails (V not row-wise) */
+    "kv=kvquant",
+    "k=kvquant:bits=2:prerope=1:sink=4,v=kvquant:bits=4:outliers=0.05",
+    "kv=kvquant:outliers=0:sink=0",
+    "k=kvquant:bits=4:outliers=0.1,v=bf16;layers=2-2:kv=kvquant:bits=2",
 };
 #define NSPECS (sizeof specs / sizeof specs[0])
 
@@ -88,6 +98,8 @@ static void same_ledger(pair *p) {
   ck_assert_uint_eq(a.bytes_requested.current, b.bytes_requested.current);
   ck_assert_uint_eq(a.tokens_retained.current, b.tokens_retained.current);
   ck_assert_uint_eq(a.pages.current, b.pages.current);
+  ck_assert_uint_eq(a.grows, b.grows); /* row-wise OPEN blocks grow the same */
+  ck_assert_uint_eq(a.grow_moves, b.grow_moves);
 }
 
 /* One step of n tokens appended to seq in both pools. */
@@ -202,6 +214,12 @@ START_TEST(pool_matches_host) {
   ck_ok(kvp_seq_free(p.host, 2));
   ck_ok(kvp_seq_free(p.dev, 2));
   same_ledger(&p);
+  if (!strcmp(specs[_i], "kv=kvquant")) { /* OUTLIERS pages grew in place and moved to larger classes */
+    kvp_stats b = {.struct_size = sizeof b};
+    ck_ok(kvp_stats_get(p.dev, &b));
+    ck_assert_msg(b.grows > b.grow_moves && b.grow_moves > 0, "grows %llu, moves %llu",
+                  (unsigned long long)b.grows, (unsigned long long)b.grow_moves);
+  }
   printf("%-70s device pool == host pool (append, read x3 dtypes, evict, fork, view)\n", specs[_i]);
   fflush(stdout);
   pair_close(&p);
@@ -301,7 +319,8 @@ START_TEST(gather_matches_read) {
   ck_cuda(cudaMalloc(&g.workspace, g.workspace_needed));
   g.workspace_bytes = g.workspace_needed;
   ck_ok(kvp_gather(p.dev, &g));
-  ck_assert_uint_eq(g.n_launches, 1); /* every layer in one launch */
+  if (!strstr(specs[_i], "kvquant")) ck_assert_uint_eq(g.n_launches, 1); /* every layer in one launch */
+  else ck_assert_uint_ge(g.n_launches, 1); /* kvquant has no in-kernel reader: its own decode_dev */
   ck_assert_uint_eq(g.n_rows, 109 + 417 + 109 + 417); /* seq 1: 100 + 9 tokens; seq 2: 400 + 17 */
   size_t rowb = (size_t)H * D * 2;
   unsigned char *gk = malloc(g.n_rows * rowb), *gv = malloc(g.n_rows * rowb);
@@ -455,6 +474,53 @@ START_TEST(host_only_codec_refused) {
 }
 END_TEST
 
+/* KVQuant on a CUDA region: what it refuses by name (threshold outliers,
+ * sized from rows the host cannot read; pre-RoPE keys beside a codec that
+ * keeps RAW tails), which a host region takes; and its calibration tables
+ * on the device, counted in device.control_bytes to the byte. */
+START_TEST(kvquant_cuda_config) {
+  if (gpu_spec_off("kvquant")) return;
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.region_bytes = 32ull << 20, c.block_tokens = 16;
+  c.k_dtype = c.v_dtype = KVP_DTYPE_BF16;
+  static const char *const refused[][2] = {{"kv=kvquant:outlier_mode=threshold", "device"},
+                                           {"k=kvquant:prerope=1,v=bf16", "pre-RoPE"}};
+  kvp_pool *p = NULL;
+  for (int i = 0; i < 2; i++) {
+    c.codecs = refused[i][0];
+    c.memory = KVP_MEM_CUDA;
+    c.flags = KVP_POOL_ALLOW_EXPANSION;
+    ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_ENOTSUP);
+    ck_assert_ptr_null(p);
+    ck_assert_msg(strstr(kvp_last_error(), "kvquant") && strstr(kvp_last_error(), refused[i][1]), "%s: %s",
+                  refused[i][0], kvp_last_error());
+    c.memory = KVP_MEM_HOST;
+    ck_ok(kvp_pool_create(&c, &p));
+    kvp_pool_destroy(p);
+    p = NULL;
+  }
+  c.memory = KVP_MEM_CUDA;
+  c.flags = 0;
+  uint64_t ctl[3];
+  const char *cfg[3] = {"kv=bf16", "kv=kvquant", "k=kvquant:prerope=1:rope_dims=64,v=kvquant"};
+  for (int i = 0; i < 3; i++) {
+    c.codecs = cfg[i];
+    ck_ok(kvp_pool_create(&c, &p));
+    kvp_stats s = {.struct_size = sizeof s};
+    ck_ok(kvp_stats_get(p, &s));
+    ctl[i] = s.device_control_bytes;
+    kvp_pool_destroy(p);
+  }
+  /* per binding: lut and midpoints (2 x 16 f32), off, rng, 1/rng ([H][D] f32 each); + 32 f64 frequencies with RoPE */
+  uint64_t per = 4 * (32 + 3 * (uint64_t)H * D);
+  ck_assert_uint_eq(ctl[1] - ctl[0], 2 * L * per);
+  ck_assert_uint_eq(ctl[2] - ctl[0], 2 * L * per + L * 32 * 8);
+  printf("kvquant device tables: %llu bytes for %u layers (device.control_bytes %llu)\n",
+         (unsigned long long)(ctl[1] - ctl[0]), L, (unsigned long long)ctl[1]);
+}
+END_TEST
+
 int main(void) {
   if (!gpu_present("check_gpu_pool")) return 0;
   Suite *s = suite_create("gpu_pool");
@@ -465,6 +531,7 @@ int main(void) {
   tcase_add_loop_test(tc, gather_matches_read, 0, NSPECS);
   tcase_add_test(tc, host_only_codec_refused);
   tcase_add_test(tc, third_party_device_codec);
+  tcase_add_test(tc, kvquant_cuda_config);
   suite_add_tcase(s, tc);
   return gpu_run(s, CK_NORMAL);
 }
