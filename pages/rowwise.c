@@ -333,6 +333,16 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
   kvp__append_tx_after_publish(pool, s, tx);
 }
 
+typedef struct rw_take_ctx {
+  kvp__seq *s;
+  uint32_t layer;
+  rw_plan *pl;
+} rw_take_ctx;
+static int rw_take_cb(kvp_pool *pool, void *vctx) {
+  rw_take_ctx *c = vctx;
+  return rw_take_pages(pool, c->s, c->layer, c->pl);
+}
+
 int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx) {
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
@@ -341,20 +351,8 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   if (rc) return rc;
   pl.run_always = tx && tx->before.n;
   if ((rc = rw_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
-retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
-    if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-    rw_undo(pool, &pl);
-    return kvp__append_budget_err(pool, s, layer, pl.bytes);
-  }
-  rc = rw_take_pages(pool, s, layer, &pl);
-  if (rc == KVP_ENOSPC && pool->limbo) {
-    kvp__reclaim(pool);
-    rc = rw_take_pages(pool, s, layer, &pl);
-  }
-  if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-  if (rc) {
+  rw_take_ctx tc = {s, layer, &pl};
+  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, rw_take_cb, &tc))) {
     rw_undo(pool, &pl);
     return rc;
   }
@@ -362,6 +360,7 @@ retry: /* again after the policy's evictions made room (kvp__append_tx_make_room
     for (uint32_t j = 0; j < pl.per && !rc && !rw_skipped(&pl, h); j++) rc = rw_fill_one(pool, s, layer, h, kv, &pl.e[h * pl.per + j]);
   if (rc) {
     rw_undo(pool, &pl);
+    kvp__append_tx_fail(pool, s, tx);
     return rc;
   }
   rw_publish(pool, s, layer, pos, &pl, tx);
