@@ -490,6 +490,11 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
 
 /* pages/pool.c: codec bindings from the spec. */
 int kvp__bindings_init(kvp_pool *pool, const char *spec);
+/* For tests/fuzz/fuzz_codec_spec.c: build the bindings of spec for the
+ * pool's geometry and check them as kvp_pool_create does (instances,
+ * layouts, block sizes, the fit to the appended dtypes), then drop them;
+ * the pool keeps its own. Status and message as create's. */
+int kvp__bindings_try(kvp_pool *pool, const char *spec);
 void kvp__bindings_fini(kvp_pool *pool);
 
 /* Codec state of stream (layer, head), side kv: allocated zeroed on first
