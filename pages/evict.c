@@ -37,10 +37,10 @@
  *             given back, the transaction rolled back (each freed page
  *             counted, and taken at its offset again), the log undone:
  *             nothing changed)
+ *   save      when a new page lies over a freed one (the region was short),
+ *             a host copy of the freed pages' payload     (ENOMEM: undone)
  *   write     the payload                                 (a failure: undone
- *             too, unless a new page lies over a freed one (only when the
- *             region was short) and may have overwritten it: then the
- *             evictions stand, and the layer is not stored)
+ *             too, the saved payload written back first)
  *   publish   the log commits: unlinked runs and brefs retired, blocks
  *             whose pages went freed, the others' owner drop finished
  *
@@ -211,6 +211,52 @@ static void undo_commit(kvp_pool *pool, kvp__undo *u) {
 
 /* ---- the append transaction --------------------------------------------- */
 
+/* New pages lie over freed ones (the region was short): keep a host copy
+ * of the freed pages' payload before anything is written, so that a write
+ * that fails can still be undone. ENOMEM, or the region's error. */
+static int payload_save(kvp_pool *pool, kvp__append_tx *tx) {
+  const kvp__alloc_tx *atx = &tx->atx;
+  kvp__region *r = &pool->alloc.region;
+  if (pool->cfg.flags & KVP_POOL_DRY) return KVP_OK; /* no payload */
+  size_t bytes = 0;
+  for (uint32_t i = 0; i < atx->n; i++) bytes += atx->freed[i].page.requested_bytes;
+  unsigned char *buf = kvp__meta_alloc(&pool->meta, bytes + 1);
+  if (!buf) return kvp__err(KVP_ENOMEM, "host copy of the %zu payload bytes of the pages evicted to make room", bytes);
+  int rc = KVP_OK;
+  for (size_t i = 0, at = 0; !rc && i < atx->n; at += atx->freed[i++].page.requested_bytes) {
+    const kvp__page *p = &atx->freed[i].page;
+    rc = r->ops->read2d(r, buf + at, p->requested_bytes, p->off, p->requested_bytes, p->requested_bytes, 1, NULL);
+  }
+  if (!rc) rc = r->ops->quiesce(r);
+  if (rc) {
+    kvp__meta_free(&pool->meta, buf, bytes + 1);
+    return rc;
+  }
+  tx->payload = buf;
+  tx->payload_bytes = bytes;
+  return KVP_OK;
+}
+
+static void payload_drop(kvp_pool *pool, kvp__append_tx *tx) {
+  if (tx->payload) kvp__meta_free(&pool->meta, tx->payload, tx->payload_bytes + 1);
+  tx->payload = NULL;
+  tx->payload_bytes = 0;
+}
+
+/* The freed pages are theirs again (rolled back): their payload too. A
+ * device that fails these copies fails the pool's work anyway; the region
+ * has reported it. */
+static void payload_restore(kvp_pool *pool, kvp__append_tx *tx) {
+  const kvp__alloc_tx *atx = &tx->atx;
+  kvp__region *r = &pool->alloc.region;
+  for (size_t i = 0, at = 0; i < atx->n; at += atx->freed[i++].page.requested_bytes) {
+    const kvp__page *p = &atx->freed[i].page;
+    (void)r->ops->write2d(r, p->off, p->requested_bytes, tx->payload + at, p->requested_bytes, p->requested_bytes, 1,
+                          NULL);
+  }
+  (void)r->ops->quiesce(r);
+}
+
 void kvp__append_tx_init(kvp__append_tx *tx) {
   memset(tx, 0, sizeof *tx);
   kvp__evict_plan_init(&tx->before);
@@ -223,6 +269,7 @@ void kvp__append_tx_fini(kvp_pool *pool, kvp__append_tx *tx) {
   kvp__evict_plan_fini(pool, &tx->after);
   kvp__meta_free(&pool->meta, tx->undo.e, tx->undo.cap * sizeof *tx->undo.e);
   kvp__alloc_tx_release(&pool->alloc, &tx->atx);
+  payload_drop(pool, tx);
 }
 
 int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx) {
@@ -271,7 +318,8 @@ static int make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
     if (e->kind != KVP__UNDO_OWNER || b->owners || atomic_load_explicit(&b->refs, memory_order_acquire) != 1) continue;
     e->freed = true;
     for (int kv = 0; !rc && kv < 2; kv++)
-      for (unsigned j = 0; !rc && j < b->npages[kv]; j++) rc = kvp__alloc_tx_reserve(&pool->alloc, &tx->atx, &b->pages[kv][j]);
+      for (unsigned j = 0; !rc && j < b->npages[kv]; j++)
+        rc = kvp__alloc_tx_reserve(&pool->alloc, &tx->atx, &b->pages[kv][j]);
   }
   if (rc) {
     kvp__alloc_tx_release(&pool->alloc, &tx->atx);
@@ -291,8 +339,11 @@ static int make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
   return KVP_OK;
 }
 
-/* Put everything back: the pages, then the evictions. */
+/* Put everything back: the pages (and their payload, if new pages were
+ * written over them), then the evictions. */
 static void room_undo(kvp_pool *pool, kvp__append_tx *tx) {
+  if (tx->payload) payload_restore(pool, tx); /* before the rollback: it ends the transaction and its records */
+  payload_drop(pool, tx);
   kvp__alloc_tx_rollback(&pool->alloc, &tx->atx);
   undo_apply(pool, &tx->undo);
   tx->before.undo = NULL;
@@ -301,6 +352,7 @@ static void room_undo(kvp_pool *pool, kvp__append_tx *tx) {
 }
 
 static void room_commit(kvp_pool *pool, kvp__append_tx *tx) {
+  payload_drop(pool, tx);
   kvp__alloc_tx_commit(&pool->alloc, &tx->atx);
   undo_commit(pool, &tx->undo);
   kvp__evict_plan *ev = &tx->before;
@@ -312,7 +364,7 @@ static void room_commit(kvp_pool *pool, kvp__append_tx *tx) {
 }
 
 int kvp__append_tx_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__append_tx *tx, uint64_t bytes,
-                        int (*take)(kvp_pool *pool, void *ctx), void *ctx) {
+                        int (*take)(kvp_pool *pool, void *ctx), void (*give)(kvp_pool *pool, void *ctx), void *ctx) {
   int rc;
   if (!kvp__alloc_fits_bytes(&pool->alloc, bytes) && pool->limbo) kvp__reclaim(pool);
   if (!kvp__alloc_fits_bytes(&pool->alloc, bytes)) { /* the budget is short */
@@ -335,6 +387,7 @@ int kvp__append_tx_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__append
   if (rc == KVP_ENOSPC && tx && tx->room) { /* the region too: the evicted pages' bytes go back to it */
     kvp__alloc_tx_free_space(&pool->alloc, &tx->atx);
     rc = take(pool, ctx);
+    if (!rc && tx->atx.reused && (rc = payload_save(pool, tx))) give(pool, ctx);
   }
   if (rc && tx && tx->room) {
     room_undo(pool, tx); /* take gave back what it took and named why */
@@ -346,8 +399,8 @@ int kvp__append_tx_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__append
 void kvp__append_tx_fail(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
   (void)s;
   if (!tx || !tx->room) return;
-  if (tx->atx.reused) room_commit(pool, tx); /* the freed pages' payload may be gone: the evictions stand */
-  else room_undo(pool, tx);
+  kvp__assert(!tx->atx.reused || tx->payload || (pool->cfg.flags & KVP_POOL_DRY)); /* saved when taken */
+  room_undo(pool, tx);
 }
 
 void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {

@@ -327,21 +327,24 @@ typedef struct kvp__append_tx {
                              blocks' pages freed in atx */
   kvp__undo undo;         /* the log of before's changes while room */
   kvp__alloc_tx atx;      /* the allocator transaction that freed its blocks' pages while room */
+  unsigned char *payload; /* while room, when new pages lie over freed ones: the freed pages' requested bytes, in
+                             atx order (host copy), or NULL */
+  size_t payload_bytes;   /* its size */
 } kvp__append_tx;
 void kvp__append_tx_init(kvp__append_tx *tx);
 void kvp__append_tx_fini(kvp_pool *pool, kvp__append_tx *tx);
 int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx); /* both plans' runs */
 /* Take the append's pages (take: all of them or none, on failure with a
- * message; bytes: their allocated bytes) within the budget and the region:
- * the limbo is reclaimed, and when they still do not fit, the
- * before-evictions are applied first to make room, undoably. On failure
- * nothing is changed (the evictions undone, their pages back). tx may be
- * NULL. */
+ * message; give: give back all it took; bytes: their allocated bytes)
+ * within the budget and the region: the limbo is reclaimed, and when they
+ * still do not fit, the before-evictions are applied first to make room,
+ * undoably. On failure nothing is changed (the evictions undone, their
+ * pages back). tx may be NULL. */
 int kvp__append_tx_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__append_tx *tx, uint64_t bytes,
-                        int (*take)(kvp_pool *pool, void *ctx), void *ctx);
-/* The append failed after its pages were taken, and has given them all
- * back: evictions that made room are undone, unless a page taken over
- * their blocks' pages may have overwritten them (then they stand). */
+                        int (*take)(kvp_pool *pool, void *ctx), void (*give)(kvp_pool *pool, void *ctx), void *ctx);
+/* The append failed after its pages were taken (writing them), and has
+ * given them all back: evictions that made room are undone, the payload of
+ * their pages written back where new pages lay over them. */
 void kvp__append_tx_fail(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx);
 /* KVP_EBUDGET for an append of layer to s that needs bytes more than the budget leaves (the shared message). */
 int kvp__append_budget_err(kvp_pool *pool, const kvp__seq *s, uint32_t layer, uint64_t bytes);

@@ -342,6 +342,14 @@ static int rw_take_cb(kvp_pool *pool, void *vctx) {
   rw_take_ctx *c = vctx;
   return rw_take_pages(pool, c->s, c->layer, c->pl);
 }
+static void rw_give_cb(kvp_pool *pool, void *vctx) {
+  rw_take_ctx *c = vctx;
+  const rw_plan *pl = c->pl;
+  for (uint32_t i = 0; i < pool->cfg.n_kv_heads * pl->per; i++) {
+    kvp__block *b = pl->tail && i % pl->per == 0 ? pl->e[i].rep : pl->e[i].blk;
+    if (b && !rw_skipped(pl, i / pl->per)) kvp__block_give_pages(pool, b);
+  }
+}
 
 int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx) {
@@ -352,7 +360,7 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   pl.run_always = tx && tx->before.n;
   if ((rc = rw_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
   rw_take_ctx tc = {s, layer, &pl};
-  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, rw_take_cb, &tc))) {
+  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, rw_take_cb, rw_give_cb, &tc))) {
     rw_undo(pool, &pl);
     return rc;
   }

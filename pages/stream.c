@@ -585,6 +585,11 @@ static int take_pages(kvp_pool *pool, void *vctx) {
   take_ctx *c = vctx;
   return plan_take_pages(pool, c->s, c->layer, c->pl);
 }
+static void give_pages(kvp_pool *pool, void *vctx) {
+  take_ctx *c = vctx;
+  for (uint32_t i = 0; i < pool->cfg.n_kv_heads * c->pl->nb; i++)
+    if (c->pl->blocks[i]) kvp__block_give_pages(pool, c->pl->blocks[i]);
+}
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx) {
@@ -596,7 +601,7 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   pl.run_always = tx && tx->before.n;
   if ((rc = plan_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
   take_ctx tc = {s, layer, &pl};
-  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, take_pages, &tc))) {
+  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, take_pages, give_pages, &tc))) {
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;
   }
