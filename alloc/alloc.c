@@ -79,7 +79,7 @@ static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
   return KVP_OK;
 }
 
-static int put(kvp__alloc *a, uint64_t off, uint64_t size) {
+int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size) {
   if (size <= KVP__SMALL_MAX_BYTES) return kvp__slab_put(a, off, kvp__sc_lut[size >> 6]);
   kvp__extent *e = kvp__extent_at(&a->ext, off);
   if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size)
@@ -123,8 +123,7 @@ static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
                   (unsigned long long)a->ledger.reserved_bytes, (unsigned long long)a->ledger.committed.current);
 }
 
-/* Count a live page in (+1) or out (-1) of the ledger and the stats. */
-static void count(kvp__alloc *a, const kvp__page *p, int sign) {
+void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
   uint64_t cls = kvp__page_alloc_bytes(p);
   if (sign > 0) {
     kvp__gauge_add(&a->ledger.requested, p->requested_bytes);
@@ -146,11 +145,13 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
   uint64_t off = 0;
   int rc = take(a, size, &off);
   if (rc) return rc;
+  if (KVP__UNLIKELY(a->tx != NULL) && a->tx->space_freed && !a->tx->reused)
+    a->tx->reused = kvp__alloc_tx_overlaps(a->tx, off, size);
   out->off = off;
   out->requested_bytes = (uint32_t)bytes;
   out->size64 = (uint32_t)(size >> 6);
   out->tag = *tag;
-  count(a, out, +1);
+  kvp__alloc_count(a, out, +1);
   kvp__count_add(&a->ledger.allocs, 1);
   return KVP_OK;
 }
@@ -183,9 +184,9 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
     return kvp__err(KVP_EINVAL, "page at offset %llu: %llu allocated / %u requested bytes is not a page",
                     (unsigned long long)p->off, (unsigned long long)size, p->requested_bytes);
   kvp__ledger_begin(&a->ledger);
-  int rc = put(a, p->off, size);
+  int rc = kvp__alloc_put(a, p->off, size);
   if (!rc) {
-    count(a, p, -1);
+    kvp__alloc_count(a, p, -1);
     kvp__count_add(&a->ledger.frees, 1);
   }
   kvp__ledger_end(&a->ledger);
@@ -198,10 +199,10 @@ static int grow_large_in_place(kvp__alloc *a, kvp__page *p, uint64_t new_cls, ui
   uint64_t old_cls = kvp__page_alloc_bytes(p);
   if (!e || e->state != KVP__EXT_LARGE || !kvp__ledger_fits(&a->ledger, new_cls - old_cls)) return KVP_ENOSPC;
   if (!kvp__extent_grow_in_place(&a->ext, e, new_cls)) return KVP_ENOSPC;
-  count(a, p, -1);
+  kvp__alloc_count(a, p, -1);
   p->size64 = (uint32_t)(new_cls >> 6);
   p->requested_bytes = (uint32_t)bytes;
-  count(a, p, +1);
+  kvp__alloc_count(a, p, +1);
   kvp__gauge_add(&a->ledger.committed, new_cls - old_cls);
   return KVP_OK;
 }
@@ -215,9 +216,9 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
   kvp__ledger_begin(&a->ledger);
   kvp__count_add(&a->ledger.grows, 1);
   if (size <= kvp__page_alloc_bytes(p)) { /* the page still holds it: only the requested bytes move */
-    count(a, p, -1);
+    kvp__alloc_count(a, p, -1);
     p->requested_bytes = (uint32_t)bytes;
-    count(a, p, +1);
+    kvp__alloc_count(a, p, +1);
   } else if (kvp__page_is_small(p) || grow_large_in_place(a, p, size, bytes) != KVP_OK) {
     kvp__page np;
     rc = alloc_locked(a, bytes, &p->tag, &np); /* both pages count while the move lasts */
@@ -226,10 +227,10 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
                                stream);
       kvp__page old = *p;
       kvp__page *drop = rc ? &np : &old;
-      int prc = put(a, drop->off, kvp__page_alloc_bytes(drop));
+      int prc = kvp__alloc_put(a, drop->off, kvp__page_alloc_bytes(drop));
       kvp__assert(prc == KVP_OK);
       (void)prc;
-      count(a, drop, -1);
+      kvp__alloc_count(a, drop, -1);
       kvp__count_add(&a->ledger.allocs, -(rc != 0)); /* an undone move is no allocation */
       if (!rc) {
         *p = np;

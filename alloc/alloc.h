@@ -153,6 +153,7 @@ typedef struct kvp__extents {
   uint64_t used_bytes;          /* bytes of SLAB and LARGE extents */
   _Atomic uint64_t hwm_bytes;   /* highest end offset a used extent ever had (never decreases; read lock-free) */
   uint64_t nlarge, nslab;       /* used extents by state */
+  bool keep_chunks;             /* an allocator transaction is open: chunks that map nothing stay until it ends */
 } kvp__extents;
 
 int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta);
@@ -164,6 +165,15 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
                       kvp__extent **out);
 /* Return an extent; it coalesces with free neighbours. */
 void kvp__extent_free(kvp__extents *x, kvp__extent *e);
+/* Take exactly [off, off + bytes) (free) as a used extent, splitting the
+ * free extent that holds it with the descriptors *spare provides (a chain
+ * on anext, two at most are taken): cannot fail. The address map's chunks
+ * over the range must exist (an allocator transaction keeps them). Cost:
+ * a walk of the extents in address order up to off. */
+kvp__extent *kvp__extent_take_at(kvp__extents *x, uint64_t off, uint64_t bytes, kvp__ext_state state,
+                                 kvp__extent **spare);
+/* Free the address map's chunks that map no unit (when a transaction ends). */
+void kvp__extents_trim(kvp__extents *x);
 /* Try to extend a used extent in place to bytes by taking the free extent
  * that follows it. Returns true on success. */
 bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes);
@@ -273,6 +283,44 @@ static inline uint64_t kvp__alloc_size(uint64_t bytes) {
   return kvp__align_up(bytes, KVP__EXTENT_UNIT);
 }
 
+/* ======================================================================
+ * Transactions (alloc/txn.c): pages freed on trial, put back as they were
+ * when the transaction is undone.
+ *
+ *   reserve   (per page to free) what putting it back may need: two extent
+ *             descriptors, and a slab descriptor of its class for a small
+ *             page (ENOMEM; nothing changed)
+ *   begin
+ *   free      pages, recorded: out of the ledger (the budget has room),
+ *             their bytes still held (no page taken now can lie over them)
+ *   ...       pages taken as usual (they may fail)
+ *   space     (when the region, not the budget, is short) their bytes go
+ *             back to the slabs and extents too; chunks of the address map
+ *             stay until the end
+ *   rollback  (every page taken since begin given back first) each freed
+ *             page is counted again, and its bytes taken again at its
+ *             offset, in its slab, if they went: cannot fail
+ *   commit    the frees stand (their bytes go now if they had not)
+ * Both end the transaction: unused descriptors and empty chunks go.
+ * ==================================================================== */
+
+typedef struct kvp__alloc_freed {
+  kvp__page page;    /* the page as it was */
+  uint64_t slab_off; /* small page: region offset of its slab */
+} kvp__alloc_freed;
+
+typedef struct kvp__alloc_tx {
+  kvp__alloc_freed *freed; /* [cap]: pages freed in the transaction, in order */
+  uint32_t n, nreserved, cap; /* pages freed, reserved for, room */
+  kvp__extent *spare_ext;  /* descriptors taken ahead (anext chain): two per page */
+  kvp__slab **spare_slab;  /* [spare_slab_cap]: slab descriptors taken ahead, one per small page, sized for its
+                              class (NULL once used) */
+  uint32_t nspare_slab, spare_slab_cap; /* in the array, room */
+  bool open;               /* between begin and rollback or commit */
+  bool space_freed;        /* the freed pages' bytes went back to the slabs and extents */
+  bool reused;             /* a page taken since overlaps a freed one (whose payload it may overwrite) */
+} kvp__alloc_tx;
+
 typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
@@ -282,6 +330,7 @@ typedef struct kvp__alloc {
   kvp__ledger ledger;          /* byte truth */
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */
+  kvp__alloc_tx *tx;           /* the open transaction, or NULL */
 } kvp__alloc;
 
 /* Largest slab of a region: 2 MiB, or for a region under 64 MiB the power
@@ -333,6 +382,15 @@ static inline bool kvp__alloc_fits_bytes(const kvp__alloc *a, uint64_t alloc_byt
 uint64_t kvp__alloc_room_bound(const kvp__alloc *a);
 /* Would an allocation of bytes pass the budget now? (planning; no effect) */
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes);
+/* Transactions (see above). tx zeroed before the first reserve. */
+int kvp__alloc_tx_reserve(kvp__alloc *a, kvp__alloc_tx *tx, const kvp__page *p); /* ENOMEM */
+void kvp__alloc_tx_begin(kvp__alloc *a, kvp__alloc_tx *tx);
+void kvp__alloc_tx_free(kvp__alloc *a, kvp__alloc_tx *tx, const kvp__page *p); /* a live page, reserved for */
+void kvp__alloc_tx_free_space(kvp__alloc *a, kvp__alloc_tx *tx);
+void kvp__alloc_tx_rollback(kvp__alloc *a, kvp__alloc_tx *tx);
+void kvp__alloc_tx_commit(kvp__alloc *a, kvp__alloc_tx *tx);
+/* Release the reservations of a transaction never begun, or ended. */
+void kvp__alloc_tx_release(kvp__alloc *a, kvp__alloc_tx *tx);
 /* Verify the allocator's metadata and that the ledger's allocated and
  * committed figures and slab/extent counts equal the ones derived from the
  * slabs and extents. Pages' requested bytes are checked by the owner. */

@@ -67,8 +67,10 @@ static uint64_t chunk_hi(uint64_t off, uint64_t bytes) {
   return (((off + bytes) >> KVP__EXTENT_UNIT_SHIFT) + KVP__RMAP_CHUNK_UNITS - 1) >> KVP__RMAP_CHUNK_SHIFT;
 }
 
-/* Free the chunks of the range that no longer map any unit. */
+/* Free the chunks of the range that no longer map any unit (not while a
+ * transaction may need them again: kvp__extents_trim at its end). */
 static void rmap_trim(kvp__extents *x, uint64_t off, uint64_t bytes) {
+  if (x->keep_chunks) return;
   for (uint64_t c = chunk_lo(off); c < chunk_hi(off, bytes); c++)
     if (x->rmap[c] && !x->rmap_nused[c]) {
       kvp__meta_free(x->meta, x->rmap[c], sizeof *x->rmap[c]);
@@ -190,22 +192,11 @@ static kvp__extent *find_fit(const kvp__extents *x, uint64_t bytes, uint64_t ali
   return NULL;
 }
 
-int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_state state,
-                      kvp__extent **out) {
-  kvp__assert(bytes && bytes % KVP__EXTENT_UNIT == 0 && align >= KVP__EXTENT_UNIT);
-  kvp__assert(state != KVP__EXT_FREE);
-  uint64_t at = 0;
-  kvp__extent *e = bytes <= x->bytes ? find_fit(x, bytes, align, &at) : NULL;
-  if (!e) return KVP_ENOSPC;
-  /* Compute, reserve, then commit: take both split descriptors first. */
-  kvp__extent *lead = NULL, *tail = NULL;
-  if (at > e->off && !(lead = kvp__meta_calloc(x->meta, sizeof *lead))) goto nomem;
-  if (at + bytes < e->off + e->bytes && !(tail = kvp__meta_calloc(x->meta, sizeof *tail))) goto nomem;
-  if (rmap_ensure(x, at, mapped_bytes(state, bytes))) {
-    kvp__meta_free(x->meta, lead, sizeof *lead);
-    kvp__meta_free(x->meta, tail, sizeof *tail);
-    return KVP_ENOMEM;
-  }
+/* Make [at, at + bytes) of the free extent e a used one; lead and tail are
+ * the descriptors of what is left before and after (NULL where nothing is).
+ * The address map's chunks over the range exist. Returns the used extent. */
+static kvp__extent *carve(kvp__extents *x, kvp__extent *e, uint64_t at, uint64_t bytes, kvp__ext_state state,
+                          kvp__extent *lead, kvp__extent *tail) {
   bin_remove(x, e);
   if (lead) {
     lead->off = e->off;
@@ -236,11 +227,57 @@ int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_
   x->used_bytes += bytes;
   if (state == KVP__EXT_SLAB) x->nslab++;
   else x->nlarge++;
-  *out = e;
+  return e;
+}
+
+int kvp__extent_alloc(kvp__extents *x, uint64_t bytes, uint64_t align, kvp__ext_state state,
+                      kvp__extent **out) {
+  kvp__assert(bytes && bytes % KVP__EXTENT_UNIT == 0 && align >= KVP__EXTENT_UNIT);
+  kvp__assert(state != KVP__EXT_FREE);
+  uint64_t at = 0;
+  kvp__extent *e = bytes <= x->bytes ? find_fit(x, bytes, align, &at) : NULL;
+  if (!e) return KVP_ENOSPC;
+  /* Compute, reserve, then commit: take both split descriptors first. */
+  kvp__extent *lead = NULL, *tail = NULL;
+  if (at > e->off && !(lead = kvp__meta_calloc(x->meta, sizeof *lead))) goto nomem;
+  if (at + bytes < e->off + e->bytes && !(tail = kvp__meta_calloc(x->meta, sizeof *tail))) goto nomem;
+  if (rmap_ensure(x, at, mapped_bytes(state, bytes))) {
+    kvp__meta_free(x->meta, lead, sizeof *lead);
+    kvp__meta_free(x->meta, tail, sizeof *tail);
+    return KVP_ENOMEM;
+  }
+  *out = carve(x, e, at, bytes, state, lead, tail);
   return KVP_OK;
 nomem:
   kvp__meta_free(x->meta, lead, sizeof *lead);
   return kvp__err(KVP_ENOMEM, "extent descriptor");
+}
+
+static kvp__extent *spare_pop(kvp__extent **spare) {
+  kvp__extent *d = *spare;
+  kvp__assert(d != NULL); /* two per page were taken ahead */
+  *spare = d->anext;
+  memset(d, 0, sizeof *d);
+  return d;
+}
+
+kvp__extent *kvp__extent_take_at(kvp__extents *x, uint64_t off, uint64_t bytes, kvp__ext_state state,
+                                 kvp__extent **spare) {
+  kvp__extent *e = x->first;
+  while (e->off + e->bytes <= off) e = e->anext;
+  kvp__assert(e->state == KVP__EXT_FREE && e->off + e->bytes >= off + bytes);
+  kvp__extent *lead = off > e->off ? spare_pop(spare) : NULL;
+  kvp__extent *tail = off + bytes < e->off + e->bytes ? spare_pop(spare) : NULL;
+  for (uint64_t c = chunk_lo(off); c < chunk_hi(off, mapped_bytes(state, bytes)); c++)
+    kvp__assert(x->rmap[c] != NULL); /* kept since the range was last used */
+  return carve(x, e, off, bytes, state, lead, tail);
+}
+
+void kvp__extents_trim(kvp__extents *x) {
+  bool keep = x->keep_chunks;
+  x->keep_chunks = false;
+  rmap_trim(x, 0, x->bytes);
+  x->keep_chunks = keep;
 }
 
 void kvp__extent_free(kvp__extents *x, kvp__extent *e) {

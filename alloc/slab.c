@@ -64,22 +64,21 @@ uint64_t kvp__slabs_purge_empty(kvp__alloc *a) {
   return n;
 }
 
-static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
+size_t kvp__slab_desc_bytes(const kvp__alloc *a, uint32_t sc) {
+  uint32_t nslots = (uint32_t)(a->class_slab_bytes[sc] / kvp__sc_size(sc));
+  return slab_desc_bytes((nslots + 63) / 64);
+}
+
+/* A slab of class sc, every slot free, in the extent e (just taken). */
+static void slab_init(kvp__alloc *a, kvp__slab *s, kvp__extent *e, uint32_t sc) {
   uint32_t slot_bytes = (uint32_t)kvp__sc_size(sc);
-  uint64_t bytes = a->class_slab_bytes[sc], align = bytes == KVP__SLAB_BYTES ? KVP__SLAB_BYTES : KVP__EXTENT_UNIT;
-  uint32_t nslots = (uint32_t)(bytes / slot_bytes), nwords = (nslots + 63) / 64;
-  kvp__slab *s = kvp__meta_calloc(a->meta, slab_desc_bytes(nwords));
-  if (!s) return kvp__err(KVP_ENOMEM, "slab descriptor for class %u", sc);
-  kvp__extent *e = NULL;
-  int rc = kvp__extent_alloc(&a->ext, bytes, align, KVP__EXT_SLAB, &e);
-  if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a)) rc = kvp__extent_alloc(&a->ext, bytes, align, KVP__EXT_SLAB, &e);
-  if (rc) {
-    kvp__meta_free(a->meta, s, slab_desc_bytes(nwords));
-    return rc;
-  }
+  uint32_t nslots = (uint32_t)(e->bytes / slot_bytes), nwords = (nslots + 63) / 64;
   e->owner = s;
   s->ext = e;
   s->base = e->off;
+  s->prev = s->next = NULL;
+  s->listed = false;
+  s->hint = 0;
   s->sc = sc;
   s->slot_bytes = slot_bytes;
   s->nslots = s->nfree = nslots;
@@ -88,10 +87,52 @@ static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
   memset(s->bitmap, 0xff, nwords * sizeof(uint64_t));
   if (nslots % 64) s->bitmap[nwords - 1] = (1ull << (nslots % 64)) - 1;
   a->bins[sc].nslabs++;
-  kvp__gauge_add(&a->ledger.committed, bytes);
+  kvp__gauge_add(&a->ledger.committed, e->bytes);
   kvp__gauge_add(&a->ledger.slabs, 1);
+}
+
+static KVP__NOINLINE int slab_new(kvp__alloc *a, uint32_t sc, kvp__slab **out) {
+  uint64_t bytes = a->class_slab_bytes[sc], align = bytes == KVP__SLAB_BYTES ? KVP__SLAB_BYTES : KVP__EXTENT_UNIT;
+  kvp__slab *s = kvp__meta_calloc(a->meta, kvp__slab_desc_bytes(a, sc));
+  if (!s) return kvp__err(KVP_ENOMEM, "slab descriptor for class %u", sc);
+  kvp__extent *e = NULL;
+  int rc = kvp__extent_alloc(&a->ext, bytes, align, KVP__EXT_SLAB, &e);
+  if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a)) rc = kvp__extent_alloc(&a->ext, bytes, align, KVP__EXT_SLAB, &e);
+  if (rc) {
+    kvp__meta_free(a->meta, s, kvp__slab_desc_bytes(a, sc));
+    return rc;
+  }
+  slab_init(a, s, e, sc);
   *out = s;
   return KVP_OK;
+}
+
+void kvp__slab_restore(kvp__alloc *a, uint64_t off, uint32_t sc, uint64_t slab_off, kvp__slab **desc,
+                       kvp__extent **spare) {
+  kvp__bin *b = &a->bins[sc];
+  kvp__extent *e = kvp__extent_at(&a->ext, off);
+  kvp__slab *s;
+  bool fresh = !e;
+  if (fresh) { /* released since: made again where it was, from the descriptors taken ahead */
+    kvp__assert(*desc != NULL);
+    s = *desc;
+    *desc = NULL;
+    slab_init(a, s, kvp__extent_take_at(&a->ext, slab_off, a->class_slab_bytes[sc], KVP__EXT_SLAB, spare), sc);
+  } else {
+    s = e->owner;
+    kvp__assert(e->state == KVP__EXT_SLAB && s->sc == sc && s->base == slab_off);
+  }
+  uint64_t slot = (off - s->base) / s->slot_bytes, mask = 1ull << (slot % 64);
+  kvp__assert((off - s->base) % s->slot_bytes == 0 && slot < s->nslots && (s->bitmap[slot / 64] & mask));
+  s->bitmap[slot / 64] &= ~mask;
+  s->nfree--;
+  b->nused++;
+  if (fresh) {
+    if (s->nfree) avail_push(b, s); /* partly used: on the non-full list */
+  } else if (!s->nfree) { /* now full: on no list */
+    if (s->listed) avail_remove(b, s);
+    if (b->cur == s) b->cur = &kvp__slab_empty;
+  }
 }
 
 static void slab_release(kvp__alloc *a, kvp__slab *s) {

@@ -18,6 +18,23 @@ int kvp__slab_check(const kvp__alloc *a, const kvp__slab *s, uint64_t *nused);
 /* Return every empty slab kept as a class's current slab to the extents;
  * returns how many. Called before an allocation would answer ENOSPC. */
 uint64_t kvp__slabs_purge_empty(kvp__alloc *a);
+/* Bytes of the descriptor of a slab of class sc. */
+size_t kvp__slab_desc_bytes(const kvp__alloc *a, uint32_t sc);
+/* Take the slot at off of class sc again (an undone free, alloc/txn.c):
+ * from the slab at slab_off, made again there from the descriptors taken
+ * ahead (desc: one of its class, consumed and set to NULL if used; spare:
+ * the extent chain) when it was released. The slot is free. Updates the
+ * ledger's committed bytes and slab count, not its page figures. */
+void kvp__slab_restore(kvp__alloc *a, uint64_t off, uint32_t sc, uint64_t slab_off, kvp__slab **desc,
+                       kvp__extent **spare);
+/* Does [off, off + bytes) overlap a page freed in the open transaction? */
+bool kvp__alloc_tx_overlaps(const kvp__alloc_tx *tx, uint64_t off, uint64_t bytes);
+/* Return the bytes of a page (size: its allocated bytes) to its slab or
+ * the extents, counting nothing but committed bytes; EINVAL if they are
+ * not a live page's. */
+int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size);
+/* Count a live page in (+1) or out (-1) of the ledger and the stats. */
+void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign);
 /* Release every slab's descriptor (at pool destroy). */
 void kvp__slabs_fini(kvp__alloc *a);
 

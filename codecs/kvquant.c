@@ -207,32 +207,50 @@ static void kvq_set_lut(kvq_inst *q, const float *lut) {
   for (uint32_t j = 0; j + 1 < n; j++) q->mid[j] = (q->lut[j] + q->lut[j + 1]) * 0.5f;
 }
 
-static int kvq_create(const char *params, const kvp_codec_geom *geom, void **inst, char *err, size_t errcap,
-                      size_t *err_at) {
+/* The geometry and parameters of an instance, checked, into q and pp:
+ * everything kvq_create does before the calibration. */
+static int kvq_parse(const char *params, const kvp_codec_geom *geom, kvq_inst *q, kvq_params *pp, char *err,
+                     size_t errcap, size_t *err_at) {
   int rc = kvp__codec_geom_ok("kvquant", geom, err, errcap);
   if (rc) return rc;
-  kvq_inst q = {.head_dim = geom->head_dim, .n_heads = geom->n_kv_heads, .kv = geom->kv, .in_dtype = geom->in_dtype,
-                .bits = 3, .sink = 1, .theta = 10000.0, .rope_dims = geom->head_dim};
-  kvq_params pp = {.calib = "synthetic", .calib_tokens = 256, .fraction = 0.01f};
-  if (q.n_heads < 1 || q.n_heads > KVP_MAX_KV_HEADS || geom->n_layers < 1 || geom->layer >= geom->n_layers)
+  *q = (kvq_inst){.head_dim = geom->head_dim, .n_heads = geom->n_kv_heads, .kv = geom->kv, .in_dtype = geom->in_dtype,
+                  .bits = 3, .sink = 1, .theta = 10000.0, .rope_dims = geom->head_dim};
+  *pp = (kvq_params){.calib = "synthetic", .calib_tokens = 256, .fraction = 0.01f};
+  if (q->n_heads < 1 || q->n_heads > KVP_MAX_KV_HEADS || geom->n_layers < 1 || geom->layer >= geom->n_layers)
     return kvp__param_fail(err, errcap, NULL, 0, "kvquant: needs the pool's n_layers and n_kv_heads in the geometry "
                            "(layer %u of %u, %u heads)", geom->layer, geom->n_layers, geom->n_kv_heads);
   size_t pos = 0;
   unsigned seen = 0;
   kvp__param p;
   while ((rc = kvp__param_next("kvquant", params, &pos, kvq_keys, NKEYS, &seen, &p, err, errcap, err_at)) == 1)
-    if ((rc = kvq_param(&q, &pp, &p, err, errcap, err_at))) return rc;
+    if ((rc = kvq_param(q, pp, &p, err, errcap, err_at))) return rc;
   if (rc) return rc;
-  if (q.rope_dims > q.head_dim)
-    return kvp__param_fail(err, errcap, err_at, pp.rope_at, "kvquant: rope_dims=%u > head_dim %u", q.rope_dims, q.head_dim);
-  q.k = kvp__kvq_outliers_k(pp.fraction, q.head_dim);
-  if (q.k >= q.head_dim)
-    return kvp__param_fail(err, errcap, err_at, 0, "kvquant: outliers=%g leaves no dense value of %u", (double)pp.fraction,
-                           q.head_dim);
-  q.kmax = q.thresh ? q.head_dim / 2 : q.k;
-  q.cw = q.head_dim <= 256 ? 1 : 2;
-  q.row_bytes = (uint32_t)kvp__lsb32_bytes(q.head_dim, q.bits);
-  q.prerope = q.prerope && q.kv == 0; /* values are never rotated */
+  if (q->rope_dims > q->head_dim)
+    return kvp__param_fail(err, errcap, err_at, pp->rope_at, "kvquant: rope_dims=%u > head_dim %u", q->rope_dims,
+                           q->head_dim);
+  q->k = kvp__kvq_outliers_k(pp->fraction, q->head_dim);
+  if (q->k >= q->head_dim)
+    return kvp__param_fail(err, errcap, err_at, 0, "kvquant: outliers=%g leaves no dense value of %u",
+                           (double)pp->fraction, q->head_dim);
+  q->kmax = q->thresh ? q->head_dim / 2 : q->k;
+  q->cw = q->head_dim <= 256 ? 1 : 2;
+  q->row_bytes = (uint32_t)kvp__lsb32_bytes(q->head_dim, q->bits);
+  q->prerope = q->prerope && q->kv == 0; /* values are never rotated */
+  return KVP_OK;
+}
+
+int kvp__kvq_params_check(const char *params, const kvp_codec_geom *geom, char *err, size_t errcap, size_t *err_at) {
+  kvq_inst q;
+  kvq_params pp;
+  return kvq_parse(params, geom, &q, &pp, err, errcap, err_at);
+}
+
+static int kvq_create(const char *params, const kvp_codec_geom *geom, void **inst, char *err, size_t errcap,
+                      size_t *err_at) {
+  kvq_inst q;
+  kvq_params pp;
+  int rc = kvq_parse(params, geom, &q, &pp, err, errcap, err_at);
+  if (rc) return rc;
   if (strcmp(pp.calib, "synthetic") == 0)
     rc = kvp__kvq_fit_synthetic(pp.seed, geom->layer, q.kv, q.n_heads, q.head_dim, q.bits, pp.fraction, pp.calib_tokens,
                                 &q.cal);

@@ -86,6 +86,14 @@ void kvp__kvq_uniform_lut(uint32_t bits, float *lut);
 int kvp__kvq_fit_synthetic(uint64_t seed, uint32_t layer, uint32_t kv, uint32_t n_heads, uint32_t head_dim,
                            uint32_t bits, double fraction, uint32_t calib_tokens, kvp__kvq_side *out);
 
+/* The checks create makes of a kvquant binding's parameters for geom
+ * (every key and value, rope_dims, the outlier count), without the
+ * calibration it then fits or loads (tests/fuzz/fuzz_codec_spec.c: a fit
+ * costs milliseconds per binding). Status and message as create's. */
+struct kvp_codec_geom;
+int kvp__kvq_params_check(const char *params, const struct kvp_codec_geom *geom, char *err, size_t errcap,
+                          size_t *err_at);
+
 /* Load (layer, kv) from a calibration file for a pool of n_layers x
  * n_heads x head_dim at b bits. KVP_EFORMAT with a message naming the file
  * and the field (magic, version, n_layers, n_kv_heads, head_dim, bits,

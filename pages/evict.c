@@ -16,17 +16,37 @@
  *   commit   apply before, publish the layer, apply after    (cannot fail)
  *
  * When the pages fit only once the before-evictions have freed theirs (a
- * budget or a region held at its limit), the evictions must come first:
- * the append takes all its metadata (block structs, brefs, run, codec
- * states, stats slot) before, checks that the budget then holds (exactly:
- * the bytes of the blocks the plan drops, plus the limbo) and that the
- * region could (its free extents and slots plus those bytes), applies them,
- * reclaims, and takes the pages (kvp__append_tx_make_room). What is left
- * that can fail after an eviction is the page allocator itself: a region
- * too fragmented for the new pages, or its own descriptors (a new slab, an
- * extent split, an address-map chunk) out of memory. The call then reports
- * the error with the evictions made (those the policy would make at the
- * next try anyway); the layer is not stored.
+ * budget or a region held at its limit), the evictions must come first,
+ * and stay undoable until the publication (kvp__append_tx_take):
+ *
+ *   metadata  the append's block structs, brefs, run, codec states, stats
+ *             slot                                        (before: nothing evicted yet)
+ *   check     the budget would then hold (exactly: the bytes of the blocks
+ *             the plan drops, plus the limbo), the region could (its free
+ *             extents and slots plus those bytes)         (else refused, nothing changed)
+ *   apply     each unit logged (kvp__undo): links and counters changed,
+ *             runs and brefs unlinked but kept, owners lowered but blocks
+ *             kept                                        (ENOMEM for the log: undone)
+ *   grace     synchronize: no reader finds a dropped block any more, so a
+ *             block with owners 0 and refs 1 can take no pin
+ *   free      those blocks' pages, in an allocator transaction (alloc/txn.c)
+ *             that holds what giving them back needs: out of the ledger,
+ *             their bytes still held                      (ENOMEM: undone)
+ *   take      the new pages; if the region is short, once more after the
+ *             freed pages' bytes went back to it          (any failure: pages
+ *             given back, the transaction rolled back (each freed page
+ *             counted, and taken at its offset again), the log undone:
+ *             nothing changed)
+ *   save      when a new page lies over a freed one (the region was short),
+ *             a host copy of the freed pages' payload     (ENOMEM: undone)
+ *   write     the payload                                 (a failure: undone
+ *             too, the saved payload written back first)
+ *   publish   the log commits: unlinked runs and brefs retired, blocks
+ *             whose pages went freed, the others' owner drop finished
+ *
+ * A failed undoable append changes the ledger's totals only (allocations
+ * and frees counted, peaks) and may have reclaimed the limbo, as
+ * kvp_reclaim would.
  *
  * Invariants: spare runs of a plan are counted in pool->meta until applied
  * or freed; applying a unit that is no longer retained does nothing.
@@ -127,7 +147,115 @@ static uint64_t plan_freed_bytes(const kvp_pool *pool, kvp__seq *s, const kvp__e
   return sum;
 }
 
+/* ---- the undo log --------------------------------------------------------- */
+
+int kvp__undo_reserve(kvp_pool *pool, kvp__undo *u, uint32_t more) {
+  if (u->cap - u->n >= more) return KVP_OK;
+  uint32_t ncap = u->cap ? u->cap : 32;
+  while (ncap - u->n < more) ncap *= 2;
+  kvp__undo_ent *ne = kvp__meta_realloc(&pool->meta, u->e, u->cap * sizeof *ne, ncap * sizeof *ne);
+  if (!ne) return kvp__err(KVP_ENOMEM, "undo log of %u entries for an eviction that makes room", ncap);
+  u->e = ne;
+  u->cap = ncap;
+  return KVP_OK;
+}
+
+void kvp__undo_push(kvp__undo *u, int kind, void *at, uint64_t old) {
+  kvp__assert(u->n < u->cap); /* reserved per unit before it changes anything */
+  u->e[u->n++] = (kvp__undo_ent){(uint8_t)kind, false, at, old};
+}
+
+/* Put back every change, last first. Runs linked in were seen by readers:
+ * they go after a grace period; what was unlinked was kept, and is linked
+ * again. */
+static void undo_apply(kvp_pool *pool, kvp__undo *u) {
+  for (uint32_t i = u->n; i--;) {
+    kvp__undo_ent *e = &u->e[i];
+    switch (e->kind) {
+    case KVP__UNDO_RUN_LINK: kvp__rcu_assign(*(kvp__run **)e->at, (kvp__run *)(uintptr_t)e->old); break;
+    case KVP__UNDO_BREF_LINK: kvp__rcu_assign(*(kvp__bref **)e->at, (kvp__bref *)(uintptr_t)e->old); break;
+    case KVP__UNDO_U32: atomic_store_explicit((_Atomic uint32_t *)e->at, (uint32_t)e->old, memory_order_relaxed); break;
+    case KVP__UNDO_RUN_NEW: kvp__run_retire(pool, e->at); break;
+    case KVP__UNDO_OWNER: ((kvp__block *)e->at)->owners++; break;
+    default: break; /* RUN_OLD, BREF: linked again above */
+    }
+  }
+  kvp__ledger *l = &pool->alloc.ledger;
+  kvp__ledger_begin(l);
+  kvp__w64(&l->tokens_retained.current, u->tokens_retained);
+  kvp__w64(&l->bf16_equivalent.current, u->bf16_equivalent);
+  kvp__w64(&l->tokens_evicted, u->tokens_evicted);
+  kvp__ledger_end(l);
+  u->n = 0;
+}
+
+/* Let every change stand: what was unlinked goes (runs and brefs after a
+ * grace period; a block whose pages the transaction freed now, its grace
+ * period passed; any other block through the rest of its owner drop). */
+static void undo_commit(kvp_pool *pool, kvp__undo *u) {
+  for (uint32_t i = 0; i < u->n; i++) {
+    kvp__undo_ent *e = &u->e[i];
+    if (e->kind == KVP__UNDO_RUN_OLD) kvp__run_retire(pool, e->at);
+    else if (e->kind == KVP__UNDO_BREF) kvp__bref_retire(pool, e->at);
+    else if (e->kind == KVP__UNDO_OWNER && e->freed) {
+      kvp__block *b = e->at;
+      if (b->chunk) kvp__prefix_drop(pool, b->chunk);
+      atomic_store_explicit(&b->refs, 0, memory_order_relaxed);
+      kvp__meta_free(&pool->meta, b, sizeof *b);
+    } else if (e->kind == KVP__UNDO_OWNER) {
+      kvp__block_unowned(pool, e->at);
+    }
+  }
+  u->n = 0;
+}
+
 /* ---- the append transaction --------------------------------------------- */
+
+/* New pages lie over freed ones (the region was short): keep a host copy
+ * of the freed pages' payload before anything is written, so that a write
+ * that fails can still be undone. ENOMEM, or the region's error. */
+static int payload_save(kvp_pool *pool, kvp__append_tx *tx) {
+  const kvp__alloc_tx *atx = &tx->atx;
+  kvp__region *r = &pool->alloc.region;
+  if (pool->cfg.flags & KVP_POOL_DRY) return KVP_OK; /* no payload */
+  size_t bytes = 0;
+  for (uint32_t i = 0; i < atx->n; i++) bytes += atx->freed[i].page.requested_bytes;
+  unsigned char *buf = kvp__meta_alloc(&pool->meta, bytes + 1);
+  if (!buf) return kvp__err(KVP_ENOMEM, "host copy of the %zu payload bytes of the pages evicted to make room", bytes);
+  int rc = KVP_OK;
+  for (size_t i = 0, at = 0; !rc && i < atx->n; at += atx->freed[i++].page.requested_bytes) {
+    const kvp__page *p = &atx->freed[i].page;
+    rc = r->ops->read2d(r, buf + at, p->requested_bytes, p->off, p->requested_bytes, p->requested_bytes, 1, NULL);
+  }
+  if (!rc) rc = r->ops->quiesce(r);
+  if (rc) {
+    kvp__meta_free(&pool->meta, buf, bytes + 1);
+    return rc;
+  }
+  tx->payload = buf;
+  tx->payload_bytes = bytes;
+  return KVP_OK;
+}
+
+static void payload_drop(kvp_pool *pool, kvp__append_tx *tx) {
+  if (tx->payload) kvp__meta_free(&pool->meta, tx->payload, tx->payload_bytes + 1);
+  tx->payload = NULL;
+  tx->payload_bytes = 0;
+}
+
+/* The freed pages are theirs again (rolled back): their payload too. A
+ * device that fails these copies fails the pool's work anyway; the region
+ * has reported it. */
+static void payload_restore(kvp_pool *pool, kvp__append_tx *tx) {
+  const kvp__alloc_tx *atx = &tx->atx;
+  kvp__region *r = &pool->alloc.region;
+  for (size_t i = 0, at = 0; i < atx->n; at += atx->freed[i++].page.requested_bytes) {
+    const kvp__page *p = &atx->freed[i].page;
+    (void)r->ops->write2d(r, p->off, p->requested_bytes, tx->payload + at, p->requested_bytes, p->requested_bytes, 1,
+                          NULL);
+  }
+  (void)r->ops->quiesce(r);
+}
 
 void kvp__append_tx_init(kvp__append_tx *tx) {
   memset(tx, 0, sizeof *tx);
@@ -136,8 +264,12 @@ void kvp__append_tx_init(kvp__append_tx *tx) {
 }
 
 void kvp__append_tx_fini(kvp_pool *pool, kvp__append_tx *tx) {
+  kvp__assert(!tx->room); /* committed at publish or undone on failure */
   kvp__evict_plan_fini(pool, &tx->before);
   kvp__evict_plan_fini(pool, &tx->after);
+  kvp__meta_free(&pool->meta, tx->undo.e, tx->undo.cap * sizeof *tx->undo.e);
+  kvp__alloc_tx_release(&pool->alloc, &tx->atx);
+  payload_drop(pool, tx);
 }
 
 int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx) {
@@ -145,23 +277,135 @@ int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx) {
   return rc ? rc : kvp__evict_plan_prepare(pool, &tx->after);
 }
 
-bool kvp__append_tx_make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx, uint64_t need_bytes) {
+/* Could the before-evictions make room for need_bytes? The budget exactly
+ * (the bytes of the blocks the plan drops, plus the limbo), the region as
+ * a bound (its free extents and slots plus those bytes). No: nothing to try. */
+static bool room_possible(kvp_pool *pool, kvp__seq *s, const kvp__append_tx *tx, uint64_t need_bytes) {
   if (!tx || tx->before_applied || !tx->before.n) return false;
   const kvp__ledger *l = &pool->alloc.ledger;
   uint64_t freed = l->retired.current + plan_freed_bytes(pool, s, &tx->before);
   uint64_t after = l->allocated.current - (freed < l->allocated.current ? freed : l->allocated.current);
-  if (need_bytes > l->budget_bytes || after > l->budget_bytes - need_bytes) return false; /* the budget would not
-                                                                                             hold: refuse, nothing
-                                                                                             changed */
-  if (need_bytes > kvp__alloc_room_bound(&pool->alloc) + freed) return false; /* nor would the region */
-  kvp__evict_plan_apply(pool, s, &tx->before);
+  if (need_bytes > l->budget_bytes || after > l->budget_bytes - need_bytes) return false;
+  return need_bytes <= kvp__alloc_room_bound(&pool->alloc) + freed;
+}
+
+/* Apply the before-evictions undoably, wait for a grace period (no reader
+ * finds the blocks they dropped any more, so none can pin one), free the
+ * limbo, and free in an allocator transaction the pages of every dropped
+ * block that lost its last owner and has no pin. ENOMEM (the log, the
+ * transaction's reservations): everything undone. */
+static int make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
+  const kvp__ledger *l = &pool->alloc.ledger;
+  kvp__undo *u = &tx->undo;
+  u->n = 0;
+  u->tokens_retained = l->tokens_retained.current;
+  u->bf16_equivalent = l->bf16_equivalent.current;
+  u->tokens_evicted = l->tokens_evicted;
+  tx->before.undo = u;
+  int rc = KVP_OK;
+  for (uint32_t i = 0; !rc && i < tx->before.n; i++) {
+    const kvp__unit *un = &tx->before.units[i];
+    if (kvp__unit_retained(s, un->layer, un->head, un->step))
+      rc = kvp__evict_unit(pool, s, un->layer, un->head, un->step, &tx->before);
+  }
+  if (!rc) {
+    kvp__rcu_synchronize();
+    kvp__reclaim_after_grace(pool); /* what earlier calls evicted goes for good */
+  }
+  for (uint32_t i = 0; !rc && i < u->n; i++) { /* the blocks to free, decided once */
+    kvp__undo_ent *e = &u->e[i];
+    const kvp__block *b = e->at;
+    if (e->kind != KVP__UNDO_OWNER || b->owners || atomic_load_explicit(&b->refs, memory_order_acquire) != 1) continue;
+    e->freed = true;
+    for (int kv = 0; !rc && kv < 2; kv++)
+      for (unsigned j = 0; !rc && j < b->npages[kv]; j++)
+        rc = kvp__alloc_tx_reserve(&pool->alloc, &tx->atx, &b->pages[kv][j]);
+  }
+  if (rc) {
+    kvp__alloc_tx_release(&pool->alloc, &tx->atx);
+    undo_apply(pool, u);
+    tx->before.undo = NULL;
+    return rc;
+  }
+  kvp__alloc_tx_begin(&pool->alloc, &tx->atx);
+  for (uint32_t i = 0; i < u->n; i++) {
+    const kvp__undo_ent *e = &u->e[i];
+    const kvp__block *b = e->at;
+    for (int kv = 0; e->freed && kv < 2; kv++)
+      for (unsigned j = 0; j < b->npages[kv]; j++) kvp__alloc_tx_free(&pool->alloc, &tx->atx, &b->pages[kv][j]);
+  }
+  tx->room = true;
   tx->before_applied = true;
-  kvp__reclaim(pool);
-  return true;
+  return KVP_OK;
+}
+
+/* Put everything back: the pages (and their payload, if new pages were
+ * written over them), then the evictions. */
+static void room_undo(kvp_pool *pool, kvp__append_tx *tx) {
+  if (tx->payload) payload_restore(pool, tx); /* before the rollback: it ends the transaction and its records */
+  payload_drop(pool, tx);
+  kvp__alloc_tx_rollback(&pool->alloc, &tx->atx);
+  undo_apply(pool, &tx->undo);
+  tx->before.undo = NULL;
+  tx->room = false;
+  tx->before_applied = false;
+}
+
+static void room_commit(kvp_pool *pool, kvp__append_tx *tx) {
+  payload_drop(pool, tx);
+  kvp__alloc_tx_commit(&pool->alloc, &tx->atx);
+  undo_commit(pool, &tx->undo);
+  kvp__evict_plan *ev = &tx->before;
+  if (ev->commit_at) *ev->commit_at = ev->commit_val;
+  ev->n = 0;
+  ev->commit_at = NULL;
+  ev->undo = NULL;
+  tx->room = false;
+}
+
+int kvp__append_tx_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__append_tx *tx, uint64_t bytes,
+                        int (*take)(kvp_pool *pool, void *ctx), void (*give)(kvp_pool *pool, void *ctx), void *ctx) {
+  int rc;
+  if (!kvp__alloc_fits_bytes(&pool->alloc, bytes) && pool->limbo) kvp__reclaim(pool);
+  if (!kvp__alloc_fits_bytes(&pool->alloc, bytes)) { /* the budget is short */
+    if (!room_possible(pool, s, tx, bytes)) return kvp__append_budget_err(pool, s, layer, bytes);
+    if ((rc = make_room(pool, s, tx))) return rc;
+    rc = kvp__alloc_fits_bytes(&pool->alloc, bytes) ? take(pool, ctx) : KVP_EBUDGET; /* EBUDGET: a block the plan
+                                                                                     counted was shared or pinned */
+  } else {
+    rc = take(pool, ctx);
+    if (rc == KVP_ENOSPC && pool->limbo) {
+      kvp__reclaim(pool);
+      rc = take(pool, ctx);
+    }
+    if (rc == KVP_ENOSPC && room_possible(pool, s, tx, bytes)) { /* the region is short */
+      int mrc = make_room(pool, s, tx);
+      if (mrc) return mrc;
+      rc = take(pool, ctx);
+    }
+  }
+  if (rc == KVP_ENOSPC && tx && tx->room) { /* the region too: the evicted pages' bytes go back to it */
+    kvp__alloc_tx_free_space(&pool->alloc, &tx->atx);
+    rc = take(pool, ctx);
+    if (!rc && tx->atx.reused && (rc = payload_save(pool, tx))) give(pool, ctx);
+  }
+  if (rc && tx && tx->room) {
+    room_undo(pool, tx); /* take gave back what it took and named why */
+    if (rc == KVP_EBUDGET) return kvp__append_budget_err(pool, s, layer, bytes);
+  }
+  return rc;
+}
+
+void kvp__append_tx_fail(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
+  (void)s;
+  if (!tx || !tx->room) return;
+  kvp__assert(!tx->atx.reused || tx->payload || (pool->cfg.flags & KVP_POOL_DRY)); /* saved when taken */
+  room_undo(pool, tx);
 }
 
 void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
-  if (tx && !tx->before_applied) kvp__evict_plan_apply(pool, s, &tx->before);
+  if (tx && tx->room) room_commit(pool, tx);
+  else if (tx && !tx->before_applied) kvp__evict_plan_apply(pool, s, &tx->before);
   if (tx) tx->before_applied = true;
 }
 

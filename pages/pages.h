@@ -234,6 +234,11 @@ kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id); /* under rcu_read_lock */
 /* Drop one owner reference of a block (writer): to the limbo at zero refs,
  * to the orphans if only pins remain. */
 void kvp__block_unown(kvp_pool *pool, kvp__block *b);
+/* The rest of such a drop once owners was lowered (an undoable eviction
+ * lowers it first, and finishes at commit). */
+void kvp__block_unowned(kvp_pool *pool, kvp__block *b);
+/* Free the limbo now: its grace period has passed (writer). */
+void kvp__reclaim_after_grace(kvp_pool *pool);
 /* Free a block's pages and struct now (writer; no reader may hold it). */
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b);
 /* Wait for a grace period and free everything in the limbo (writer). */
@@ -269,6 +274,32 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orpha
 typedef struct kvp__unit {
   uint32_t layer, head, step; /* what an eviction removes */
 } kvp__unit;
+/* An undoable application of evictions (pages/evict.c): every change it
+ * made, so that it can be put back. */
+enum {
+  KVP__UNDO_RUN_LINK,  /* at: a kvp__run * field (a link, a layer's runs or last); old: its value */
+  KVP__UNDO_BREF_LINK, /* at: a kvp__bref * field (a link, a stream's blocks or tail); old: its value */
+  KVP__UNDO_U32,       /* at: an _Atomic uint32_t (a stream's token counts); old: its value */
+  KVP__UNDO_RUN_NEW,   /* at: a run linked in (undo: retired) */
+  KVP__UNDO_RUN_OLD,   /* at: a run unlinked (commit: retired) */
+  KVP__UNDO_BREF,      /* at: a bref unlinked (commit: retired) */
+  KVP__UNDO_OWNER,     /* at: a block that lost an owner (undo: owner back; commit: the rest of the drop) */
+};
+typedef struct kvp__undo_ent {
+  uint8_t kind; /* KVP__UNDO_* */
+  bool freed;   /* OWNER: the block's pages were freed in the append's allocator transaction */
+  void *at;     /* the field or object */
+  uint64_t old; /* the field's value before */
+} kvp__undo_ent;
+typedef struct kvp__undo {
+  kvp__undo_ent *e; /* [cap] */
+  uint32_t n, cap;  /* entries, room */
+  uint64_t tokens_retained, bf16_equivalent, tokens_evicted; /* the ledger's token figures before */
+} kvp__undo;
+/* Room for more entries (ENOMEM); push one (room taken ahead). */
+int kvp__undo_reserve(kvp_pool *pool, kvp__undo *u, uint32_t more);
+void kvp__undo_push(kvp__undo *u, int kind, void *at, uint64_t old);
+
 typedef struct kvp__evict_plan {
   kvp__unit *units;     /* [cap]: units to evict, in order */
   uint32_t n, cap;      /* units planned, room */
@@ -276,6 +307,7 @@ typedef struct kvp__evict_plan {
   uint32_t nspare, spare_cap;
   uint32_t *commit_at;  /* a policy cursor set to commit_val when applied, or NULL */
   uint32_t commit_val;  /* its new value */
+  kvp__undo *undo;      /* applied undoably: the log of the changes; NULL: for good */
 } kvp__evict_plan;
 void kvp__evict_plan_init(kvp__evict_plan *ev);
 void kvp__evict_plan_fini(kvp_pool *pool, kvp__evict_plan *ev);
@@ -291,14 +323,29 @@ typedef struct kvp__append_tx {
   kvp__evict_plan before; /* evictions before the layer is stored */
   kvp__evict_plan after;  /* evictions once it is stored */
   bool before_applied;    /* before was applied (to make room, or at publish) */
+  bool room;              /* before was applied to make room and may still be undone: its changes in undo, its
+                             blocks' pages freed in atx */
+  kvp__undo undo;         /* the log of before's changes while room */
+  kvp__alloc_tx atx;      /* the allocator transaction that freed its blocks' pages while room */
+  unsigned char *payload; /* while room, when new pages lie over freed ones: the freed pages' requested bytes, in
+                             atx order (host copy), or NULL */
+  size_t payload_bytes;   /* its size */
 } kvp__append_tx;
 void kvp__append_tx_init(kvp__append_tx *tx);
 void kvp__append_tx_fini(kvp_pool *pool, kvp__append_tx *tx);
 int kvp__append_tx_prepare(kvp_pool *pool, kvp__append_tx *tx); /* both plans' runs */
-/* The append's need_bytes do not fit: if the before-evictions would make
- * the budget hold, apply them and reclaim (true: take again); false when
- * there are none left or they would not be enough (nothing changed). */
-bool kvp__append_tx_make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx, uint64_t need_bytes);
+/* Take the append's pages (take: all of them or none, on failure with a
+ * message; give: give back all it took; bytes: their allocated bytes)
+ * within the budget and the region: the limbo is reclaimed, and when they
+ * still do not fit, the before-evictions are applied first to make room,
+ * undoably. On failure nothing is changed (the evictions undone, their
+ * pages back). tx may be NULL. */
+int kvp__append_tx_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__append_tx *tx, uint64_t bytes,
+                        int (*take)(kvp_pool *pool, void *ctx), void (*give)(kvp_pool *pool, void *ctx), void *ctx);
+/* The append failed after its pages were taken (writing them), and has
+ * given them all back: evictions that made room are undone, the payload of
+ * their pages written back where new pages lay over them. */
+void kvp__append_tx_fail(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx);
 /* KVP_EBUDGET for an append of layer to s that needs bytes more than the budget leaves (the shared message). */
 int kvp__append_budget_err(kvp_pool *pool, const kvp__seq *s, uint32_t layer, uint64_t bytes);
 void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx); /* tx may be NULL */
@@ -313,7 +360,11 @@ struct kvp__run *kvp__run_settle(kvp_pool *pool, kvp__seq *s, uint32_t layer, st
  * (or NULL) holds the policy's evictions, applied with the publication. */
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                       kvp__append_tx *tx);
-/* Evict one unit; ev (or NULL) provides the runs (then it cannot fail). */
+/* Evict one unit; ev (or NULL) provides the runs (then it cannot fail,
+ * unless ev->undo is set: ENOMEM for its log, the unit untouched). With
+ * ev->undo the changes are logged there and what goes is kept until the
+ * log commits: the old run and brefs, and the blocks' owner drop past
+ * owners (pages/evict.c). */
 int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step, kvp__evict_plan *ev);
 
 /* ---- the device path (pages/device_cuda.c; CUDA builds) -------------------
@@ -454,6 +505,11 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
 
 /* pages/pool.c: codec bindings from the spec. */
 int kvp__bindings_init(kvp_pool *pool, const char *spec);
+/* For tests/fuzz/fuzz_codec_spec.c: build the bindings of spec for the
+ * pool's geometry and check them as kvp_pool_create does (instances,
+ * layouts, block sizes, the fit to the appended dtypes), then drop them;
+ * the pool keeps its own. Status and message as create's. */
+int kvp__bindings_try(kvp_pool *pool, const char *spec);
 void kvp__bindings_fini(kvp_pool *pool);
 
 /* Codec state of stream (layer, head), side kv: allocated zeroed on first

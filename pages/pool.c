@@ -283,6 +283,19 @@ int kvp__bindings_init(kvp_pool *pool, const char *spec) {
   return rc;
 }
 
+int kvp__bindings_try(kvp_pool *pool, const char *spec) {
+  kvp__binding *bind = pool->bind, tail[2] = {pool->tail[0], pool->tail[1]};
+  uint32_t *bt = pool->bt, chunk_tokens = pool->chunk_tokens;
+  uint64_t codec_fp = pool->codec_fp;
+  pool->bind = NULL, pool->bt = NULL;
+  memset(pool->tail, 0, sizeof pool->tail);
+  int rc = kvp__bindings_init(pool, spec); /* on failure it dropped what it built */
+  if (!rc) kvp__bindings_fini(pool);
+  pool->bind = bind, pool->bt = bt, pool->tail[0] = tail[0], pool->tail[1] = tail[1];
+  pool->chunk_tokens = chunk_tokens, pool->codec_fp = codec_fp;
+  return rc;
+}
+
 KVP_API void kvp_layer_info_init(kvp_layer_info *info) {
   if (!info) return;
   memset(info, 0, sizeof *info);

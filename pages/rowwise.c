@@ -353,6 +353,24 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
   kvp__append_tx_after_publish(pool, s, tx);
 }
 
+typedef struct rw_take_ctx {
+  kvp__seq *s;
+  uint32_t layer;
+  rw_plan *pl;
+} rw_take_ctx;
+static int rw_take_cb(kvp_pool *pool, void *vctx) {
+  rw_take_ctx *c = vctx;
+  return rw_take_pages(pool, c->s, c->layer, c->pl);
+}
+static void rw_give_cb(kvp_pool *pool, void *vctx) {
+  rw_take_ctx *c = vctx;
+  const rw_plan *pl = c->pl;
+  for (uint32_t i = 0; i < pool->cfg.n_kv_heads * pl->per; i++) {
+    kvp__block *b = pl->tail && i % pl->per == 0 ? pl->e[i].rep : pl->e[i].blk;
+    if (b && !rw_skipped(pl, i / pl->per)) kvp__block_give_pages(pool, b);
+  }
+}
+
 int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx) {
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
@@ -361,20 +379,8 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   if (rc) return rc;
   pl.run_always = tx && tx->before.n;
   if ((rc = rw_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
-retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
-    if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-    rw_undo(pool, &pl);
-    return kvp__append_budget_err(pool, s, layer, pl.bytes);
-  }
-  rc = rw_take_pages(pool, s, layer, &pl);
-  if (rc == KVP_ENOSPC && pool->limbo) {
-    kvp__reclaim(pool);
-    rc = rw_take_pages(pool, s, layer, &pl);
-  }
-  if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-  if (rc) {
+  rw_take_ctx tc = {s, layer, &pl};
+  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, rw_take_cb, rw_give_cb, &tc))) {
     rw_undo(pool, &pl);
     return rc;
   }
@@ -395,6 +401,7 @@ retry: /* again after the policy's evictions made room (kvp__append_tx_make_room
 #endif
   if (rc) {
     rw_undo(pool, &pl);
+    kvp__append_tx_fail(pool, s, tx);
     return rc;
   }
   rw_publish(pool, s, layer, pos, &pl, tx);

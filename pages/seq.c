@@ -106,6 +106,10 @@ static void orphan_remove(kvp_pool *pool, kvp__block *b) {
 void kvp__block_unown(kvp_pool *pool, kvp__block *b) {
   kvp__assert(b->owners > 0);
   b->owners--;
+  kvp__block_unowned(pool, b);
+}
+
+void kvp__block_unowned(kvp_pool *pool, kvp__block *b) {
   if (!b->owners && b->chunk) kvp__prefix_drop(pool, b->chunk); /* its chunk can no longer be shared */
   if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) {
     limbo_push(pool, b);
@@ -127,6 +131,11 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
 void kvp__reclaim(kvp_pool *pool) {
   if (!pool->limbo) return;
   kvp__rcu_synchronize();
+  kvp__reclaim_after_grace(pool);
+}
+
+void kvp__reclaim_after_grace(kvp_pool *pool) {
+  if (!pool->limbo) return;
   /* copies already enqueued on device streams may still touch these pages;
    * a failure here is reported by the region and the pages are freed anyway
    * (the device is then unusable for the pool's work) */

@@ -16,7 +16,8 @@
  * payload, and only then publish (brefs, then the run's end position). A
  * failure before publishing frees what was taken; readers never see it.
  * The policy's evictions of the append (pages/evict.c) are applied with
- * the publication, or first when only they make room.
+ * the publication, or first when only they make room, undoably until the
+ * publication.
  *
  * OPEN blocks (stream mode) get pages for their full capacity, as paged
  * engines do: a decode token is a row copy, with no ledger traffic until a
@@ -574,6 +575,22 @@ int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv 
   return rc;
 }
 
+/* The pages of a plan, for kvp__append_tx_take. */
+typedef struct take_ctx {
+  kvp__seq *s;
+  uint32_t layer;
+  append_plan *pl;
+} take_ctx;
+static int take_pages(kvp_pool *pool, void *vctx) {
+  take_ctx *c = vctx;
+  return plan_take_pages(pool, c->s, c->layer, c->pl);
+}
+static void give_pages(kvp_pool *pool, void *vctx) {
+  take_ctx *c = vctx;
+  for (uint32_t i = 0; i < pool->cfg.n_kv_heads * c->pl->nb; i++)
+    if (c->pl->blocks[i]) kvp__block_give_pages(pool, c->pl->blocks[i]);
+}
+
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx) {
   if (kvp__layer_rowwise(pool, layer)) return kvp__append_rowwise(pool, s, layer, kv, skip, tx);
@@ -583,25 +600,14 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   plan_shape(pool, s, layer, pos, skip, &pl);
   pl.run_always = tx && tx->before.n;
   if ((rc = plan_take(pool, s, layer, pos, &pl))) return rc; /* metadata first: evictions never wait on it */
-retry: /* again after the policy's evictions made room (kvp__append_tx_make_room) */
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes) && pool->limbo) kvp__reclaim(pool);
-  if (!kvp__alloc_fits_bytes(&pool->alloc, pl.bytes)) {
-    if (kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
-    return kvp__append_budget_err(pool, s, layer, pl.bytes);
-  }
-  rc = plan_take_pages(pool, s, layer, &pl);
-  if (rc == KVP_ENOSPC && pool->limbo) {
-    kvp__reclaim(pool);
-    rc = plan_take_pages(pool, s, layer, &pl);
-  }
-  if ((rc == KVP_ENOSPC || rc == KVP_EBUDGET) && kvp__append_tx_make_room(pool, s, tx, pl.bytes)) goto retry;
-  if (rc) {
+  take_ctx tc = {s, layer, &pl};
+  if ((rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, take_pages, give_pages, &tc))) {
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
     return rc;
   }
   if (!(pool->cfg.flags & KVP_POOL_DRY) && (rc = fill_data(pool, s, layer, pos, kv, &pl))) { /* dry: no payload */
     plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
+    kvp__append_tx_fail(pool, s, tx);
     return rc;
   }
   publish(pool, s, layer, pos, &pl, tx);
@@ -617,9 +623,30 @@ static bool retained_in(const kvp__layer *L, uint32_t h, uint32_t a, uint32_t b)
   return false;
 }
 
+/* Changes an undoable eviction logs (u NULL: none). */
+static void log_run_link(kvp__undo *u, kvp__run **at) {
+  if (u) kvp__undo_push(u, KVP__UNDO_RUN_LINK, at, (uintptr_t)*at);
+}
+static void log_bref_link(kvp__undo *u, kvp__bref **at) {
+  if (u) kvp__undo_push(u, KVP__UNDO_BREF_LINK, at, (uintptr_t)*at);
+}
+static void log_u32(kvp__undo *u, _Atomic uint32_t *at) {
+  if (u) kvp__undo_push(u, KVP__UNDO_U32, (void *)at, atomic_load_explicit(at, memory_order_relaxed));
+}
+/* Entries an undoable eviction of [a, b) of stream st logs at most: the
+ * run's (a link, last, three new runs, the old one, two counters) and four
+ * per block it may drop (a link, the tail, the bref, the owner). */
+static uint32_t undo_entries(const kvp__stream *st, uint32_t a, uint32_t b) {
+  uint32_t n = 8;
+  for (const kvp__bref *r = st->blocks; r && r->blk->pos0 < b; r = r->next)
+    n += 4 * (r->blk->pos0 + r->blk->n_tokens > a);
+  return n;
+}
+
 /* Drop the blocks of stream (l, h) overlapping [a, b) that hold no retained
  * position and take no more tokens. */
-static void drop_blocks(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t a, uint32_t b) {
+static void drop_blocks(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t a, uint32_t b,
+                        kvp__undo *u) {
   kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
   kvp__bref *prev = NULL, *cur = st->blocks;
   while (cur) {
@@ -627,11 +654,22 @@ static void drop_blocks(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t he
     kvp__bref *next = cur->next;
     uint32_t lo = blk->pos0, hi = blk->pos0 + blk->n_tokens;
     if (lo < b && hi > a && blk->sealed && !retained_in(&s->layers[layer], head, lo, hi)) {
+      log_bref_link(u, prev ? &prev->next : &st->blocks);
       if (prev) kvp__rcu_assign(prev->next, next);
       else kvp__rcu_assign(st->blocks, next);
-      if (st->tail == cur) st->tail = prev;
-      kvp__bref_retire(pool, cur);
-      kvp__block_unown(pool, blk);
+      if (st->tail == cur) {
+        log_bref_link(u, &st->tail);
+        st->tail = prev;
+      }
+      if (u) { /* kept until the eviction commits */
+        kvp__undo_push(u, KVP__UNDO_BREF, cur, 0);
+        kvp__assert(blk->owners > 0);
+        blk->owners--;
+        kvp__undo_push(u, KVP__UNDO_OWNER, blk, 0);
+      } else {
+        kvp__bref_retire(pool, cur);
+        kvp__block_unown(pool, blk);
+      }
     } else {
       prev = cur;
     }
@@ -663,6 +701,12 @@ int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, 
   uint32_t s1 = atomic_load_explicit(&r->s1, memory_order_relaxed), p1 = atomic_load_explicit(&r->p1, memory_order_relaxed);
   uint32_t a = s->step_pos[step];
   uint32_t b = step + 1 == s1 ? p1 : s->step_pos[step + 1];
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
+  kvp__undo *u = ev ? ev->undo : NULL;
+  if (u) {
+    int rc = kvp__undo_reserve(pool, u, undo_entries(st, a, b));
+    if (rc) return rc;
+  }
   /* the replacement: [s0, step) | [step, step+1) without head | [step+1, s1) */
   uint64_t without[KVP_MAX_KV_HEADS / 64];
   memcpy(without, r->mask, r->nwords * sizeof(uint64_t));
@@ -686,16 +730,24 @@ int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, 
       first = chain[i];
       if (!last) last = chain[i];
     }
+  log_run_link(u, prev ? &prev->next : &L->runs);
   if (prev) kvp__rcu_assign(prev->next, first);
   else kvp__rcu_assign(L->runs, first);
-  if (L->last == r) L->last = last ? last : prev;
-  kvp__run_retire(pool, r);
-  kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
+  if (L->last == r) {
+    log_run_link(u, &L->last);
+    L->last = last ? last : prev;
+  }
+  for (int i = 0; u && i < 3; i++)
+    if (chain[i]) kvp__undo_push(u, KVP__UNDO_RUN_NEW, chain[i], 0);
+  if (u) kvp__undo_push(u, KVP__UNDO_RUN_OLD, r, 0); /* kept until the eviction commits */
+  else kvp__run_retire(pool, r);
+  log_u32(u, &st->retained_tokens);
+  log_u32(u, &st->evicted_tokens);
   atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) - (b - a),
                         memory_order_relaxed);
   atomic_store_explicit(&st->evicted_tokens, atomic_load_explicit(&st->evicted_tokens, memory_order_relaxed) + (b - a),
                         memory_order_relaxed);
   kvp__count_tokens(pool, -(int64_t)(b - a), b - a);
-  drop_blocks(pool, s, layer, head, a, b);
+  drop_blocks(pool, s, layer, head, a, b, u);
   return KVP_OK;
 }

@@ -4,7 +4,9 @@
  * cache after every layer of every scale and it never passes the budget, in
  * head-token slots and, for a byte-true plan with mixed codecs, in ledger
  * bytes under a pool budget set to exactly B (any overshoot would be an
- * allocator refusal). The shipped Infinity-2B orders are used when
+ * allocator refusal). An append whose evictions had to make room, and that
+ * then finds the region too fragmented for its pages, changes nothing. The
+ * shipped Infinity-2B orders are used when
  * ../shared is present (a visible skip otherwise).
  */
 #include <check.h>
@@ -14,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#define KVP_EXPERIMENTAL_API /* raw pages fill and fragment the region beside the sequence */
 #include "kvpool.h"
 #include "itest.h"
 
@@ -268,6 +271,77 @@ START_TEST(refused_append_evicts_nothing_region) {
 }
 END_TEST
 
+/* The region, not the budget, is short, and fragmented: raw pages of 64 B
+ * fill every free extent with slabs, then all but one slot of each slab are
+ * freed, so the region has many free slots and no free extent. Each step of
+ * the sequence is one block per (layer, head) whose pages are a size class
+ * of their own (block_tokens 64), and a raw page of each class used so far
+ * keeps those slabs alive. The append of step 4 needs a new slab (64 KiB,
+ * class 1024): none fits; its before-evictions could make room as far as
+ * the budget and the free slots tell, so they are applied, free only slots,
+ * and the slab still does not fit. The append fails with KVP_ENOSPC and
+ * the pool is as before: the evictions are undone, their pages back. Once
+ * the filler goes, the same append succeeds. */
+START_TEST(fragmented_region_undoes_evictions) {
+  enum { L = 2, H = 2, D = 16 };
+  static const uint32_t T[6] = {4, 8, 16, 24, 32, 48};
+  fill_kv(H, D);
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = 64;
+  c.region_bytes = 2ull << 20;
+  c.policy = "heatkv:b=0.5:s=2:orders=synthetic";
+  kvp_pool *p = NULL;
+  ck_ok(kvp_pool_create(&c, &p));
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP;
+  sc.step_tokens = T;
+  sc.n_steps = 6;
+  ck_ok(kvp_seq_add(p, 1, &sc));
+  for (uint32_t k = 0; k < 4; k++) {
+    ck_ok(kvp_step_begin(p, 1, T[k], 0));
+    for (uint32_t l = 0; l < L; l++) ck_ok(kvp_append(p, 1, l, &(kvp_kv){KV, KV, NULL}));
+    ck_ok(kvp_step_end(p, 1));
+  }
+  kvp_page_tag tag = {.seq = 99, .layer = 0, .head = 0, .type = KVP_PAGE_RAW, .kv = 0, .codec = 0};
+  kvp_page_id keep[4], *fill = malloc(sizeof *fill * (1u << 16));
+  for (uint32_t k = 0; k < 4; k++) ck_ok(kvp_page_alloc(p, T[k] * D * 2, &tag, &keep[k])); /* K and V pages' class */
+  uint32_t n = 0;
+  int rc;
+  while ((rc = kvp_page_alloc(p, 64, &tag, &fill[n])) == KVP_OK) n++;
+  ck_assert_int_eq(rc, KVP_ENOSPC);
+  ck_assert_uint_gt(n, 512);
+  for (uint32_t i = 0; i < n; i++)
+    if (i % 512) ck_ok(kvp_page_free(p, fill[i])); /* one slot left per slab: no slab empties */
+  ck_ok(kvp_step_begin(p, 1, T[4], 0));
+  ck_ok(kvp_reclaim(p));
+  refuse_fp before = refuse_fingerprint(p);
+  kvp_seq_desc d0 = {.struct_size = sizeof d0};
+  ck_ok(kvp_seq_info(p, 1, &d0));
+  rc = kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL});
+  ck_assert_msg(rc == KVP_ENOSPC, "append in the fragmented region: %s", rc ? kvp_last_error() : "succeeded");
+  refuse_fp after = refuse_fingerprint(p);
+  kvp_seq_desc d1 = {.struct_size = sizeof d1};
+  ck_ok(kvp_seq_info(p, 1, &d1));
+  ck_assert_msg(after.tokens == before.tokens && after.evicted == before.evicted && after.allocated == before.allocated &&
+                    after.pages == before.pages && d1.tokens_retained == d0.tokens_retained,
+                "the refused append changed the pool: tokens %llu -> %llu, evicted %llu -> %llu, allocated %llu -> "
+                "%llu", (unsigned long long)before.tokens, (unsigned long long)after.tokens,
+                (unsigned long long)before.evicted, (unsigned long long)after.evicted,
+                (unsigned long long)before.allocated, (unsigned long long)after.allocated);
+  ck_ok(kvp_check(p));
+  for (uint32_t i = 0; i < n; i += 512) ck_ok(kvp_page_free(p, fill[i]));
+  ck_ok(kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL}));
+  refuse_fp done = refuse_fingerprint(p);
+  ck_assert_uint_gt(done.evicted, before.evicted); /* its evictions were needed, and made */
+  ck_ok(kvp_check(p));
+  for (uint32_t k = 0; k < 4; k++) ck_ok(kvp_page_free(p, keep[k]));
+  free(fill);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 /* The shipped Infinity-2B orders (L=32, H=16), D=16 to keep it small. */
 START_TEST(shipped_infinity_2b_orders) {
   if (access(SHARED_2B, R_OK) != 0) {
@@ -303,6 +377,7 @@ int main(void) {
   tcase_add_test(tc, fork_keeps_step_mode);
   tcase_add_test(tc, refused_append_evicts_nothing_budget);
   tcase_add_test(tc, refused_append_evicts_nothing_region);
+  tcase_add_test(tc, fragmented_region_undoes_evictions);
   tcase_add_test(tc, binary_fork_keeps_step_mode);
   tcase_add_loop_test(tc, shipped_infinity_2b_orders, 0, 3);
   suite_add_tcase(s, tc);

@@ -14,7 +14,11 @@
  * After each run the pool is destroyed and every allocation the library
  * made is gone (its own tracking; ASan's leak checker too in `make asan`).
  * A summary line per scenario gives allocations swept and calls failed.
+ * The 'room' cases sweep one append whose policy's evictions must make
+ * room first (under the budget, or in a full region where its new pages
+ * lie over the evicted ones), with what a read gives back compared too.
  */
+#define KVP_EXPERIMENTAL_API /* raw pages fill the region beside a sequence */
 #include "../../util/fault.h"
 #include "../../util/util.h"
 #include "testutil.h"
@@ -243,12 +247,264 @@ START_TEST(every_allocation_fails_in_turn) {
 }
 END_TEST
 
+/* ---- an append whose pages fit only after its evictions ------------------
+ * A budget the plan fills (heatkv: before-evictions) or not
+ * (window: its evictions come after the layer is stored), blocks of one
+ * step each, so every step's pages are a size class of their own: at the
+ * target append the policy's evictions must make room before its pages fit
+ * (checked against the bytes the same append takes without a budget), and
+ * the new class then takes a new slab (a descriptor to allocate) after
+ * those evictions. Every allocation of that one append fails in turn, on a
+ * fresh pool each time: the append fails, the pool (ledger, tokens
+ * retained and evicted, sequences, steps) is as before, kvp_check passes,
+ * the same append made again succeeds, and nothing leaks. */
+typedef struct room_case {
+  const char *name;
+  const char *codecs;   /* NULL: raw */
+  const char *policy;
+  kvp_seq_mode mode;
+  uint32_t target_step; /* the step whose append of target_layer is swept */
+  uint32_t target_layer;
+  uint64_t budget;      /* pool budget */
+} room_case;
+
+static const uint32_t T_ROOM[] = {4, 8, 16, 24, 32, 48};
+static const room_case ROOM[] = {
+    {"heatkv", NULL, "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 12288},
+    {"heatkv-int8", "kv=int8", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 8192},
+    /* row by row (pages/rowwise.c) */
+    {"heatkv-kvquant", "kv=kvquant:calib_tokens=16", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 7168},
+    {"heatkv-qvg", "kv=qvg:k=4:group=16", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 9728},
+    {"window", NULL, "window:sink=4:recent=40", KVP_SEQ_STEP, 4, 0, 0},
+};
+#define NROOM (sizeof ROOM / sizeof *ROOM)
+
+/* Steps [0, target) and the target step begun up to its target layer, with
+ * no fault armed. */
+static kvp_pool *room_pool(const room_case *rc) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = 64;
+  c.region_bytes = 4ull << 20;
+  c.budget_bytes = rc->budget;
+  c.codecs = rc->codecs, c.policy = rc->policy;
+  c.flags = KVP_POOL_ALLOW_EXPANSION;
+  kvp_pool *p = NULL;
+  ck_assert_msg(kvp_pool_create(&c, &p) == KVP_OK, "%s: %s", rc->name, kvp_last_error());
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = rc->mode;
+  if (rc->mode == KVP_SEQ_STEP) sc.step_tokens = T_ROOM, sc.n_steps = 6;
+  ck_assert_msg(kvp_seq_add(p, 1, &sc) == KVP_OK, "%s: %s", rc->name, kvp_last_error());
+  for (uint32_t j = 0; j <= rc->target_step; j++) {
+    ck_assert_msg(kvp_step_begin(p, 1, T_ROOM[j], 0) == KVP_OK, "%s: %s", rc->name, kvp_last_error());
+    for (uint32_t l = 0; l < (j == rc->target_step ? rc->target_layer : L); l++)
+      ck_assert_msg(kvp_append(p, 1, l, &(kvp_kv){KV, KV, NULL}) == KVP_OK, "%s step %u layer %u: %s", rc->name, j, l,
+                    kvp_last_error());
+    if (j == rc->target_step) break;
+    ck_assert_msg(kvp_step_end(p, 1) == KVP_OK, "%s: %s", rc->name, kvp_last_error());
+  }
+  ck_assert_int_eq(kvp_reclaim(p), KVP_OK);
+  return p;
+}
+
+/* Allocated bytes the target append takes, on a pool without a budget
+ * (its evicted blocks wait in the limbo, still counted). */
+static uint64_t room_need(const room_case *rc) {
+  room_case twin = *rc;
+  twin.budget = 0;
+  kvp_pool *p = room_pool(&twin);
+  fp before = fingerprint(p);
+  ck_assert_int_eq(kvp_append(p, 1, rc->target_layer, &(kvp_kv){KV, KV, NULL}), KVP_OK);
+  uint64_t need = fingerprint(p).alloc - before.alloc;
+  kvp_pool_destroy(p);
+  return need;
+}
+
+START_TEST(append_needing_room_fails_whole) {
+  const room_case *rc = &ROOM[_i];
+  for (size_t i = 0; i < sizeof KV / sizeof *KV; i++) KV[i] = (uint16_t)(0x3f00 + (i * 37) % 256);
+  kvp__fault_arm(0, false);
+  uint64_t live0 = kvp__fault_live(NULL), nfailed = 0, need = room_need(rc), nslab = 0;
+  bool done = false;
+  for (uint64_t k = 1; !done; k++) {
+    kvp__fault_arm(0, false);
+    kvp_pool *p = room_pool(rc);
+    fp before = fingerprint(p);
+    if (rc->budget) /* the precondition: the pages do not fit without the evictions */
+      ck_assert_msg(before.alloc + need > rc->budget, "%s: %llu + %llu bytes fit the budget %llu without evicting",
+                    rc->name, (unsigned long long)before.alloc, (unsigned long long)need,
+                    (unsigned long long)rc->budget);
+    kvp__fault_arm(k, false);
+    int rc_ = kvp_append(p, 1, rc->target_layer, &(kvp_kv){KV, KV, NULL});
+    uint64_t failed = kvp__fault_failed();
+    kvp__fault_arm(0, false);
+    char err[512];
+    snprintf(err, sizeof err, "%s", kvp_last_error());
+    if (rc_ == KVP_OK) {
+      ck_assert_msg(failed == 0, "%s k=%llu: the append succeeded past a failed allocation", rc->name,
+                    (unsigned long long)k);
+      done = true;
+    } else {
+      nfailed++;
+      nslab += strstr(err, "slab descriptor") != NULL; /* the new class's slab: taken after the evictions */
+      ck_assert_msg(failed > 0, "%s k=%llu: the append failed with no fault: %s", rc->name, (unsigned long long)k, err);
+      fp after = fingerprint(p);
+      ck_assert_msg(memcmp(&before, &after, sizeof after) == 0,
+                    "%s k=%llu: the failed append (%s) changed the pool: tokens %llu -> %llu, evicted %llu -> %llu, "
+                    "allocated %llu -> %llu", rc->name, (unsigned long long)k, err, (unsigned long long)before.tokens,
+                    (unsigned long long)after.tokens, (unsigned long long)before.evicted,
+                    (unsigned long long)after.evicted, (unsigned long long)before.alloc,
+                    (unsigned long long)after.alloc);
+      ck_assert_msg(kvp_check(p) == KVP_OK, "%s k=%llu: %s", rc->name, (unsigned long long)k, kvp_last_error());
+      ck_assert_msg(kvp_append(p, 1, rc->target_layer, &(kvp_kv){KV, KV, NULL}) == KVP_OK,
+                    "%s k=%llu: the append again: %s", rc->name, (unsigned long long)k, kvp_last_error());
+    }
+    ck_assert_msg(kvp_check(p) == KVP_OK, "%s k=%llu: %s", rc->name, (unsigned long long)k, kvp_last_error());
+    fp end = fingerprint(p);
+    ck_assert_msg(end.evicted > before.evicted, "%s: the target append evicted nothing", rc->name);
+    kvp_pool_destroy(p);
+    ck_assert_msg(kvp__fault_live(NULL) == live0, "%s k=%llu: allocations left after destroy", rc->name,
+                  (unsigned long long)k);
+  }
+  ck_assert_uint_gt(nfailed, 0);
+  if (rc->budget) ck_assert_msg(nslab > 0, "%s: no failure after the evictions made room", rc->name);
+  printf("fault room %-14s %3llu allocations of the append failed in turn\n", rc->name, (unsigned long long)nfailed);
+}
+END_TEST
+
+/* ---- a region too full: new pages over the evicted ones ------------------
+ * Every step is 8 tokens (block_tokens 8), so every block's pages are of
+ * the same size classes; raw pages then fill every free slot and extent,
+ * and every other raw page of 16 KiB goes again (the budget, the region's,
+ * has room; the region only for 16 KiB pages). The heatkv append's new pages fit only
+ * in the slots its evictions free, once their bytes go back to the region,
+ * so they lie over the evicted blocks' pages; qvg's encode allocates after
+ * the pages are taken, so some failure comes while those pages are being
+ * written. Every allocation of that append fails in turn, on a fresh pool
+ * each time: the pool is as before, and what kvp_read gives back for every
+ * (layer, head) is the same, bit for bit (the evicted pages' payload is
+ * written back before they are theirs again). */
+static const uint32_t T_EQ[] = {8, 8, 8, 8, 8, 8};
+enum { REGION_STEP = 3 };
+
+static kvp_pool *full_region_pool(void) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = 8;
+  c.region_bytes = 2ull << 20;
+  c.codecs = "kv=qvg:k=4:group=16", c.policy = "heatkv:b=0.5:s=2:orders=synthetic";
+  c.flags = KVP_POOL_ALLOW_EXPANSION;
+  kvp_pool *p = NULL;
+  ck_assert_msg(kvp_pool_create(&c, &p) == KVP_OK, "%s", kvp_last_error());
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.mode = KVP_SEQ_STEP, sc.step_tokens = T_EQ, sc.n_steps = 6;
+  ck_assert_msg(kvp_seq_add(p, 1, &sc) == KVP_OK, "%s", kvp_last_error());
+  for (uint32_t j = 0; j <= REGION_STEP; j++) {
+    ck_assert_msg(kvp_step_begin(p, 1, T_EQ[j], 0) == KVP_OK, "%s", kvp_last_error());
+    if (j == REGION_STEP) break;
+    for (uint32_t l = 0; l < L; l++)
+      ck_assert_msg(kvp_append(p, 1, l, &(kvp_kv){KV, KV, NULL}) == KVP_OK, "step %u layer %u: %s", j, l,
+                    kvp_last_error());
+    ck_assert_msg(kvp_step_end(p, 1) == KVP_OK, "%s", kvp_last_error());
+  }
+  ck_assert_int_eq(kvp_reclaim(p), KVP_OK);
+  kvp_page_tag tag = {.seq = 99, .type = KVP_PAGE_RAW};
+  static kvp_page_id big[512];
+  uint32_t nbig = 0;
+  while (nbig < 512 && kvp_page_alloc(p, 16384, &tag, &big[nbig]) == KVP_OK) nbig++; /* 4 to a slab */
+  kvp_page_id id;
+  for (uint64_t size = 64; size <= 16384;) { /* every slot of every class (4 to a doubling, 64 B apart at least) */
+    while (kvp_page_alloc(p, size, &tag, &id) == KVP_OK) {
+    }
+    uint64_t pow2 = 64;
+    while (2 * pow2 <= size) pow2 *= 2;
+    size += pow2 / 4 > 64 ? pow2 / 4 : 64;
+  }
+  ck_assert_uint_gt(nbig, 8);
+  for (uint32_t i = 0; i < nbig; i += 2) /* budget room, and region room for 16 KiB pages only: no slab empties */
+    ck_assert_int_eq(kvp_page_free(p, big[i]), KVP_OK);
+  return p;
+}
+
+/* Every (layer, head)'s retained tokens as kvp_read gives them. */
+typedef struct readback {
+  uint16_t kv[L][H][2][4 * MAXTOK * D];
+  uint32_t pos[L][H][4 * MAXTOK], n[L][H];
+} readback;
+static void read_back(kvp_pool *p, readback *rb) {
+  memset(rb, 0, sizeof *rb);
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++) {
+      kvp_read_req r = {sizeof r, h, KVP_DTYPE_BF16, rb->kv[l][h][0], rb->kv[l][h][1], rb->pos[l][h], 4 * MAXTOK, 0, NULL};
+      ck_assert_msg(kvp_read(p, 1, l, &r) == KVP_OK, "%s", kvp_last_error());
+      rb->n[l][h] = r.n_tokens;
+    }
+}
+
+START_TEST(append_over_evicted_pages_fails_whole) {
+  static readback before_rb, after_rb;
+  for (size_t i = 0; i < sizeof KV / sizeof *KV; i++) KV[i] = (uint16_t)(0x3f00 + (i * 37) % 256);
+  kvp__fault_arm(0, false);
+  uint64_t live0 = kvp__fault_live(NULL), nfailed = 0, nwrite = 0;
+  bool done = false;
+  for (uint64_t k = 1; !done; k++) {
+    kvp__fault_arm(0, false);
+    kvp_pool *p = full_region_pool();
+    kvp_page_tag tag = {.seq = 99, .type = KVP_PAGE_RAW};
+    kvp_page_id id;
+    ck_assert_int_eq(kvp_page_alloc(p, 64, &tag, &id), KVP_ENOSPC); /* the region is full */
+    fp before = fingerprint(p);
+    read_back(p, &before_rb);
+    kvp__fault_arm(k, false);
+    int rc = kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL});
+    uint64_t failed = kvp__fault_failed();
+    kvp__fault_arm(0, false);
+    char err[512];
+    snprintf(err, sizeof err, "%s", kvp_last_error());
+    if (rc == KVP_OK) {
+      ck_assert_msg(failed == 0, "k=%llu: the append succeeded past a failed allocation", (unsigned long long)k);
+      done = true;
+    } else {
+      nfailed++;
+      nwrite += strstr(err, "failed to encode") != NULL; /* while writing over the evicted pages */
+      ck_assert_msg(failed > 0, "k=%llu: the append failed with no fault: %s", (unsigned long long)k, err);
+      fp after = fingerprint(p);
+      ck_assert_msg(memcmp(&before, &after, sizeof after) == 0,
+                    "k=%llu: the failed append (%s) changed the pool: tokens %llu -> %llu, allocated %llu -> %llu",
+                    (unsigned long long)k, err, (unsigned long long)before.tokens, (unsigned long long)after.tokens,
+                    (unsigned long long)before.alloc, (unsigned long long)after.alloc);
+      ck_assert_msg(kvp_check(p) == KVP_OK, "k=%llu: %s", (unsigned long long)k, kvp_last_error());
+      read_back(p, &after_rb);
+      ck_assert_msg(memcmp(&before_rb, &after_rb, sizeof after_rb) == 0, "k=%llu: the failed append (%s) changed "
+                    "what a read gives back", (unsigned long long)k, err);
+      ck_assert_msg(kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL}) == KVP_OK, "k=%llu: the append again: %s",
+                    (unsigned long long)k, kvp_last_error());
+    }
+    fp end = fingerprint(p);
+    ck_assert_msg(end.evicted > before.evicted, "the append evicted nothing");
+    ck_assert_msg(kvp_check(p) == KVP_OK, "k=%llu: %s", (unsigned long long)k, kvp_last_error());
+    kvp_pool_destroy(p);
+    ck_assert_msg(kvp__fault_live(NULL) == live0, "k=%llu: allocations left after destroy", (unsigned long long)k);
+  }
+  ck_assert_uint_gt(nwrite, 0);
+  printf("fault region full: %llu allocations of the append failed in turn, %llu while writing\n",
+         (unsigned long long)nfailed, (unsigned long long)nwrite);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("fault");
   TCase *tc = tcase_create("sweep");
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, every_allocation_fails_in_turn, 0, NSCEN);
   suite_add_tcase(s, tc);
+  TCase *room = tcase_create("room");
+  tcase_set_timeout(room, 60);
+  tcase_add_loop_test(room, append_needing_room_fails_whole, 0, NROOM);
+  tcase_add_test(room, append_over_evicted_pages_fails_whole);
+  suite_add_tcase(s, room);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);
   int nf = srunner_ntests_failed(sr);
