@@ -11,29 +11,37 @@
  *
  * Each warp takes the split's records in turn (the next record's fields
  * loaded while the current one runs) and walks a record 16 tokens at a
- * time:
- *   1. decode: the codec's <codec>_row8 reader (8 elements of a row, the
- *      host decode's f32 bit for bit) fills the warp's K and V tiles in
- *      shared memory, rounded to fp16 ([16][D + 8]: padded rows, so the
- *      matrix loads below hit distinct banks); rows past the record's end
- *      are zeros;
- *   2. scores S = Q K^T on the tensor cores (mma m16n8k16, fp16 in, f32
+ * time; the layer's bindings pick one of the kernels below:
+ *   - raw bf16 pages (attend_bf16_kernel): the rows go to shared memory by
+ *     cp.async one step ahead and enter the products as they are;
+ *   - fp8, int8, nvfp4 on both sides (attend_q_kernel): the code rows go
+ *     to shared memory by cp.async one step ahead, then to fp16 tiles
+ *     (fp8 and int8: the codes exactly, their per-token scales applied to
+ *     the scores and the probabilities; nvfp4: the codec's row8s reader);
+ *   - any other (attend_kernel): the codec's <codec>_row8 reader (8
+ *     elements of a row, the host decode's f32 bit for bit) fills fp16
+ *     tiles straight from the pages.
+ * Tiles are [16][D + 8] (padded rows, so the matrix loads hit distinct
+ * banks), rows past the record's end zeros. Then, per step:
+ *   1. scores S = Q K^T on the tensor cores (mma m16n8k16, f32
  *      accumulate): rows are the G query heads (the 16 - G others zero),
  *      columns the 16 tokens;
- *   3. online softmax in base 2 per query head (scores pre-scaled by
- *      scale * log2(e)); the probabilities, rounded to fp16, are already in
- *      the layout of the B operand of
- *   4. O^T += V^T P^T (mma, M = 16 channels, N = 8 query heads, K = the 16
+ *   2. online softmax in base 2 per query head (scores pre-scaled by
+ *      scale * log2(e)); the probabilities are already in the layout of the
+ *      B operand of
+ *   3. O^T += V^T P^T (mma, M = 16 channels, N = 8 query heads, K = the 16
  *      tokens), so no shuffle moves P between the two products.
  * The warps' states merge at the end (log-sum-exp), into the output when the
  * split is its (sequence, KV head)'s only one, else into a partial record
  * [max, sum, acc[D]] per query head that attend_reduce merges
  * (flash-decoding: one long sequence spreads over many CTAs).
  *
- * Precision: K, V and Q enter the products as fp16 (10-bit mantissa: raw
- * bf16 and fp16 pages exactly, the lossy codecs' decoded values and fp32
- * pages within 2^-11 relative; magnitudes past fp16's 65504 are not
- * supported), P as fp16, every sum in f32, exp2 by ex2.approx (2 ulp).
+ * Precision: raw bf16 pages and Q enter the products as bf16, exactly,
+ * with P as a bf16 value plus its bf16 remainder; every other page as fp16
+ * (10-bit mantissa: fp16 pages and fp8/int8 codes exactly, the other
+ * codecs' decoded values and fp32 pages within 2^-11 relative; magnitudes
+ * past fp16's 65504 are not supported) with Q and P in fp16. Every sum is
+ * f32, exp2 by ex2.approx (2 ulp).
  */
 #include <cuda_runtime.h>
 
@@ -96,20 +104,19 @@ KVP_D void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-/* Rows t0 .. t0 + n - 1 (n <= 16) of one side into tile [16][D + 8] fp16,
- * rows n .. 15 zeros. Every lane reads 8 elements of 16 / (32 / (D / 8))
- * rows, every row before the first store (the loads in flight together);
- * past the end it reads row n - 1 again (a valid row) and stores zeros. */
-template <uint32_t D, typename F>
-KVP_D void tile_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t0,
-                       uint32_t n, uint32_t lane, uint16_t *tile) {
+/* Rows 0 .. n - 1 (n <= 16) of a step of one side into tile [16][D + 8]
+ * fp16, rows n .. 15 zeros; row(r, c, x) gives elements [8c, 8c + 8) of row
+ * r in f32. Every lane converts 8 elements of 16 / (32 / (D / 8)) rows,
+ * every row before the first store (the loads in flight together); past
+ * the end it reads row n - 1 again (a valid row) and stores zeros. */
+template <uint32_t D, typename R> KVP_D void tile_fill(R row, uint32_t n, uint32_t lane, uint16_t *tile) {
   constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP;
   const uint32_t c = lane % TPT, r0 = lane / TPT;
   uint4 w[NP];
 #pragma unroll
   for (uint32_t i = 0; i < NP; i++) {
     float x[8];
-    fn(p, pg, cap, t0 + min(i * RPP + r0, n - 1), c, x);
+    row(min(i * RPP + r0, n - 1), c, x);
     w[i] = make_uint4(f16x2(x[0], x[1]), f16x2(x[2], x[3]), f16x2(x[4], x[5]), f16x2(x[6], x[7]));
   }
 #pragma unroll
@@ -119,8 +126,15 @@ KVP_D void tile_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4
   }
 }
 
-/* Two kernels per head size: one for layers whose K and V pages are all
- * raw (fewer registers, more warps per SM) and one that reads every codec. */
+/* The rows t0 .. t0 + n - 1 of a block, by a codec's row8 reader */
+template <uint32_t D, typename F>
+KVP_D void tile_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, uint32_t t0,
+                       uint32_t n, uint32_t lane, uint16_t *tile) {
+  tile_fill<D>([&](uint32_t r, uint32_t c, float(&x)[8]) { fn(p, pg, cap, t0 + r, c, x); }, n, lane, tile);
+}
+
+/* attend_kernel's C for a layer of every codec (else KVP__K_RAW: raw
+ * fp16/fp32 pages, fewer registers) */
 constexpr uint32_t kAnyCodec = 0xFFu;
 
 template <uint32_t D, uint32_t C>
@@ -441,7 +455,9 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
  * within fp16's rounding. nvfp4 (scales along the channels): the codec's
  * row8s reader turns the rows into the tile. A RAW tail record (an open
  * stream block) is read from its page directly. */
-template <uint32_t C> __host__ __device__ constexpr uint32_t code_row_bytes(uint32_t D) { return C == KVP__K_NVFP4 ? D / 2 : D; }
+template <uint32_t C> __host__ __device__ constexpr uint32_t code_row_bytes(uint32_t D) {
+  return C == KVP__K_NVFP4 ? D / 2 : D;
+}
 
 template <uint32_t D, uint32_t C> __host__ __device__ constexpr size_t attend_q_smem() {
   return (size_t)kAttnWarps * (2 * 2 * kTile * code_row_bytes<C>(D) + 2 * tile_elems<D>() * 2) >
@@ -450,24 +466,13 @@ template <uint32_t D, uint32_t C> __host__ __device__ constexpr size_t attend_q_
              : (size_t)kAttnWarps * 8 * (D + 2) * 4;
 }
 
+/* The rows t0 .. t0 + n - 1 of a block, by a codec's row8s reader from
+ * their copy in stage (rb bytes a row) */
 template <uint32_t D, typename F>
-KVP_D void staged_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap, const uint8_t *stage,
-                         uint32_t rb, uint32_t t0, uint32_t n, uint32_t lane, uint16_t *tile) {
-  constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP;
-  const uint32_t c = lane % TPT, r0 = lane / TPT;
-  uint4 w[NP];
-#pragma unroll
-  for (uint32_t i = 0; i < NP; i++) {
-    const uint32_t r = min(i * RPP + r0, n - 1);
-    float x[8];
-    fn(p, pg, cap, stage + r * rb, t0 + r, c, x);
-    w[i] = make_uint4(f16x2(x[0], x[1]), f16x2(x[2], x[3]), f16x2(x[4], x[5]), f16x2(x[6], x[7]));
-  }
-#pragma unroll
-  for (uint32_t i = 0; i < NP; i++) {
-    uint32_t r = i * RPP + r0;
-    *(uint4 *)(tile + r * (D + 8) + 8 * c) = r < n ? w[i] : make_uint4(0, 0, 0, 0);
-  }
+KVP_D void staged_decode(F fn, const kvp__kparams &p, const uint8_t *const (&pg)[4], uint32_t cap,
+                         const uint8_t *stage, uint32_t rb, uint32_t t0, uint32_t n, uint32_t lane, uint16_t *tile) {
+  tile_fill<D>([&](uint32_t r, uint32_t c, float(&x)[8]) { fn(p, pg, cap, stage + r * rb, t0 + r, c, x); }, n, lane,
+               tile);
 }
 
 template <uint32_t D, uint32_t C>
@@ -543,7 +548,8 @@ KVP_D void rec_pages(const char *base, const Rec &r, int kv, const uint8_t *(&pg
 }
 
 template <uint32_t D, uint32_t C>
-__global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3) attend_q_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
+    attend_q_kernel(const __grid_constant__ AttnArgs a) {
   constexpr uint32_t LD = D + 8, TE = tile_elems<D>(), RB = code_row_bytes<C>(D), SB = kTile * RB;
   constexpr uint32_t CPR = RB / 16; /* 16-byte chunks per code row */
   /* fp8, int8: the tiles hold the codes (exact in fp16), the per-token scales apply after the products */
