@@ -44,6 +44,7 @@
  * f32, exp2 by ex2.approx (2 ulp).
  */
 #include <cuda_runtime.h>
+#include <string.h>
 
 #include "common.cuh"
 #include "fp8.cuh"
@@ -60,7 +61,7 @@ constexpr uint32_t kTile = 16; /* tokens per step of a warp */
 struct AttnArgs {
   kvp__kparams p[4];           /* K codec, K tail (raw), V codec, V tail */
   const char *base;            /* region base: pages at base + off * 64 */
-  const kvp__gjob *recs;
+  const void *recs;            /* kvp__gjob, or the kernel's compact records */
   const kvp__asplit *splits;
   const uint32_t *bh_split0;   /* [B * Hkv + 1]: the splits of (b, h) */
   const uint16_t *q;           /* bf16 [B][Hq][D] */
@@ -169,6 +170,22 @@ KVP_D void side_decode(const kvp__kparams &p, const uint8_t *const (&pg)[4], uin
 struct Rec {
   uint32_t page[2][4], tag, t0, m, cap;
 };
+
+static_assert(sizeof(kvp__arec_raw) == 16 && sizeof(kvp__arec_q) == 32, "one or two 16-byte loads a record");
+
+KVP_D void rec_load(const kvp__arec_raw *r, Rec &o) {
+  const uint4 w = __ldg((const uint4 *)r);
+#pragma unroll
+  for (int i = 0; i < 4; i++) o.page[0][i] = o.page[1][i] = KVP__GJOB_NO_PAGE;
+  o.page[0][0] = w.x, o.page[1][0] = w.y, o.t0 = w.z & 0xFFFFu, o.m = (w.z >> 16) + 1u, o.tag = 0, o.cap = 0;
+}
+
+KVP_D void rec_load(const kvp__arec_q *r, Rec &o) {
+  const uint4 a = __ldg((const uint4 *)r), b = __ldg((const uint4 *)r + 1);
+  o.page[0][0] = a.x, o.page[0][1] = a.y, o.page[0][2] = a.z, o.page[0][3] = KVP__GJOB_NO_PAGE;
+  o.page[1][0] = a.w, o.page[1][1] = b.x, o.page[1][2] = b.y, o.page[1][3] = KVP__GJOB_NO_PAGE;
+  o.t0 = b.z & 0xFFFFu, o.m = (b.z >> 16) + 1u, o.cap = (b.w & 0xFFFFu) + 1u, o.tag = b.w >> 16;
+}
 
 KVP_D void rec_load(const kvp__gjob *r, Rec &o) {
 #pragma unroll
@@ -364,10 +381,11 @@ __global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_const
   const uint32_t k_addr = smem_addr(kt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
   const uint32_t v_addr = smem_addr(vt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
 
+  const kvp__gjob *recs = (const kvp__gjob *)a.recs + sp.rec0;
   Rec cur = {}, nxt = {};
-  if (warp < sp.nrec) rec_load(&a.recs[sp.rec0 + warp], cur);
+  if (warp < sp.nrec) rec_load(&recs[warp], cur);
   for (uint32_t r = warp; r < sp.nrec; r += kAttnWarps) {
-    if (r + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + r + kAttnWarps], nxt);
+    if (r + kAttnWarps < sp.nrec) rec_load(&recs[r + kAttnWarps], nxt);
     const uint8_t *kpg[4], *vpg[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
@@ -409,10 +427,11 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
   const uint32_t cpa0 = smem_addr(wt + rw * LD + 8 * c);
 
   /* the issue side: record fr (fields; the warp's next record in fnx), its next step at fib */
+  const kvp__arec_raw *recs = (const kvp__arec_raw *)a.recs + sp.rec0;
   uint32_t ri = warp, fib = 0;
   Rec fr = {}, fnx = {};
-  if (ri < sp.nrec) rec_load(&a.recs[sp.rec0 + ri], fr);
-  if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+  if (ri < sp.nrec) rec_load(&recs[ri], fr);
+  if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
   auto issue = [&](uint32_t buf) -> uint32_t { /* the step at (fr, fib) into buf: its token count */
     const uint32_t n = min(kTile, fr.m - fib);
 #pragma unroll
@@ -429,7 +448,7 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
     fib += kTile;
     if (fib >= fr.m) { /* on to the warp's next record */
       ri += kAttnWarps, fib = 0, fr = fnx;
-      if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+      if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
     }
     return n;
   };
@@ -568,10 +587,11 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
   const uint32_t v_addr = smem_addr(vt + ((j / 2) * 8 + rr) * LD + (j % 2) * 8);
   const uint32_t stage0 = smem_addr(ws);
 
+  const kvp__arec_q *recs = (const kvp__arec_q *)a.recs + sp.rec0;
   uint32_t ri = warp, fib = 0;
   Rec fr = {}, fnx = {};
-  if (ri < sp.nrec) rec_load(&a.recs[sp.rec0 + ri], fr);
-  if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+  if (ri < sp.nrec) rec_load(&recs[ri], fr);
+  if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
   auto issue = [&](uint32_t buf, Step &o) { /* the step at (fr, fib): its code rows into buf */
     o.r = fr, o.ib = fib, o.n = min(kTile, fr.m - fib);
 #pragma unroll
@@ -601,7 +621,7 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
     fib += kTile;
     if (fib >= fr.m) {
       ri += kAttnWarps, fib = 0, fr = fnx;
-      if (ri + kAttnWarps < sp.nrec) rec_load(&a.recs[sp.rec0 + ri + kAttnWarps], fnx);
+      if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
     }
   };
   Step cur = {}, nxt = {};
@@ -733,6 +753,30 @@ template <uint32_t D> static cudaError_t preload_d() {
 }
 
 extern "C" uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]) { return (uint32_t)kvpk::attend_kind(p); }
+
+extern "C" uint32_t kvp__kern_attend_rec_bytes(uint32_t kind) {
+  if (kind == kvpk::kPickBf16) return (uint32_t)sizeof(kvp__arec_raw);
+  if (kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4)
+    return (uint32_t)sizeof(kvp__arec_q);
+  return (uint32_t)sizeof(kvp__gjob);
+}
+
+extern "C" void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n) {
+  const uint32_t rb = kvp__kern_attend_rec_bytes(kind);
+  if (rb == sizeof(kvp__gjob)) return;
+  const kvp__gjob *in = (const kvp__gjob *)recs;
+  for (uint32_t i = 0; i < n; i++) {
+    const kvp__gjob g = in[i]; /* read whole before the write that may overlap it */
+    if (rb == sizeof(kvp__arec_raw)) {
+      const kvp__arec_raw r = {{g.page[0][0], g.page[1][0]}, g.t0, g.m1, 0};
+      memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
+    } else {
+      const kvp__arec_q r = {{{g.page[0][0], g.page[0][1], g.page[0][2]}, {g.page[1][0], g.page[1][1], g.page[1][2]}},
+                             g.t0, g.m1, g.cap1, g.tag};
+      memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
+    }
+  }
+}
 
 extern "C" int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ) {
   for (uint32_t i = 0; i < KVP__KERN_ATTEND_KINDS; i++) occ[i] = 0;

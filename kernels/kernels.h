@@ -110,7 +110,7 @@ typedef struct kvp__asplit {
 typedef struct kvp__attend_args {
   kvp__kparams p[4];          /* K codec, K tail, V codec, V tail (gjob tag 0/1 picks) */
   const void *region_base;
-  const kvp__gjob *recs;      /* device */
+  const void *recs;           /* device: kvp__kern_attend_rec_bytes(kind) each */
   const kvp__asplit *splits;  /* device, n_splits */
   const uint32_t *bh_split0;  /* device, batch * n_kv_heads + 1 */
   const void *q;              /* device bf16 [batch][n_q_heads][head_dim] */
@@ -133,6 +133,22 @@ int kvp__kern_attend_preload(void);
  * kernels take). */
 #define KVP__KERN_ATTEND_KINDS 6u
 uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]);
+/* The records of a call's table, by kernel kind: the raw bf16 and the
+ * fp8/int8/nvfp4 kernels read compact ones (the fields they use: the table
+ * crosses to the device on every call), the others kvp__gjob. */
+typedef struct kvp__arec_raw {
+  uint32_t page[2];     /* K's and V's row page: offset / 64 */
+  uint16_t t0, m1;      /* first row read, rows read - 1 */
+  uint32_t pad;
+} kvp__arec_raw;
+typedef struct kvp__arec_q {
+  uint32_t page[2][3];  /* K's and V's first three pages (kvp__gjob's) */
+  uint16_t t0, m1, cap1, tag;
+} kvp__arec_q;
+uint32_t kvp__kern_attend_rec_bytes(uint32_t kind);
+/* Rewrite n kvp__gjob records at recs as kind's records, in place (from
+ * the front: each record lands at or before where it was read). */
+void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n);
 int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ);
 
 /* KVQuant (kernels/kvquant.cuh, kernels/kvquant.cu). Its parameters do not
