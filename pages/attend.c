@@ -192,34 +192,44 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
       rc = c.rc;
     }
   }
-  uint32_t nsplit = 0, nslot = 0, chunk = 0;
-  uint64_t off_splits = 0, off_bh = 0, table = 0, off_part = 0;
+  uint32_t nsplit = 0, nslot = 0, chunk = 0, nrec = 0;
+  uint32_t kind = kvp__kern_attend_kind(a.p), rb = kvp__kern_attend_rec_bytes(kind);
+  uint64_t off_splits = 0, off_bh = 0, table = 0, off_part = 0, sp_bytes = 0;
   if (!rc) {
-    recs_at[nbh] = (uint32_t)g.n;
+    nrec = recs_at[nbh] = (uint32_t)g.n;
     uint64_t ch = req->split_tokens;
     if (!ch) ch = wave_chunk(g.recs, recs_at, nbh, c.tokens, kvp__dev_attend_slots(pool, a.p));
     chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
     nsplit = make_splits(g.recs, recs_at, nbh, chunk, NULL, NULL, &nslot);
-    off_splits = align_up(g.n * sizeof(kvp__gjob), 16);
+    /* the table: the kernel's records (rb bytes each), the splits, their index */
+    off_splits = align_up((uint64_t)nrec * rb, 16);
     off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
-    table = off_bh + (uint64_t)(nbh + 1) * 4;
+    sp_bytes = (uint64_t)nsplit * sizeof(kvp__asplit) + (uint64_t)(nbh + 1) * 4;
+    table = off_splits + sp_bytes;
     off_part = align_up(table, 256);
     req->workspace_needed = off_part + (uint64_t)nslot * G * (2 + D) * sizeof(float);
     req->n_splits = nsplit, req->token_heads = c.tokens, req->bytes_read = (uint64_t)c.bytes;
     if (req->workspace_needed > req->workspace_bytes)
       rc = kvp__err(KVP_ENOSPC, "attend: %u splits over %llu block records need %llu bytes of workspace, %llu given",
-                    nsplit, (unsigned long long)g.n, (unsigned long long)req->workspace_needed,
+                    nsplit, (unsigned long long)nrec, (unsigned long long)req->workspace_needed,
                     (unsigned long long)req->workspace_bytes);
   }
-  /* the splits and their index after the records, in the same buffer */
-  while (!rc && g.n * sizeof(kvp__gjob) < table)
+  /* built in place: the splits after the kvp__gjob records, then the
+   * records rewritten in the kernel's form and the splits moved behind them */
+  uint64_t gj_bytes = align_up((uint64_t)nrec * sizeof(kvp__gjob), 16);
+  while (!rc && g.n * sizeof(kvp__gjob) < gj_bytes + sp_bytes)
     if (!kvp__dev_gather_slot(pool, &g)) rc = kvp__err(KVP_ENOMEM, "attention block table");
   if (!rc) {
     char *t = (char *)g.recs;
-    make_splits(g.recs, recs_at, nbh, chunk, (kvp__asplit *)(t + off_splits), (uint32_t *)(t + off_bh), &nslot);
+    make_splits(g.recs, recs_at, nbh, chunk, (kvp__asplit *)(t + gj_bytes),
+                (uint32_t *)(t + gj_bytes + (uint64_t)nsplit * sizeof(kvp__asplit)), &nslot);
+    if (rb != sizeof(kvp__gjob)) {
+      kvp__kern_attend_compact(kind, t, nrec);
+      memmove(t + off_splits, t + gj_bytes, sp_bytes);
+    }
     char *ws = req->workspace;
     a.region_base = pool->alloc.region.base;
-    a.recs = (const kvp__gjob *)ws;
+    a.recs = ws;
     a.splits = (const kvp__asplit *)(ws + off_splits);
     a.bh_split0 = (const uint32_t *)(ws + off_bh);
     a.q = req->q;
