@@ -75,6 +75,11 @@ CUDA_LIBS := -L$(CUDA_HOME)/lib64 -Wl,-rpath,$(CUDA_HOME)/lib64 -lcudart -lstdc+
 # Device kernels (kernels/*.cu): nvcc, no FMA contraction and no fast math, so
 # the device numeric core rounds as the host's (bit-exact codecs). CUDA_ARCH:
 # the SASS targets (default Hopper and Ampere); PTX of the newest rides along.
+# The host sanitizer variants never run the device code (their suites use
+# no GPU, and compute-sanitizer checks the normal build): one target there.
+ifneq ($(filter asan tsan valgrind,$(VARIANT)),)
+  CUDA_ARCH ?= 90
+endif
 CUDA_ARCH ?= 90 80
 NVCC := $(CUDA_HOME)/bin/nvcc
 NVCCFLAGS := -std=c++17 $(O) -g --fmad=false -Xcompiler -fPIC,-fvisibility=hidden -DKVP_BUILDING \
