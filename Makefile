@@ -203,9 +203,13 @@ $(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeri
 # CPU emulation of a CTA (tests/unit/cuda_emu.h): no GPU and no CUDA
 # headers, so built and run by `make test` in every build. Host C++ without
 # FMA contraction, so its float operations round as the kernels' __f*_rn.
-EMU_BIN := $(B)/tests/xcheck_kvquant_emu
+EMU_BIN := $(B)/tests/xcheck_kvquant_emu $(B)/tests/xcheck_qvg_emu
 $(B)/tests/xcheck_kvquant_emu: tests/unit/xcheck_kvquant_emu.cpp tests/unit/cuda_emu.h $(wildcard kernels/*.cuh kernels/*.h) \
   codecs/kvquant.h $(A)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
+	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+$(B)/tests/xcheck_qvg_emu: tests/unit/xcheck_qvg_emu.cpp tests/unit/cuda_emu.h $(wildcard kernels/*.cuh kernels/*.h) $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
 	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)

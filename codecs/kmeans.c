@@ -24,6 +24,7 @@
  */
 #include "kmeans.h"
 
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -191,20 +192,33 @@ static void km_near(kvp__km *km, uint32_t j, int init) {
     if (init || acc[t] < km->w[t]) km->w[t] = acc[t];
 }
 
-/* The row drawn with probability w[t] / sum w, or km->n when sum w = 0. */
+/* The draw's integer weights: w[t] (>= 0) scaled by a power of two so the
+ * largest is in [2^31, 2^32), then truncated: wq[t] = floor(w[t] 2^(32-e)),
+ * wmax = m 2^e, m in [0.5, 1). Exact operations in double, so any order of
+ * summing gives the same total, and a device twin that sums in parallel
+ * draws the same row. A row under 2^-32 of the largest weight weighs 0. */
+static inline uint64_t km_wq(float w, int e) { return (uint64_t)ldexp((double)w, 32 - e); }
+
+/* The row drawn with probability wq[t] / sum wq: the first t whose
+ * inclusive prefix sum of wq passes r = floor(u total), u = the
+ * generator's top 53 bits / 2^53; km->n when every weight is 0. */
 static uint32_t km_draw(const kvp__km *km, uint64_t *s) {
-  double total = 0.0, cum = 0.0;
-  for (uint32_t t = 0; t < km->n; t++) total += (double)km->w[t];
-  if (!(total > 0.0)) return km->n;
-  double r = (double)(km_rand(s) >> 11) * 0x1p-53 * total;
-  uint32_t last = km->n;
+  float wmax = 0.0f;
+  for (uint32_t t = 0; t < km->n; t++) wmax = km->w[t] > wmax ? km->w[t] : wmax;
+  if (!(wmax > 0.0f)) return km->n;
+  if (!isfinite(wmax)) wmax = FLT_MAX; /* (a distance overflowed: such rows weigh the most) */
+  int e;
+  frexp((double)wmax, &e);
+  uint64_t total = 0;
+  for (uint32_t t = 0; t < km->n; t++) total += km_wq(fminf(km->w[t], wmax), e);
+  uint64_t u = km_rand(s) >> 11;
+  uint64_t r = (uint64_t)(((unsigned __int128)u * total) >> 53); /* < total */
+  uint64_t cum = 0;
   for (uint32_t t = 0; t < km->n; t++) {
-    if (!(km->w[t] > 0.0f)) continue;
-    last = t;
-    cum += (double)km->w[t];
+    cum += km_wq(fminf(km->w[t], wmax), e);
     if (cum > r) return t;
   }
-  return last; /* r rounded up to the total */
+  return km->n - 1; /* not reached: r < total */
 }
 
 void kvp__km_seed(kvp__km *km, const float *x, uint32_t nwarm, uint64_t seed) {

@@ -6,7 +6,11 @@
  *
  *   seed    centroids [0, nwarm) are given (a warm start); the others are
  *           chosen by k-means++ with a fixed seed (D^2 sampling driven by
- *           a local xorshift64*), so equal inputs give equal centroids
+ *           a local xorshift64*), so equal inputs give equal centroids;
+ *           the draw weighs rows by integers (each squared distance
+ *           scaled by the power of two that puts the largest in
+ *           [2^31, 2^32), truncated), so its sums are exact in any order
+ *           and kernels/qvg.cuh draws the same rows in parallel
  *   lloyd   assign every row to its nearest centroid, move each centroid
  *           to the mean of its rows (an empty cluster keeps its centroid),
  *           repeat at most iters times; stop early when an assignment
@@ -15,7 +19,8 @@
  *           ||x||^2 dropped), f32, ties to the lowest index
  *
  * Deterministic: a fixed order of every f32/f64 operation, no rand(), no
- * threads. Scaling every row by 2^k (no underflow or overflow) scales the
+ * threads; the device twin (kernels/qvg.cuh) keeps each operation and its
+ * order, so it gives the same bits. Scaling every row by 2^k (no underflow or overflow) scales the
  * centroids by 2^k and leaves the labels and the k-means++ picks as they
  * are: each distance scales by 4^k exactly.
  */

@@ -15,6 +15,7 @@
  *   kernels/codec.cu     the batch kernels and their launchers
  *                        and the paged gather (many blocks, K and V, one launch)
  *   kernels/kvquant.cu   KVQuant's batch kernels (its own parameters)
+ *   kernels/qvg.cu       QVG's batch kernels (k-means, scratch per job)
  *
  * Built only with CUDA (make CUDA=1 or nvcc found); without it the codecs
  * have no device ops and a CUDA pool cannot be created anyway.
@@ -184,6 +185,39 @@ typedef struct kvp__kvq_kparams {
 int kvp__kern_kvq_encode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
                          uint32_t njobs, uint64_t *status, void *stream);
 int kvp__kern_kvq_decode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                         uint32_t njobs, uint32_t out, void *stream);
+
+/* QVG (kernels/qvg.cuh, kernels/qvg.cu): k-means per block, so each job
+ * needs scratch (kvp__qvg_ws_bytes at its capacity) from a device
+ * workspace the caller owns; jobs run in waves that fit it, in order on the
+ * stream. An encode job's dst is the stream's device state (codecs/qvg.c's
+ * layout, state_bytes) or NULL: a cold start that keeps none. */
+#define KVP__QVG_DEV_MAX_DIM 256u /* head_dim the device kernels take */
+typedef struct kvp__qvg_kparams {
+  uint32_t head_dim; /* D, a multiple of group, <= KVP__QVG_DEV_MAX_DIM */
+  uint32_t in_dtype; /* kvp_dtype of appended rows */
+  uint32_t stages;   /* S, 0..8 */
+  uint32_t group;    /* g, elements per FP8 scale */
+  uint32_t bits;     /* b, 2 or 4 */
+  uint32_t k;        /* K, centroids per stage asked for */
+  uint32_t iters;    /* most Lloyd updates per stage */
+} kvp__qvg_kparams;
+/* Scratch bytes of one job of capacity cap (qvg.cuh's carve): f32
+ * centroids, their norms, a word per row, two per centroid; 16-byte
+ * aligned pieces. */
+static inline uint64_t kvp__qvg_ws_bytes(const kvp__qvg_kparams *p, uint32_t cap) {
+  uint64_t kc = p->k < cap ? p->k : cap;
+#define KVP__A16(x) (((x) + 15) & ~(uint64_t)15)
+  return KVP__A16(kc * p->head_dim * 4) + KVP__A16(kc * 4) + KVP__A16((uint64_t)cap * 4) + KVP__A16(kc * 8);
+#undef KVP__A16
+}
+/* Enqueue the encode of njobs blocks (every job t0 = 0) / the decode of
+ * rows [t0, t0 + m) of each, as kvp__kern_encode / kvp__kern_decode; ws:
+ * ws_bytes of device scratch, at least kvp__qvg_ws_bytes of the largest
+ * job. */
+int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, void *ws,
+                         uint64_t ws_bytes, uint64_t *status, void *stream);
+int kvp__kern_qvg_decode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
                          uint32_t njobs, uint32_t out, void *stream);
 
 /* "cudaErrorInvalidValue: invalid argument" for a value the calls above

@@ -1,0 +1,117 @@
+/*
+ * kernels/qvg.cu - the batch kernels behind QVG's encode_dev and
+ * decode_dev (kernels/qvg.cuh computes one job), and their launchers.
+ *
+ * Launch: one CTA per job (encode kThreads threads, decode
+ * kDecodeThreads), the jobs in the kernel's parameters (a __grid_constant__
+ * batch), split into waves on the stream: a wave holds as many jobs as the
+ * caller's workspace has scratch for (kvp__qvg_ws_bytes of the largest
+ * job each), so every job of a wave has its own scratch and a later wave
+ * reuses it in stream order. Decode reads the jobs from a device table
+ * when the caller staged one (one launch).
+ *
+ * Traffic per token-head of an encode (D = 128, bf16 input, S stages,
+ * I iterations, Ka centroids): the row is read (2 D bytes) once per
+ * distance, score and member sum, about (Ka_seed + (I + 2) + I) times per
+ * stage, mostly from L1/L2; compute is (I + 2) Ka D multiply-adds per
+ * stage for the scores and Ka D for the seeding: the kernel is bound by
+ * arithmetic, not bytes. Not yet measured on a GPU: the first run is
+ * `build/kvpool-bench-gpu` (its qvg rows) and tests/gpu/check_gpu_codecs.
+ */
+#include <cuda_runtime.h>
+#include <string.h>
+
+#include "common.cuh"
+#include "qvg.cuh"
+
+namespace kvpk {
+namespace qvg_ {
+
+constexpr uint32_t kJobsPerLaunch = 128;
+
+struct EncBatch {
+  kvp__qvg_kparams p;
+  unsigned long long *status;
+  uint8_t *ws;        /* wave's scratch: job i at ws + i * ws_stride */
+  uint64_t ws_stride; /* bytes of scratch per job */
+  uint32_t job0;      /* index of jobs[0] in the caller's batch */
+  kvp_codec_dev_job jobs[kJobsPerLaunch];
+};
+
+struct DecBatch {
+  kvp__qvg_kparams p;
+  uint32_t out;
+  kvp_codec_dev_job jobs[kJobsPerLaunch];
+};
+
+__global__ void __launch_bounds__(kThreads) enc_kernel(const __grid_constant__ EncBatch b) {
+  qvg_encode(b.p, b.jobs[blockIdx.x], b.ws + blockIdx.x * b.ws_stride, b.job0 + blockIdx.x, b.status);
+}
+
+__global__ void __launch_bounds__(kDecodeThreads) dec_kernel(const __grid_constant__ DecBatch b) {
+  qvg_decode(b.p, b.jobs[blockIdx.x], b.out);
+}
+
+__global__ void __launch_bounds__(kDecodeThreads)
+    dec_kernel_dev(const __grid_constant__ kvp__qvg_kparams p, const kvp_codec_dev_job *__restrict__ jobs,
+                   uint32_t out) {
+  __shared__ kvp_codec_dev_job j;
+  if (threadIdx.x < sizeof j / 8) ((uint64_t *)&j)[threadIdx.x] = ((const uint64_t *)&jobs[blockIdx.x])[threadIdx.x];
+  __syncthreads();
+  qvg_decode(p, j, out);
+}
+
+static_assert(sizeof(EncBatch) <= 32000, "a batch must fit the 32 KiB parameter space");
+static_assert(sizeof(DecBatch) <= 32000, "a batch must fit the 32 KiB parameter space");
+
+} // namespace qvg_
+} // namespace kvpk
+
+using namespace kvpk;
+using namespace kvpk::qvg_;
+
+extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs,
+                                    void *ws, uint64_t ws_bytes, uint64_t *status, void *stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  uint32_t maxcap = 0;
+  for (uint32_t i = 0; i < njobs; i++) maxcap = jobs[i].cap_tokens > maxcap ? jobs[i].cap_tokens : maxcap;
+  uint64_t stride = (kvp__qvg_ws_bytes(p, maxcap) + 255) & ~(uint64_t)255;
+  uint64_t fit = stride ? ws_bytes / stride : kJobsPerLaunch;
+  if (njobs && fit == 0) return (int)cudaErrorInvalidValue; /* the caller sizes ws for one job at least */
+  uint32_t wave = fit < kJobsPerLaunch ? (uint32_t)fit : kJobsPerLaunch;
+  EncBatch b;
+  for (uint32_t at = 0; at < njobs; at += wave) {
+    uint32_t n = njobs - at < wave ? njobs - at : wave;
+    b.p = *p;
+    b.status = (unsigned long long *)status;
+    b.ws = (uint8_t *)ws;
+    b.ws_stride = stride;
+    b.job0 = at;
+    memcpy(b.jobs, jobs + at, n * sizeof *jobs);
+    enc_kernel<<<n, kThreads, 0, s>>>(b);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return (int)e;
+  }
+  return 0;
+}
+
+extern "C" int kvp__kern_qvg_decode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs,
+                                    const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint32_t out, void *stream) {
+  cudaStream_t s = (cudaStream_t)stream;
+  if (!njobs) return 0;
+  if (jobs_dev) {
+    dec_kernel_dev<<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
+    return (int)cudaGetLastError();
+  }
+  DecBatch b;
+  for (uint32_t at = 0; at < njobs; at += kJobsPerLaunch) {
+    uint32_t n = njobs - at < kJobsPerLaunch ? njobs - at : kJobsPerLaunch;
+    b.p = *p;
+    b.out = out;
+    memcpy(b.jobs, jobs + at, n * sizeof *jobs);
+    dec_kernel<<<n, kDecodeThreads, 0, s>>>(b);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return (int)e;
+  }
+  return 0;
+}

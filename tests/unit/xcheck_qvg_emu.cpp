@@ -1,0 +1,274 @@
+/*
+ * tests/unit/xcheck_qvg_emu.cpp - QVG's device encode and decode
+ * (kernels/qvg.cuh) run on the host through tests/unit/cuda_emu.h, one CTA
+ * of coroutine threads per job, against the host codec (codecs/qvg.c):
+ *
+ *   encode: the device's pages (pre-filled with 0xA5: every byte must be
+ *   written) == the host encode's, byte for byte, cold (no state) and warm
+ *   (a stream's state carried over three blocks: the state bytes equal
+ *   after each);
+ *   decode of rows [t0, n) in 3 out dtypes == the host decode, bit for bit;
+ *   a NaN or Inf in the input is reported KVP_DEV_BAD_NONFINITE at its
+ *   (row, channel).
+ *
+ * Inputs: clustered rows (so k-means has structure to find: equal
+ * distances and ties in the k-means++ weights included), plain Gaussian
+ * rows, and rows with repeated tokens (empty clusters, zero weights).
+ * Specs: qvg, qvg-pro, bits=4, few centroids, no stages, blocks shorter
+ * than k; D 32, 64 and 128; all three input dtypes. Host C++ without FMA
+ * contraction (-ffp-contract=off). KVP_EMU_FULL=1 widens the sweep. The
+ * last line has the Check summary format.
+ */
+#include "cuda_emu.h"
+
+#include <cmath>
+
+inline unsigned long long __umul64hi(unsigned long long a, unsigned long long b) {
+  return (unsigned long long)(((unsigned __int128)a * b) >> 64);
+}
+inline double __ddiv_rn(double a, double b) { return a / b; }
+
+#include "../../kernels/qvg.cuh"
+
+#include "kvpool_codec.h"
+
+extern "C" const kvp_codec_vtable kvp__codec_qvg, kvp__codec_qvg_pro; /* codecs/qvg.c */
+
+#include <vector>
+
+static long n_checks, n_fail;
+
+#define EXPECT(cond, ...)                                                                                            \
+  do {                                                                                                               \
+    n_checks++;                                                                                                      \
+    if (!(cond)) {                                                                                                   \
+      n_fail++;                                                                                                      \
+      fprintf(stderr, __VA_ARGS__);                                                                                  \
+      fputc('\n', stderr);                                                                                           \
+      if (n_fail > 20) {                                                                                             \
+        fprintf(stderr, "too many failures\n");                                                                      \
+        exit(1);                                                                                                     \
+      }                                                                                                              \
+    }                                                                                                                \
+  } while (0)
+
+/* ---- the emulated kernels ----------------------------------------------------------- */
+
+struct EncArg {
+  const kvp__qvg_kparams *p;
+  const kvp_codec_dev_job *j;
+  void *ws;
+  unsigned long long *status;
+};
+static void enc_body(void *a) {
+  EncArg *e = (EncArg *)a;
+  kvpk::qvg_::qvg_encode(*e->p, *e->j, e->ws, 0, e->status);
+}
+struct DecArg {
+  const kvp__qvg_kparams *p;
+  const kvp_codec_dev_job *j;
+  uint32_t out;
+};
+static void dec_body(void *a) {
+  DecArg *d = (DecArg *)a;
+  kvpk::qvg_::qvg_decode(*d->p, *d->j, d->out);
+}
+
+static uint64_t emu_encode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j) {
+  unsigned long long st = KVP_DEV_STATUS_OK;
+  std::vector<unsigned char> ws(kvp__qvg_ws_bytes(&p, j.cap_tokens), 0x5A); /* scratch holds garbage */
+  EncArg a = {&p, &j, ws.data(), &st};
+  emu::run(KVP__KERN_THREADS, 0, enc_body, &a);
+  return st;
+}
+static void emu_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  DecArg a = {&p, &j, out};
+  emu::run(kvpk::kDecodeThreads, 0, dec_body, &a);
+}
+
+/* ---- inputs ---------------------------------------------------------------------------- */
+
+enum { PAT_CLUSTERS, PAT_GAUSS, PAT_REPEATS, NPAT };
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static double urand() {
+  rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+  return (double)(rng >> 11) / 9007199254740992.0;
+}
+static float gauss() { return (float)(sqrt(-2.0 * log(urand() + 1e-300)) * cos(6.283185307179586 * urand())); }
+
+/* n rows of D: 12 cluster centres plus noise, plain noise, or 5 distinct
+ * rows repeated (more centroids asked than distinct rows). */
+static std::vector<float> make_values(int pat, uint32_t n, uint32_t D) {
+  std::vector<float> v((size_t)n * D), ctr((size_t)12 * D);
+  for (float &c : ctr) c = 3.0f * gauss();
+  for (uint32_t t = 0; t < n; t++)
+    for (uint32_t i = 0; i < D; i++) {
+      float x;
+      if (pat == PAT_CLUSTERS) x = ctr[(size_t)(t * 7 % 12) * D + i] + 0.25f * gauss();
+      else if (pat == PAT_REPEATS) x = ctr[(size_t)(t % 5) * D + i];
+      else x = gauss();
+      v[(size_t)t * D + i] = x;
+    }
+  return v;
+}
+
+static std::vector<unsigned char> to_dtype(const std::vector<float> &v, kvp_dtype dt) {
+  size_t esz = dt == KVP_DTYPE_F32 ? 4 : 2;
+  std::vector<unsigned char> b(v.size() * esz);
+  for (size_t i = 0; i < v.size(); i++) {
+    if (dt == KVP_DTYPE_F32) memcpy(&b[4 * i], &v[i], 4);
+    else {
+      uint16_t h = (uint16_t)(dt == KVP_DTYPE_BF16 ? kvpk::bf16_from_f32(v[i]) : kvpk::f16_from_f32(v[i]));
+      memcpy(&b[2 * i], &h, 2);
+    }
+  }
+  return b;
+}
+
+/* ---- one binding ------------------------------------------------------------------------ */
+
+struct Pages {
+  kvp_codec_layout lay;
+  std::vector<unsigned char> b[KVP_CODEC_MAX_PAGES];
+  void *ptr[KVP_CODEC_MAX_PAGES] = {};
+  Pages(const kvp_codec_vtable *vt, void *inst, uint32_t cap, int fill) {
+    vt->layout(inst, cap, &lay);
+    for (unsigned i = 0; i < lay.npages; i++) {
+      b[i].assign(lay.bytes[i], (unsigned char)fill);
+      ptr[i] = b[i].data();
+    }
+  }
+};
+
+/* The spec's kernel parameters, parsed back from its name and params
+ * exactly as codecs/qvg.c defaults them. */
+static kvp__qvg_kparams kparams(const char *name, const char *params, uint32_t D, kvp_dtype in) {
+  bool pro = !strcmp(name, "qvg-pro");
+  kvp__qvg_kparams p = {D, (uint32_t)in, pro ? 4u : 1u, pro ? 16u : 64u, 2u, 256u, 8u};
+  const char *keys[] = {"stages=", "group=", "bits=", "k=", "iters="};
+  uint32_t *f[] = {&p.stages, &p.group, &p.bits, &p.k, &p.iters};
+  for (int i = 0; i < 5; i++) {
+    const char *at = strstr(params, keys[i]);
+    if (at && (at == params || at[-1] == ':')) *f[i] = (uint32_t)atoi(at + strlen(keys[i]));
+  }
+  return p;
+}
+
+static const char *pat_name(int pat) { return pat == PAT_CLUSTERS ? "clusters" : pat == PAT_GAUSS ? "gauss" : "repeats"; }
+
+/* Blocks of ns[b] rows (capacity cap) of one stream, encoded on both sides
+ * (with state when warm), then decoded. */
+static void one_stream(const kvp_codec_vtable *vt, const char *params, uint32_t D, kvp_dtype in, int pat,
+                       const uint32_t *ns, unsigned nblocks, uint32_t cap, bool warm) {
+  kvp_codec_geom g = {D, in, 0, 0, 1, 1};
+  void *inst = NULL;
+  char err[256];
+  size_t at = 0;
+  if (vt->create(params, &g, &inst, err, sizeof err, &at)) {
+    fprintf(stderr, "%s:%s D=%u: %s\n", vt->name, params, D, err);
+    n_fail++;
+    return;
+  }
+  kvp__qvg_kparams p = kparams(vt->name, params, D, in);
+  size_t sb = vt->state_bytes(inst);
+  std::vector<unsigned char> hstate(sb ? sb : 1, 0), dstate(sb ? sb : 1, 0);
+  for (unsigned blk = 0; blk < nblocks; blk++) {
+    uint32_t n = ns[blk];
+    std::vector<unsigned char> src = to_dtype(make_values(pat, n, D), in);
+    size_t stride = (size_t)D * (in == KVP_DTYPE_F32 ? 4 : 2);
+    Pages hp(vt, inst, cap, 0x00), dp(vt, inst, cap, 0xA5);
+    int rc = warm && sb ? vt->encode_stateful(inst, hstate.data(), src.data(), stride, n, cap, hp.ptr)
+                        : vt->encode(inst, src.data(), stride, n, cap, hp.ptr);
+    EXPECT(rc == 0, "host encode failed: %d", rc);
+    kvp_codec_dev_job j = {};
+    memcpy(j.pages, dp.ptr, sizeof j.pages);
+    j.src = src.data(), j.dst = warm && sb ? dstate.data() : NULL, j.stride_bytes = stride;
+    j.n = n, j.cap_tokens = cap, j.m = n;
+    uint64_t st = emu_encode(p, j);
+    EXPECT(st == KVP_DEV_STATUS_OK, "%s:%s D=%u in=%d %s n=%u: status %llx", vt->name, params, D, in, pat_name(pat), n,
+           (unsigned long long)st);
+    for (unsigned pg = 0; pg < hp.lay.npages; pg++) {
+      size_t diff = 0;
+      while (diff < hp.b[pg].size() && hp.b[pg][diff] == dp.b[pg][diff]) diff++;
+      EXPECT(diff == hp.b[pg].size(), "%s:%s D=%u in=%d %s block %u n=%u cap=%u %s: page %u differs at byte %zu of %zu "
+             "(host %02x device %02x)", vt->name, params, D, in, pat_name(pat), blk, n, cap, warm ? "warm" : "cold", pg,
+             diff, hp.b[pg].size(), diff < hp.b[pg].size() ? hp.b[pg][diff] : 0,
+             diff < hp.b[pg].size() ? dp.b[pg][diff] : 0);
+    }
+    if (warm && sb)
+      EXPECT(!memcmp(hstate.data(), dstate.data(), sb), "%s:%s D=%u %s block %u: states differ", vt->name, params, D,
+             pat_name(pat), blk);
+    /* decode from the device pages (equal to the host's, or reported above) */
+    for (uint32_t out = 0; out < 3; out++) {
+      uint32_t t0 = n > 3 ? n / 3 : 0, m = n - t0;
+      size_t osz = out == KVP_DTYPE_F32 ? 4 : 2;
+      std::vector<unsigned char> hy((size_t)m * D * osz), dy((size_t)m * D * osz, 0xEE);
+      rc = vt->decode(inst, hp.ptr, n, cap, t0, m, hy.data(), D * osz, (kvp_dtype)out);
+      EXPECT(rc == 0, "host decode failed: %d", rc);
+      kvp_codec_dev_job dj = {};
+      memcpy(dj.pages, dp.ptr, sizeof dj.pages);
+      dj.dst = dy.data(), dj.stride_bytes = D * osz, dj.n = n, dj.cap_tokens = cap, dj.t0 = t0, dj.m = m;
+      emu_decode(p, dj, out);
+      EXPECT(hy == dy, "%s:%s D=%u %s block %u: decode to dtype %u differs", vt->name, params, D, pat_name(pat), blk,
+             out);
+    }
+  }
+  vt->destroy(inst);
+}
+
+/* A NaN and an Inf in device input are reported at their (row, channel). */
+static void nonfinite_reported(void) {
+  const uint32_t D = 64, n = 20, cap = 32;
+  kvp__qvg_kparams p = {D, KVP_DTYPE_F32, 1, 64, 2, 8, 2};
+  std::vector<float> v = make_values(PAT_GAUSS, n, D);
+  v[(size_t)13 * D + 5] = NAN;
+  v[(size_t)17 * D + 60] = INFINITY;
+  std::vector<unsigned char> src = to_dtype(v, KVP_DTYPE_F32);
+  std::vector<unsigned char> pg[4];
+  kvp_codec_dev_job j = {};
+  size_t bytes[4] = {cap * D * 2 / 8, cap * 1, 8 * D * 2, cap};
+  for (int i = 0; i < 4; i++) pg[i].assign(bytes[i], 0), j.pages[i] = pg[i].data();
+  j.src = src.data(), j.stride_bytes = D * 4, j.n = n, j.cap_tokens = cap, j.m = n;
+  uint64_t st = emu_encode(p, j);
+  EXPECT(st >> 60 == KVP_DEV_BAD_NONFINITE && (st & 0xFFFFFFFFu) == 13 * D + 5,
+         "non-finite input: status %llx, want kind %u at element %u", (unsigned long long)st, KVP_DEV_BAD_NONFINITE,
+         13 * D + 5);
+}
+
+int main(void) {
+  bool full = getenv("KVP_EMU_FULL") != NULL;
+  struct {
+    const kvp_codec_vtable *vt;
+    const char *params;
+  } specs[] = {
+      {&kvp__codec_qvg, ""},
+      {&kvp__codec_qvg_pro, ""},
+      {&kvp__codec_qvg, "bits=4:k=16:iters=3"},
+      {&kvp__codec_qvg, "stages=2:k=8:group=8"},
+      {&kvp__codec_qvg, "stages=0:group=16"},
+      {&kvp__codec_qvg_pro, "k=32:iters=20"},
+  };
+  static const uint32_t dims[] = {32, 64, 128};
+  long streams = 0;
+  for (auto &sp : specs)
+    for (uint32_t D : dims)
+      for (int in = 0; in < 3; in++)
+        for (int pat = 0; pat < NPAT; pat++) {
+          kvp__qvg_kparams p = kparams(sp.vt->name, sp.params, D, (kvp_dtype)in);
+          if (D % p.group) continue;
+          if (!full && (in + D / 32 + pat) % 3) continue; /* quick: a third of (dtype, D, pattern) */
+          bool big = p.k >= 256;                            /* 256 centroids: fewer and shorter blocks */
+          static const uint32_t ns_small[] = {40, 1, 29}, ns_big[] = {300, 17, 280};
+          const uint32_t *ns = big ? ns_big : ns_small;
+          uint32_t cap = big ? 320 : 48;
+          one_stream(sp.vt, sp.params, D, (kvp_dtype)in, pat, ns, full ? 3 : 2, cap, false);
+          one_stream(sp.vt, sp.params, D, (kvp_dtype)in, pat, ns, full ? 3 : 2, cap, true);
+          streams += 2;
+        }
+  nonfinite_reported();
+  printf("qvg device functions on the CPU emulator: %ld streams, pages, states and decodes bit-exact\n", streams);
+  printf("%d%%: Checks: %ld, Failures: %ld, Errors: 0\n", n_checks ? (int)(100 * (n_checks - n_fail) / n_checks) : 0,
+         n_checks, n_fail);
+  return n_fail ? 1 : 0;
+}
