@@ -41,7 +41,10 @@
  *   save      when a new page lies over a freed one (the region was short),
  *             a host copy of the freed pages' payload     (ENOMEM: undone)
  *   write     the payload                                 (a failure: undone
- *             too, the saved payload written back first)
+ *             too, the saved payload written back first; on a CUDA region
+ *             once the device drained: kvp__dev_batch_run waits even when
+ *             it fails, and a row-wise append that fails before it drains
+ *             the region, its copies being in flight)
  *   publish   the log commits: unlinked runs and brefs retired, blocks
  *             whose pages went freed, the others' owner drop finished
  *
