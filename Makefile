@@ -176,7 +176,7 @@ FUZZ_OBJ := $(patsubst %.c,build/fuzz/obj/%.o,$(filter-out %_cuda.c,$(wildcard u
 # that parse nothing: compare tracing there only slows the op harness down.
 FUZZ_NOCMP := $(addprefix build/fuzz/obj/,$(addsuffix .o,alloc/alloc alloc/extent alloc/ledger alloc/slab \
   alloc/sizeclass stats/stats stats/emit codecs/kernels codecs/numeric codecs/kmeans pages/seq pages/stream \
-  pages/rowwise pages/fork pages/read pages/evict pages/rawpage))
+  pages/rowwise pages/fork pages/read pages/evict pages/block pages/rawpage))
 $(FUZZ_NOCMP): FUZZ_COV := -fno-sanitize-coverage=trace-cmp
 build/fuzz/obj/%.o: %.c $(wildcard include/*.h */*.h)
 	@mkdir -p $(dir $@)

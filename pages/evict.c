@@ -1,6 +1,7 @@
 /*
- * pages/evict.c - eviction plans, and the transaction that ties a policy's
- * evictions to the append of one layer.
+ * pages/evict.c - eviction plans, the eviction of one (layer, head, step)
+ * unit, and the transaction that ties a policy's evictions to the append
+ * of one layer.
  *
  * A policy does not evict from its hooks: it names units (layer, head,
  * step) into a plan. kvp__evict_plan_prepare takes ahead of time the run
@@ -40,7 +41,10 @@
  *   save      when a new page lies over a freed one (the region was short),
  *             a host copy of the freed pages' payload     (ENOMEM: undone)
  *   write     the payload                                 (a failure: undone
- *             too, the saved payload written back first)
+ *             too, the saved payload written back first; on a CUDA region
+ *             once the device drained: kvp__dev_batch_run waits even when
+ *             it fails, and a row-wise append that fails before it drains
+ *             the region, its copies being in flight)
  *   publish   the log commits: unlinked runs and brefs retired, blocks
  *             whose pages went freed, the others' owner drop finished
  *
@@ -145,6 +149,144 @@ static uint64_t plan_freed_bytes(const kvp_pool *pool, kvp__seq *s, const kvp__e
     }
   }
   return sum;
+}
+
+/* ---- the eviction of one unit ------------------------------------------ */
+
+/* Is any position of [a, b) retained by head h in the layer's runs? */
+static bool retained_in(const kvp__layer *L, uint32_t h, uint32_t a, uint32_t b) {
+  for (const kvp__run *r = L->runs; r; r = r->next)
+    if (kvp__run_has(r, h) && r->p0 < b && atomic_load_explicit(&r->p1, memory_order_relaxed) > a) return true;
+  return false;
+}
+
+/* Changes an undoable eviction logs (u NULL: none). */
+static void log_run_link(kvp__undo *u, kvp__run **at) {
+  if (u) kvp__undo_push(u, KVP__UNDO_RUN_LINK, at, (uintptr_t)*at);
+}
+static void log_bref_link(kvp__undo *u, kvp__bref **at) {
+  if (u) kvp__undo_push(u, KVP__UNDO_BREF_LINK, at, (uintptr_t)*at);
+}
+static void log_u32(kvp__undo *u, _Atomic uint32_t *at) {
+  if (u) kvp__undo_push(u, KVP__UNDO_U32, (void *)at, atomic_load_explicit(at, memory_order_relaxed));
+}
+/* Entries an undoable eviction of [a, b) of stream st logs at most: the
+ * run's (a link, last, three new runs, the old one, two counters) and four
+ * per block it may drop (a link, the tail, the bref, the owner). */
+static uint32_t undo_entries(const kvp__stream *st, uint32_t a, uint32_t b) {
+  uint32_t n = 8;
+  for (const kvp__bref *r = st->blocks; r && r->blk->pos0 < b; r = r->next)
+    n += 4 * (r->blk->pos0 + r->blk->n_tokens > a);
+  return n;
+}
+
+/* Drop the blocks of stream (l, h) overlapping [a, b) that hold no retained
+ * position and take no more tokens. */
+static void drop_blocks(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t a, uint32_t b,
+                        kvp__undo *u) {
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
+  kvp__bref *prev = NULL, *cur = st->blocks;
+  while (cur) {
+    kvp__block *blk = cur->blk;
+    kvp__bref *next = cur->next;
+    uint32_t lo = blk->pos0, hi = blk->pos0 + blk->n_tokens;
+    if (lo < b && hi > a && blk->sealed && !retained_in(&s->layers[layer], head, lo, hi)) {
+      log_bref_link(u, prev ? &prev->next : &st->blocks);
+      if (prev) kvp__rcu_assign(prev->next, next);
+      else kvp__rcu_assign(st->blocks, next);
+      if (st->tail == cur) {
+        log_bref_link(u, &st->tail);
+        st->tail = prev;
+      }
+      if (u) { /* kept until the eviction commits */
+        kvp__undo_push(u, KVP__UNDO_BREF, cur, 0);
+        kvp__assert(blk->owners > 0);
+        blk->owners--;
+        kvp__undo_push(u, KVP__UNDO_OWNER, blk, 0);
+      } else {
+        kvp__bref_retire(pool, cur);
+        kvp__block_unown(pool, blk);
+      }
+    } else {
+      prev = cur;
+    }
+    if (lo >= b) break;
+    cur = next;
+  }
+}
+
+bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
+  for (const kvp__run *r = s->layers[layer].runs; r; r = r->next)
+    if (r->s0 <= step && step < atomic_load_explicit(&r->s1, memory_order_relaxed)) return kvp__run_has(r, head);
+  return false;
+}
+
+/* A replacement run: from the plan's spares (cannot fail), or allocated. */
+static kvp__run *run_for(kvp_pool *pool, kvp__evict_plan *ev, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1,
+                         const uint64_t *mask) {
+  return ev ? kvp__evict_plan_run(pool, ev, s0, p0, s1, p1, mask) : kvp__run_new(pool, s0, p0, s1, p1, mask);
+}
+
+int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step, kvp__evict_plan *ev) {
+  kvp__layer *L = &s->layers[layer];
+  kvp__run *prev = NULL, *r = L->runs;
+  for (; r; prev = r, r = r->next)
+    if (r->s0 <= step && step < atomic_load_explicit(&r->s1, memory_order_relaxed)) break;
+  if (!r || !kvp__run_has(r, head))
+    return kvp__err(KVP_ENOENT, "seq %llu layer %u head %u step %u is not retained (evicted already, or not appended)",
+                    (unsigned long long)s->id, layer, head, step);
+  uint32_t s1 = atomic_load_explicit(&r->s1, memory_order_relaxed), p1 = atomic_load_explicit(&r->p1, memory_order_relaxed);
+  uint32_t a = s->step_pos[step];
+  uint32_t b = step + 1 == s1 ? p1 : s->step_pos[step + 1];
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, head);
+  kvp__undo *u = ev ? ev->undo : NULL;
+  if (u) {
+    int rc = kvp__undo_reserve(pool, u, undo_entries(st, a, b));
+    if (rc) return rc;
+  }
+  /* the replacement: [s0, step) | [step, step+1) without head | [step+1, s1) */
+  uint64_t without[KVP_MAX_KV_HEADS / 64];
+  memcpy(without, r->mask, r->nwords * sizeof(uint64_t));
+  without[head / 64] &= ~(1ull << (head % 64));
+  bool any = false;
+  for (uint32_t w = 0; w < r->nwords; w++) any |= without[w] != 0;
+  kvp__run *x = step > r->s0 ? run_for(pool, ev, r->s0, r->p0, step, a, r->mask) : NULL;
+  kvp__run *y = any ? run_for(pool, ev, step, a, step + 1, b, without) : NULL;
+  kvp__run *z = step + 1 < s1 ? run_for(pool, ev, step + 1, b, s1, p1, r->mask) : NULL;
+  if ((step > r->s0 && !x) || (any && !y) || (step + 1 < s1 && !z)) {
+    if (x) kvp__run_free_now(pool, x);
+    if (y) kvp__run_free_now(pool, y);
+    if (z) kvp__run_free_now(pool, z);
+    return kvp__err(KVP_ENOMEM, "run metadata for an eviction");
+  }
+  /* chain x -> y -> z -> r->next, then swing one pointer */
+  kvp__run *chain[3] = {x, y, z}, *first = r->next, *last = NULL;
+  for (int i = 2; i >= 0; i--)
+    if (chain[i]) {
+      chain[i]->next = first;
+      first = chain[i];
+      if (!last) last = chain[i];
+    }
+  log_run_link(u, prev ? &prev->next : &L->runs);
+  if (prev) kvp__rcu_assign(prev->next, first);
+  else kvp__rcu_assign(L->runs, first);
+  if (L->last == r) {
+    log_run_link(u, &L->last);
+    L->last = last ? last : prev;
+  }
+  for (int i = 0; u && i < 3; i++)
+    if (chain[i]) kvp__undo_push(u, KVP__UNDO_RUN_NEW, chain[i], 0);
+  if (u) kvp__undo_push(u, KVP__UNDO_RUN_OLD, r, 0); /* kept until the eviction commits */
+  else kvp__run_retire(pool, r);
+  log_u32(u, &st->retained_tokens);
+  log_u32(u, &st->evicted_tokens);
+  atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) - (b - a),
+                        memory_order_relaxed);
+  atomic_store_explicit(&st->evicted_tokens, atomic_load_explicit(&st->evicted_tokens, memory_order_relaxed) + (b - a),
+                        memory_order_relaxed);
+  kvp__count_tokens(pool, -(int64_t)(b - a), b - a);
+  drop_blocks(pool, s, layer, head, a, b, u);
+  return KVP_OK;
 }
 
 /* ---- the undo log --------------------------------------------------------- */
@@ -411,6 +553,20 @@ void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *
 
 void kvp__append_tx_after_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
   if (tx) kvp__evict_plan_apply(pool, s, &tx->after);
+}
+
+void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored) {
+  kvp__layer *L = &s->layers[layer];
+  if (none_stored) {
+  } else if (run) {
+    if (L->last) kvp__rcu_assign(L->last->next, run);
+    else kvp__rcu_assign(L->runs, run);
+    L->last = run;
+  } else {
+    atomic_store_explicit(&L->last->s1, atomic_load_explicit(&L->last->s1, memory_order_relaxed) + 1,
+                          memory_order_relaxed);
+    atomic_store_explicit(&L->last->p1, end_pos, memory_order_release);
+  }
 }
 
 kvp__run *kvp__run_settle(kvp_pool *pool, kvp__seq *s, uint32_t layer, kvp__run *run) {

@@ -227,10 +227,33 @@ int kvp__prefix_attach(kvp_pool *pool, kvp__seq *s, uint32_t m, kvp__block *cons
 /* Chunks of s's prompt found in the table from s's next chunk on. */
 uint32_t kvp__prefix_lookup(kvp_pool *pool, const kvp__seq *s, kvp__chunk **out, uint32_t cap);
 
-/* pages/seq.c */
-int kvp__seqs_init(kvp_pool *pool);
-void kvp__seqs_fini(kvp_pool *pool); /* frees every sequence (destroy) */
-kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id); /* under rcu_read_lock */
+/* pages/block.c: the objects a stream is made of (blocks, runs, brefs, codec
+ * state) and their lifecycle; the token counts (see there). Writer. */
+kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);
+void kvp__run_free_now(kvp_pool *pool, kvp__run *r);
+void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);
+/* Retire (call_rcu) a run or bref: freed after a grace period. */
+void kvp__run_retire(kvp_pool *pool, kvp__run *r);
+void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
+/* Allocate a block with pages for cap tokens of (seq, layer, head), raw
+ * (the tail binding) or the layer's codec; writer. */
+int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
+                   kvp__block **out);
+/* A block with pages of the given layouts (lay[0] K, lay[1] V). */
+int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                         bool raw, const kvp_codec_layout *lay, kvp__block **out);
+/* The same in two steps: the struct (metadata only; NULL when out of
+ * memory), then its pages (all or none: on failure none are left). */
+kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
+int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
+                          const kvp_codec_layout *lay);
+void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; npages = 0 */
+/* The layouts a block's pages have now (types and requested bytes). */
+void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
+/* The last run of the layer ends at step and retains exactly mask's heads. */
+bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask);
+/* Allocated bytes of one block at position pos0, K + V. */
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);
 /* Drop one owner reference of a block (writer): to the limbo at zero refs,
  * to the orphans if only pins remain. */
 void kvp__block_unown(kvp_pool *pool, kvp__block *b);
@@ -243,6 +266,20 @@ void kvp__reclaim_after_grace(kvp_pool *pool);
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b);
 /* Wait for a grace period and free everything in the limbo (writer). */
 void kvp__reclaim(kvp_pool *pool);
+void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
+/* Codec state of stream (layer, head), side kv: allocated zeroed on first
+ * use when the layer's codec keeps state; NULL if it keeps none. ENOMEM. */
+int kvp__cstate_get(kvp_pool *pool, kvp__stream *st, uint32_t layer, int kv, void **out);
+size_t kvp__cstate_bytes(const kvp_pool *pool, uint32_t layer, int kv);
+void kvp__cstate_free(kvp_pool *pool, kvp__stream *st, uint32_t layer);
+int kvp__cstate_copy(kvp_pool *pool, const kvp__stream *from, kvp__stream *to, uint32_t layer);
+/* Tokens counters of the ledger (writer). */
+void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted);
+
+/* pages/seq.c */
+int kvp__seqs_init(kvp_pool *pool);
+void kvp__seqs_fini(kvp_pool *pool); /* frees every sequence (destroy) */
+kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id); /* under rcu_read_lock */
 /* Walk every block and page of every sequence, the limbo and the orphans;
  * verify runs and streams. KVP_OK or KVP_ECORRUPT (writer lock held). */
 int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx);
@@ -268,9 +305,9 @@ void kvp__seq_free_struct(kvp_pool *pool, kvp__seq *s); /* an unpublished one's 
 int kvp__store_fuzz_parse(kvp_pool *pool, int kind, uint32_t n_items, uint32_t index, int content, const uint64_t *tag,
                           const void *payload, size_t len);
 kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint32_t n_plan);
-void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */
 
-/* pages/evict.c: eviction plans and the append transaction (see there). */
+/* pages/evict.c: eviction plans, the eviction of one unit, and the append
+ * transaction (see there). */
 typedef struct kvp__unit {
   uint32_t layer, head, step; /* what an eviction removes */
 } kvp__unit;
@@ -350,6 +387,16 @@ void kvp__append_tx_fail(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx);
 int kvp__append_budget_err(kvp_pool *pool, const kvp__seq *s, uint32_t layer, uint64_t bytes);
 void kvp__append_tx_before_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx); /* tx may be NULL */
 void kvp__append_tx_after_publish(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx);
+/* Evict one unit; ev (or NULL) provides the runs (then it cannot fail,
+ * unless ev->undo is set: ENOMEM for its log, the unit untouched). With
+ * ev->undo the changes are logged there and what goes is kept until the
+ * log commits: the old run and brefs, and the blocks' owner drop past
+ * owners (pages/evict.c). */
+int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step, kvp__evict_plan *ev);
+bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
+/* Make an append's positions visible: link run (new) or extend the last
+ * run to end_pos (run NULL); nothing when no head was stored. */
+void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored);
 /* An append takes its run ahead; at publish, once the before-evictions
  * have reshaped the runs, it is dropped (NULL) if the last run extends. */
 struct kvp__run *kvp__run_settle(kvp_pool *pool, kvp__seq *s, uint32_t layer, struct kvp__run *run);
@@ -360,12 +407,6 @@ struct kvp__run *kvp__run_settle(kvp_pool *pool, kvp__seq *s, uint32_t layer, st
  * (or NULL) holds the policy's evictions, applied with the publication. */
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                       kvp__append_tx *tx);
-/* Evict one unit; ev (or NULL) provides the runs (then it cannot fail,
- * unless ev->undo is set: ENOMEM for its log, the unit untouched). With
- * ev->undo the changes are logged there and what goes is kept until the
- * log commits: the old run and brefs, and the blocks' owner drop past
- * owners (pages/evict.c). */
-int kvp__evict_unit(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step, kvp__evict_plan *ev);
 
 /* ---- the device path (pages/device_cuda.c; CUDA builds) -------------------
  * An append on a CUDA region collects one device job per block write, by
@@ -457,33 +498,6 @@ void kvp__dev_fini(kvp_pool *pool);
 typedef int (*kvp__range_fn)(void *ctx, kvp__block *b, uint32_t a, uint32_t e);
 uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
                           kvp__range_fn fn, void *ctx);
-bool kvp__unit_retained(const kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step); /* writer */
-kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask);
-void kvp__run_free_now(kvp_pool *pool, kvp__run *r);
-void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);
-/* Retire (call_rcu) a run or bref: freed after a grace period. */
-void kvp__run_retire(kvp_pool *pool, kvp__run *r);
-void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
-/* Allocate a block with pages for cap tokens of (seq, layer, head), raw
- * (the tail binding) or the layer's codec; writer. */
-int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
-                   kvp__block **out);
-/* A block with pages of the given layouts (lay[0] K, lay[1] V). */
-int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
-                         bool raw, const kvp_codec_layout *lay, kvp__block **out);
-/* The same in two steps: the struct (metadata only; NULL when out of
- * memory), then its pages (all or none: on failure none are left). */
-kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
-int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
-                          const kvp_codec_layout *lay);
-void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; npages = 0 */
-/* The layouts a block's pages have now (types and requested bytes). */
-void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
-/* The last run of the layer ends at step and retains exactly mask's heads. */
-bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask);
-/* Make an append's positions visible: link run (new) or extend the last
- * run to end_pos (run NULL); nothing when no head was stored. */
-void kvp__run_publish(kvp__seq *s, uint32_t layer, uint32_t end_pos, kvp__run *run, bool none_stored);
 
 /* pages/rowwise.c: appends to layers whose K and V codecs build blocks row
  * by row (open_layout/encode_rows): no RAW tail, OPEN blocks grow. */
@@ -500,9 +514,6 @@ static inline bool kvp__layer_rowwise(const kvp_pool *p, uint32_t layer) {
 int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx);
 
-/* Allocated bytes of one block at position pos0, K + V. */
-uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);
-
 /* pages/pool.c: codec bindings from the spec. */
 int kvp__bindings_init(kvp_pool *pool, const char *spec);
 /* For tests/fuzz/fuzz_codec_spec.c: build the bindings of spec for the
@@ -511,15 +522,5 @@ int kvp__bindings_init(kvp_pool *pool, const char *spec);
  * the pool keeps its own. Status and message as create's. */
 int kvp__bindings_try(kvp_pool *pool, const char *spec);
 void kvp__bindings_fini(kvp_pool *pool);
-
-/* Codec state of stream (layer, head), side kv: allocated zeroed on first
- * use when the layer's codec keeps state; NULL if it keeps none. ENOMEM. */
-int kvp__cstate_get(kvp_pool *pool, kvp__stream *st, uint32_t layer, int kv, void **out);
-size_t kvp__cstate_bytes(const kvp_pool *pool, uint32_t layer, int kv);
-void kvp__cstate_free(kvp_pool *pool, kvp__stream *st, uint32_t layer);
-int kvp__cstate_copy(kvp_pool *pool, const kvp__stream *from, kvp__stream *to, uint32_t layer);
-
-/* Tokens counters of the ledger (writer). */
-void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted);
 
 #endif /* KVP_PAGES_H */

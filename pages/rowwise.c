@@ -396,6 +396,9 @@ int kvp__append_rowwise(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
 #ifdef KVP_HAVE_CUDA
   if (db) {
     if (!rc) rc = kvp__dev_batch_run(pool, db, layer, pos, kv->stream); /* waits: a bad input fails here */
+    else /* a replacement's row copies may be enqueued on the caller's stream: they land before their pages are
+            given back, or before the evicted pages under them get their payload back (kvp__append_tx_fail) */
+      (void)pool->alloc.region.ops->quiesce(&pool->alloc.region);
     kvp__dev_batch_fini(pool, db);
   }
 #endif

@@ -1,18 +1,13 @@
 /*
  * pages/seq.c - sequences: the RCU hash table of live sequences, the step
- * protocol (begin, append per layer in order, end), fork, free, eviction
- * entry points, block lifetime (owners, pins, limbo) and the walk that
- * kvp_check does over every sequence.
+ * protocol (begin, append per layer in order, end), fork, free and the
+ * eviction entry points. Block lifetime (owners, pins, limbo) is
+ * pages/block.c's; the walk kvp_check does is pages/fork.c's.
  *
  * Step protocol, per sequence:
  *   idle --step_begin(n)--> open(next_layer = 0) --append(l = next_layer)-->
  *   ... --append(L-1)--> open(next_layer = L) --step_end--> idle
  *   step_pos[k] = first position of step k; n_positions advances at step_end.
- *
- * Block lifetime: refs = owners (streams holding a bref) + pins (views).
- *   owners -> 0 with pins left: the block joins pool->orphans;
- *   refs -> 0: the block joins the limbo; kvp__reclaim waits for a grace
- *   period and frees its pages (the writer updates the ledger) and struct.
  */
 #include "policy.h"
 
@@ -51,113 +46,6 @@ static kvp__seq *find_w(kvp_pool *pool, uint64_t id) {
   kvp__seq *s = kvp__seq_find(pool, id);
   kvp__rcu_read_unlock();
   return s;
-}
-
-void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted) {
-  kvp__ledger *l = &pool->alloc.ledger;
-  uint64_t per_token = 2ull * pool->cfg.head_dim * 2; /* bf16 K + bf16 V */
-  kvp__ledger_begin(l);
-  if (retained >= 0) {
-    kvp__gauge_add(&l->tokens_retained, (uint64_t)retained);
-    kvp__gauge_add(&l->bf16_equivalent, (uint64_t)retained * per_token);
-  } else {
-    kvp__gauge_sub(&l->tokens_retained, (uint64_t)-retained);
-    kvp__gauge_sub(&l->bf16_equivalent, (uint64_t)-retained * per_token);
-  }
-  kvp__count_add(&l->tokens_evicted, (int64_t)evicted);
-  kvp__ledger_end(l);
-}
-
-/* ---- block lifetime ----------------------------------------------------- */
-
-void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
-  for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) {
-      int rc = kvp__alloc_free(&pool->alloc, &b->pages[kv][i]);
-      kvp__assert(rc == KVP_OK);
-      (void)rc;
-    }
-  kvp__meta_free(&pool->meta, b, sizeof *b);
-}
-
-static uint64_t block_bytes(const kvp__block *b) {
-  uint64_t n = 0;
-  for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pages[kv][i]);
-  return n;
-}
-
-static void limbo_push(kvp_pool *pool, kvp__block *b) {
-  b->onext = pool->limbo;
-  pool->limbo = b;
-  kvp__ledger_begin(&pool->alloc.ledger);
-  kvp__gauge_add(&pool->alloc.ledger.retired, block_bytes(b));
-  kvp__ledger_end(&pool->alloc.ledger);
-}
-
-static void orphan_remove(kvp_pool *pool, kvp__block *b) {
-  if (b->oprev) b->oprev->onext = b->onext;
-  else pool->orphans = b->onext;
-  if (b->onext) b->onext->oprev = b->oprev;
-  b->oprev = b->onext = NULL;
-  b->orphan = false;
-}
-
-void kvp__block_unown(kvp_pool *pool, kvp__block *b) {
-  kvp__assert(b->owners > 0);
-  b->owners--;
-  kvp__block_unowned(pool, b);
-}
-
-void kvp__block_unowned(kvp_pool *pool, kvp__block *b) {
-  if (!b->owners && b->chunk) kvp__prefix_drop(pool, b->chunk); /* its chunk can no longer be shared */
-  if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) {
-    limbo_push(pool, b);
-  } else if (!b->owners) { /* pinned by views: kept until the last release */
-    b->orphan = true;
-    b->oprev = NULL;
-    b->onext = pool->orphans;
-    if (pool->orphans) pool->orphans->oprev = b;
-    pool->orphans = b;
-  }
-}
-
-void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
-  kvp__assert(b->orphan && atomic_load(&b->refs) == 0);
-  orphan_remove(pool, b);
-  limbo_push(pool, b);
-}
-
-void kvp__reclaim(kvp_pool *pool) {
-  if (!pool->limbo) return;
-  kvp__rcu_synchronize();
-  kvp__reclaim_after_grace(pool);
-}
-
-void kvp__reclaim_after_grace(kvp_pool *pool) {
-  if (!pool->limbo) return;
-  /* copies already enqueued on device streams may still touch these pages;
-   * a failure here is reported by the region and the pages are freed anyway
-   * (the device is then unusable for the pool's work) */
-  pool->alloc.region.ops->quiesce(&pool->alloc.region);
-  uint64_t bytes = 0;
-  for (kvp__block *b = pool->limbo, *n; b; b = n) {
-    n = b->onext;
-    bytes += block_bytes(b);
-    kvp__block_destroy(pool, b);
-  }
-  pool->limbo = NULL;
-  kvp__ledger_begin(&pool->alloc.ledger);
-  kvp__gauge_sub(&pool->alloc.ledger.retired, bytes);
-  kvp__ledger_end(&pool->alloc.ledger);
-}
-
-KVP_API int kvp_reclaim(kvp_pool *pool) {
-  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
-  kvp__lock(pool);
-  kvp__reclaim(pool);
-  kvp__unlock(pool);
-  return KVP_OK;
 }
 
 /* ---- sequence objects --------------------------------------------------- */

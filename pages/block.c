@@ -1,0 +1,339 @@
+/*
+ * pages/block.c - the objects a stream is made of, and their lifecycle:
+ * blocks (new, own, destroy, reclaim), the runs and brefs that link them,
+ * the streams' codec state, and the ledger's token counts.
+ *
+ * A block's lifecycle (every transition under the writer lock, but a
+ * view's pin and unpin):
+ *
+ *   new      kvp__block_struct (metadata) then kvp__block_take_pages (all
+ *            pages or none), or both at once (kvp__block_new, _new_sized):
+ *            owners = refs = 0, reachable by no reader
+ *   own      linked from a stream's bref: owners = refs = 1; each further
+ *            bref (fork, a shared prefix) adds 1 to both; a pin (view,
+ *            offload) adds 1 to refs
+ *   unown    a bref dropped (kvp__block_unown: owners - 1, refs - 1):
+ *              refs = 0               -> the limbo
+ *              owners = 0 and refs > 0 -> the orphans, until the last
+ *                                         unpin (kvp__block_unpinned) moves
+ *                                         it to the limbo
+ *   reclaim  a grace period after it joined the limbo, no reader holds it:
+ *            its pages are freed (the ledger counts them out) and its struct
+ *            (kvp__reclaim, or kvp__reclaim_after_grace once one passed)
+ *   destroy  pages and struct freed at once: a block no reader can hold
+ *            (never published, a failed append's, the pool going)
+ *
+ * Invariants (kvp_check, pages/fork.c):
+ *   owners(b) = brefs to b over all sequences;  refs(b) = owners(b) + pins(b)
+ *     (an undoable eviction, pages/evict.c, lowers owners first and finishes
+ *     the drop when it commits)
+ *   orphans = {b : owners = 0, refs > 0};  limbo = {b : refs = 0}
+ *   ledger.retired = sum over limbo blocks of their pages' allocated bytes
+ *   ledger.codec_state = sum over streams of their codec state bytes
+ *   ledger.tokens_retained = sum over streams of retained_tokens
+ *   ledger.bf16_equivalent = tokens_retained x 2 (K, V) x D x 2 bytes
+ *   a run or bref readers may have seen is retired (uncounted now, freed
+ *   after a grace period); one never published is freed now
+ *
+ * Layering: the files that build and change sequences call one way, down
+ * this list, and never up it:
+ *
+ *   seq.c      sequences, the step protocol, the public entry points
+ *   fork.c     fork, a restored sequence's build, kvp_check's walk
+ *   stream.c   the append of one layer (block codecs); hands row-wise
+ *              layers to
+ *   rowwise.c  the append of one layer (row-wise codecs)
+ *   policy.c   the policy spec and the window policy (policy_heatkv.c,
+ *              heatkv.c: HeatKV), which plan evictions into
+ *   evict.c    eviction plans, the eviction of one unit, the append
+ *              transaction (take, make room, publish or undo)
+ *   block.c    this file: uses alloc/, the ledger and RCU only (and drops
+ *              a block's prefix chunk when its last owner goes, prefix.c)
+ */
+#include "pages.h"
+
+#include <string.h>
+
+/* ---- runs and brefs ---------------------------------------------------- */
+
+kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask) {
+  uint32_t nwords = (pool->cfg.n_kv_heads + 63) / 64;
+  kvp__run *r = kvp__meta_alloc(&pool->meta, sizeof *r + nwords * sizeof(uint64_t));
+  if (!r) return NULL;
+  r->next = NULL;
+  r->s0 = s0;
+  r->p0 = p0;
+  atomic_init(&r->s1, s1);
+  atomic_init(&r->p1, p1);
+  r->nwords = nwords;
+  memcpy(r->mask, mask, nwords * sizeof(uint64_t));
+  return r;
+}
+
+void kvp__run_free_now(kvp_pool *pool, kvp__run *r) {
+  kvp__meta_free(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
+}
+
+void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) { kvp__meta_free(&pool->meta, b, sizeof *b); }
+
+static void run_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
+  kvp__run *r = caa_container_of(h, kvp__run, rcu);
+  kvp__meta_free(NULL, r, sizeof *r + r->nwords * sizeof(uint64_t));
+}
+
+static void bref_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
+  kvp__meta_free(NULL, caa_container_of(h, kvp__bref, rcu), sizeof(kvp__bref));
+}
+
+/* The pool's counter drops at retire; the memory goes after the grace period
+ * (callbacks run on urcu's thread and count against no pool). */
+void kvp__run_retire(kvp_pool *pool, kvp__run *r) {
+  kvp__meta_uncount(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
+  kvp__rcu_call(&r->rcu, run_free_cb);
+}
+
+void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
+  kvp__meta_uncount(&pool->meta, b, sizeof *b);
+  kvp__rcu_call(&b->rcu, bref_free_cb);
+}
+/* The last run ends at this step and retains exactly the stored heads. */
+bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
+  const kvp__run *r = L->last;
+  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
+  return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
+}
+
+/* ---- blocks ------------------------------------------------------------ */
+
+uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap) {
+  uint64_t sum = 0;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
+    kvp_codec_layout lay;
+    kvp__bind_layout(bd, pos0, cap, &lay);
+    for (unsigned i = 0; i < lay.npages; i++) sum += kvp__alloc_size(lay.bytes[i]);
+  }
+  return sum;
+}
+
+static void free_pages(kvp_pool *pool, kvp__block *b) {
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
+      int rc = kvp__alloc_free(&pool->alloc, &b->pages[kv][i]);
+      kvp__assert(rc == KVP_OK);
+      (void)rc;
+    }
+}
+
+int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
+                   kvp__block **out) {
+  kvp_codec_layout lay[2];
+  for (int kv = 0; kv < 2; kv++)
+    kvp__bind_layout(raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv], pos0, cap, &lay[kv]);
+  return kvp__block_new_sized(pool, seq, layer, head, pos0, cap, raw, lay, out);
+}
+
+void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay) {
+  for (int kv = 0; kv < 2; kv++) {
+    memset(&lay[kv], 0, sizeof lay[kv]);
+    lay[kv].npages = b->npages[kv];
+    for (unsigned i = 0; i < b->npages[kv]; i++) {
+      lay[kv].types[i] = (kvp_page_type)b->pages[kv][i].tag.type;
+      lay[kv].bytes[i] = b->pages[kv][i].requested_bytes;
+    }
+  }
+}
+
+kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
+  kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
+  if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw;
+  return b;
+}
+
+int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
+                          const kvp_codec_layout *lays) {
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__binding *bd = b->raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
+    const kvp_codec_layout lay = lays[kv];
+    for (unsigned i = 0; i < lay.npages; i++) {
+      kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
+      int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pages[kv][i]);
+      if (rc) { /* give back the pages taken so far */
+        kvp__block_give_pages(pool, b);
+        return rc;
+      }
+      b->npages[kv] = (uint8_t)(i + 1);
+    }
+  }
+  return KVP_OK;
+}
+
+void kvp__block_give_pages(kvp_pool *pool, kvp__block *b) {
+  free_pages(pool, b);
+  b->npages[0] = b->npages[1] = 0;
+}
+
+int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap,
+                         bool raw, const kvp_codec_layout *lays, kvp__block **out) {
+  kvp__block *b = kvp__block_struct(pool, pos0, cap, raw);
+  if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
+  int rc = kvp__block_take_pages(pool, b, seq, layer, head, lays);
+  if (rc) {
+    kvp__meta_free(&pool->meta, b, sizeof *b);
+    return rc;
+  }
+  *out = b;
+  return KVP_OK;
+}
+
+/* ---- block lifetime ----------------------------------------------------- */
+
+void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
+  free_pages(pool, b);
+  kvp__meta_free(&pool->meta, b, sizeof *b);
+}
+
+static uint64_t block_bytes(const kvp__block *b) {
+  uint64_t n = 0;
+  for (int kv = 0; kv < 2; kv++)
+    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pages[kv][i]);
+  return n;
+}
+
+static void limbo_push(kvp_pool *pool, kvp__block *b) {
+  b->onext = pool->limbo;
+  pool->limbo = b;
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__gauge_add(&pool->alloc.ledger.retired, block_bytes(b));
+  kvp__ledger_end(&pool->alloc.ledger);
+}
+
+static void orphan_remove(kvp_pool *pool, kvp__block *b) {
+  if (b->oprev) b->oprev->onext = b->onext;
+  else pool->orphans = b->onext;
+  if (b->onext) b->onext->oprev = b->oprev;
+  b->oprev = b->onext = NULL;
+  b->orphan = false;
+}
+
+void kvp__block_unown(kvp_pool *pool, kvp__block *b) {
+  kvp__assert(b->owners > 0);
+  b->owners--;
+  kvp__block_unowned(pool, b);
+}
+
+void kvp__block_unowned(kvp_pool *pool, kvp__block *b) {
+  if (!b->owners && b->chunk) kvp__prefix_drop(pool, b->chunk); /* its chunk can no longer be shared */
+  if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) {
+    limbo_push(pool, b);
+  } else if (!b->owners) { /* pinned by views: kept until the last release */
+    b->orphan = true;
+    b->oprev = NULL;
+    b->onext = pool->orphans;
+    if (pool->orphans) pool->orphans->oprev = b;
+    pool->orphans = b;
+  }
+}
+
+void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
+  kvp__assert(b->orphan && atomic_load(&b->refs) == 0);
+  orphan_remove(pool, b);
+  limbo_push(pool, b);
+}
+
+void kvp__reclaim(kvp_pool *pool) {
+  if (!pool->limbo) return;
+  kvp__rcu_synchronize();
+  kvp__reclaim_after_grace(pool);
+}
+
+void kvp__reclaim_after_grace(kvp_pool *pool) {
+  if (!pool->limbo) return;
+  /* copies already enqueued on device streams may still touch these pages;
+   * a failure here is reported by the region and the pages are freed anyway
+   * (the device is then unusable for the pool's work) */
+  pool->alloc.region.ops->quiesce(&pool->alloc.region);
+  uint64_t bytes = 0;
+  for (kvp__block *b = pool->limbo, *n; b; b = n) {
+    n = b->onext;
+    bytes += block_bytes(b);
+    kvp__block_destroy(pool, b);
+  }
+  pool->limbo = NULL;
+  kvp__ledger_begin(&pool->alloc.ledger);
+  kvp__gauge_sub(&pool->alloc.ledger.retired, bytes);
+  kvp__ledger_end(&pool->alloc.ledger);
+}
+
+KVP_API int kvp_reclaim(kvp_pool *pool) {
+  if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
+  kvp__lock(pool);
+  kvp__reclaim(pool);
+  kvp__unlock(pool);
+  return KVP_OK;
+}
+
+/* ---- codec state ---------------------------------------------------------- */
+
+size_t kvp__cstate_bytes(const kvp_pool *pool, uint32_t layer, int kv) {
+  const kvp__binding *bd = &pool->bind[2 * layer + kv];
+  return bd->vt->state_bytes ? bd->vt->state_bytes(bd->inst) : 0;
+}
+
+static void count_state(kvp_pool *pool, size_t bytes, int sign) {
+  kvp__ledger_begin(&pool->alloc.ledger);
+  if (sign > 0) kvp__gauge_add(&pool->alloc.ledger.codec_state, bytes);
+  else kvp__gauge_sub(&pool->alloc.ledger.codec_state, bytes);
+  kvp__ledger_end(&pool->alloc.ledger);
+}
+
+int kvp__cstate_get(kvp_pool *pool, kvp__stream *st, uint32_t layer, int kv, void **out) {
+  size_t bytes = kvp__cstate_bytes(pool, layer, kv);
+  if (bytes && !st->cstate[kv]) {
+    if (!(st->cstate[kv] = kvp__meta_calloc(&pool->meta, bytes)))
+      return kvp__err(KVP_ENOMEM, "codec state of %zu bytes (layer %u %c)", bytes, layer, "KV"[kv]);
+    count_state(pool, bytes, +1);
+  }
+  *out = st->cstate[kv];
+  return KVP_OK;
+}
+
+void kvp__cstate_free(kvp_pool *pool, kvp__stream *st, uint32_t layer) {
+  for (int kv = 0; kv < 2; kv++)
+    if (st->cstate[kv]) {
+      size_t bytes = kvp__cstate_bytes(pool, layer, kv);
+      kvp__meta_free(&pool->meta, st->cstate[kv], bytes);
+      count_state(pool, bytes, -1);
+      st->cstate[kv] = NULL;
+    }
+}
+
+int kvp__cstate_copy(kvp_pool *pool, const kvp__stream *from, kvp__stream *to, uint32_t layer) {
+  for (int kv = 0; kv < 2; kv++) {
+    if (!from->cstate[kv]) continue;
+    void *st;
+    int rc = kvp__cstate_get(pool, to, layer, kv, &st);
+    if (rc) return rc;
+    memcpy(st, from->cstate[kv], kvp__cstate_bytes(pool, layer, kv));
+  }
+  return KVP_OK;
+}
+
+/* ---- token counts ------------------------------------------------------- */
+
+void kvp__count_tokens(kvp_pool *pool, int64_t retained, uint64_t evicted) {
+  kvp__ledger *l = &pool->alloc.ledger;
+  uint64_t per_token = 2ull * pool->cfg.head_dim * 2; /* bf16 K + bf16 V */
+  kvp__ledger_begin(l);
+  if (retained >= 0) {
+    kvp__gauge_add(&l->tokens_retained, (uint64_t)retained);
+    kvp__gauge_add(&l->bf16_equivalent, (uint64_t)retained * per_token);
+  } else {
+    kvp__gauge_sub(&l->tokens_retained, (uint64_t)-retained);
+    kvp__gauge_sub(&l->bf16_equivalent, (uint64_t)-retained * per_token);
+  }
+  kvp__count_add(&l->tokens_evicted, (int64_t)evicted);
+  kvp__ledger_end(l);
+}
