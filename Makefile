@@ -209,9 +209,12 @@ $(B)/tests/xcheck_kvquant_emu: tests/unit/xcheck_kvquant_emu.cpp tests/unit/cuda
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
 	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+# QVG's too, and with CUDA its host launch path (codecs/qvg_cuda.c, linked
+# from the library) over emulated launches and host stand-ins of the runtime.
 $(B)/tests/xcheck_qvg_emu: tests/unit/xcheck_qvg_emu.cpp tests/unit/cuda_emu.h $(wildcard kernels/*.cuh kernels/*.h) $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
+	  $(if $(filter 1,$(HAVE_CUDA)),-DKVP_HAVE_CUDA) \
 	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
 
 # Integration tests and tools see only include/ and link the shared library.

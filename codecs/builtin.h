@@ -63,6 +63,30 @@ void kvp__nvfp4_kparams(const void *inst, kvp__kparams *k);
 int kvp__codec_dev_prepare(const kvp_codec_vtable *vt, const void *inst);
 /* Device bytes that data holds (0: none). */
 uint64_t kvp__codec_dev_static_bytes(const kvp_codec_vtable *vt, const void *inst);
+/* QVG (codecs/qvg_cuda.c): its device ops, and the pool's path, which
+ * passes each job's host state and a workspace of the pool's. */
+struct kvp__qvg_dev;
+void kvp__qvg_kparams_of(const void *inst, kvp__qvg_kparams *k);
+const char *kvp__qvg_name(const void *inst);
+size_t kvp__qvg_state_bytes(const void *inst);
+struct kvp__qvg_dev **kvp__qvg_dev_slot(const void *inst);
+void kvp__qvg_dev_release(struct kvp__qvg_dev *d);
+int kvp__qvg_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                        uint32_t njobs, uint64_t *status, void *stream);
+int kvp__qvg_decode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                        uint32_t njobs, kvp_dtype out, void *stream);
+bool kvp__codec_is_qvg(const kvp_codec_vtable *vt);
+/* Device workspace bytes the pool's path needs for njobs blocks of at most
+ * cap tokens that carry up to nstates distinct states (kvp__qvg_encode_pool). */
+uint64_t kvp__qvg_pool_ws_bytes(const void *inst, uint32_t njobs, uint32_t nstates, uint32_t cap);
+/* Encode njobs blocks; hstates[i]: job i's stream state in HOST memory
+ * (state_bytes, the host codec's layout) or NULL (hstates NULL: none).
+ * Each distinct state is copied to ws, the jobs that share it run one after
+ * another (each starts from the last one's centroids), and it is copied
+ * back, all on stream; the caller waits for the stream before the states
+ * are read or ws is reused. */
+int kvp__qvg_encode_pool(const void *inst, const kvp_codec_dev_job *jobs, void *const *hstates, uint32_t njobs,
+                         void *ws, uint64_t ws_bytes, uint64_t *status, void *stream);
 #define KVP__DEV_OPS(name)                                                                                           \
   static int name##_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,  \
                                uint32_t njobs, uint64_t *status, void *stream) {                                     \

@@ -22,6 +22,15 @@ int kvp__dev_decode(const char *codec, const kvp__kparams *k, const kvp_codec_de
 }
 
 int kvp__codec_dev_prepare(const kvp_codec_vtable *vt, const void *inst) {
+  if (kvp__codec_is_qvg(vt)) {
+    kvp__qvg_kparams k;
+    kvp__qvg_kparams_of(inst, &k);
+    if (k.head_dim > KVP__QVG_DEV_MAX_DIM)
+      return kvp__err(KVP_ENOTSUP, "%s: head_dim %u on the device: its k-means kernels keep a row in registers, at "
+                      "most %u channels (a host region takes any head_dim)", kvp__qvg_name(inst), k.head_dim,
+                      KVP__QVG_DEV_MAX_DIM);
+    return KVP_OK;
+  }
   return vt == &kvp__codec_kvquant ? kvp__kvq_dev_prepare(inst) : KVP_OK;
 }
 

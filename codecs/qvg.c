@@ -110,6 +110,7 @@ typedef struct qvg_inst {
   uint32_t bits;      /* b, 2 or 4 */
   uint32_t k;         /* K, centroids per stage asked, 1..256 */
   uint32_t iters;     /* most Lloyd updates per stage */
+  struct kvp__qvg_dev *dev; /* device scratch of the codec used alone (codecs/qvg_cuda.c), or NULL */
 } qvg_inst;
 
 static const qvg_inst qvg_defaults = {.name = "qvg", .stages = 1, .group = 64, .bits = 2, .k = 256, .iters = 8};
@@ -165,6 +166,7 @@ static int qvg_make(const qvg_inst *defaults, const char *params, const kvp_code
   qvg_inst *out = malloc(sizeof *out);
   if (!out) return kvp__param_fail(err, errcap, NULL, 0, "%s: out of memory", q.name);
   *out = q;
+  out->dev = NULL;
   *inst = out;
   return KVP_OK;
 }
@@ -179,7 +181,12 @@ static int qvg_pro_create(const char *params, const kvp_codec_geom *geom, void *
   return qvg_make(&pro_defaults, params, geom, inst, err, errcap, err_at);
 }
 
-static void qvg_destroy(void *inst) { free(inst); }
+static void qvg_destroy(void *inst) {
+#ifdef KVP_HAVE_CUDA
+  kvp__qvg_dev_release(((qvg_inst *)inst)->dev);
+#endif
+  free(inst);
+}
 
 static uint32_t qvg_group_tokens(const void *inst) {
   (void)inst;
@@ -377,6 +384,22 @@ static int qvg_decode(const void *inst, const void *const *pages, uint32_t n, ui
   return rc;
 }
 
+/* ---- device twins (codecs/qvg_cuda.c, kernels/qvg.cuh) ---------------------------- */
+
+#ifdef KVP_HAVE_CUDA
+void kvp__qvg_kparams_of(const void *inst, kvp__qvg_kparams *k) {
+  const qvg_inst *q = inst;
+  *k = (kvp__qvg_kparams){.head_dim = q->head_dim, .in_dtype = (uint32_t)q->in_dtype, .stages = q->stages,
+                          .group = q->group, .bits = q->bits, .k = q->k, .iters = q->iters};
+}
+const char *kvp__qvg_name(const void *inst) { return ((const qvg_inst *)inst)->name; }
+size_t kvp__qvg_state_bytes(const void *inst) { return qvg_state_bytes(inst); }
+struct kvp__qvg_dev **kvp__qvg_dev_slot(const void *inst) { return &((qvg_inst *)inst)->dev; }
+#define QVG_DEV_VT .encode_dev = kvp__qvg_encode_dev, .decode_dev = kvp__qvg_decode_dev,
+#else
+#define QVG_DEV_VT
+#endif
+
 const kvp_codec_vtable kvp__codec_qvg = {
     .abi_version = KVP_CODEC_ABI_VERSION,
     .name = "qvg",
@@ -389,6 +412,7 @@ const kvp_codec_vtable kvp__codec_qvg = {
     .state_bytes = qvg_state_bytes,
     .encode_stateful = qvg_encode_stateful,
     .block_tokens = qvg_block_tokens,
+    QVG_DEV_VT
 };
 
 const kvp_codec_vtable kvp__codec_qvg_pro = {
@@ -403,4 +427,5 @@ const kvp_codec_vtable kvp__codec_qvg_pro = {
     .state_bytes = qvg_state_bytes,
     .encode_stateful = qvg_encode_stateful,
     .block_tokens = qvg_block_tokens,
+    QVG_DEV_VT
 };

@@ -86,7 +86,9 @@ typedef struct kvp_codec_block {
 typedef struct kvp_codec_dev_job {
   void *pages[KVP_CODEC_MAX_PAGES]; /* the block's pages, as layout orders them */
   const void *src;                  /* encode: row 0 of the rows to write; decode: unused */
-  void *dst;                        /* decode: where row t0 goes; encode: unused */
+  void *dst;                        /* decode: where row t0 goes; encode: a codec with state_bytes may
+                                       take it as the stream's state in device memory (NULL: start
+                                       cold, keep nothing; qvg does so), others ignore it */
   uint64_t stride_bytes;            /* bytes between rows of src (encode) or dst (decode) */
   uint32_t n;                       /* rows the block holds once encoded (encode) / holds (decode) */
   uint32_t cap_tokens;              /* the block's capacity */
@@ -251,8 +253,10 @@ typedef struct kvp_codec_vtable {
    * dtype, rows stride_bytes apart), bit for bit as decode would.
    * Returns KVP_OK, KVP_EDEVICE (a launch failed; message set) or
    * KVP_ENOTSUP. The pool calls them under the same locks as their host
-   * twins, and with state NULL (device codec state comes with the codecs
-   * that keep it). */
+   * twins, and with every job's dst NULL on encode: a codec with
+   * state_bytes that a pool runs on the device keeps its states itself
+   * (the built-in qvg: the pool stages each stream's host state to the
+   * device around the encode, through an internal path). */
   int (*encode_dev)(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
                     uint64_t *status, void *stream);
   int (*decode_dev)(const void *inst, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,

@@ -214,9 +214,11 @@ static inline uint64_t kvp__qvg_ws_bytes(const kvp__qvg_kparams *p, uint32_t cap
 /* Enqueue the encode of njobs blocks (every job t0 = 0) / the decode of
  * rows [t0, t0 + m) of each, as kvp__kern_encode / kvp__kern_decode; ws:
  * ws_bytes of device scratch, at least kvp__qvg_ws_bytes of the largest
- * job. */
-int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs, void *ws,
-                         uint64_t ws_bytes, uint64_t *status, void *stream);
+ * job (rounded up to 256) for one job; index: each job's index in the
+ * status words (NULL: its place in jobs). Jobs that share a state must not
+ * be in one call (they would run at once). */
+int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, const uint32_t *index,
+                         uint32_t njobs, void *ws, uint64_t ws_bytes, uint64_t *status, void *stream);
 int kvp__kern_qvg_decode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
                          uint32_t njobs, uint32_t out, void *stream);
 

@@ -34,7 +34,7 @@ struct EncBatch {
   unsigned long long *status;
   uint8_t *ws;        /* wave's scratch: job i at ws + i * ws_stride */
   uint64_t ws_stride; /* bytes of scratch per job */
-  uint32_t job0;      /* index of jobs[0] in the caller's batch */
+  uint32_t index[kJobsPerLaunch]; /* each job's index in the caller's batch (status words name it) */
   kvp_codec_dev_job jobs[kJobsPerLaunch];
 };
 
@@ -45,7 +45,7 @@ struct DecBatch {
 };
 
 __global__ void __launch_bounds__(kThreads) enc_kernel(const __grid_constant__ EncBatch b) {
-  qvg_encode(b.p, b.jobs[blockIdx.x], b.ws + blockIdx.x * b.ws_stride, b.job0 + blockIdx.x, b.status);
+  qvg_encode(b.p, b.jobs[blockIdx.x], b.ws + blockIdx.x * b.ws_stride, b.index[blockIdx.x], b.status);
 }
 
 __global__ void __launch_bounds__(kDecodeThreads) dec_kernel(const __grid_constant__ DecBatch b) {
@@ -70,8 +70,8 @@ static_assert(sizeof(DecBatch) <= 32000, "a batch must fit the 32 KiB parameter 
 using namespace kvpk;
 using namespace kvpk::qvg_;
 
-extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs,
-                                    void *ws, uint64_t ws_bytes, uint64_t *status, void *stream) {
+extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, const uint32_t *index,
+                                    uint32_t njobs, void *ws, uint64_t ws_bytes, uint64_t *status, void *stream) {
   cudaStream_t s = (cudaStream_t)stream;
   uint32_t maxcap = 0;
   for (uint32_t i = 0; i < njobs; i++) maxcap = jobs[i].cap_tokens > maxcap ? jobs[i].cap_tokens : maxcap;
@@ -86,7 +86,7 @@ extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_d
     b.status = (unsigned long long *)status;
     b.ws = (uint8_t *)ws;
     b.ws_stride = stride;
-    b.job0 = at;
+    for (uint32_t i = 0; i < n; i++) b.index[i] = index ? index[at + i] : at + i;
     memcpy(b.jobs, jobs + at, n * sizeof *jobs);
     enc_kernel<<<n, kThreads, 0, s>>>(b);
     cudaError_t e = cudaGetLastError();

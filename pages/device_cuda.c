@@ -52,6 +52,8 @@ struct kvp__dev {
   kvp_codec_dev_job *stage_host; /* pinned host: what is copied there */
   uint32_t sms;                  /* streaming multiprocessors of the device */
   uint32_t attend_occ[KVP__KERN_ATTEND_KINDS]; /* attention thread blocks per SM, per kernel kind */
+  void *qvg_ws;                  /* device: qvg's k-means scratch and staged stream states, or NULL */
+  uint64_t qvg_ws_bytes;         /* its size: one append of the largest qvg layer (dev_prepare_bindings) */
 };
 
 static int gstage_init(struct kvp__dev *d);
@@ -72,6 +74,30 @@ static void dev_leave(const kvp_pool *pool, int prev) {
   if (prev != pool->cfg.device) cudaSetDevice(prev);
 }
 
+/* qvg's workspace, shared by its bindings (appends run one at a time and
+ * wait for their stream): for one side of one append of the layer whose
+ * blocks need the most, a block per head and a state per head. */
+static int qvg_ws_init(kvp_pool *pool) {
+  uint64_t need = 0;
+  uint32_t H = pool->cfg.n_kv_heads;
+  for (uint32_t i = 0; i < 2 * pool->cfg.n_layers; i++) {
+    const kvp__binding *b = &pool->bind[i];
+    if (!kvp__codec_is_qvg(b->vt)) continue;
+    uint32_t cap = kvp__layer_bt(pool, i / 2, KVP_SEQ_STREAM), cs = kvp__layer_bt(pool, i / 2, KVP_SEQ_STEP);
+    uint64_t w = kvp__qvg_pool_ws_bytes(b->inst, H, H, cs > cap ? cs : cap);
+    need = w > need ? w : need;
+  }
+  if (!need) return KVP_OK;
+  cudaError_t e = cudaMalloc(&pool->dev->qvg_ws, need);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return kvp__err(KVP_EDEVICE, "config.codecs: qvg's k-means workspace of %llu bytes on CUDA device %d: %s",
+                    (unsigned long long)need, pool->cfg.device, cudaGetErrorString(e));
+  }
+  pool->dev->qvg_ws_bytes = need;
+  return KVP_OK;
+}
+
 /* The bindings' device-side static data (kvquant's calibration tables),
  * made once on the pool's device; counted in device.control_bytes. */
 static int dev_prepare_bindings(kvp_pool *pool) {
@@ -84,6 +110,7 @@ static int dev_prepare_bindings(kvp_pool *pool) {
     rc = kvp__err(rc, "config.codecs: %s for layer %u %c on CUDA device %d: %s", b->vt->name, i / 2, "KV"[i % 2],
                   pool->cfg.device, why);
   }
+  if (!rc) rc = qvg_ws_init(pool);
   dev_leave(pool, prev);
   return rc;
 }
@@ -133,6 +160,7 @@ void kvp__dev_fini(kvp_pool *pool) {
   cudaFreeHost(d->host_status);
   cudaFree(d->stage_dev);
   cudaFreeHost(d->stage_host);
+  cudaFree(d->qvg_ws);
   gstage_fini(d);
   dev_leave(pool, prev);
   kvp__meta_free(&pool->meta, d, sizeof *d);
@@ -151,23 +179,37 @@ static int group_of(const kvp_pool *pool, const kvp__binding *bd, int kv) {
   return bd == &pool->tail[kv] ? kv : 2 + kv;
 }
 
-int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j) {
+int kvp__dev_batch_add_state(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv,
+                             const kvp_codec_dev_job *j, void *hstate) {
   kvp__dev_group *g = &db->g[group_of(pool, bd, kv)];
   if (!g->jobs) {
     if (!(g->jobs = kvp__meta_alloc(db->meta, db->cap * sizeof *g->jobs)))
       return kvp__err(KVP_ENOMEM, "device jobs of an append (%u blocks)", db->cap);
+    if (kvp__codec_is_qvg(bd->vt) && !(g->hstates = kvp__meta_calloc(db->meta, db->cap * sizeof *g->hstates))) {
+      kvp__meta_free(db->meta, g->jobs, db->cap * sizeof *g->jobs);
+      g->jobs = NULL;
+      return kvp__err(KVP_ENOMEM, "device jobs of an append (%u blocks)", db->cap);
+    }
     g->cap = db->cap;
     g->bd = bd;
     g->kv = kv;
   }
   kvp__assert(g->n < g->cap && g->bd == bd);
+  if (g->hstates) g->hstates[g->n] = hstate;
   g->jobs[g->n++] = *j;
   return KVP_OK;
 }
 
+int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j) {
+  return kvp__dev_batch_add_state(pool, db, bd, kv, j, NULL);
+}
+
 void kvp__dev_batch_fini(kvp_pool *pool, kvp__dev_batch *db) {
   (void)pool;
-  for (int i = 0; i < 4; i++) kvp__meta_free(db->meta, db->g[i].jobs, db->g[i].cap * sizeof *db->g[i].jobs);
+  for (int i = 0; i < 4; i++) {
+    kvp__meta_free(db->meta, db->g[i].jobs, db->g[i].cap * sizeof *db->g[i].jobs);
+    if (db->g[i].hstates) kvp__meta_free(db->meta, db->g[i].hstates, db->g[i].cap * sizeof *db->g[i].hstates);
+  }
   memset(db, 0, sizeof *db);
 }
 
@@ -218,7 +260,12 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
     rc = cuda_fail(e, "cudaMemcpyAsync (append jobs)");
   for (int i = 0; !rc && i < 4; i++) {
     kvp__dev_group *g = &db->g[i];
-    if (g->n) rc = g->bd->vt->encode_dev(g->bd->inst, g->jobs, staged[i], g->n, d->status + i, stream);
+    if (!g->n) continue;
+    if (g->hstates) /* qvg: its stream states cross to the workspace and back */
+      rc = kvp__qvg_encode_pool(g->bd->inst, g->jobs, g->hstates, g->n, d->qvg_ws, d->qvg_ws_bytes, d->status + i,
+                                stream);
+    else
+      rc = g->bd->vt->encode_dev(g->bd->inst, g->jobs, staged[i], g->n, d->status + i, stream);
   }
   if (!rc && (e = cudaMemcpyAsync(d->host_status, d->status, 4 * sizeof(uint64_t), cudaMemcpyDeviceToHost, s)))
     rc = cuda_fail(e, "cudaMemcpyAsync (append status)");
@@ -444,6 +491,7 @@ void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64
   *device_bytes = d ? 4 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job) : 0;
   for (uint32_t i = 0; d && i < 2 * pool->cfg.n_layers; i++) /* the bindings' tables */
     *device_bytes += kvp__codec_dev_static_bytes(pool->bind[i].vt, pool->bind[i].inst);
+  *device_bytes += d ? d->qvg_ws_bytes : 0;
   *pinned_bytes = d ? __atomic_load_n(&d->pinned_bytes, __ATOMIC_RELAXED) : 0;
 }
 

@@ -422,6 +422,7 @@ typedef struct kvp__dev_group {
   const kvp__binding *bd; /* the binding the jobs run with, or NULL (empty) */
   int kv;                 /* side */
   kvp_codec_dev_job *jobs; /* [cap] */
+  void **hstates;         /* [cap]: each job's stream state in host memory, or NULL (qvg bindings only) */
   uint32_t n, cap;        /* jobs held, allocated */
 } kvp__dev_group;
 struct kvp__dev_batch {
@@ -431,6 +432,10 @@ struct kvp__dev_batch {
 };
 void kvp__dev_batch_init(kvp__dev_batch *db, uint32_t max_jobs_per_group, kvp__meta *meta);
 int kvp__dev_batch_add(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv, const kvp_codec_dev_job *j);
+/* The same, for a job whose codec keeps stream state (qvg): hstate is the
+ * stream's host state the device encode starts from and rewrites. */
+int kvp__dev_batch_add_state(kvp_pool *pool, kvp__dev_batch *db, const kvp__binding *bd, int kv,
+                             const kvp_codec_dev_job *j, void *hstate);
 /* Run every group on stream, wait for it, check the status words (errors
  * name layer, head, position and the step's token, pos = the step's first
  * position). */

@@ -208,7 +208,7 @@ static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block 
     kvp_codec_dev_job j = {.src = src, .stride_bytes = stride, .n = t0 + n, .cap_tokens = b->cap_tokens, .t0 = t0,
                            .m = n, .head = head, .pos0 = b->pos0};
     memcpy(j.pages, pages, sizeof j.pages);
-    return kvp__dev_batch_add(pool, db, bd, kv, &j);
+    return kvp__dev_batch_add_state(pool, db, bd, kv, &j, b->raw ? NULL : state);
   }
 #else
   (void)db;

@@ -37,6 +37,15 @@
  *                  head's 1024-token steps (HeatKV's b = 0.1, drawn per
  *                  head): time against retained/total x the full time
  *                  (target <= 1.3).
+ *   gpu_qvg        qvg and qvg-pro: encode_dev of a batch of 32 whole
+ *                  4096-token blocks (one segment of 32 heads, D = 128,
+ *                  bf16; the codec alone: cold starts, its own scratch),
+ *                  against the host encode of the same blocks on one core
+ *                  (KVP_BENCH_QVG_HOST heads timed, default 2; the batch's
+ *                  host time is their mean x 32): target >= 200x; the
+ *                  torch k-means of the same shapes (tools/bench_torch.py)
+ *                  must be slower. decode_dev of the batch to bf16 against
+ *                  the copy, as gpu_codec: target >= 0.6.
  *   gpu_append_host_us  host time of a decode-step append on a CUDA pool,
  *                  64 sequences x 32 layers, per (seq, layer): kvp_append
  *                  of one token (its one status read-back included), per
@@ -207,6 +216,107 @@ static void codec_figures(int rounds, int json) {
   }
   free(jobs);
   cudaFree(jobs_dev), cudaFree(src), cudaFree(dst), cudaFree(cbuf), cudaFree(status);
+}
+
+static double host_now_us(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static void qvg_figures(int rounds, int json) {
+  enum { NH = 32, N = 4096, D = 128 };
+  static const char *const sp[] = {"qvg", "qvg-pro"};
+  size_t in_bytes = (size_t)NH * N * D * 2;
+  uint16_t *h = malloc(in_bytes);
+  uint64_t s = 3;
+  for (size_t t = 0; t < (size_t)NH * N; t++) /* a few dozen directions per head plus noise: structure to find */
+    for (uint32_t i = 0; i < D; i++) {
+      s = s * 6364136223846793005ull + 1442695040888963407ull;
+      float x = (float)((int)((t * 2654435761u >> 7) % 48 * 37 + i * 11) % 97) / 24.0f - 2.0f +
+                ((float)(s >> 40) / 16777216.0f - 0.5f) * 0.5f;
+      uint32_t u;
+      memcpy(&u, &x, 4);
+      h[t * D + i] = (uint16_t)((u + 0x7FFFu + (u >> 16 & 1u)) >> 16);
+    }
+  void *src, *dst;
+  CK(cudaMalloc(&src, in_bytes));
+  CK(cudaMalloc(&dst, in_bytes));
+  CK(cudaMemcpy(src, h, in_bytes, cudaMemcpyHostToDevice));
+  uint64_t *status;
+  CK(cudaMalloc((void **)&status, 8));
+  int host_heads = getenv("KVP_BENCH_QVG_HOST") ? atoi(getenv("KVP_BENCH_QVG_HOST")) : 2;
+  if (host_heads < 1 || host_heads > NH) host_heads = 2;
+  int r_dev = rounds < 5 ? rounds : 5;
+  if (!json) printf("%-10s %12s %12s %10s %12s %10s\n", "qvg batch", "device ms", "host ms", "speedup", "dec GB/s",
+                    "dec/copy");
+  for (unsigned c = 0; c < 2; c++) {
+    void *inst;
+    const kvp_codec_vtable *vt = codec(sp[c], 0, &inst);
+    kvp_codec_layout lay;
+    vt->layout(inst, N, &lay);
+    size_t per = 0;
+    for (unsigned i = 0; i < lay.npages; i++) per += (lay.bytes[i] + 255) & ~(size_t)255;
+    char *pages;
+    CK(cudaMalloc((void **)&pages, per * NH));
+    kvp_codec_dev_job jobs[NH];
+    for (uint32_t b = 0; b < NH; b++) {
+      jobs[b] = (kvp_codec_dev_job){.src = (char *)src + (size_t)b * N * D * 2, .dst = NULL, .stride_bytes = D * 2,
+                                    .n = N, .cap_tokens = N, .m = N};
+      size_t off = (size_t)b * per;
+      for (unsigned i = 0; i < lay.npages; i++) {
+        jobs[b].pages[i] = pages + off;
+        off += (lay.bytes[i] + 255) & ~(size_t)255;
+      }
+    }
+    KV(vt->encode_dev(inst, jobs, NULL, NH, status, S)); /* warm-up: the scratch is made here */
+    CK(cudaStreamSynchronize(S));
+    float te[64], td[64], tc[64];
+    for (int r = 0; r < r_dev; r++) {
+      CK(cudaEventRecord(E0, S));
+      KV(vt->encode_dev(inst, jobs, NULL, NH, status, S));
+      te[r] = ms_since_start();
+    }
+    kvp_codec_dev_job dj[NH];
+    size_t codes = 0;
+    for (unsigned i = 0; i < lay.npages; i++) codes += lay.bytes[i];
+    for (uint32_t b = 0; b < NH; b++) {
+      dj[b] = jobs[b];
+      dj[b].dst = (char *)dst + (size_t)b * N * D * 2, dj[b].src = NULL, dj[b].t0 = 0;
+    }
+    for (int r = 0; r < rounds; r++) {
+      CK(cudaEventRecord(E0, S));
+      KV(vt->decode_dev(inst, dj, NULL, NH, KVP_DTYPE_BF16, S));
+      td[r] = ms_since_start();
+      tc[r] = copy_ms(dst, src, in_bytes, 1);
+    }
+    /* the host encode of host_heads of the same blocks, one core */
+    void *hp[KVP_CODEC_MAX_PAGES];
+    for (unsigned i = 0; i < lay.npages; i++) hp[i] = malloc(lay.bytes[i]);
+    double th = 0;
+    for (int b = 0; b < host_heads; b++) {
+      double t0 = host_now_us();
+      KV(vt->encode(inst, h + (size_t)b * N * D, D * 2, N, N, hp));
+      th += host_now_us() - t0;
+    }
+    for (unsigned i = 0; i < lay.npages; i++) free(hp[i]);
+    double host_batch_ms = th / host_heads * NH / 1e3;
+    float me = median(te, r_dev), md = median(td, rounds), mc = median(tc, rounds);
+    double gbd = ((double)codes * NH + (double)in_bytes) / md / 1e6, gbc = 2.0 * in_bytes / mc / 1e6;
+    if (!json)
+      printf("%-10s %12.2f %12.1f %9.0fx %12.1f %9.3fx   (%d host heads timed; decode %.1f us, copy %.1f us)\n", sp[c],
+             me, host_batch_ms, host_batch_ms / me, gbd, gbd / gbc, host_heads, md * 1e3, mc * 1e3);
+    printf("{\"figure\":\"gpu_qvg\",\"codec\":\"%s\",\"heads\":%d,\"tokens\":%d,\"head_dim\":%d,"
+           "\"encode_us\":%.1f,\"host_encode_us\":%.1f,\"host_heads_timed\":%d,\"speedup_vs_host\":%.1f,"
+           "\"speedup_target\":200,\"decode_us\":%.2f,\"copy_us\":%.2f,\"decode_vs_copy\":%.3f,"
+           "\"decode_target\":0.6}\n",
+           sp[c], NH, N, D, me * 1e3, host_batch_ms * 1e3, host_heads, host_batch_ms / me, md * 1e3, mc * 1e3,
+           gbd / gbc);
+    cudaFree(pages);
+    vt->destroy(inst);
+  }
+  free(h);
+  cudaFree(src), cudaFree(dst), cudaFree(status);
 }
 
 static const char *const pool_codecs[] = {"kv=bf16", "kv=fp8", "kv=int8", "kv=kivi:bits=2:group=16", "kv=nvfp4",
@@ -504,8 +614,9 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   if (!json) printf("kvpool-bench-gpu on %s, %d rounds, medians\n", prop.name, rounds);
   no_gate = getenv("KVP_BENCH_NOGATE") && *getenv("KVP_BENCH_NOGATE") == '1';
-  const char *only = getenv("KVP_BENCH_ONLY"); /* codec, gather, attend or append */
+  const char *only = getenv("KVP_BENCH_ONLY"); /* codec, qvg, gather, attend or append */
   if (!only || strstr(only, "codec")) codec_figures(rounds, json);
+  if (!only || strstr(only, "qvg")) qvg_figures(rounds, json);
   if (!only || strstr(only, "gather")) gather_figures(rounds, json);
   if (!only || strstr(only, "attend")) attend_figures(rounds, json);
   if (!only || strstr(only, "append")) append_figures(rounds < 5 ? rounds : 5, json);

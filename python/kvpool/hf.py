@@ -16,7 +16,7 @@ sequence per batch row) and returns what attention needs, read back from the poo
 Where the pool lives:
   - ``memory="cuda"``: K/V go from the model's tensors into the pool's region on the
     current CUDA stream and come back with kvp_read into device tensors. A CUDA pool takes
-    raw codecs (bf16/fp16/f32) today.
+    every built-in codec (raw, fp8, int8, kivi, nvfp4, kvquant, qvg) through its device ops.
   - ``memory="host"``: any codec (fp8, int8, kivi, nvfp4, qvg, kvquant). K/V are copied to
     the host for the append and back to the model's device after the read: slow, but the
     attention sees exactly what the codec keeps.

@@ -23,7 +23,8 @@
 static const char *const specs[] = {"raw",        "raw:dtype=bf16",     "raw:dtype=fp16",        "raw:dtype=fp32",
                                     "fp8",        "fp8:scale=0.05",     "int8",                  "int8:pct=99",
                                     "int8:pct=50", "kivi",              "kivi:bits=4:group=64",  "kivi:bits=2:group=16",
-                                    "nvfp4",      "nvfp4:rule=4/6",     "nvfp4:ksmooth=store",   "nvfp4:rule=4/6:ksmooth=store"};
+                                    "nvfp4",      "nvfp4:rule=4/6",     "nvfp4:ksmooth=store",   "nvfp4:rule=4/6:ksmooth=store",
+                                    "qvg:k=16:iters=4", "qvg-pro:k=8:iters=3", "qvg:bits=4"};
 #define NSPECS (sizeof specs / sizeof specs[0])
 
 enum { PAT_GAUSS, PAT_ZEROS, PAT_SAT, PAT_SUBNORMAL, PAT_TIES, PAT_MIXED, PAT_HUGE, NPAT, PAT_SCORE_TIES = NPAT };
@@ -593,8 +594,8 @@ END_TEST
 
 /* NaN / Inf at chosen places: reported at the first (job, row, channel). */
 START_TEST(nonfinite_reported) {
-  const char *names[] = {"raw", "fp8", "int8", "kivi", "nvfp4", "kvquant"};
-  for (unsigned c = 0; c < 6; c++) {
+  const char *names[] = {"raw", "fp8", "int8", "kivi", "nvfp4", "kvquant", "qvg"};
+  for (unsigned c = 0; c < 7; c++) {
     uint32_t id, D = 128, cap = 32, n = 32, njobs = 400; /* more jobs than one launch holds */
     ck_assert_int_eq(kvp_codec_find(names[c], &id), KVP_OK);
     const kvp_codec_vtable *vt = kvp_codec_get(id);
@@ -647,6 +648,80 @@ START_TEST(nonfinite_reported) {
 }
 END_TEST
 
+/* QVG's warm start on the device: a stream's state (device memory, a
+ * job's dst) carried over blocks, one call per block and then all blocks
+ * in one call (jobs that share a state run in order): the pages and the
+ * state equal the host's encode_stateful, block after block. */
+START_TEST(qvg_warm_state) {
+  const char *only = getenv("KVP_GPU_SPEC");
+  if (only && strncmp("qvg", only, strlen(only))) return;
+  static const char *const sp[] = {"qvg:k=16", "qvg-pro:k=8:iters=4"};
+  enum { D = 128, CAP = 64, NB = 3 };
+  const uint32_t ns[NB] = {64, 40, 64};
+  for (unsigned c = 0; c < 2; c++) {
+    arena_used = 0;
+    uint32_t id;
+    ck_assert_int_eq(kvp_codec_find(strncmp(sp[c], "qvg-pro", 7) ? "qvg" : "qvg-pro", &id), KVP_OK);
+    const kvp_codec_vtable *vt = kvp_codec_get(id);
+    kvp_codec_geom g = {D, KVP_DTYPE_BF16, 0, 0, 1, 1};
+    void *inst;
+    char err[128];
+    size_t at;
+    ck_assert_int_eq(vt->create(strchr(sp[c], ':') + 1, &g, &inst, err, sizeof err, &at), KVP_OK);
+    size_t sb = vt->state_bytes(inst), in_bytes[NB];
+    void *src[NB], *dsrc[NB];
+    dev_block b[NB];
+    for (int k = 0; k < NB; k++) {
+      src[k] = make_rows(KVP_DTYPE_BF16, ns[k], D, k == 1 ? PAT_MIXED : PAT_GAUSS, 0, &in_bytes[k]);
+      dsrc[k] = dalloc(in_bytes[k]);
+      ck_cuda(cudaMemcpy(dsrc[k], src[k], in_bytes[k], cudaMemcpyHostToDevice));
+      block_alloc(vt, inst, CAP, &b[k]);
+    }
+    unsigned char *hstate = calloc(1, sb), *got = malloc(sb), *hstates[NB];
+    for (int k = 0; k < NB; k++) {
+      ck_assert_int_eq(vt->encode_stateful(inst, hstate, src[k], D * 2, ns[k], CAP, b[k].host), KVP_OK);
+      hstates[k] = malloc(sb);
+      memcpy(hstates[k], hstate, sb);
+    }
+    uint64_t *st = dalloc(8), hst;
+    for (int whole = 0; whole < 2; whole++) {
+      void *dstate = dalloc(sb);
+      ck_cuda(cudaMemset(dstate, 0, sb));
+      kvp_codec_dev_job j[NB];
+      for (int k = 0; k < NB; k++) {
+        j[k] = (kvp_codec_dev_job){.src = dsrc[k], .dst = dstate, .stride_bytes = D * 2, .n = ns[k], .cap_tokens = CAP,
+                                   .m = ns[k]};
+        memcpy(j[k].pages, b[k].dev, sizeof j[k].pages);
+        for (unsigned i = 0; i < b[k].lay.npages; i++) ck_cuda(cudaMemset(b[k].dev[i], 0xA5, b[k].lay.bytes[i]));
+      }
+      ck_cuda(cudaMemset(st, 0xFF, 8));
+      for (int k = 0; k < NB; k++) {
+        if (!whole || k == 0) ck_assert_int_eq(vt->encode_dev(inst, &j[k], NULL, whole ? NB : 1, st, NULL), KVP_OK);
+        ck_cuda(cudaDeviceSynchronize());
+        if (!whole) {
+          ck_cuda(cudaMemcpy(got, dstate, sb, cudaMemcpyDeviceToHost));
+          ck_assert_msg(!memcmp(got, hstates[k], sb), "%s block %d: device state differs from the host's", sp[c], k);
+        }
+      }
+      ck_cuda(cudaMemcpy(&hst, st, 8, cudaMemcpyDeviceToHost));
+      ck_assert_uint_eq(hst, KVP_DEV_STATUS_OK);
+      for (int k = 0; k < NB; k++)
+        for (unsigned i = 0; i < b[k].lay.npages; i++) {
+          unsigned char *pg = malloc(b[k].lay.bytes[i]);
+          ck_cuda(cudaMemcpy(pg, b[k].dev[i], b[k].lay.bytes[i], cudaMemcpyDeviceToHost));
+          ck_assert_msg(!memcmp(pg, b[k].host[i], b[k].lay.bytes[i]), "%s (%s): block %d page %u differs", sp[c],
+                        whole ? "one call" : "a call a block", k, i);
+          free(pg);
+        }
+    }
+    printf("%-30s warm state over %d blocks bit-exact (a call a block, and one call)\n", sp[c], NB);
+    for (int k = 0; k < NB; k++) block_free(&b[k]), free(src[k]), free(hstates[k]);
+    free(hstate), free(got);
+    vt->destroy(inst);
+  }
+}
+END_TEST
+
 int main(void) {
   if (!gpu_present("check_gpu_codecs")) return 0;
   Suite *s = suite_create("gpu_codecs");
@@ -658,6 +733,7 @@ int main(void) {
   tcase_add_test(tc, kvquant_ties);
   tcase_add_test(tc, kvquant_batch);
   tcase_add_test(tc, kvquant_refusals);
+  tcase_add_test(tc, qvg_warm_state);
   suite_add_tcase(s, tc);
   int rc = gpu_run(s, CK_NORMAL);
   if (arena) cudaFree(arena); /* the sweep's scratch (compute-sanitizer's leak check) */

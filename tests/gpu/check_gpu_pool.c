@@ -12,7 +12,9 @@
  *   with their positions, zeros where a head holds fewer tokens.
  * KVQuant's row-wise layers among the specs: their OPEN blocks grow on the
  * device as on the host (the same grows and moves in the ledger); what a
- * CUDA region refuses of it, and its tables in device.control_bytes.
+ * CUDA region refuses of it, and its tables in device.control_bytes. QVG
+ * among them too: its device k-means gives the host's pages, warm starts
+ * included.
  *
  * Public headers only. NOFORK; skips with a message without a GPU.
  */
@@ -39,6 +41,11 @@ static const char *const specs[] = {
     "k=kvquant:bits=2:prerope=1:sink=4,v=kvquant:bits=4:outliers=0.05",
     "kv=kvquant:outliers=0:sink=0",
     "k=kvquant:bits=4:outliers=0.1,v=bf16;layers=2-2:kv=kvquant:bits=2",
+    /* qvg: k-means on the device, each stream's warm start carried from
+     * block to block (host state staged around each encode): the pages
+     * and reads equal the host pool's bit for bit */
+    "kv=qvg:k=4",
+    "k=qvg-pro:k=4:iters=4,v=qvg:bits=4:k=8;layers=1-1:kv=fp8",
 };
 #define NSPECS (sizeof specs / sizeof specs[0])
 
@@ -459,15 +466,26 @@ START_TEST(third_party_device_codec) {
 }
 END_TEST
 
-/* Codecs without device ops are refused by name on a CUDA region. */
+/* Codecs without device ops are refused by name on a CUDA region (the
+ * test codec without its device ops: every built-in has them). */
+static const kvp_codec_vtable cp_host_vt = {.abi_version = KVP_CODEC_ABI_VERSION, .name = "test-bf16copy-host",
+                                            .create = cp_create, .destroy = cp_destroy, .group_tokens = cp_group,
+                                            .layout = cp_layout, .encode = cp_encode, .decode = cp_decode};
 START_TEST(host_only_codec_refused) {
+  uint32_t id;
+  if (kvp_codec_find("test-bf16copy-host", &id) != KVP_OK) ck_ok(kvp_codec_register(&cp_host_vt, &id));
   kvp_config c;
   kvp_config_init(&c);
   c.n_layers = 2, c.n_kv_heads = 2, c.head_dim = 64, c.region_bytes = 16ull << 20, c.memory = KVP_MEM_CUDA;
-  c.codecs = "k=fp8,v=qvg";
+  c.codecs = "k=fp8,v=test-bf16copy-host";
   kvp_pool *p = NULL;
   ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_ENOTSUP);
-  ck_assert_msg(strstr(kvp_last_error(), "qvg"), "%s", kvp_last_error());
+  ck_assert_msg(strstr(kvp_last_error(), "test-bf16copy-host"), "%s", kvp_last_error());
+  c.codecs = "kv=qvg:k=4"; /* qvg: head_dim past its kernels' 256 channels, by name */
+  c.head_dim = 512;
+  ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_ENOTSUP);
+  ck_assert_msg(strstr(kvp_last_error(), "head_dim 512"), "%s", kvp_last_error());
+  c.head_dim = 64;
   c.codecs = "kv=fp8";
   c.flags = KVP_POOL_SANITIZE;
   ck_assert_int_eq(kvp_pool_create(&c, &p), KVP_ENOTSUP);

@@ -236,7 +236,148 @@ static void nonfinite_reported(void) {
          13 * D + 5);
 }
 
+/* ---- the pool's path (codecs/qvg_cuda.c), its launches emulated ---------------------------
+ * kvp__qvg_encode_pool and the codec's own encode_dev (the library's host
+ * code, linked as built) over "device" memory that is host memory here: the
+ * CUDA runtime calls they make are the host stand-ins below, and their
+ * kernel launches run through the emulator. Checked: blocks of several
+ * streams in one call (jobs sharing a state run in order, each from the last
+ * one's centroids), the states staged in and copied back, the status word
+ * naming the caller's job index, a workspace too small refused by name. */
+#ifdef KVP_HAVE_CUDA
+extern "C" {
+int kvp__qvg_encode_pool(const void *inst, const kvp_codec_dev_job *jobs, void *const *hstates, uint32_t njobs,
+                         void *ws, uint64_t ws_bytes, uint64_t *status, void *stream); /* codecs/builtin.h */
+uint64_t kvp__qvg_pool_ws_bytes(const void *inst, uint32_t njobs, uint32_t nstates, uint32_t cap);
+const char *kvp_last_error(void);
+/* the CUDA runtime, as far as codecs/qvg_cuda.c uses it (enums are ints, streams pointers) */
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
+  (void)kind, (void)stream;
+  memcpy(dst, src, n);
+  return 0;
+}
+int cudaMalloc(void **p, size_t n) { return (*p = malloc(n)) ? 0 : 2; }
+int cudaFree(void *p) {
+  free(p);
+  return 0;
+}
+int cudaGetLastError(void) { return 0; }
+int cudaDeviceSynchronize(void) { return 0; }
+const char *cudaGetErrorString(int e) { return e ? "emulated failure" : "no error"; }
+const char *kvp__kern_errstr(int e) { return cudaGetErrorString(e); }
+/* kernels/qvg.cu's launchers: the same scratch stride and index map, one
+ * emulated CTA per job in order (a wave's jobs are independent) */
+static long launches;
+int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, const uint32_t *index,
+                         uint32_t njobs, void *ws, uint64_t ws_bytes, uint64_t *status, void *stream) {
+  (void)stream;
+  uint32_t maxcap = 0;
+  for (uint32_t i = 0; i < njobs; i++) maxcap = jobs[i].cap_tokens > maxcap ? jobs[i].cap_tokens : maxcap;
+  uint64_t stride = (kvp__qvg_ws_bytes(p, maxcap) + 255) & ~(uint64_t)255;
+  if (njobs && ws_bytes < stride) return 1;
+  launches++;
+  for (uint32_t i = 0; i < njobs; i++) {
+    EncArg a = {p, &jobs[i], (uint8_t *)ws + (i % (ws_bytes / stride)) * stride, (unsigned long long *)status};
+    struct Idx {
+      EncArg *a;
+      uint32_t job;
+    } x = {&a, index ? index[i] : i};
+    emu::run(KVP__KERN_THREADS, i, [](void *v) {
+      Idx *q = (Idx *)v;
+      kvpk::qvg_::qvg_encode(*q->a->p, *q->a->j, q->a->ws, q->job, q->a->status);
+    }, &x);
+  }
+  return 0;
+}
+int kvp__kern_qvg_decode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev,
+                         uint32_t njobs, uint32_t out, void *stream) {
+  (void)jobs_dev, (void)stream;
+  for (uint32_t i = 0; i < njobs; i++) emu_decode(*p, jobs[i], out);
+  return 0;
+}
+}
+
+static void pool_path(void) {
+  enum { D = 64, NS = 3, NB = 3, CAP = 48 };
+  const uint32_t ns[NB] = {48, 30, 48};
+  kvp_codec_geom g = {D, KVP_DTYPE_BF16, 0, 0, 1, 1};
+  void *inst = NULL;
+  char err[256];
+  size_t at = 0;
+  if (kvp__codec_qvg_pro.create("k=8:iters=4", &g, &inst, err, sizeof err, &at)) {
+    fprintf(stderr, "qvg-pro: %s\n", err);
+    n_fail++;
+    return;
+  }
+  const kvp_codec_vtable *vt = &kvp__codec_qvg_pro;
+  size_t sb = vt->state_bytes(inst), stride = (size_t)D * 2;
+  /* host: stream s's blocks in order, from its own state */
+  std::vector<unsigned char> src[NS][NB], hst[NS], dst[NS];
+  std::vector<Pages *> hp, dp;
+  for (int s = 0; s < NS; s++) {
+    hst[s].assign(sb, 0), dst[s].assign(sb, 0);
+    for (int b = 0; b < NB; b++) {
+      src[s][b] = to_dtype(make_values(b == 1 ? PAT_GAUSS : PAT_CLUSTERS, ns[b], D), KVP_DTYPE_BF16);
+      hp.push_back(new Pages(vt, inst, CAP, 0));
+      dp.push_back(new Pages(vt, inst, CAP, 0xA5));
+      EXPECT(!vt->encode_stateful(inst, hst[s].data(), src[s][b].data(), stride, ns[b], CAP, hp.back()->ptr),
+             "host encode");
+    }
+  }
+  /* device: every block of every stream in one call, interleaved as a pool adds them (head by head) */
+  std::vector<kvp_codec_dev_job> jobs;
+  std::vector<void *> states;
+  for (int s = 0; s < NS; s++)
+    for (int b = 0; b < NB; b++) {
+      kvp_codec_dev_job j = {};
+      memcpy(j.pages, dp[s * NB + b]->ptr, sizeof j.pages);
+      j.src = src[s][b].data(), j.stride_bytes = stride, j.n = ns[b], j.cap_tokens = CAP, j.m = ns[b];
+      jobs.push_back(j);
+      states.push_back(dst[s].data());
+    }
+  uint64_t need = kvp__qvg_pool_ws_bytes(inst, 1, NS, CAP);
+  std::vector<unsigned char> ws(need);
+  uint64_t status = KVP_DEV_STATUS_OK;
+  long before = launches;
+  int rc = kvp__qvg_encode_pool(inst, jobs.data(), states.data(), (uint32_t)jobs.size(), ws.data(), need, &status, NULL);
+  EXPECT(rc == 0 && status == KVP_DEV_STATUS_OK, "pool path: rc %d (%s), status %llx", rc, rc ? kvp_last_error() : "",
+         (unsigned long long)status);
+  EXPECT(launches - before == NB, "pool path: %ld launches for %d blocks a stream, want one a level", launches - before,
+         NB);
+  for (int s = 0; s < NS; s++) {
+    EXPECT(hst[s] == dst[s], "pool path: stream %d: the state copied back differs from the host's", s);
+    for (int b = 0; b < NB; b++)
+      for (unsigned pg = 0; pg < hp[s * NB + b]->lay.npages; pg++)
+        EXPECT(hp[s * NB + b]->b[pg] == dp[s * NB + b]->b[pg], "pool path: stream %d block %d page %u differs", s, b,
+               pg);
+  }
+  /* a NaN in the last block of stream 1 (job 5, launched third): the status names job 5 */
+  std::vector<unsigned char> bad = src[1][2];
+  uint16_t nan = 0x7FC0;
+  memcpy(&bad[(size_t)(9 * D + 4) * 2], &nan, 2);
+  jobs[5].src = bad.data();
+  status = KVP_DEV_STATUS_OK;
+  rc = kvp__qvg_encode_pool(inst, jobs.data(), states.data(), (uint32_t)jobs.size(), ws.data(), need, &status, NULL);
+  EXPECT(rc == 0 && status == ((uint64_t)KVP_DEV_BAD_NONFINITE << 60 | 5ull << 32 | (9 * D + 4)),
+         "pool path: a NaN in job 5: status %llx", (unsigned long long)status);
+  /* a workspace one byte short: refused by name, nothing launched */
+  before = launches;
+  rc = kvp__qvg_encode_pool(inst, jobs.data(), states.data(), (uint32_t)jobs.size(), ws.data(), need - 1, &status, NULL);
+  EXPECT(rc == KVP_ENOTSUP && strstr(kvp_last_error(), "workspace") && launches == before,
+         "pool path: a short workspace: rc %d, %s", rc, kvp_last_error());
+  for (Pages *x : hp) delete x;
+  for (Pages *x : dp) delete x;
+  vt->destroy(inst);
+}
+#endif
+
 int main(void) {
+#if defined(__SANITIZE_THREAD__)
+  /* One OS thread whose coroutines switch stacks by hand: ThreadSanitizer
+   * cannot follow them, and a single thread has no race for it to find. */
+  printf("xcheck_qvg_emu: skipped under ThreadSanitizer (coroutine stack switches in one thread)\n");
+  return 0;
+#endif
   bool full = getenv("KVP_EMU_FULL") != NULL;
   struct {
     const kvp_codec_vtable *vt;
@@ -267,6 +408,9 @@ int main(void) {
           streams += 2;
         }
   nonfinite_reported();
+#ifdef KVP_HAVE_CUDA
+  pool_path();
+#endif
   printf("qvg device functions on the CPU emulator: %ld streams, pages, states and decodes bit-exact\n", streams);
   printf("%d%%: Checks: %ld, Failures: %ld, Errors: 0\n", n_checks ? (int)(100 * (n_checks - n_fail) / n_checks) : 0,
          n_checks, n_fail);
