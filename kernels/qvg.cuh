@@ -27,8 +27,11 @@
  * tests/unit/xcheck_qvg_emu.cpp runs these functions on the CPU against
  * the host codec: equal pages, equal state, equal decode.
  *
- * Thread mapping: one CTA of kThreads per job; rows strided over threads,
- * the draw's prefix over contiguous row ranges (one per thread). Scratch
+ * Thread mapping: one CTA of kThreads per job; rows strided over threads
+ * (a thread scores its row against four centroids at once: four
+ * independent sums, each still in i order), the draw's prefix over
+ * contiguous row ranges (one per thread). sm_90: 64 registers, the row's
+ * -2 r_t in a 1 KiB local array, no spills. Scratch
  * (QvgWs, in global memory, kvp__qvg_ws_bytes per job): the f32 centroids,
  * their norms, the seeding weights (reused as the member lists) and the
  * member counts.
@@ -211,9 +214,22 @@ KVP_D uint32_t assign(const Ctx &c, uint32_t s, bool fresh) {
   float a[KVP__QVG_DEV_MAX_DIM]; /* -2 r_t: the row, once per row */
   for (uint32_t t = threadIdx.x; t < c.n; t += blockDim.x) {
     for (uint32_t i = 0; i < c.D; i++) a[i] = __fmul_rn(-2.0f, res(c, t, i, s));
-    uint32_t best = 0;
+    uint32_t best = 0, jc = 0;
     float sb = 0.0f;
-    for (uint32_t jc = 0; jc < c.ka; jc++) {
+    for (; jc + 4 <= c.ka; jc += 4) { /* four centroids at once: four independent sums, each in i order */
+      const float *c0 = c.ws.cent + (size_t)jc * c.D;
+      float s4[4] = {c.ws.cn[jc], c.ws.cn[jc + 1], c.ws.cn[jc + 2], c.ws.cn[jc + 3]};
+      for (uint32_t i = 0; i < c.D; i++) {
+        float ai = a[i];
+        s4[0] = __fadd_rn(s4[0], __fmul_rn(ai, c0[i]));
+        s4[1] = __fadd_rn(s4[1], __fmul_rn(ai, c0[c.D + i]));
+        s4[2] = __fadd_rn(s4[2], __fmul_rn(ai, c0[2 * c.D + i]));
+        s4[3] = __fadd_rn(s4[3], __fmul_rn(ai, c0[3 * c.D + i]));
+      }
+      for (uint32_t q = 0; q < 4; q++)
+        if (jc + q == 0 || s4[q] < sb) best = jc + q, sb = s4[q];
+    }
+    for (; jc < c.ka; jc++) {
       const float *cj = c.ws.cent + (size_t)jc * c.D;
       float sc = c.ws.cn[jc];
       for (uint32_t i = 0; i < c.D; i++) sc = __fadd_rn(sc, __fmul_rn(a[i], cj[i]));
