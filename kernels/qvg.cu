@@ -2,7 +2,7 @@
  * kernels/qvg.cu - the batch kernels behind QVG's encode_dev and
  * decode_dev (kernels/qvg.cuh computes one job), and their launchers.
  *
- * Launch: one CTA per job (encode kThreads threads, decode
+ * Launch: one CTA per job (encode kQvgThreads threads, decode
  * kDecodeThreads), the jobs in the kernel's parameters (a __grid_constant__
  * batch), split into waves on the stream: a wave holds as many jobs as the
  * caller's workspace has scratch for (kvp__qvg_ws_bytes of the largest
@@ -44,7 +44,7 @@ struct DecBatch {
   kvp_codec_dev_job jobs[kJobsPerLaunch];
 };
 
-__global__ void __launch_bounds__(kThreads) enc_kernel(const __grid_constant__ EncBatch b) {
+__global__ void __launch_bounds__(kQvgThreads) enc_kernel(const __grid_constant__ EncBatch b) {
   qvg_encode(b.p, b.jobs[blockIdx.x], b.ws + blockIdx.x * b.ws_stride, b.index[blockIdx.x], b.status);
 }
 
@@ -88,7 +88,7 @@ extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_d
     b.ws_stride = stride;
     for (uint32_t i = 0; i < n; i++) b.index[i] = index ? index[at + i] : at + i;
     memcpy(b.jobs, jobs + at, n * sizeof *jobs);
-    enc_kernel<<<n, kThreads, 0, s>>>(b);
+    enc_kernel<<<n, kQvgThreads, 0, s>>>(b);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
   }

@@ -27,7 +27,7 @@
  * tests/unit/xcheck_qvg_emu.cpp runs these functions on the CPU against
  * the host codec: equal pages, equal state, equal decode.
  *
- * Thread mapping: one CTA of kThreads per job; rows strided over threads
+ * Thread mapping: one CTA of kQvgThreads per job; rows strided over threads
  * (a thread scores its row against four centroids at once: four
  * independent sums, each still in i order), the draw's prefix over
  * contiguous row ranges (one per thread). sm_90: 64 registers, the row's
@@ -79,6 +79,57 @@ KVP_D uint64_t km_rand(uint64_t &s) {
   return s * 0x2545F4914F6CDD1DULL;
 }
 
+/* Threads of an encode CTA: one job is a whole k-means problem, so the
+ * CTA is as large as the SM allows (its warps hide the latency of the
+ * score sums' dependent adds). Block reductions go through warp shuffles
+ * and one word per warp. */
+constexpr uint32_t kQvgThreads = 1024;
+
+/* max of v over the CTA, to every thread (non-negative floats). */
+KVP_D float block_max(float v) {
+  __shared__ float s_w[32];
+  for (int o = 16; o; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xFFFFFFFFu, v, o));
+  if ((threadIdx.x & 31) == 0) s_w[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float m = 0.0f;
+  for (uint32_t i = 0; i < blockDim.x >> 5; i++) m = fmaxf(m, s_w[i]);
+  __syncthreads();
+  return m;
+}
+
+/* sum of v over the CTA, to every thread. */
+KVP_D uint32_t block_sum(uint32_t v) {
+  __shared__ uint32_t s_w[32];
+  v = warp_sum_u32(v);
+  if ((threadIdx.x & 31) == 0) s_w[threadIdx.x >> 5] = v;
+  __syncthreads();
+  uint32_t t = 0;
+  for (uint32_t i = 0; i < blockDim.x >> 5; i++) t += s_w[i];
+  __syncthreads();
+  return t;
+}
+
+/* The exclusive prefix of v over the CTA's threads in order, and the total. */
+KVP_D uint64_t block_scan(uint64_t v, uint64_t &total) {
+  __shared__ unsigned long long s_w[32];
+  uint32_t lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  uint64_t x = v;
+  for (uint32_t o = 1; o < 32; o <<= 1) {
+    uint64_t y = __shfl_up_sync(0xFFFFFFFFu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) s_w[w] = x;
+  __syncthreads();
+  uint64_t base = 0, t = 0;
+  for (uint32_t i = 0; i < blockDim.x >> 5; i++) {
+    if (i < w) base += s_w[i];
+    t += s_w[i];
+  }
+  __syncthreads();
+  total = t;
+  return base + x - v;
+}
+
 /* The CTA's view of one job. */
 struct Ctx {
   const kvp__qvg_kparams &p;
@@ -127,39 +178,22 @@ KVP_D uint64_t wq_of(float w, float wmax, int e) {
 
 /* The host's km_draw: every thread calls it (and km_rand) alike. */
 KVP_D uint32_t draw(const Ctx &c, uint64_t &rs) {
-  __shared__ float s_max[kThreads];
-  __shared__ unsigned long long s_sum[kThreads];
   __shared__ uint32_t s_pick;
   uint32_t T = blockDim.x, tid = threadIdx.x, chunk = (c.n + T - 1) / T;
   uint32_t lo = tid * chunk < c.n ? tid * chunk : c.n, hi = lo + chunk < c.n ? lo + chunk : c.n;
   float m = 0.0f;
-  for (uint32_t t = lo; t < hi; t++) {
-    float w = __uint_as_float(c.ws.w[t]);
-    m = w > m ? w : m;
-  }
-  s_max[tid] = m;
-  __syncthreads();
-  float wmax = 0.0f;
-  for (uint32_t i = 0; i < T; i++) wmax = s_max[i] > wmax ? s_max[i] : wmax;
-  if (!(wmax > 0.0f)) {
-    __syncthreads(); /* s_max is read by all before it is written again */
-    return c.n;
-  }
+  for (uint32_t t = lo; t < hi; t++) m = fmaxf(m, __uint_as_float(c.ws.w[t]));
+  float wmax = block_max(m);
+  if (!(wmax > 0.0f)) return c.n;
   uint64_t u = km_rand(rs) >> 11;
   if (!finite(wmax)) wmax = 3.40282347e38f;
   int e;
   frexp((double)wmax, &e);
-  uint64_t mine = 0;
+  uint64_t mine = 0, total;
   for (uint32_t t = lo; t < hi; t++) mine += wq_of(__uint_as_float(c.ws.w[t]), wmax, e);
-  s_sum[tid] = mine;
   if (tid == 0) s_pick = c.n - 1;
-  __syncthreads();
-  uint64_t base = 0, total = 0;
-  for (uint32_t i = 0; i < T; i++) {
-    if (i == tid) base = total;
-    total += s_sum[i];
-  }
-  uint64_t hi64 = __umul64hi(u, total), r = hi64 << 11 | (u * total) >> 53; /* floor(u total / 2^53) < total */
+  uint64_t base = block_scan(mine, total); /* its barriers order s_pick's store before the search */
+  uint64_t r = __umul64hi(u, total) << 11 | (u * total) >> 53; /* floor(u total / 2^53) < total */
   if (base <= r && r < base + mine) {
     uint64_t cum = base;
     for (uint32_t t = lo; t < hi; t++) {
@@ -201,7 +235,6 @@ KVP_D void seed(const Ctx &c, uint32_t s, uint32_t have, uint64_t seed_val) {
 /* Label every row with its nearest centroid into ASSIGN stage s; returns
  * (to every thread) how many labels changed (all when fresh). */
 KVP_D uint32_t assign(const Ctx &c, uint32_t s, bool fresh) {
-  __shared__ uint32_t s_changed[kThreads];
   for (uint32_t jc = threadIdx.x; jc < c.ka; jc += blockDim.x) {
     const float *cj = c.ws.cent + (size_t)jc * c.D;
     float nrm = 0.0f;
@@ -238,12 +271,7 @@ KVP_D uint32_t assign(const Ctx &c, uint32_t s, bool fresh) {
     if (fresh || lab[t] != best) changed++;
     lab[t] = (uint8_t)best;
   }
-  s_changed[threadIdx.x] = changed;
-  __syncthreads();
-  uint32_t total = 0;
-  for (uint32_t i = 0; i < blockDim.x; i++) total += s_changed[i];
-  __syncthreads();
-  return total;
+  return block_sum(changed);
 }
 
 /* Each centroid to the mean of its rows (double sums in row order, one

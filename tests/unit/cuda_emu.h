@@ -39,7 +39,7 @@ struct emu_idx {
 
 namespace emu {
 
-constexpr int kMaxThreads = 256;
+constexpr int kMaxThreads = 1024;
 constexpr size_t kStack = 256 * 1024;
 
 /* Coroutine switches: on x86-64 a 14-instruction switch of the stack
@@ -172,6 +172,10 @@ template <class T> inline T xchg(T v, int src) {
 
 template <class T> inline T __shfl_sync(unsigned, T v, int src) { return emu::xchg(v, src); }
 template <class T> inline T __shfl_xor_sync(unsigned, T v, int o) { return emu::xchg(v, (emu::st.cur % 32) ^ o); }
+template <class T> inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  int l = emu::st.cur % 32;
+  return emu::xchg(v, l >= (int)d ? l - (int)d : l);
+}
 inline unsigned __ballot_sync(unsigned, int pred) {
   int w = emu::st.cur / 32;
   emu::st.xch[w][emu::st.cur % 32] = pred ? 1u : 0u;
