@@ -204,14 +204,14 @@ $(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeri
 # headers, so built and run by `make test` in every build. Host C++ without
 # FMA contraction, so its float operations round as the kernels' __f*_rn.
 EMU_BIN := $(B)/tests/xcheck_kvquant_emu $(B)/tests/xcheck_qvg_emu
-$(B)/tests/xcheck_kvquant_emu: tests/unit/xcheck_kvquant_emu.cpp tests/unit/cuda_emu.h $(wildcard kernels/*.cuh kernels/*.h) \
+$(B)/tests/xcheck_kvquant_emu: tests/unit/xcheck_kvquant_emu.cpp tests/unit/cuda_emu.h tests/unit/emu_expect.h $(wildcard kernels/*.cuh kernels/*.h) \
   codecs/kvquant.h $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
 	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
 # QVG's too, and with CUDA its host launch path (codecs/qvg_cuda.c, linked
 # from the library) over emulated launches and host stand-ins of the runtime.
-$(B)/tests/xcheck_qvg_emu: tests/unit/xcheck_qvg_emu.cpp tests/unit/cuda_emu.h $(wildcard kernels/*.cuh kernels/*.h) $(A)
+$(B)/tests/xcheck_qvg_emu: tests/unit/xcheck_qvg_emu.cpp tests/unit/cuda_emu.h tests/unit/emu_expect.h $(wildcard kernels/*.cuh kernels/*.h) $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
 	  $(if $(filter 1,$(HAVE_CUDA)),-DKVP_HAVE_CUDA) \

@@ -73,6 +73,19 @@ static int job_ok(const char *name, const kvp__qvg_kparams *k, const kvp_codec_d
   return KVP_OK;
 }
 
+/* The kernels' parameters; every job checked; the largest capacity. */
+static int encode_jobs_ok(const void *inst, const kvp_codec_dev_job *jobs, uint32_t njobs, kvp__qvg_kparams *k,
+                          uint32_t *maxcap) {
+  kvp__qvg_kparams_of(inst, k);
+  *maxcap = 1;
+  for (uint32_t i = 0; i < njobs; i++) {
+    int rc = job_ok(kvp__qvg_name(inst), k, &jobs[i], i, true);
+    if (rc) return rc;
+    *maxcap = jobs[i].cap_tokens > *maxcap ? jobs[i].cap_tokens : *maxcap;
+  }
+  return KVP_OK;
+}
+
 static int launch_fail(const char *name, const char *what, uint32_t njobs, int e) {
   return kvp__err(KVP_EDEVICE, "%s device %s of %u blocks: %s", name, what, njobs, kvp__kern_errstr(e));
 }
@@ -120,13 +133,8 @@ int kvp__qvg_encode_pool(const void *inst, const kvp_codec_dev_job *jobs, void *
                          void *ws, uint64_t ws_bytes, uint64_t *status, void *stream) {
   const char *name = kvp__qvg_name(inst);
   kvp__qvg_kparams k;
-  kvp__qvg_kparams_of(inst, &k);
-  uint32_t maxcap = 1;
-  int rc = KVP_OK;
-  for (uint32_t i = 0; !rc && i < njobs; i++) {
-    rc = job_ok(name, &k, &jobs[i], i, true);
-    maxcap = jobs[i].cap_tokens > maxcap ? jobs[i].cap_tokens : maxcap;
-  }
+  uint32_t maxcap;
+  int rc = encode_jobs_ok(inst, jobs, njobs, &k, &maxcap);
   if (rc || !njobs) return rc;
   call_scratch c;
   if ((rc = scratch_get(name, &c, njobs))) return rc;
@@ -223,13 +231,8 @@ int kvp__qvg_encode_dev(const void *inst, const kvp_codec_dev_job *jobs, const k
   (void)jobs_dev; /* the kernels take their jobs in parameters: levels reorder them */
   const char *name = kvp__qvg_name(inst);
   kvp__qvg_kparams k;
-  kvp__qvg_kparams_of(inst, &k);
-  uint32_t maxcap = 1;
-  int rc = KVP_OK;
-  for (uint32_t i = 0; !rc && i < njobs; i++) {
-    rc = job_ok(name, &k, &jobs[i], i, true);
-    maxcap = jobs[i].cap_tokens > maxcap ? jobs[i].cap_tokens : maxcap;
-  }
+  uint32_t maxcap;
+  int rc = encode_jobs_ok(inst, jobs, njobs, &k, &maxcap);
   if (rc || !njobs) return rc;
   struct kvp__qvg_dev *d;
   uint32_t wave = njobs < 64 ? njobs : 64;

@@ -31,21 +31,7 @@ extern "C" {
 
 #include <vector>
 
-static long n_checks, n_fail;
-
-#define EXPECT(cond, ...)                                                                                            \
-  do {                                                                                                               \
-    n_checks++;                                                                                                      \
-    if (!(cond)) {                                                                                                   \
-      n_fail++;                                                                                                      \
-      fprintf(stderr, __VA_ARGS__);                                                                                  \
-      fputc('\n', stderr);                                                                                           \
-      if (n_fail > 20) {                                                                                             \
-        fprintf(stderr, "too many failures\n");                                                                      \
-        exit(1);                                                                                                     \
-      }                                                                                                              \
-    }                                                                                                                \
-  } while (0)
+#include "emu_expect.h"
 
 /* ---- the emulated kernels ---------------------------------------------------- */
 
@@ -348,7 +334,5 @@ int main() {
   for (uint32_t i = 0; i < tie_n; i++) unlink(tie_paths[i]);
   printf("xcheck_kvquant_emu: %ld cases%s (whole block, two appends, 3 decode dtypes)\n", cases,
          full ? " (full sweep)" : "");
-  printf("%d%%: Checks: %ld, Failures: %ld, Errors: 0\n", n_fail ? (int)(100 * (n_checks - n_fail) / n_checks) : 100,
-         n_checks, n_fail);
-  return n_fail ? 1 : 0;
+  return emu_summary();
 }

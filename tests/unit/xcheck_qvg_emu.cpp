@@ -36,21 +36,7 @@ extern "C" const kvp_codec_vtable kvp__codec_qvg, kvp__codec_qvg_pro; /* codecs/
 
 #include <vector>
 
-static long n_checks, n_fail;
-
-#define EXPECT(cond, ...)                                                                                            \
-  do {                                                                                                               \
-    n_checks++;                                                                                                      \
-    if (!(cond)) {                                                                                                   \
-      n_fail++;                                                                                                      \
-      fprintf(stderr, __VA_ARGS__);                                                                                  \
-      fputc('\n', stderr);                                                                                           \
-      if (n_fail > 20) {                                                                                             \
-        fprintf(stderr, "too many failures\n");                                                                      \
-        exit(1);                                                                                                     \
-      }                                                                                                              \
-    }                                                                                                                \
-  } while (0)
+#include "emu_expect.h"
 
 /* ---- the emulated kernels ----------------------------------------------------------- */
 
@@ -412,7 +398,5 @@ int main(void) {
   pool_path();
 #endif
   printf("qvg device functions on the CPU emulator: %ld streams, pages, states and decodes bit-exact\n", streams);
-  printf("%d%%: Checks: %ld, Failures: %ld, Errors: 0\n", n_checks ? (int)(100 * (n_checks - n_fail) / n_checks) : 0,
-         n_checks, n_fail);
-  return n_fail ? 1 : 0;
+  return emu_summary();
 }
