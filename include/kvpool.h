@@ -263,7 +263,7 @@ typedef struct kvp_usage {
   X(COUNTER, store_offload_bytes, "store.offload_bytes", "blob bytes written to a store (offload, publish)") \
   X(COUNTER, store_restore_bytes, "store.restore_bytes", "blob bytes read from a store (restore, prefix fetch)") \
   X(COUNTER, store_prefix_tokens, "store.prefix_tokens", "prompt tokens attached from a store's published prefix blocks") \
-  X(VALUE, device_control_bytes, "device.control_bytes", "device memory a CUDA pool holds beside its region (status words, job stage, codec tables)") \
+  X(VALUE, device_control_bytes, "device.control_bytes", "device memory a CUDA pool holds beside its region (status words, job stage, codec tables, qvg workspace)") \
   X(VALUE, host_pinned_bytes, "host.pinned_bytes", "pinned host memory a CUDA pool holds (status copy, job stage, block-table stages)")
 
 typedef struct kvp_stats {
