@@ -28,10 +28,10 @@
  * the host codec: equal pages, equal state, equal decode.
  *
  * Thread mapping: one CTA of kQvgThreads per job; rows strided over threads
- * (a thread scores its row against four centroids at once: four
- * independent sums, each still in i order), the draw's prefix over
- * contiguous row ranges (one per thread). sm_90: 64 registers, the row's
- * -2 r_t in a 1 KiB local array, no spills. Scratch
+ * (a thread scores two rows against four centroids at once: eight
+ * independent sums, each still in i order, six loads for sixteen float
+ * operations), the draw's prefix over contiguous row ranges (one per
+ * thread). Scratch
  * (QvgWs, in global memory, kvp__qvg_ws_bytes per job): the f32 centroids,
  * their norms, the seeding weights (reused as the member lists) and the
  * member counts.
@@ -79,11 +79,12 @@ KVP_D uint64_t km_rand(uint64_t &s) {
   return s * 0x2545F4914F6CDD1DULL;
 }
 
-/* Threads of an encode CTA: one job is a whole k-means problem, so the
- * CTA is as large as the SM allows (its warps hide the latency of the
- * score sums' dependent adds). Block reductions go through warp shuffles
- * and one word per warp. */
-constexpr uint32_t kQvgThreads = 1024;
+/* Threads of an encode CTA: one job is a whole k-means problem, so the CTA
+ * is large; 512 leave each thread the 120 registers its eight score sums
+ * take without spills on sm_90 (1024 would cap it at 64 and spill), and the
+ * eight independent sums hide the adds' latency. Block reductions go
+ * through warp shuffles and one word per warp. */
+constexpr uint32_t kQvgThreads = 512;
 
 /* max of v over the CTA, to every thread (non-negative floats). */
 KVP_D float block_max(float v) {
@@ -243,33 +244,45 @@ KVP_D uint32_t assign(const Ctx &c, uint32_t s, bool fresh) {
   }
   __syncthreads();
   uint8_t *lab = c.asg_pg + (size_t)s * c.cap;
-  uint32_t changed = 0;
-  float a[KVP__QVG_DEV_MAX_DIM]; /* -2 r_t: the row, once per row */
-  for (uint32_t t = threadIdx.x; t < c.n; t += blockDim.x) {
-    for (uint32_t i = 0; i < c.D; i++) a[i] = __fmul_rn(-2.0f, res(c, t, i, s));
-    uint32_t best = 0, jc = 0;
-    float sb = 0.0f;
-    for (; jc + 4 <= c.ka; jc += 4) { /* four centroids at once: four independent sums, each in i order */
+  uint32_t changed = 0, T = blockDim.x;
+  float a[2][KVP__QVG_DEV_MAX_DIM]; /* -2 r_t of the thread's two rows (the second 0 past n) */
+  for (uint32_t t = threadIdx.x; t < c.n; t += 2 * T) {
+    uint32_t nr = t + T < c.n ? 2 : 1;
+    for (uint32_t i = 0; i < c.D; i++) {
+      a[0][i] = __fmul_rn(-2.0f, res(c, t, i, s));
+      a[1][i] = nr == 2 ? __fmul_rn(-2.0f, res(c, t + T, i, s)) : 0.0f;
+    }
+    uint32_t best[2] = {0, 0}, jc = 0;
+    float sb[2] = {0.0f, 0.0f};
+    for (; jc + 4 <= c.ka; jc += 4) { /* 2 rows x 4 centroids: eight independent sums, each in i order */
       const float *c0 = c.ws.cent + (size_t)jc * c.D;
-      float s4[4] = {c.ws.cn[jc], c.ws.cn[jc + 1], c.ws.cn[jc + 2], c.ws.cn[jc + 3]};
+      float sc[2][4];
+      for (uint32_t q = 0; q < 4; q++) sc[0][q] = sc[1][q] = c.ws.cn[jc + q];
       for (uint32_t i = 0; i < c.D; i++) {
-        float ai = a[i];
-        s4[0] = __fadd_rn(s4[0], __fmul_rn(ai, c0[i]));
-        s4[1] = __fadd_rn(s4[1], __fmul_rn(ai, c0[c.D + i]));
-        s4[2] = __fadd_rn(s4[2], __fmul_rn(ai, c0[2 * c.D + i]));
-        s4[3] = __fadd_rn(s4[3], __fmul_rn(ai, c0[3 * c.D + i]));
+        float a0 = a[0][i], a1 = a[1][i];
+        for (uint32_t q = 0; q < 4; q++) {
+          float cq = c0[q * c.D + i];
+          sc[0][q] = __fadd_rn(sc[0][q], __fmul_rn(a0, cq));
+          sc[1][q] = __fadd_rn(sc[1][q], __fmul_rn(a1, cq));
+        }
       }
-      for (uint32_t q = 0; q < 4; q++)
-        if (jc + q == 0 || s4[q] < sb) best = jc + q, sb = s4[q];
+      for (uint32_t r = 0; r < 2; r++)
+        for (uint32_t q = 0; q < 4; q++)
+          if (jc + q == 0 || sc[r][q] < sb[r]) best[r] = jc + q, sb[r] = sc[r][q];
     }
     for (; jc < c.ka; jc++) {
       const float *cj = c.ws.cent + (size_t)jc * c.D;
-      float sc = c.ws.cn[jc];
-      for (uint32_t i = 0; i < c.D; i++) sc = __fadd_rn(sc, __fmul_rn(a[i], cj[i]));
-      if (jc == 0 || sc < sb) best = jc, sb = sc;
+      for (uint32_t r = 0; r < 2; r++) {
+        float sc = c.ws.cn[jc];
+        for (uint32_t i = 0; i < c.D; i++) sc = __fadd_rn(sc, __fmul_rn(a[r][i], cj[i]));
+        if (jc == 0 || sc < sb[r]) best[r] = jc, sb[r] = sc;
+      }
     }
-    if (fresh || lab[t] != best) changed++;
-    lab[t] = (uint8_t)best;
+    for (uint32_t r = 0; r < nr; r++) {
+      uint32_t tr = t + r * T;
+      if (fresh || lab[tr] != best[r]) changed++;
+      lab[tr] = (uint8_t)best[r];
+    }
   }
   return block_sum(changed);
 }
