@@ -576,12 +576,17 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info);
  * whose prompt starts with the same tokens attaches the longest run of them
  * as its step 0 (at most n_tokens - 1 tokens, so one is left to compute):
  * kvp_seq_info's n_positions says how many; append from there. Attached
- * blocks are shared by reference count as kvp_seq_fork shares them: their
- * pages count once in the ledger; an eviction or free by one sequence drops
- * only its own reference. Sharing needs a sequence without a policy and
- * codecs without per-stream state (qvg's warm start); otherwise the tokens
- * are only counted. Stats: prefix.query_tokens, prefix.hit_tokens,
- * prefix.chunks.
+ * blocks are shared: their pages count once in the ledger. An attach costs
+ * one reference per chunk (the table entry owns the chunk's blocks of every
+ * layer and head; the sequence, and any fork of it, holds the entry), so
+ * kvp_seq_add with a hit costs the keys, one probe and one reference per
+ * chunk. An eviction or free by one sequence drops only its own reference
+ * (an eviction over an attached chunk first takes the sequence's own
+ * reference on each of the chunk's blocks, once); an entry leaves the table
+ * with the last sequence that holds it. Sharing needs a sequence without a
+ * policy and codecs without per-stream state (qvg's warm start); otherwise
+ * the tokens are only counted. Stats: prefix.query_tokens,
+ * prefix.hit_tokens, prefix.chunks.
  *
  * The store tier. A store is a byte-blob service outside the pool; Redis
  * (through hiredis) is the first backend. A sequence offloaded to it leaves
