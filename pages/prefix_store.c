@@ -7,6 +7,7 @@
 #include "blob.h"
 
 #include <stdio.h>
+#include <string.h>
 
 /* ---- prefix publish and fetch ------------------------------------------------------------- */
 
@@ -48,6 +49,17 @@ KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint
   if (!rc) rc = kvp__putq_flush(pool, st, &q);
   kvp__store_count(pool, q.written, 0, 0);
   if (!rc && published_tokens) *published_tokens = n * pool->chunk_tokens;
+  if (rc == KVP_ENOSPC && published_tokens) { /* the store's cap: what it holds now, the message kept */
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", kvp__err_detail());
+    uint32_t held = 0;
+    memset(present, 0, s->n_pkeys * sizeof *present);
+    if (!kvp__store_content_present(st, n, (const uint64_t(*)[2])s->pkeys, present))
+      while (held < n && present[held]) held++;
+    *published_tokens = held * pool->chunk_tokens;
+    kvp__err(KVP_ENOSPC, "prefix publish of seq %llu: %s (the store holds its first %u tokens)", (unsigned long long)seq,
+             msg, *published_tokens);
+  }
   kvp__putq_free(&q);
   kvp__meta_free(NULL, items, LH * sizeof *items);
   kvp__meta_free(NULL, ch, s->n_pkeys * sizeof *ch + 1);

@@ -185,6 +185,12 @@ START_TEST(bad_urls) {
   snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
   ck_status(kvp_store_open(url, &st), KVP_EIO);
   ck_msg("cannot connect");
+  ck_status(kvp_store_open("redis://127.0.0.1:1/0?max_bytes=12X", &st), KVP_EINVAL);
+  ck_msg("max_bytes");
+  ck_status(kvp_store_open("redis://127.0.0.1:1/0?max_bytes=", &st), KVP_EINVAL);
+  ck_msg("max_bytes");
+  ck_status(kvp_store_open("redis://127.0.0.1:1/0?max_bytes=2048T", &st), KVP_EINVAL);
+  ck_msg("max_bytes");
 #else
   ck_status(kvp_store_open("redis://127.0.0.1:6379", &st), KVP_ENOTSUP);
   ck_msg("hiredis");
@@ -746,6 +752,56 @@ START_TEST(two_processes_share_a_prefix) {
 }
 END_TEST
 
+/* max_bytes: a write that would take the server's memory past the cap is
+ * refused with KVP_ENOSPC naming the cap; an offload then frees nothing, a
+ * publish keeps what the store held and says so; reads are never refused. */
+START_TEST(store_max_bytes) {
+  NEED_SERVER();
+  kvp_pool *p = mkpool("kv=int8", D);
+  kvp_store *tiny = mkstore("?max_bytes=1"), *roomy = mkstore("?max_bytes=1T");
+  for (uint32_t i = 0; i < MAXT; i++) TOK[i] = i * 17 + 9;
+  kvp_seq_config sc = with_tokens(45);
+  ck_ok(kvp_seq_add(p, 1, &sc));
+  step(p, 1, 100, 0, 30);
+  step(p, 1, 100, 30, 15); /* chunks 0..4 */
+  TOK[41] = 77777;
+  sc = with_tokens(70);
+  ck_ok(kvp_seq_add(p, 2, &sc)); /* chunks 0..4 attached, 5..7 its own */
+  ck_assert_uint_eq(positions(p, 2), 40);
+  step(p, 2, 200, 40, 30);
+  fp before = fingerprint(p);
+  take(p, 1, &S1);
+  ck_status(kvp_seq_offload(p, 1, tiny), KVP_ENOSPC);
+  ck_msg("max_bytes=1");
+  ck_msg("kvp:");
+  ck_ok(kvp_check(p));
+  same_fp(fingerprint(p), before);
+  take(p, 1, &S2);
+  ck_assert_mem_eq(&S1, &S2, sizeof S1);
+  uint32_t pub = 99;
+  ck_status(kvp_prefix_publish(p, 1, tiny, &pub), KVP_ENOSPC);
+  ck_assert_uint_eq(pub, 0);
+  ck_msg("max_bytes=1");
+  ck_ok(kvp_prefix_publish(p, 1, roomy, &pub));
+  ck_assert_uint_eq(pub, 40);
+  ck_status(kvp_prefix_publish(p, 2, tiny, &pub), KVP_ENOSPC); /* its first 5 chunks are there already */
+  ck_assert_uint_eq(pub, 40);
+  ck_msg("holds its first 40 tokens");
+  ck_ok(kvp_check(p));
+  same_fp(fingerprint(p), before);
+  /* out through the roomy handle, back through the tiny one */
+  ck_ok(kvp_seq_offload(p, 1, roomy));
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_seq_restore(p, 1, tiny));
+  ck_ok(kvp_check(p));
+  take(p, 1, &S2);
+  ck_assert_mem_eq(&S1, &S2, sizeof S1);
+  kvp_store_close(tiny);
+  kvp_store_close(roomy);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("store");
   TCase *t = tcase_create("store");
@@ -757,6 +813,7 @@ static Suite *suite(void) {
   tcase_add_test(t, restore_refuses_bad_blobs);
   tcase_add_test(t, server_down_and_timeout);
   tcase_add_test(t, server_killed_mid_offload);
+  tcase_add_test(t, store_max_bytes);
 #endif
   tcase_add_loop_test(t, prefix_sharing_in_pool, 0, 4);
   tcase_add_loop_test(t, prefix_chunk_references, 0, 4);
