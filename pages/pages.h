@@ -268,7 +268,8 @@ int kvp__prefix_holds_make(kvp_pool *pool, kvp__seq *s, uint32_t n);
 /* The child holds what the parent holds (fork; ENOMEM, nothing held). */
 int kvp__prefix_fork(kvp_pool *pool, const kvp__seq *parent, kvp__seq *child);
 /* Let go of every hold of s and free its holds (after a grace period when
- * readers may still walk s); entries left with no holder go. */
+ * readers may still walk s: s->holds then stays set, as readers of s read
+ * it whole until s goes); entries left with no holder go. */
 void kvp__prefix_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold);
 /* Turn s's holds on the chunks overlapping positions [a, b) into brefs of
  * their blocks in every stream (where s has none already), then let them

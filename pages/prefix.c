@@ -161,11 +161,11 @@ void kvp__prefix_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
   if (!hd) return;
   for (uint32_t i = 0; i < hd->n; i++) /* at[] stays as it is: a reader of the going sequence reads it whole */
     if (hd->at[i] && !--hd->at[i]->holders) entry_drop(pool, hd->at[i]);
-  s->holds = NULL;
-  if (readers_may_hold) {
+  if (readers_may_hold) { /* s->holds stays for readers still walking s, which goes after the same grace period */
     kvp__meta_uncount(&pool->meta, hd, holds_bytes(hd->n));
     kvp__rcu_call(&hd->rcu, holds_free_cb);
   } else {
+    s->holds = NULL;
     kvp__meta_free(&pool->meta, hd, holds_bytes(hd->n));
   }
 }
