@@ -7,7 +7,7 @@
  *     open steps), evicts random (layer, head, step) units (open steps
  *     included), forks, frees and preempts on a budget refusal; every status
  *     is checked against its model, kvp_check runs every CHECK_EVERY
- *     operations, and a finishing sequence is read back exactly; a third
+ *     operations, and a finishing sequence is read back exactly; half
  *     of the stream-mode sequences carry a prompt of one shared family,
  *     so they attach chunks others computed (and evict over them, fork,
  *     free under the readers);
@@ -398,6 +398,7 @@ typedef struct wseq {
   int in_step;                      /* a step is open */
   uint32_t next_layer;              /* next layer to append in the open step */
   uint32_t target;                  /* positions at which it finishes */
+  uint32_t prompt;                  /* tokens of its shared-family prompt (its first step computes the rest), or 0 */
   uint8_t evicted[L][H][MAX_STEPS]; /* (layer, head, step) evicted */
 } wseq;
 
@@ -574,9 +575,9 @@ static void op_add(void) {
     }
   } else {
     m->target = 48 + (uint32_t)(rnd(&wrng) % 640);
-    if (rnd(&wrng) % 3 == 0) { /* a prompt of the shared family: attaches what the pool holds of it */
+    if (rnd(&wrng) % 2 == 0) { /* a prompt of the shared family: attaches what the pool holds of it */
       sc.tokens = PROMPT;
-      sc.n_tokens = 24 + (uint32_t)(rnd(&wrng) % 400);
+      sc.n_tokens = m->prompt = 24 + (uint32_t)(rnd(&wrng) % (MAX_STEP_N - 24));
     }
   }
   m->id = publish_id(sc.n_tokens ? (int64_t)g_root : -1, sc.n_tokens, m->mode);
@@ -600,7 +601,8 @@ static uint32_t step_tokens(const wseq *m) {
   if (k < m->n_plan) return m->plan[k];
   uint64_t x = rnd(&wrng);
   if (m->mode == KVP_SEQ_STEP) n = 1 + (uint32_t)(x % 96);
-  else if (k == 0) n = 1 + (uint32_t)(x % 300);                   /* prefill */
+  else if (k == 0) n = m->prompt ? m->prompt : 1 + (uint32_t)(x % 300); /* prefill */
+  else if (end < m->prompt) n = m->prompt - end; /* the prompt's rest after an attach */
   else n = x % 5 ? 1 : 2 + (uint32_t)((x >> 8) % 40);             /* decode, or a chunk */
   if (n > MAX_STEP_N) n = MAX_STEP_N;
   if (end + n > MAX_TOKENS) n = MAX_TOKENS - end;
