@@ -2,7 +2,10 @@
  * pages/prefix_store.c - prefix chunks through the store: a sequence's
  * registered prompt chunks published under their content keys
  * (kvp_prefix_publish), and a new sequence's prompt attached from them
- * (kvp_prefix_fetch) instead of recomputed; the store's traffic counters.
+ * (kvp_prefix_fetch) instead of recomputed: the fetched blocks become
+ * prefix-table entries (or the table's own copy is taken, when it has the
+ * chunk), which the sequence then holds, one reference per chunk; the
+ * store's traffic counters.
  */
 #include "blob.h"
 

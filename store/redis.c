@@ -7,7 +7,9 @@
  * windows: append up to KVP__STORE_WINDOW commands or
  * KVP__STORE_WINDOW_BYTES value bytes, then read their replies in order.
  * Every reply is checked for its type before it is used; a failure names
- * the key it concerns. Built without hiredis, kvp_store_open returns
+ * the key it concerns. With max_bytes, a window of SETs is preceded by one
+ * INFO memory: used_memory + the window's value bytes <= max_bytes, or the
+ * window is refused (KVP_ENOSPC) before any of it is sent. Built without hiredis, kvp_store_open returns
  * KVP_ENOTSUP saying so, and nothing else can be reached.
  */
 #include "store.h"
