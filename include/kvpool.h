@@ -576,12 +576,17 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info);
  * whose prompt starts with the same tokens attaches the longest run of them
  * as its step 0 (at most n_tokens - 1 tokens, so one is left to compute):
  * kvp_seq_info's n_positions says how many; append from there. Attached
- * blocks are shared by reference count as kvp_seq_fork shares them: their
- * pages count once in the ledger; an eviction or free by one sequence drops
- * only its own reference. Sharing needs a sequence without a policy and
- * codecs without per-stream state (qvg's warm start); otherwise the tokens
- * are only counted. Stats: prefix.query_tokens, prefix.hit_tokens,
- * prefix.chunks.
+ * blocks are shared: their pages count once in the ledger. An attach costs
+ * one reference per chunk (the table entry owns the chunk's blocks of every
+ * layer and head; the sequence, and any fork of it, holds the entry), so
+ * kvp_seq_add with a hit costs the keys, one probe and one reference per
+ * chunk. An eviction or free by one sequence drops only its own reference
+ * (an eviction over an attached chunk first takes the sequence's own
+ * reference on each of the chunk's blocks, once); an entry leaves the table
+ * with the last sequence that holds it. Sharing needs a sequence without a
+ * policy and codecs without per-stream state (qvg's warm start); otherwise
+ * the tokens are only counted. Stats: prefix.query_tokens,
+ * prefix.hit_tokens, prefix.chunks.
  *
  * The store tier. A store is a byte-blob service outside the pool; Redis
  * (through hiredis) is the first backend. A sequence offloaded to it leaves
@@ -607,9 +612,30 @@ typedef struct kvp_store kvp_store; /* opaque */
  *   redis://[host][:port][/db][?opt=value&...]   (default 127.0.0.1:6379, db 0)
  *   unix:///path/to/redis.sock[?db=N&...]
  * Options: prefix=STR (key prefix, default "kvp:"), ttl=SECONDS (blob
- * lifetime, 0 = none, the default), timeout_ms=N (connect and each reply,
- * default 5000). KVP_EINVAL for a bad URL (the part named), KVP_EIO when the
- * server cannot be reached, KVP_ENOTSUP in a build without hiredis. */
+ * lifetime, 0 = none, the default), max_bytes=N[K|M|G|T] (a cap on the
+ * server's memory, see below; 0 = none, the default), timeout_ms=N (connect
+ * and each reply, default 5000). KVP_EINVAL for a bad URL (the part named),
+ * KVP_EIO when the server cannot be reached, KVP_ENOTSUP in a build without
+ * hiredis.
+ *
+ * Bounding the store. Published prefixes and offloaded sequences take the
+ * server's memory; nothing in kvpool deletes a published prefix (other
+ * pools may be using it). Two bounds, best together:
+ *   - ttl=: every blob expires that many seconds after it was written (a
+ *     published chunk written again by a later publish or offload is not
+ *     rewritten, so it still expires on time: publish again to keep it);
+ *   - max_bytes=: before each batch of writes, the server's used_memory
+ *     (INFO memory: everything the server holds, not only this pool's keys)
+ *     plus the batch's bytes must stay within the cap, else the batch is
+ *     refused with KVP_ENOSPC naming the key, the server's use and the cap.
+ *     kvp_seq_offload then fails as any other store failure does (nothing
+ *     freed, what it wrote deleted): swap by recompute instead;
+ *     kvp_prefix_publish stops there (the chunks before stay published,
+ *     *published_tokens says how many tokens the store holds): the
+ *     prefix is simply not shared through the store.
+ * Reads (restore, fetch) and deletes are never refused. A server with its
+ * own maxmemory and an evicting policy works too: an evicted blob reads as
+ * missing (KVP_ENOENT, the pool unchanged). */
 KVP_API int kvp_store_open(const char *url, kvp_store **out);
 /* Close the connection; NULL is fine. */
 KVP_API void kvp_store_close(kvp_store *st);
@@ -622,7 +648,8 @@ KVP_API int kvp_store_traffic(kvp_store *st, uint64_t *sent_bytes, uint64_t *rec
  * them already); the rest under keys of this offload; the manifest
  * (<prefix>seq:<id>) last. On failure nothing is freed (what was written
  * under this offload's keys is deleted where the server allows). KVP_EBUSY
- * inside a step; KVP_EIO; KVP_ENOTSUP (see above). */
+ * inside a step; KVP_EIO; KVP_ENOSPC (the store's max_bytes); KVP_ENOTSUP
+ * (see above). */
 KVP_API int kvp_seq_offload(kvp_pool *pool, uint64_t seq, kvp_store *st);
 /* Bring an offloaded sequence back under the same id, all or nothing, then
  * delete its keys from the store (content chunks stay, for others). Chunks
@@ -633,7 +660,9 @@ KVP_API int kvp_seq_offload(kvp_pool *pool, uint64_t seq, kvp_store *st);
 KVP_API int kvp_seq_restore(kvp_pool *pool, uint64_t seq, kvp_store *st);
 /* Write seq's prompt chunks that are in the prefix table to the store under
  * their content keys (those already there are not sent again).
- * *published_tokens (may be NULL): prompt tokens the store now holds. */
+ * *published_tokens (may be NULL): prompt tokens the store now holds.
+ * KVP_ENOSPC when the store's max_bytes stops it (*published_tokens: what
+ * the store holds all the same); KVP_EIO. The pool is never changed. */
 KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint32_t *published_tokens);
 /* Attach the next chunks of seq's prompt from the store's published
  * prefix, as one new step, stopping at the first chunk the store lacks:

@@ -225,7 +225,7 @@ void kvp__block_unown(kvp_pool *pool, kvp__block *b) {
 }
 
 void kvp__block_unowned(kvp_pool *pool, kvp__block *b) {
-  if (!b->owners && b->chunk) kvp__prefix_drop(pool, b->chunk); /* its chunk can no longer be shared */
+  kvp__assert(b->owners || !b->chunk); /* a prefix-table entry owns its blocks */
   if (atomic_fetch_sub_explicit(&b->refs, 1, memory_order_acq_rel) == 1) {
     limbo_push(pool, b);
   } else if (!b->owners) { /* pinned by views: kept until the last release */

@@ -53,7 +53,11 @@
  * kvp_reclaim would.
  *
  * Invariants: spare runs of a plan are counted in pool->meta until applied
- * or freed; applying a unit that is no longer retained does nothing.
+ * or freed; applying a unit that is no longer retained does nothing. A
+ * policy's plan never meets a shared prefix (sequences with a policy share
+ * nothing); kvp_evict's one unit (kvp__evict_one) detaches the sequence
+ * from the prefix chunks under it first (pages/prefix.c), with its runs
+ * taken, so that the eviction then cannot fail.
  */
 #include "policy.h"
 
@@ -119,6 +123,7 @@ void kvp__evict_plan_apply(kvp_pool *pool, kvp__seq *s, kvp__evict_plan *ev) {
   for (uint32_t i = 0; i < ev->n; i++) {
     const kvp__unit *u = &ev->units[i];
     if (!kvp__unit_retained(s, u->layer, u->head, u->step)) continue;
+    kvp__assert(!kvp__prefix_holds_any(pool, s, s->step_pos[u->step], s->step_pos[u->step + 1])); /* detached */
     int rc = kvp__evict_unit(pool, s, u->layer, u->head, u->step, ev);
     kvp__assert(rc == KVP_OK); /* retained, runs taken ahead: cannot fail */
     (void)rc;
@@ -126,6 +131,18 @@ void kvp__evict_plan_apply(kvp_pool *pool, kvp__seq *s, kvp__evict_plan *ev) {
   if (ev->commit_at) *ev->commit_at = ev->commit_val;
   ev->n = 0;
   ev->commit_at = NULL;
+}
+
+int kvp__evict_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step) {
+  if (!kvp__unit_retained(s, layer, head, step)) return kvp__evict_unit(pool, s, layer, head, step, NULL); /* names it */
+  kvp__evict_plan ev;
+  kvp__evict_plan_init(&ev);
+  int rc = kvp__evict_plan_add(pool, &ev, layer, head, step);
+  if (!rc) rc = kvp__evict_plan_prepare(pool, &ev);
+  if (!rc) rc = kvp__prefix_detach(pool, s, s->step_pos[step], s->step_pos[step + 1]);
+  if (!rc) kvp__evict_plan_apply(pool, s, &ev);
+  kvp__evict_plan_fini(pool, &ev);
+  return rc;
 }
 
 /* Allocated bytes of the blocks the plan's evictions free at the next
@@ -341,7 +358,7 @@ static void undo_commit(kvp_pool *pool, kvp__undo *u) {
     else if (e->kind == KVP__UNDO_BREF) kvp__bref_retire(pool, e->at);
     else if (e->kind == KVP__UNDO_OWNER && e->freed) {
       kvp__block *b = e->at;
-      if (b->chunk) kvp__prefix_drop(pool, b->chunk);
+      kvp__assert(!b->chunk); /* a prefix-table entry owns its blocks: never freed here */
       atomic_store_explicit(&b->refs, 0, memory_order_relaxed);
       kvp__meta_free(&pool->meta, b, sizeof *b);
     } else if (e->kind == KVP__UNDO_OWNER) {

@@ -9,8 +9,10 @@
  *
  * Check (per sequence): runs ordered and disjoint with positions from the
  * step table; retained_tokens(l, h) from the runs; blocks ordered and
- * disjoint, n_tokens <= cap_tokens; every retained position inside a block;
- * owners(block) = brefs counted across all sequences; every page visited.
+ * disjoint, n_tokens <= cap_tokens; every retained position inside a block
+ * (its own or a held prefix chunk's); owners(block) = brefs counted across
+ * all sequences (+ 1 for a prefix-table entry's block); every page visited
+ * once. Holds and entries: kvp__prefix_check_holds, kvp__prefix_check.
  */
 #include "pages.h"
 
@@ -18,6 +20,7 @@
 
 void kvp__seq_build_undo(kvp_pool *pool, kvp__seq *c) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  kvp__prefix_release(pool, c, false); /* unpublished: no reader */
   for (uint32_t l = 0; l < L; l++) {
     for (kvp__run *r = c->layers[l].runs, *n; r; r = n) {
       n = r->next;
@@ -135,12 +138,11 @@ int kvp__seq_fork_locked(kvp_pool *pool, kvp__seq *p, kvp__seq *c) {
   memcpy(c->step_pos, p->step_pos, (n + 1) * sizeof *c->step_pos);
   atomic_init(&c->n_steps, n);
   atomic_init(&c->n_positions, atomic_load(&p->n_positions));
-  for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
-    int rc = fork_layer(pool, p, c, l);
-    if (rc) {
-      kvp__seq_build_undo(pool, c);
-      return rc;
-    }
+  int rc = kvp__prefix_fork(pool, p, c); /* the shared prefix chunks the parent holds: one reference each */
+  for (uint32_t l = 0; !rc && l < pool->cfg.n_layers; l++) rc = fork_layer(pool, p, c, l);
+  if (rc) {
+    kvp__seq_build_undo(pool, c);
+    return rc;
   }
   kvp__seq_build_commit(pool, c);
   return KVP_OK;
@@ -212,43 +214,56 @@ static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l, uint32_
   return KVP_OK;
 }
 
+/* A block's pages are counted once per check; owners_seen counts from 0. */
+static void visit_once(kvp_pool *pool, kvp__block *blk, check_ctx *cc) {
+  if (blk->check_epoch == cc->epoch) return;
+  blk->check_epoch = cc->epoch;
+  blk->owners_seen = 0;
+  visit_block(pool, blk, cc);
+}
+
 static int check_stream(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t h, uint32_t want, check_ctx *cc) {
   kvp__stream *st = kvp__seq_stream(pool, s, l, h);
+  uint32_t lh = l * pool->cfg.n_kv_heads + h;
   if (atomic_load(&st->retained_tokens) != want)
     return CORRUPT("seq %llu layer %u head %u: %u tokens retained by the counter, %u by the runs",
                    (unsigned long long)s->id, l, h, atomic_load(&st->retained_tokens), want);
   uint32_t end = 0;
   const kvp__bref *last = NULL;
-  for (const kvp__bref *b = st->blocks; b; last = b, b = b->next) {
+  for (const kvp__bref *b = st->blocks; b; last = b, b = b->next) { /* its own references (owners) */
     kvp__block *blk = b->blk;
     if (blk->pos0 < end || blk->n_tokens > blk->cap_tokens || !blk->n_tokens)
       return CORRUPT("seq %llu layer %u head %u: block at position %u (%u of %u tokens) overlaps or is malformed",
                      (unsigned long long)s->id, l, h, blk->pos0, blk->n_tokens, blk->cap_tokens);
+    if (!kvp__prefix_bref_ok(pool, s, lh, blk))
+      return CORRUPT("seq %llu layer %u head %u: block at position %u lies in a shared prefix chunk the sequence "
+                     "holds, and is not that chunk's block", (unsigned long long)s->id, l, h, blk->pos0);
+    end = blk->pos0 + blk->n_tokens;
+    visit_once(pool, blk, cc);
+    blk->owners_seen++;
+  }
+  if (last != st->tail) return CORRUPT("seq %llu layer %u head %u: tail pointer is stale", (unsigned long long)s->id, l, h);
+  /* every block, its own and its held chunks', in position order (as readers walk them) */
+  kvp__bwalk w;
+  for (kvp__block *blk = kvp__bwalk_first(&w, pool, s, lh); blk; blk = kvp__bwalk_next(&w, blk)) {
     if (s->mode == KVP_SEQ_STEP && !blk->sealed)
       return CORRUPT("seq %llu layer %u head %u: an OPEN block in step mode", (unsigned long long)s->id, l, h);
     if (!blk->raw && !blk->sealed && !kvp__layer_rowwise(pool, l))
       return CORRUPT("seq %llu layer %u head %u: an encoded block that is not sealed", (unsigned long long)s->id, l, h);
     int lrc = check_layout(pool, blk, l, h);
     if (lrc) return lrc;
-    end = blk->pos0 + blk->n_tokens;
-    if (blk->check_epoch != cc->epoch) {
-      blk->check_epoch = cc->epoch;
-      blk->owners_seen = 0;
-      visit_block(pool, blk, cc);
-    }
-    blk->owners_seen++;
+    visit_once(pool, blk, cc);
   }
-  if (last != st->tail) return CORRUPT("seq %llu layer %u head %u: tail pointer is stale", (unsigned long long)s->id, l, h);
   /* every retained position lies in a block */
-  const kvp__bref *cur = st->blocks;
+  kvp__block *cur = kvp__bwalk_first(&w, pool, s, lh);
   for (const kvp__run *r = s->layers[l].runs; r; r = r->next) {
     if (!kvp__run_has(r, h)) continue;
     for (uint32_t p = r->p0; p < atomic_load(&r->p1);) {
-      while (cur && cur->blk->pos0 + cur->blk->n_tokens <= p) cur = cur->next;
-      if (!cur || cur->blk->pos0 > p)
+      while (cur && cur->pos0 + cur->n_tokens <= p) cur = kvp__bwalk_next(&w, cur);
+      if (!cur || cur->pos0 > p)
         return CORRUPT("seq %llu layer %u head %u: retained position %u is in no block", (unsigned long long)s->id, l,
                        h, p);
-      p = cur->blk->pos0 + cur->blk->n_tokens;
+      p = cur->pos0 + cur->n_tokens;
     }
   }
   return KVP_OK;
@@ -262,7 +277,7 @@ static int check_seq(kvp_pool *pool, kvp__seq *s, check_ctx *cc) {
         if (kvp__seq_stream(pool, s, l, h)->cstate[kv]) cc->state_bytes += kvp__cstate_bytes(pool, l, kv);
   uint32_t *retained = kvp__meta_calloc(NULL, H * sizeof *retained);
   if (!retained) return kvp__err(KVP_ENOMEM, "check scratch");
-  int rc = KVP_OK;
+  int rc = kvp__prefix_check_holds(pool, s);
   for (uint32_t l = 0; !rc && l < L; l++) {
     memset(retained, 0, H * sizeof *retained);
     rc = check_runs(pool, s, l, retained);
@@ -282,6 +297,7 @@ static void visit_none(void *ctx, const kvp__page *pg) {
 
 int kvp__seq_validate(kvp_pool *pool, kvp__seq *s) {
   check_ctx cc = {visit_none, NULL, ++pool->check_epoch, 0, 0, 0};
+  kvp__prefix_mark(pool);
   return check_seq(pool, s, &cc);
 }
 
@@ -289,7 +305,7 @@ int kvp__seq_validate(kvp_pool *pool, kvp__seq *s) {
 static int check_owners(kvp_pool *pool, kvp__seq *s) {
   for (uint32_t i = 0; i < pool->cfg.n_layers * pool->cfg.n_kv_heads; i++)
     for (const kvp__bref *b = s->streams[i].blocks; b; b = b->next)
-      if (b->blk->owners != b->blk->owners_seen || atomic_load(&b->blk->refs) < b->blk->owners)
+      if (b->blk->owners != b->blk->owners_seen + (b->blk->chunk != NULL) || atomic_load(&b->blk->refs) < b->blk->owners)
         return CORRUPT("block at position %u of seq %llu: %u owners recorded, %u found, %u refs", b->blk->pos0,
                        (unsigned long long)s->id, b->blk->owners, b->blk->owners_seen, atomic_load(&b->blk->refs));
   return KVP_OK;
@@ -297,6 +313,7 @@ static int check_owners(kvp_pool *pool, kvp__seq *s) {
 
 int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
   check_ctx cc = {fn, ctx, ++pool->check_epoch, 0, 0, 0};
+  kvp__prefix_mark(pool);
   struct cds_lfht_iter it;
   struct cds_lfht_node *n;
   int rc = KVP_OK;

@@ -40,8 +40,10 @@ static int collect(kvp_pool *pool, kvp__seq *s, groups *gs) {
   uint32_t bt = pool->chunk_tokens, LH = pool->cfg.n_layers * pool->cfg.n_kv_heads;
   uint32_t nchunks = (atomic_load_explicit(&s->n_positions, memory_order_relaxed) + bt - 1) / bt + 1;
   uint64_t n = 0;
+  kvp__bwalk w; /* each stream's blocks, its own and the shared prefix chunks it holds */
   for (uint32_t i = 0; i < LH; i++)
-    for (const kvp__bref *r = s->streams[i].blocks; r; r = r->next) n++;
+    for (kvp__block *b = kvp__bwalk_first(&w, pool, s, i); b; b = kvp__bwalk_next(&w, b))
+      n++;
   uint32_t *cnt = kvp__meta_calloc(NULL, (nchunks + 1) * sizeof *cnt);
   gs->items = kvp__meta_alloc(NULL, n * sizeof *gs->items + 1);
   gs->nitems = n;
@@ -51,7 +53,8 @@ static int collect(kvp_pool *pool, kvp__seq *s, groups *gs) {
     return kvp__err(KVP_ENOMEM, "offload of seq %llu: block list", (unsigned long long)s->id);
   }
   for (uint32_t i = 0; i < LH; i++)
-    for (const kvp__bref *r = s->streams[i].blocks; r; r = r->next) cnt[r->blk->pos0 / bt + 1]++;
+    for (kvp__block *b = kvp__bwalk_first(&w, pool, s, i); b; b = kvp__bwalk_next(&w, b))
+      cnt[b->pos0 / bt + 1]++;
   uint32_t ng = 0;
   for (uint32_t g = 0; g < nchunks; g++) {
     ng += cnt[g + 1] != 0;
@@ -67,8 +70,8 @@ static int collect(kvp_pool *pool, kvp__seq *s, groups *gs) {
   for (uint32_t g = 0, j = 0; g < nchunks; g++)
     if (cnt[g + 1] != cnt[g]) gs->g[j++] = (group){.index = g, .first = cnt[g], .n = cnt[g + 1] - cnt[g]};
   for (uint32_t i = 0; i < LH; i++)
-    for (const kvp__bref *r = s->streams[i].blocks; r; r = r->next)
-      gs->items[cnt[r->blk->pos0 / bt]++] = (item){r->blk, i};
+    for (kvp__block *b = kvp__bwalk_first(&w, pool, s, i); b; b = kvp__bwalk_next(&w, b))
+      gs->items[cnt[b->pos0 / bt]++] = (item){b, i};
   kvp__meta_free(NULL, cnt, (nchunks + 1) * sizeof *cnt);
   for (uint32_t j = 0; j < ng; j++) {
     group *g = &gs->g[j];
@@ -436,18 +439,13 @@ static man_group group_at(const manifest *mf, uint32_t j) {
   return g;
 }
 
-/* Link the local content groups up to (not including) group j. */
+/* Hold the local content groups up to (not including) group j: one
+ * chunk-level reference each, as an attach takes (an undo lets go). */
 static int link_local(restore_ctx *c, uint32_t upto) {
-  uint32_t LH = c->pool->cfg.n_layers * c->pool->cfg.n_kv_heads;
   for (; c->next < upto; c->next++) {
     kvp__chunk *ch = c->local[c->next];
     kvp__assert(ch);
-    for (uint32_t i = 0; i < LH; i++) {
-      int rc = stream_push(c->pool, c->s, i, ch->blocks[i], "(local prefix)");
-      if (rc) return rc;
-      ch->blocks[i]->owners++; /* taken now, so an undo gives it back */
-      atomic_fetch_add_explicit(&ch->blocks[i]->refs, 1, memory_order_relaxed);
-    }
+    kvp__prefix_hold(c->s, ch);
   }
   return KVP_OK;
 }
@@ -489,13 +487,15 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
   const char **kp = kvp__meta_alloc(NULL, (ng + 1) * sizeof *kp);
   if (!c.gidx || !c.keys || !c.local || !c.fresh || !kp) rc = kvp__err(KVP_ENOMEM, "restore of seq %llu: lists",
                                                                       (unsigned long long)seq);
-  uint32_t nfetch = 0;
+  uint32_t nfetch = 0, nlocal = 0, n_hold = s->n_pkeys; /* n_hold: chunk references the sequence may take */
   uint64_t need = 0;
   for (uint32_t j = 0; !rc && j < ng; j++) {
     man_group g = group_at(mf, j);
     kvp__chunk *ch = g.kind == GROUP_CONTENT ? kvp__prefix_find(pool, g.key) : NULL;
+    if (g.kind == GROUP_CONTENT && g.index >= n_hold) n_hold = g.index + 1;
     if (ch && ch->index == g.index) {
       c.local[j] = ch; /* shared with the pool's copy: nothing to move */
+      nlocal++;
       continue;
     }
     if (g.kind == GROUP_CONTENT && g.nblocks != LH) {
@@ -514,6 +514,7 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
                   "in use)", (unsigned long long)seq, mkey, (unsigned long long)need,
                   (unsigned long long)pool->alloc.ledger.allocated.current,
                   (unsigned long long)pool->alloc.ledger.budget_bytes);
+  if (!rc && nlocal) rc = kvp__prefix_holds_make(pool, s, n_hold);
   if (!rc && nfetch) rc = kvp__store_get(st, nfetch, kp, restore_one, &c);
   if (!rc) rc = link_local(&c, ng);
   if (!rc && (rc = kvp__seq_validate(pool, s))) {
@@ -530,7 +531,8 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
     for (uint32_t j = 0; j < ng; j++) { /* fresh content chunks become shareable here too */
       man_group g = group_at(mf, j);
       kvp__block **row = c.fresh + (size_t)j * LH;
-      if (g.kind == GROUP_CONTENT && row[0] && !kvp__prefix_find(pool, g.key)) kvp__prefix_insert(pool, g.key, g.index, row);
+      if (g.kind == GROUP_CONTENT && row[0] && !kvp__prefix_find(pool, g.key))
+        (void)kvp__prefix_adopt(pool, s, g.key, g.index, row, n_hold); /* out of memory: not shared, that is all */
     }
     kvp__store_count(pool, 0, c.bytes, 0);
     /* the store's copy goes (best effort: a failure leaves garbage the TTL ends) */

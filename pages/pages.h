@@ -132,19 +132,40 @@ typedef struct kvp__seq {
   uint32_t n_pkeys;          /* prompt chunks with a key (prompt tokens / block_tokens) */
   uint32_t max_hit;          /* chunks an attach may take: (prompt tokens - 1) / block_tokens */
   uint32_t next_reg;         /* first prompt chunk not yet registered (or found unregistrable) */
+  struct kvp__holds *holds;  /* chunk-level references to prefix-table entries (RCU: set once), or NULL */
   kvp__rcu_head rcu;         /* deferred free */
 } kvp__seq;
 
 /* A prefix-table entry: the blocks of one chunk (block_tokens positions
  * [index * bt, (index + 1) * bt)) of every (layer, head), keyed by the
- * chained content key of the tokens up to its end. It holds no reference:
- * it goes when any of its blocks loses its last owner. */
+ * chained content key of the tokens up to its end. The entry is one owner
+ * of each of its blocks; sequences hold the entry as a whole (a chunk-level
+ * reference, kvp__holds), and it goes when its last holder lets go
+ * (pages/prefix.c). Readers reach it through holds: freed after a grace
+ * period. */
 typedef struct kvp__chunk {
-  struct kvp__chunk *hnext; /* hash chain */
+  struct kvp__chunk *hnext; /* hash chain (writer only) */
   uint64_t key[2];          /* content key */
   uint32_t index;           /* chunk number: positions / block_tokens */
-  kvp__block *blocks[];     /* [L * H]: block of (layer, head) at l * H + h */
+  uint32_t holders;         /* sequences whose holds name this entry (writer only) */
+  uint32_t check_epoch;     /* kvp_check visit mark */
+  uint32_t holders_seen;    /* kvp_check: holds found this check */
+  uint32_t nblocks;         /* L * H */
+  kvp__rcu_head rcu;        /* deferred free */
+  kvp__block *blocks[];     /* [L * H]: block of (layer, head) at l * H + h; fixed while the entry lives */
 } kvp__chunk;
+
+/* A sequence's chunk-level references: at[c], when set, gives positions
+ * [c * bt, (c + 1) * bt) of every (layer, head) of the sequence as the
+ * entry's blocks, in place of brefs (a sequence that also has brefs there,
+ * the one that computed them, has exactly the entry's blocks). Allocated
+ * once per sequence, never resized while readers may see it; entries are
+ * set and cleared with release stores (pages/prefix.c). */
+typedef struct kvp__holds {
+  uint32_t n;              /* entries of at */
+  kvp__rcu_head rcu;       /* deferred free */
+  kvp__chunk *at[];        /* [n]: the entry held for chunk c, or NULL */
+} kvp__holds;
 
 typedef struct kvp__ptable {
   kvp__chunk **buckets; /* [nbuckets] */
@@ -210,22 +231,116 @@ static inline void kvp__unlock(kvp_pool *p) { pthread_mutex_unlock(&p->lock); }
 /* Keys of the first n_chunks full blocks of tokens (chained). */
 void kvp__prefix_keys(const kvp_pool *pool, const uint32_t *tokens, uint32_t n_chunks, uint64_t (*out)[2]);
 kvp__chunk *kvp__prefix_find(const kvp_pool *pool, const uint64_t *key);
-/* A new entry for blocks[L * H] (none in an entry yet); ENOMEM. */
-int kvp__prefix_insert(kvp_pool *pool, const uint64_t *key, uint32_t index, kvp__block *const *blocks);
-void kvp__prefix_drop(kvp_pool *pool, kvp__chunk *c);
+/* A new entry for blocks[L * H] (sealed, full, at chunk index, in no
+ * entry yet), held by s at once (s's holds are made with at least index + 1
+ * entries when it has none: hold_n gives their count, 0 = s's prompt
+ * chunks). The entry takes an owner reference on each block (a block with
+ * no owner yet gets refs 1). ENOMEM, nothing changed. */
+int kvp__prefix_adopt(kvp_pool *pool, kvp__seq *s, const uint64_t *key, uint32_t index, kvp__block *const *blocks,
+                      uint32_t hold_n);
+/* The same entry with no holder yet (kvp_prefix_fetch's fresh blocks, held
+ * by the attach that follows); NULL when out of memory (message set).
+ * Discard: undo it before anyone held it, its blocks fresh again (owners
+ * 0; they had no other owner). */
+kvp__chunk *kvp__prefix_entry_new(kvp_pool *pool, const uint64_t *key, uint32_t index, kvp__block *const *blocks);
+void kvp__prefix_entry_discard(kvp_pool *pool, kvp__chunk *c);
 void kvp__prefix_fini(kvp_pool *pool);
-int kvp__prefix_check(kvp_pool *pool); /* entries agree with their blocks; ECORRUPT */
+/* Entries agree with their blocks and holders (after kvp__seqs_check's walk
+ * of this epoch, which visits every held block); ECORRUPT. */
+int kvp__prefix_check(kvp_pool *pool);
 /* Can sequence s share blocks (no policy, stateless codecs, host payload)? */
 bool kvp__prefix_ok(const kvp_pool *pool, const kvp__seq *s);
 /* Register s's prompt chunks complete since the last call (writer). */
 void kvp__prefix_register(kvp_pool *pool, kvp__seq *s);
-/* Attach m chunks (blocks[i * L * H + l * H + h]) at the end of s as one
- * new step of m * block_tokens tokens: s's positions must end on a chunk
- * boundary with every tail sealed. Blocks with owners take one more; blocks
- * with none (fresh) become s's alone. All or nothing (ENOMEM). */
-int kvp__prefix_attach(kvp_pool *pool, kvp__seq *s, uint32_t m, kvp__block *const *blocks);
+/* Attach m table entries (chunks index c0.. c0 + m - 1, c0 = s's positions
+ * / block_tokens) at the end of s as one new step of m * block_tokens
+ * tokens: one chunk-level reference each, O(m + L + L * H counters), no
+ * block touched. s's positions must end on a chunk boundary with every tail
+ * sealed. All or nothing (ENOMEM: the chunks untouched). */
+int kvp__prefix_attach(kvp_pool *pool, kvp__seq *s, uint32_t m, kvp__chunk *const *chunks);
 /* Chunks of s's prompt found in the table from s's next chunk on. */
 uint32_t kvp__prefix_lookup(kvp_pool *pool, const kvp__seq *s, kvp__chunk **out, uint32_t cap);
+/* Hold c as chunk c->index of s (an unpublished sequence being built:
+ * restore, fork); s's holds must exist with room. */
+void kvp__prefix_hold(kvp__seq *s, kvp__chunk *c);
+/* Make s's holds with n entries (none yet); ENOMEM. */
+int kvp__prefix_holds_make(kvp_pool *pool, kvp__seq *s, uint32_t n);
+/* The child holds what the parent holds (fork; ENOMEM, nothing held). */
+int kvp__prefix_fork(kvp_pool *pool, const kvp__seq *parent, kvp__seq *child);
+/* Let go of every hold of s and free its holds (after a grace period when
+ * readers may still walk s: s->holds then stays set, as readers of s read
+ * it whole until s goes); entries left with no holder go. */
+void kvp__prefix_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold);
+/* Turn s's holds on the chunks overlapping positions [a, b) into brefs of
+ * their blocks in every stream (where s has none already), then let them
+ * go: what an eviction of s there may then drop is s's own reference.
+ * ENOMEM, nothing changed. May wait for a grace period. */
+int kvp__prefix_detach(kvp_pool *pool, kvp__seq *s, uint32_t a, uint32_t b);
+/* kvp_check: mark every entry live for this check (pool->check_epoch),
+ * before the walk; then per sequence, its holds name live entries at their
+ * index (and key), counted into holders_seen (ECORRUPT); and a bref of
+ * stream lh that lies in a chunk s holds is that chunk's block. */
+void kvp__prefix_mark(kvp_pool *pool);
+int kvp__prefix_check_holds(kvp_pool *pool, const kvp__seq *s);
+bool kvp__prefix_bref_ok(const kvp_pool *pool, const kvp__seq *s, uint32_t lh, const kvp__block *b);
+/* Does s hold a chunk overlapping positions [a, b)? */
+bool kvp__prefix_holds_any(const kvp_pool *pool, const kvp__seq *s, uint32_t a, uint32_t b);
+
+/* The blocks of one stream of a sequence in position order: its held
+ * chunks' blocks merged with its brefs (a bref at a held chunk's positions
+ * holds that very block, and is passed over). For readers under
+ * rcu_read_lock and for the writer. Every peek loads what it needs afresh
+ * (links, holds), so a walk sees a block published after it began, as the
+ * plain bref walk did. Cost over that walk: one load of the holds pointer
+ * and, for a sequence with holds, one division and one load per chunk
+ * boundary. */
+typedef struct kvp__bwalk {
+  const kvp__seq *s;        /* the sequence */
+  kvp__bref *const *link;   /* the field the next bref is loaded from */
+  uint32_t lh;              /* stream: layer * H + head */
+  uint32_t bt;              /* chunk tokens */
+  uint32_t end;             /* positions below end are passed */
+} kvp__bwalk;
+static inline void kvp__bwalk_init(kvp__bwalk *w, const kvp_pool *p, const kvp__seq *s, uint32_t lh) {
+  w->s = s;
+  w->link = &s->streams[lh].blocks;
+  w->lh = lh;
+  w->bt = p->chunk_tokens;
+  w->end = 0;
+}
+/* The first block at or after the walk's end (NULL: none now). */
+static inline kvp__block *kvp__bwalk_peek(kvp__bwalk *w) {
+  kvp__bref *r;
+  kvp__block *rb = NULL;
+  while ((r = kvp__rcu_deref(*w->link)) && (rb = kvp__rcu_deref(r->blk))->pos0 < w->end) {
+    w->link = &r->next;
+    rb = NULL;
+  }
+  const kvp__holds *hd = kvp__rcu_deref(w->s->holds);
+  if (hd) {
+    uint64_t rpos = rb ? rb->pos0 : UINT64_MAX;
+    for (uint32_t c = (w->end + w->bt - 1) / w->bt; c < hd->n && (uint64_t)c * w->bt < rpos; c++) {
+      kvp__chunk *ch = kvp__rcu_deref(hd->at[c]);
+      if (ch) return ch->blocks[w->lh];
+    }
+  }
+  return rb;
+}
+/* Step past b (the block peek returned). */
+static inline void kvp__bwalk_pass(kvp__bwalk *w, const kvp__block *b) {
+  kvp__bref *r = kvp__rcu_deref(*w->link);
+  if (r && kvp__rcu_deref(r->blk) == b) w->link = &r->next;
+  w->end = b->pos0 + b->cap_tokens;
+}
+/* A whole walk: for (b = kvp__bwalk_first(&w, p, s, lh); b; b = kvp__bwalk_next(&w, b)). */
+static inline kvp__block *kvp__bwalk_first(kvp__bwalk *w, const kvp_pool *p, const kvp__seq *s, uint32_t lh) {
+  kvp__bwalk_init(w, p, s, lh);
+  return kvp__bwalk_peek(w);
+}
+static inline kvp__block *kvp__bwalk_next(kvp__bwalk *w, const kvp__block *b) {
+  kvp__bwalk_pass(w, b);
+  return kvp__bwalk_peek(w);
+}
 
 /* pages/block.c: the objects a stream is made of (blocks, runs, brefs, codec
  * state) and their lifecycle; the token counts (see there). Writer. */
@@ -351,6 +466,10 @@ void kvp__evict_plan_fini(kvp_pool *pool, kvp__evict_plan *ev);
 int kvp__evict_plan_add(kvp_pool *pool, kvp__evict_plan *ev, uint32_t layer, uint32_t head, uint32_t step); /* ENOMEM */
 int kvp__evict_plan_prepare(kvp_pool *pool, kvp__evict_plan *ev); /* ENOMEM; nothing visible changes */
 void kvp__evict_plan_apply(kvp_pool *pool, kvp__seq *s, kvp__evict_plan *ev); /* after prepare: cannot fail */
+/* kvp_evict's unit: its runs taken, s detached from the shared prefix
+ * chunks under it, then evicted. ENOENT (not retained), ENOMEM; nothing
+ * changed on failure. */
+int kvp__evict_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t head, uint32_t step);
 /* A spare run of the plan, set to [s0, s1) x [p0, p1) with mask. */
 struct kvp__run *kvp__evict_plan_run(kvp_pool *pool, kvp__evict_plan *ev, uint32_t s0, uint32_t p0, uint32_t s1,
                                      uint32_t p1, const uint64_t *mask);

@@ -2,11 +2,15 @@
  * pages/prefix_store.c - prefix chunks through the store: a sequence's
  * registered prompt chunks published under their content keys
  * (kvp_prefix_publish), and a new sequence's prompt attached from them
- * (kvp_prefix_fetch) instead of recomputed; the store's traffic counters.
+ * (kvp_prefix_fetch) instead of recomputed: the fetched blocks become
+ * prefix-table entries (or the table's own copy is taken, when it has the
+ * chunk), which the sequence then holds, one reference per chunk; the
+ * store's traffic counters.
  */
 #include "blob.h"
 
 #include <stdio.h>
+#include <string.h>
 
 /* ---- prefix publish and fetch ------------------------------------------------------------- */
 
@@ -48,6 +52,17 @@ KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint
   if (!rc) rc = kvp__putq_flush(pool, st, &q);
   kvp__store_count(pool, q.written, 0, 0);
   if (!rc && published_tokens) *published_tokens = n * pool->chunk_tokens;
+  if (rc == KVP_ENOSPC && published_tokens) { /* the store's cap: what it holds now, the message kept */
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", kvp__err_detail());
+    uint32_t held = 0;
+    memset(present, 0, s->n_pkeys * sizeof *present);
+    if (!kvp__store_content_present(st, n, (const uint64_t(*)[2])s->pkeys, present))
+      while (held < n && present[held]) held++;
+    *published_tokens = held * pool->chunk_tokens;
+    kvp__err(KVP_ENOSPC, "prefix publish of seq %llu: %s (the store holds its first %u tokens)", (unsigned long long)seq,
+             msg, *published_tokens);
+  }
   kvp__putq_free(&q);
   kvp__meta_free(NULL, items, LH * sizeof *items);
   kvp__meta_free(NULL, ch, s->n_pkeys * sizeof *ch + 1);
@@ -112,18 +127,28 @@ static int fetch_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint32_t *fe
   c.names = kvp__meta_alloc(NULL, m * sizeof *c.names);
   c.blocks = kvp__meta_alloc(NULL, (size_t)m * LH * sizeof *c.blocks);
   const char **kp = kvp__meta_alloc(NULL, m * sizeof *kp);
-  if (!c.names || !c.blocks || !kp) rc = kvp__err(KVP_ENOMEM, "prefix fetch: lists");
+  kvp__chunk **ch = kvp__meta_calloc(NULL, m * sizeof *ch); /* the table entry of each chunk */
+  bool *dup = kvp__meta_calloc(NULL, m * sizeof *dup);      /* ... one the table held already */
+  if (!c.names || !c.blocks || !kp || !ch || !dup) rc = kvp__err(KVP_ENOMEM, "prefix fetch: lists");
   for (uint32_t i = 0; !rc && i < m; i++) {
     key_content(st, s->pkeys[c0 + i], c.names[i]);
     kp[i] = c.names[i];
   }
   if (!rc) rc = kvp__store_get(st, m, kp, fetch_one, &c);
-  if (!rc) rc = kvp__prefix_attach(pool, s, m, c.blocks);
-  if (rc) {
-    for (size_t i = 0; c.blocks && i < (size_t)c.done * LH; i++) kvp__block_destroy(pool, c.blocks[i]);
-  } else {
-    for (uint32_t i = 0; i < m; i++)
-      if (!kvp__prefix_find(pool, s->pkeys[c0 + i])) kvp__prefix_insert(pool, s->pkeys[c0 + i], c0 + i, c.blocks + (size_t)i * LH);
+  for (uint32_t i = 0; !rc && i < m; i++) { /* the fetched blocks become entries, unless the table has the chunk */
+    kvp__chunk *t = kvp__prefix_find(pool, s->pkeys[c0 + i]);
+    if ((dup[i] = t && t->index == c0 + i)) ch[i] = t;
+    else if (t) rc = kvp__err(KVP_ECORRUPT, "prefix fetch of seq %llu: content key of chunk %u names chunk %u",
+                              (unsigned long long)s->id, c0 + i, t->index);
+    else if (!(ch[i] = kvp__prefix_entry_new(pool, s->pkeys[c0 + i], c0 + i, c.blocks + (size_t)i * LH)))
+      rc = KVP_ENOMEM;
+  }
+  if (!rc) rc = kvp__prefix_attach(pool, s, m, ch);
+  for (uint32_t i = 0; rc && ch && i < m; i++) /* undone: the entries made for the fetched blocks */
+    if (ch[i] && !dup[i]) kvp__prefix_entry_discard(pool, ch[i]);
+  for (size_t i = 0; c.blocks && i < (size_t)c.done * LH; i++) /* fetched blocks no entry took */
+    if (rc || dup[i / LH]) kvp__block_destroy(pool, c.blocks[i]);
+  if (!rc) {
     s->next_reg = c0 + m;
     kvp__store_count(pool, 0, c.bytes, (uint64_t)m * bt);
     *fetched = m * bt;
@@ -132,6 +157,8 @@ static int fetch_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint32_t *fe
   kvp__meta_free(NULL, c.names, m * sizeof *c.names);
   kvp__meta_free(NULL, c.blocks, (size_t)m * LH * sizeof *c.blocks);
   kvp__meta_free(NULL, kp, m * sizeof *kp);
+  kvp__meta_free(NULL, ch, m * sizeof *ch);
+  kvp__meta_free(NULL, dup, m * sizeof *dup);
   return rc;
 }
 

@@ -5,9 +5,10 @@
  *
  * Every reader runs under kvp__rcu_read_lock and never takes the writer
  * lock (a view release does, only to free the last pin of an evicted
- * block). Runs and brefs are both in position order, so a read is one merge
+ * block). Runs and blocks are both in position order, so a read is one merge
  * walk: for each run retaining the head, the blocks overlapping its
- * positions [p0, p1). p1 is loaded with acquire, so the payload of every
+ * positions [p0, p1) (a stream's brefs merged with the shared prefix chunks
+ * the sequence holds: kvp__bwalk, pages/pages.h). p1 is loaded with acquire, so the payload of every
  * position below it is visible. A reader racing the writer sees each run and
  * bref either before or after each change; the counting pass bounds the
  * copy pass, so buffers are never overrun.
@@ -27,30 +28,25 @@ static uint64_t count_retained(const kvp__layer *L, uint32_t head) {
   return n;
 }
 
-/* The block of a bref: replaced (same pos0 and cap) when an OPEN block is
- * sealed into its codec, so it is loaded as an RCU pointer. */
-static kvp__block *bref_block(const kvp__bref *r) { return kvp__rcu_deref(r->blk); }
-static uint32_t bref_end(const kvp__bref *r) {
-  const kvp__block *b = bref_block(r);
-  return b->pos0 + b->cap_tokens;
-}
-
 uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
                           kvp__range_fn fn, void *ctx) {
   const kvp__layer *L = &s->layers[layer];
-  kvp__bref *cur = kvp__rcu_deref(kvp__seq_stream(pool, s, layer, head)->blocks);
+  kvp__bwalk w; /* the stream's blocks, and the shared prefix chunks s holds, in position order */
+  kvp__bwalk_init(&w, pool, s, layer * pool->cfg.n_kv_heads + head);
   uint64_t done = 0;
   for (const kvp__run *r = kvp__rcu_deref(L->runs); r && done < limit; r = kvp__rcu_deref(r->next)) {
     if (!kvp__run_has(r, head)) continue;
     uint32_t ra = r->p0, rb = run_end(r);
     if (rb - ra > limit - done) rb = ra + (uint32_t)(limit - done);
-    while (cur && bref_end(cur) <= ra) cur = kvp__rcu_deref(cur->next);
-    for (kvp__bref *c = cur; c && bref_block(c)->pos0 < rb; c = kvp__rcu_deref(c->next)) {
-      kvp__block *b = bref_block(c);
-      uint32_t a = ra > b->pos0 ? ra : b->pos0, e = rb < b->pos0 + b->cap_tokens ? rb : b->pos0 + b->cap_tokens;
-      if (fn(ctx, b, a, e)) return done;
-      done += e - a;
-      cur = c;
+    for (kvp__block *b; (b = kvp__bwalk_peek(&w)) && b->pos0 < rb;) {
+      uint32_t be = b->pos0 + b->cap_tokens;
+      if (be > ra) {
+        uint32_t a = ra > b->pos0 ? ra : b->pos0, e = rb < be ? rb : be;
+        if (fn(ctx, b, a, e)) return done;
+        done += e - a;
+        if (be > rb) break; /* the next run may begin inside it */
+      }
+      kvp__bwalk_pass(&w, b);
     }
   }
   return done;
@@ -320,8 +316,8 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info) {
     info->tokens_evicted += ev;
     if (info->retained_tokens) info->retained_tokens[i] = ret;
     if (info->evicted_tokens) info->evicted_tokens[i] = ev;
-    for (kvp__bref *b = kvp__rcu_deref(st->blocks); b; b = kvp__rcu_deref(b->next)) {
-      const kvp__block *blk = kvp__rcu_deref(b->blk);
+    kvp__bwalk w; /* its own blocks and the shared prefix chunks it holds */
+    for (const kvp__block *blk = kvp__bwalk_first(&w, pool, s, i); blk; blk = kvp__bwalk_next(&w, blk)) {
       for (int kv = 0; kv < 2; kv++)
         for (unsigned p = 0; p < blk->npages[kv]; p++) {
           const kvp__page *pg = &blk->pages[kv][p];

@@ -92,6 +92,7 @@ static void seq_free_cb(kvp__rcu_head *h) {
 static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
   policy_detach(pool, s); /* the writer's alone */
+  kvp__prefix_release(pool, s, readers_may_hold);
   int64_t retained = 0;
   for (uint32_t l = 0; l < L; l++) {
     for (kvp__run *r = s->layers[l].runs, *n; r; r = n) {
@@ -227,10 +228,10 @@ static int seq_config_check(const kvp_seq_config *in, kvp_seq_config *c) {
 
 /* The prompt's content keys, and the longest prefix of them the table
  * holds attached as step 0 (a new sequence, not yet published). Cost: two
- * XXH64 passes over the prompt, one table probe per chunk, one bref per
- * (chunk, layer, head) attached. */
+ * XXH64 passes over the prompt, one table probe and one chunk-level
+ * reference per chunk attached. */
 static int prompt_attach(kvp_pool *pool, kvp__seq *s, const uint32_t *tokens, uint32_t n_tokens) {
-  uint32_t bt = pool->chunk_tokens, n = bt ? n_tokens / bt : 0, LH = pool->cfg.n_layers * pool->cfg.n_kv_heads;
+  uint32_t bt = pool->chunk_tokens, n = bt ? n_tokens / bt : 0;
   kvp__ledger_begin(&pool->alloc.ledger);
   kvp__count_add(&pool->alloc.ledger.prefix_query_tokens, n_tokens);
   kvp__ledger_end(&pool->alloc.ledger);
@@ -248,16 +249,12 @@ static int prompt_attach(kvp_pool *pool, kvp__seq *s, const uint32_t *tokens, ui
   if (!hit) return kvp__err(KVP_ENOMEM, "prefix lookup of sequence %llu", (unsigned long long)s->id);
   uint32_t m = kvp__prefix_lookup(pool, s, hit, s->max_hit);
   int rc = KVP_OK;
-  kvp__block **blocks = m ? kvp__meta_alloc(NULL, (size_t)m * LH * sizeof *blocks) : NULL;
-  if (m && !blocks) rc = kvp__err(KVP_ENOMEM, "prefix attach of sequence %llu", (unsigned long long)s->id);
-  for (uint32_t i = 0; !rc && i < m; i++) memcpy(blocks + (size_t)i * LH, hit[i]->blocks, LH * sizeof *blocks);
-  if (!rc && m && !(rc = kvp__prefix_attach(pool, s, m, blocks))) {
+  if (m && !(rc = kvp__prefix_attach(pool, s, m, hit))) {
     kvp__ledger_begin(&pool->alloc.ledger);
     kvp__count_add(&pool->alloc.ledger.prefix_hit_tokens, (int64_t)m * bt);
     kvp__ledger_end(&pool->alloc.ledger);
   }
   s->next_reg = m;
-  kvp__meta_free(NULL, blocks, (size_t)m * LH * sizeof *blocks);
   kvp__meta_free(NULL, hit, s->max_hit * sizeof *hit + 1);
   return rc;
 }
@@ -522,7 +519,7 @@ KVP_API int kvp_evict(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t hea
   else if (step >= atomic_load_explicit(&s->n_steps, memory_order_relaxed))
     rc = kvp__err(KVP_ENOENT, "evict seq %llu: step %u was never begun (%u steps)", (unsigned long long)seq, step,
                   atomic_load_explicit(&s->n_steps, memory_order_relaxed));
-  else if (!(rc = kvp__evict_unit(pool, s, layer, head, step, NULL)))
+  else if (!(rc = kvp__evict_one(pool, s, layer, head, step)))
     kvp__reclaim(pool);
   kvp__unlock(pool);
   return rc;

@@ -7,7 +7,9 @@
  * windows: append up to KVP__STORE_WINDOW commands or
  * KVP__STORE_WINDOW_BYTES value bytes, then read their replies in order.
  * Every reply is checked for its type before it is used; a failure names
- * the key it concerns. Built without hiredis, kvp_store_open returns
+ * the key it concerns. With max_bytes, a window of SETs is preceded by one
+ * INFO memory: used_memory + the window's value bytes <= max_bytes, or the
+ * window is refused (KVP_ENOSPC) before any of it is sent. Built without hiredis, kvp_store_open returns
  * KVP_ENOTSUP saying so, and nothing else can be reached.
  */
 #include "store.h"
@@ -29,6 +31,7 @@ struct kvp_store {
   int db;                 /* database index */
   char prefix[64];        /* key prefix */
   uint64_t ttl_s;         /* seconds a blob lives; 0 = no expiry */
+  uint64_t max_bytes;     /* cap on the server's used_memory for our writes; 0 = none */
   uint64_t timeout_ms;    /* connect and per-reply timeout */
   redisContext *c;        /* the connection, or NULL (reconnect on next use) */
   uint64_t sent_bytes;    /* value bytes written */
@@ -108,6 +111,17 @@ static int parse_opts(kvp_store *st, const char *q, const char *url) {
     } else if (kn == 3 && !memcmp(q, "ttl", 3)) {
       if (parse_u64(v, vn, 1ull << 40, &x)) return kvp__err(KVP_EINVAL, "store URL \"%s\": ttl must be seconds", url);
       st->ttl_s = x;
+    } else if (kn == 9 && !memcmp(q, "max_bytes", 9)) {
+      uint64_t unit = 1;
+      char sfx = vn ? (char)(v[vn - 1] | 0x20) : 0;
+      if (sfx == 'k' || sfx == 'm' || sfx == 'g' || sfx == 't') {
+        unit = 1ull << (sfx == 'k' ? 10 : sfx == 'm' ? 20 : sfx == 'g' ? 30 : 40);
+        vn--;
+      }
+      if (parse_u64(v, vn, (1ull << 50) / unit, &x))
+        return kvp__err(KVP_EINVAL, "store URL \"%s\": max_bytes must be bytes, or a number with K, M, G or T "
+                        "(powers of 1024), up to 1P", url);
+      st->max_bytes = x * unit;
     } else if (kn == 10 && !memcmp(q, "timeout_ms", 10)) {
       if (parse_u64(v, vn, 86400000, &x) || !x)
         return kvp__err(KVP_EINVAL, "store URL \"%s\": timeout_ms must be 1..86400000", url);
@@ -116,7 +130,8 @@ static int parse_opts(kvp_store *st, const char *q, const char *url) {
       if (parse_u64(v, vn, 1 << 20, &x)) return kvp__err(KVP_EINVAL, "store URL \"%s\": db must be a number", url);
       st->db = (int)x;
     } else {
-      return kvp__err(KVP_EINVAL, "store URL \"%s\": unknown option \"%.*s\" (known: prefix, ttl, timeout_ms, db)",
+      return kvp__err(KVP_EINVAL, "store URL \"%s\": unknown option \"%.*s\" (known: prefix, ttl, max_bytes, "
+                      "timeout_ms, db)",
                       url, (int)kn, q);
     }
     q = amp ? amp + 1 : NULL;
@@ -300,6 +315,32 @@ static void pipe_restore(pipe_guard *g) {
 
 static int run_batch_(kvp_store *st, const batch *b);
 
+/* The server's used_memory (INFO memory), in bytes. */
+static int used_memory(kvp_store *st, const char *key, uint64_t *out) {
+  redisReply *r = redisCommand(st->c, "INFO memory");
+  if (!r) return io_fail(st, "INFO memory (for max_bytes) before the SET", key);
+  const char *f = r->type == REDIS_REPLY_STRING ? strstr(r->str, "used_memory:") : NULL;
+  int rc = KVP_OK;
+  if (!f) rc = kvp__err(KVP_EIO, "store %s: INFO memory (for max_bytes) before the SET of key %s: no used_memory in "
+                        "the reply%s%s", st->url, key, r->type == REDIS_REPLY_ERROR ? ": " : "",
+                        r->type == REDIS_REPLY_ERROR ? r->str : "");
+  else *out = strtoull(f + 12, NULL, 10);
+  freeReplyObject(r);
+  return rc;
+}
+
+/* A window of SETs of bytes (first key: key) would take the server past
+ * max_bytes: KVP_ENOSPC, nothing of it written. */
+static int check_room(kvp_store *st, const char *key, uint64_t bytes) {
+  uint64_t used = 0;
+  int rc = used_memory(st, key, &used);
+  if (rc) return rc;
+  if (used <= st->max_bytes && bytes <= st->max_bytes - used) return KVP_OK;
+  return kvp__err(KVP_ENOSPC, "store %s: SET of key %s refused: the server uses %llu bytes, and %llu more would pass "
+                  "max_bytes=%llu", st->url, key, (unsigned long long)used, (unsigned long long)bytes,
+                  (unsigned long long)st->max_bytes);
+}
+
 static int run_batch(kvp_store *st, const batch *b) {
   pipe_guard g;
   pipe_block(&g);
@@ -319,10 +360,12 @@ static int run_batch_(kvp_store *st, const batch *b) {
     uint32_t end = done;
     uint64_t bytes = 0;
     while (end < b->n && end - done < KVP__STORE_WINDOW && (end == done || bytes < KVP__STORE_WINDOW_BYTES)) {
-      if ((rc = append_one(st, b, end))) return rc;
       bytes += b->op == OP_SET ? b->lens[end] : 0;
       end++;
     }
+    if (b->op == OP_SET && st->max_bytes && (rc = check_room(st, b->keys[done], bytes))) return rc;
+    for (uint32_t i = done; i < end; i++)
+      if ((rc = append_one(st, b, i))) return rc;
     /* read every reply of the window, even after a refusal, so the
      * connection stays in step; the first failure is returned */
     int first = KVP_OK;

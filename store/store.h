@@ -7,8 +7,10 @@
  *   redis://[host][:port][/db][?opt=value&...]     TCP (default 127.0.0.1:6379, db 0)
  *   unix:///path/to/redis.sock[?db=N&...]          a Unix socket
  * options: prefix=STR (key prefix, default "kvp:"), ttl=S (seconds a blob
- * lives, 0 = forever, the default), timeout_ms=N (connect and each reply,
- * default 5000).
+ * lives, 0 = forever, the default), max_bytes=N[K|M|G|T] (writes are
+ * refused while the server's used_memory plus what they add would pass N;
+ * 0 = no cap, the default), timeout_ms=N (connect and each reply, default
+ * 5000).
  *
  * Every call returns KVP_OK or a negative status with a message naming the
  * key: KVP_EIO for a connection, timeout or server error (the connection is
@@ -32,7 +34,10 @@ bool kvp__store_available(void);
 const char *kvp__store_prefix(const kvp_store *st);
 
 /* SET keys[i] = vals[i] (lens[i] bytes) for i < n, with the store's TTL.
- * On failure some keys may have been written (the caller deletes them). */
+ * On failure some keys may have been written (the caller deletes them).
+ * With max_bytes, each window of SETs is checked first against the
+ * server's used_memory (one INFO round trip): KVP_ENOSPC naming the window's
+ * first key, none of that window written. */
 int kvp__store_put(kvp_store *st, uint32_t n, const char *const *keys, const void *const *vals, const size_t *lens);
 /* exists[i] = whether keys[i] is present. */
 int kvp__store_exists(kvp_store *st, uint32_t n, const char *const *keys, bool *exists);

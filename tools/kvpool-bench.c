@@ -750,10 +750,10 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --seqs | --store]\n"                     \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --seqs | --store | --prefix]\n"                     \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
   "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
-  "  figures alone\n"
+  "  figures alone; --prefix: the prefix attach figure alone (--store prints it too)\n"
 
 /* ---- the store tier: offload / restore through a private local Redis ----------------------- */
 
@@ -870,10 +870,29 @@ static void bench_prefix_hit(int rounds, const uint16_t *k, const uint16_t *v, d
   kvp_pool_destroy(p);
 }
 
+/* The prefix hit path alone (no store needed): kvp_seq_add of a 32K-token
+ * prompt whose prefix the pool holds, against a prompt that shares nothing. */
+static void print_prefix(int quick, int json_only) {
+  size_t n = (size_t)ST_CHUNK * ST_H * ST_D;
+  uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+  fill_bf16(k, n, 1);
+  fill_bf16(v, n, 2);
+  double hit_us, miss_us;
+  bench_prefix_hit(quick ? 3 : 9, k, v, &hit_us, &miss_us);
+  if (!json_only)
+    printf("prefix hit: kvp_seq_add attaching a %u-token shared prefix (L=%u, H=%u, %u-token blocks) %.1f us (target "
+           "< 50); a miss (keys + one probe) %.1f us\n", ST_TOK, ST_L, ST_H, ST_BT, hit_us, miss_us);
+  printf("{\"figure\":\"prefix_attach_us\",\"tokens\":%u,\"kvpool\":%.1f,\"miss_us\":%.1f,\"target_us\":50}\n", ST_TOK,
+         hit_us, miss_us);
+  free(k);
+  free(v);
+}
+
 static int print_store(int quick, int json_only) {
   redis_srv r;
   if (redis_srv_start(&r)) {
     printf("store: skipped: %s\n", r.why);
+    print_prefix(quick, json_only);
     return 0;
   }
   kvp_store *st;
@@ -881,6 +900,7 @@ static int print_store(int quick, int json_only) {
   if (rc) {
     printf("store: skipped: %s\n", kvp_last_error());
     redis_srv_stop(&r);
+    print_prefix(quick, json_only);
     return 0;
   }
   int rounds = quick ? 1 : 3;
@@ -890,8 +910,6 @@ static int print_store(int quick, int json_only) {
   fill_bf16(v, n, 2);
   store_fig b = bench_store_codec(st, NULL, rounds, k, v);
   store_fig q = bench_store_codec(st, "kv=nvfp4", rounds, k, v);
-  double hit_us, miss_us;
-  bench_prefix_hit(quick ? 3 : 9, k, v, &hit_us, &miss_us);
   double chunks = (double)ST_TOK * ST_L * ST_H * ST_D * 2 * 2; /* raw bf16 K and V of the same tokens */
   double ratio_bytes = chunks / (double)q.wire_bytes, ratio_restore = b.restore_s / q.restore_s;
   if (!json_only) {
@@ -907,8 +925,6 @@ static int print_store(int quick, int json_only) {
              ST_TOK / fs[i]->offload_s, ST_TOK / fs[i]->restore_s, chunks / fs[i]->wire_bytes);
     printf("nvfp4 vs bf16: %.2fx fewer bytes than raw bf16 chunks (target >= 3.4), restore %.2fx faster in tokens/s "
            "(target >= 2.5)\n", ratio_bytes, ratio_restore);
-    printf("prefix hit: kvp_seq_add attaching a %u-token shared prefix %.1f us (target < 50); a miss (keys + one "
-           "probe) %.1f us\n", ST_TOK, hit_us, miss_us);
   }
   const store_fig *fs[2] = {&b, &q};
   const char *nm[2] = {"bf16", "nvfp4"};
@@ -921,12 +937,11 @@ static int print_store(int quick, int json_only) {
            chunks / fs[i]->wire_bytes);
   printf("{\"figure\":\"store_nvfp4_vs_bf16\",\"bytes_ratio\":%.3f,\"restore_tokens_ratio\":%.3f}\n", ratio_bytes,
          ratio_restore);
-  printf("{\"figure\":\"prefix_attach_us\",\"tokens\":%u,\"kvpool\":%.1f,\"miss_us\":%.1f,\"target_us\":50}\n", ST_TOK,
-         hit_us, miss_us);
   free(k);
   free(v);
   kvp_store_close(st);
   redis_srv_stop(&r);
+  print_prefix(quick, json_only);
   return 0;
 }
 
@@ -957,7 +972,7 @@ static void print_seqs(int rounds, int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
@@ -966,6 +981,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
     else if (!strcmp(argv[i], "--seqs")) seqs_only = 1;
+    else if (!strcmp(argv[i], "--prefix")) prefix_only = 1;
     else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
       fputs(BENCH_USAGE, stdout);
       return 0;
@@ -974,8 +990,8 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + heatkv_only + alloc_only + store_only + seqs_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc, --seqs and --store each select one part: give one (or "
+  if (codecs_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc, --seqs, --store and --prefix each select one part: give one (or "
                     "none: all)\n"
                     BENCH_USAGE);
     return 2;
@@ -990,6 +1006,10 @@ int main(int argc, char **argv) {
     return 0;
   }
   if (store_only) return print_store(quick, json_only);
+  if (prefix_only) {
+    print_prefix(quick, json_only);
+    return 0;
+  }
   const int rounds = quick ? 3 : 11;
   if (seqs_only) {
     if (!json_only) printf("%-34s %12s %12s %10s\n", "figure", "kvpool", "baseline", "ratio");

@@ -196,6 +196,7 @@ typedef struct sim_llm_out {
   uint64_t prefill_tokens;        /* prefill tokens computed (prompts, recomputes; not attached ones) */
   uint64_t swapped_out, swapped_in; /* preemptions by offload to the store, restores */
   uint64_t offload_fallbacks;     /* offloads refused (the request was recomputed instead) */
+  uint64_t publish_refusals;      /* prefix publishes the store's max_bytes stopped */
   uint64_t prefix_hit_tokens;     /* prompt tokens attached from the pool's prefix table */
   uint64_t store_prefix_tokens;   /* prompt tokens attached from the store's published prefixes */
   uint64_t store_sent_bytes, store_received_bytes; /* value bytes to and from the store */

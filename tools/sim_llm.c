@@ -41,7 +41,9 @@
  *     works, and a divisor of 512 loses no hit). Admission attaches what the
  *     pool's prefix table holds, then what the store holds
  *     (kvp_prefix_fetch); a finished request publishes its prompt's chunks
- *     (kvp_prefix_publish) for those that come after it.
+ *     (kvp_prefix_publish) for those that come after it. A store URL with
+ *     max_bytes= bounds the server's memory: an offload it refuses is a
+ *     recompute, a publish it stops is counted (store_publish_refusals).
  *   - the clock adds the bytes offloads, restores and fetches move, over
  *     --store-gbs; publishing is write-behind and costs no simulated time.
  * Traces without hash ids (azure, sharegpt, synthetic) share no prefixes.
@@ -232,7 +234,8 @@ static void preempt_at(llm *m, size_t pos, int in_step) {
       m->o->swapped_out++;
       return;
     }
-    if (rc != KVP_ENOTSUP && rc != KVP_EIO) sim_die_kvp("kvp_seq_offload", rc);
+    if (rc != KVP_ENOTSUP && rc != KVP_EIO && rc != KVP_ENOSPC) sim_die_kvp("kvp_seq_offload", rc); /* ENOSPC: the
+                                                                                                   store's max_bytes */
     if (!m->o->offload_fallbacks++) fprintf(stderr, SIM_NAME ": offload refused, recomputing: %s\n", kvp_last_error());
   }
   seq_free(m, q);
@@ -544,7 +547,12 @@ void sim_llm_run(const sim_llm_cfg *c, const sim_common *com, sim_llm_out *o) {
       q->finish_s = now;
       q->state = ST_DONE;
       if (m.st && q->nblk) {
-        if ((rc = kvp_prefix_publish(m.pool, q->seq, m.st, NULL))) sim_die_kvp("kvp_prefix_publish", rc);
+        rc = kvp_prefix_publish(m.pool, q->seq, m.st, NULL);
+        if (rc == KVP_ENOSPC) { /* the store's max_bytes: this prompt is not shared through the store */
+          if (!m.o->publish_refusals++) fprintf(stderr, SIM_NAME ": prefix publish stopped: %s\n", kvp_last_error());
+        } else if (rc) {
+          sim_die_kvp("kvp_prefix_publish", rc);
+        }
         store_clock(&m, 0);
       }
       seq_free(&m, q);
@@ -626,11 +634,13 @@ static const char *const LLM_HELP =
     "  --max-prompt N --max-output N         synthetic caps (default 8192, 1024)\n"
     "  --check               kvp_check after every iteration\n"
     "  --store URL           run twice and compare: the recompute baseline, then with the store tier\n"
-    "                        (redis://host:port[/db][?prefix=..&ttl=..]): preempted requests are\n"
+    "                        (redis://host:port[/db][?prefix=..&ttl=..&max_bytes=..]): preempted requests are\n"
     "                        offloaded and restored instead of recomputed, and prompts share prefixes\n"
     "                        (mooncake hash_ids) through the pool and the store. Keys go under a\n"
     "                        prefix of this run (kvp-sim:<pid>:) and expire after an hour unless the\n"
-    "                        URL says otherwise. Not with --policy or --dry; --csv follows the store run\n"
+    "                        URL says otherwise; max_bytes= caps the server's memory (an offload\n"
+    "                        it refuses is a recompute, a publish it stops is counted). Not with\n"
+    "                        --policy or --dry; --csv follows the store run\n"
     "  --store-gbs G         store bandwidth for the clock, GB/s (default 10)\n\n"
     "JSON keys: requests_total, requests_finished, rejected, preemptions, max_running,\n"
     "peak_allocated_bytes, budget_bytes, budget_violations, throughput_tokens_per_s,\n"
@@ -643,6 +653,7 @@ static void store_json(sim_json *j, const sim_llm_out *o, const sim_llm_out *so)
   sim_json_u64(j, "store_swapped_out", so->swapped_out);
   sim_json_u64(j, "store_swapped_in", so->swapped_in);
   sim_json_u64(j, "store_offload_fallbacks", so->offload_fallbacks);
+  sim_json_u64(j, "store_publish_refusals", so->publish_refusals);
   sim_json_u64(j, "store_recomputed_tokens", so->recomputed_tokens);
   sim_json_u64(j, "store_prefill_tokens", so->prefill_tokens);
   sim_json_u64(j, "store_requests_finished", so->requests_finished);
@@ -683,6 +694,9 @@ static void store_table(const sim_llm_cfg *c, const sim_llm_out *o, const sim_ll
          (unsigned long long)so->prefix_hit_tokens, (unsigned long long)so->store_prefix_tokens);
   printf("  bytes moved      %-16s %s to the store, %s back (%.3f s)\n", "-", sim_bytes(so->store_sent_bytes, a, sizeof a),
          sim_bytes(so->store_received_bytes, b, sizeof b), so->store_time_s);
+  if (so->publish_refusals || so->offload_fallbacks)
+    printf("  store refusals   %-16s %llu publishes stopped, %llu offloads recomputed instead\n", "-",
+           (unsigned long long)so->publish_refusals, (unsigned long long)so->offload_fallbacks);
   printf("  TTFT mean        %-16.3f %.3f s (%+.1f%%)\n", o->ttft_mean_s, so->ttft_mean_s, pct(so->ttft_mean_s, o->ttft_mean_s));
   printf("  TTFT p90         %-16.3f %.3f s (%+.1f%%)\n", o->ttft_p90_s, so->ttft_p90_s, pct(so->ttft_p90_s, o->ttft_p90_s));
   printf("  TPOT mean        %-16.1f %.1f ms\n", 1e3 * o->tpot_mean_s, 1e3 * so->tpot_mean_s);

@@ -38,6 +38,58 @@ static inline uint64_t merge(uint64_t acc, uint64_t v) {
   return acc * P1 + P4;
 }
 
+/* The tail and avalanche of XXH64 after the stripes (h holds merge + len). */
+static inline uint64_t finish(uint64_t h, const unsigned char *p, const unsigned char *end) {
+  for (; p + 8 <= end; p += 8) {
+    h ^= round1(0, rd64(p));
+    h = rotl(h, 27) * P1 + P4;
+  }
+  if (p + 4 <= end) {
+    h ^= (uint64_t)rd32(p) * P1;
+    h = rotl(h, 23) * P2 + P3;
+    p += 4;
+  }
+  for (; p < end; p++) {
+    h ^= (*p) * P5;
+    h = rotl(h, 11) * P1;
+  }
+  h ^= h >> 33;
+  h *= P2;
+  h ^= h >> 29;
+  h *= P3;
+  h ^= h >> 32;
+  return h;
+}
+
+void kvp__xxh64_2(const void *data, size_t len, uint64_t seed_a, uint64_t seed_b, uint64_t out[2]) {
+  const unsigned char *p = data, *end = p + len;
+  uint64_t ha, hb;
+  if (len >= 32) { /* the two hashes' lanes side by side: eight independent chains */
+    uint64_t a1 = seed_a + P1 + P2, a2 = seed_a + P2, a3 = seed_a, a4 = seed_a - P1;
+    uint64_t b1 = seed_b + P1 + P2, b2 = seed_b + P2, b3 = seed_b, b4 = seed_b - P1;
+    const unsigned char *limit = end - 32;
+    do {
+      uint64_t w1 = rd64(p), w2 = rd64(p + 8), w3 = rd64(p + 16), w4 = rd64(p + 24);
+      a1 = round1(a1, w1), b1 = round1(b1, w1);
+      a2 = round1(a2, w2), b2 = round1(b2, w2);
+      a3 = round1(a3, w3), b3 = round1(b3, w3);
+      a4 = round1(a4, w4), b4 = round1(b4, w4);
+      p += 32;
+    } while (p <= limit);
+    ha = rotl(a1, 1) + rotl(a2, 7) + rotl(a3, 12) + rotl(a4, 18);
+    hb = rotl(b1, 1) + rotl(b2, 7) + rotl(b3, 12) + rotl(b4, 18);
+    ha = merge(ha, a1), hb = merge(hb, b1);
+    ha = merge(ha, a2), hb = merge(hb, b2);
+    ha = merge(ha, a3), hb = merge(hb, b3);
+    ha = merge(ha, a4), hb = merge(hb, b4);
+  } else {
+    ha = seed_a + P5;
+    hb = seed_b + P5;
+  }
+  out[0] = finish(ha + (uint64_t)len, p, end);
+  out[1] = finish(hb + (uint64_t)len, p, end);
+}
+
 uint64_t kvp__xxh64(const void *data, size_t len, uint64_t seed) {
   const unsigned char *p = data, *end = p + len;
   uint64_t h;
@@ -59,24 +111,5 @@ uint64_t kvp__xxh64(const void *data, size_t len, uint64_t seed) {
   } else {
     h = seed + P5;
   }
-  h += (uint64_t)len;
-  for (; p + 8 <= end; p += 8) {
-    h ^= round1(0, rd64(p));
-    h = rotl(h, 27) * P1 + P4;
-  }
-  if (p + 4 <= end) {
-    h ^= (uint64_t)rd32(p) * P1;
-    h = rotl(h, 23) * P2 + P3;
-    p += 4;
-  }
-  for (; p < end; p++) {
-    h ^= (*p) * P5;
-    h = rotl(h, 11) * P1;
-  }
-  h ^= h >> 33;
-  h *= P2;
-  h ^= h >> 29;
-  h *= P3;
-  h ^= h >> 32;
-  return h;
+  return finish(h + (uint64_t)len, p, end);
 }

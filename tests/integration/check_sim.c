@@ -508,6 +508,30 @@ static void write_mooncake(const char *path, int n, uint64_t *prompt) {
 static const char *const BASE_KEYS[] = {"requests_finished", "preemptions", "recomputed_tokens", "iterations",
                                         "generated_tokens", "peak_allocated_bytes", "max_running"};
 
+/* A store capped below what the server already holds (max_bytes=1):
+ * every offload is refused and recomputed instead, every publish stops,
+ * nothing is written; every request is still served. */
+START_TEST(llm_store_max_bytes) {
+  if (!have_server) return;
+  char path[PATH_MAX + 16], args[5 * PATH_MAX];
+  snprintf(path, sizeof path, "%s/capped.jsonl", TMP);
+  uint64_t prompt;
+  write_mooncake(path, 32, &prompt);
+  snprintf(args, sizeof args, "llm --layers 2 --kv-heads 1 --head-dim 64 --params 7e9 --trace %s --format mooncake "
+           "--budget-bytes 2M --block-tokens 16 --check --json --quiet --store %s?max_bytes=1", path, R.url);
+  json_t *j;
+  if (run_store(args, &j)) return;
+  ck_assert_uint_eq(U(j, "store_requests_finished"), 32);
+  ck_assert_uint_eq(U(j, "store_swapped_out"), 0);
+  ck_assert_uint_gt(U(j, "store_offload_fallbacks"), 0);
+  ck_assert_uint_gt(U(j, "store_publish_refusals"), 0);
+  ck_assert_uint_eq(U(j, "store_prefix_tokens"), 0);
+  ck_assert_uint_eq(U(j, "store_sent_bytes"), 0);
+  ck_assert_uint_eq(U(j, "store_budget_violations"), 0);
+  json_decref(j);
+}
+END_TEST
+
 START_TEST(llm_store_swaps_and_shares) {
   if (!have_server) return;
   char path[PATH_MAX + 16], args[5 * PATH_MAX], base[4 * PATH_MAX], run[3 * PATH_MAX];
@@ -731,6 +755,7 @@ int main(int argc, char **argv) {
   tcase_set_timeout(ts, 120);
   tcase_add_unchecked_fixture(ts, store_setup, store_teardown);
   tcase_add_test(ts, llm_store_swaps_and_shares);
+  tcase_add_test(ts, llm_store_max_bytes);
   tcase_add_test(ts, llm_store_mooncake_trace);
   suite_add_tcase(s, ts);
   int rc = it_run(s);

@@ -185,12 +185,19 @@ START_TEST(bad_urls) {
   snprintf(url, sizeof url, "redis://127.0.0.1:%d", port);
   ck_status(kvp_store_open(url, &st), KVP_EIO);
   ck_msg("cannot connect");
+  ck_status(kvp_store_open("redis://127.0.0.1:1/0?max_bytes=12X", &st), KVP_EINVAL);
+  ck_msg("max_bytes");
+  ck_status(kvp_store_open("redis://127.0.0.1:1/0?max_bytes=", &st), KVP_EINVAL);
+  ck_msg("max_bytes");
+  ck_status(kvp_store_open("redis://127.0.0.1:1/0?max_bytes=2048T", &st), KVP_EINVAL);
+  ck_msg("max_bytes");
 #else
   ck_status(kvp_store_open("redis://127.0.0.1:6379", &st), KVP_ENOTSUP);
   ck_msg("hiredis");
 #endif
 }
 END_TEST
+
 
 #ifdef KVP_HAVE_HIREDIS
 /* The test's own connection to the server, to damage blobs. */
@@ -509,6 +516,137 @@ START_TEST(prefix_sharing_in_pool) {
 }
 END_TEST
 
+static uint64_t meta_bytes(kvp_pool *p) {
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  return s.metadata_bytes.current;
+}
+
+static uint64_t chunks_now(kvp_pool *p) {
+  kvp_stats s = {.struct_size = sizeof s};
+  ck_ok(kvp_stats_get(p, &s));
+  return s.prefix_chunks.current;
+}
+
+/* Every (layer, head) of b reads as a's first n positions; ok: heads whose
+ * first n are not all there (evicted) are skipped. */
+static void same_prefix(const snap *a, const snap *b, uint32_t n, uint32_t skip_l, uint32_t skip_h) {
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++) {
+      if (l == skip_l && h == skip_h) continue;
+      ck_assert_uint_ge(a->n[l][h], n);
+      ck_assert_uint_ge(b->n[l][h], n);
+      ck_assert_mem_eq(a->pos[l][h], b->pos[l][h], n * sizeof(uint32_t));
+      ck_assert_mem_eq(a->k[l][h], b->k[l][h], (size_t)n * D * sizeof(float));
+      ck_assert_mem_eq(a->v[l][h], b->v[l][h], (size_t)n * D * sizeof(float));
+    }
+}
+
+/* The chunk-level reference: an attach takes one reference per chunk (its
+ * metadata does not grow with the chunks attached), readers and views see
+ * the shared blocks, a fork of the attached sequence shares them too, an
+ * eviction by any one sharer (the one that computed them, an attached one,
+ * the fork) and frees in every order leave the others theirs, and the last
+ * owner's eviction gives the pages back; kvp_check after every step. */
+START_TEST(prefix_chunk_references) {
+  kvp_pool *p = mkpool(specs[_i], D);
+  for (uint32_t i = 0; i < MAXT; i++) TOK[i] = i * 13 + 5;
+  kvp_seq_config sc = with_tokens(45);
+  ck_ok(kvp_seq_add(p, 1, &sc));
+  step(p, 1, 100, 0, 30);
+  step(p, 1, 100, 30, 15); /* chunks 0..4 registered by seq 1 */
+  ck_assert_uint_eq(chunks_now(p), 5);
+  ck_ok(kvp_reclaim(p)); /* the OPEN blocks' raw pages, replaced at their seal */
+  uint64_t alloc0 = fingerprint(p).alloc;
+  /* metadata of an attach: 1 chunk vs 5 (same prompt length, so the same key and hold arrays) */
+  uint32_t keep = TOK[9];
+  TOK[9] = 4242; /* diverges in chunk 1 */
+  uint64_t m0 = meta_bytes(p);
+  ck_ok(kvp_seq_add(p, 7, &sc));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(positions(p, 7), 8);
+  uint64_t one = meta_bytes(p) - m0;
+  ck_ok(kvp_seq_free(p, 7));
+  ck_ok(kvp_check(p));
+  TOK[9] = keep;
+  m0 = meta_bytes(p);
+  sc = with_tokens(41); /* max hit: (41 - 1) / 8 = 5 chunks */
+  ck_ok(kvp_seq_add(p, 2, &sc));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(positions(p, 2), 40);
+  ck_assert_uint_eq(meta_bytes(p) - m0, one); /* no per-block metadata: 5 chunks cost what 1 did */
+  ck_assert_uint_eq(fingerprint(p).alloc, alloc0); /* no page either */
+  /* seq_info counts the shared pages in seq 2 too */
+  kvp_seq_desc d1 = {.struct_size = sizeof d1}, d2 = {.struct_size = sizeof d2};
+  ck_ok(kvp_seq_info(p, 2, &d2));
+  ck_assert_uint_eq(d2.tokens_retained, 40ull * L * H);
+  uint64_t pages2 = 0;
+  for (int t = 0; t < KVP_PAGE_TYPE_COUNT; t++) pages2 += d2.page_types[t].npages;
+  ck_assert_uint_gt(pages2, 0);
+  ck_ok(kvp_seq_info(p, 1, &d1));
+  uint64_t pages1 = 0;
+  for (int t = 0; t < KVP_PAGE_TYPE_COUNT; t++) pages1 += d1.page_types[t].npages;
+  ck_assert_uint_ge(pages1, pages2);
+  /* reads and views see seq 1's blocks */
+  take(p, 1, &S1);
+  take(p, 2, &S2);
+  same_prefix(&S1, &S2, 40, L, H);
+  kvp_view *view;
+  ck_ok(kvp_view_acquire(p, 2, 1, &view));
+  ck_assert_uint_eq(view->n_blocks, 5 * H);
+  /* a fork of the attached sequence holds the chunks too (and appends its own) */
+  m0 = meta_bytes(p);
+  ck_ok(kvp_seq_fork(p, 2, 3));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(positions(p, 3), 40);
+  step(p, 3, 300, 40, 5);
+  step(p, 2, 200, 40, 5);
+  snap *S3 = malloc(sizeof *S3);
+  take(p, 3, S3);
+  same_prefix(&S1, S3, 40, L, H);
+  /* the sequence that computed the chunks evicts over them, then goes */
+  ck_ok(kvp_evict(p, 1, 0, 0, 0));
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_evict(p, 1, 2, 1, 1));
+  ck_ok(kvp_check(p));
+  take(p, 2, &S2);
+  same_prefix(&S1, &S2, 40, L, H); /* S1: seq 1 as it was */
+  ck_ok(kvp_seq_free(p, 1));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(chunks_now(p), 5); /* held by 2 and 3 */
+  take(p, 2, &S2);
+  same_prefix(&S1, &S2, 40, L, H);
+  kvp_view_release(p, view);
+  ck_ok(kvp_check(p));
+  /* the fork evicts over the shared chunks: its own reference goes, seq 2 keeps them */
+  ck_ok(kvp_evict(p, 3, 1, 0, 0));
+  ck_ok(kvp_check(p));
+  kvp_read_req q = {.struct_size = sizeof q, .head = 0, .out_dtype = KVP_DTYPE_F32, .k_out = S3->k[1][0],
+                    .v_out = S3->v[1][0], .positions_out = S3->pos[1][0], .capacity_tokens = MAXT};
+  ck_ok(kvp_read(p, 3, 1, &q));
+  ck_assert_uint_eq(q.n_tokens, 5); /* step 0 (the 40 attached tokens) gone from (1, 0) */
+  ck_assert_uint_eq(S3->pos[1][0][0], 40);
+  take(p, 2, &S2);
+  same_prefix(&S1, &S2, 40, L, H);
+  /* seq 2 goes: the chunks' last holder (seq 3 let go when it evicted) */
+  ck_ok(kvp_seq_free(p, 2));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(chunks_now(p), 0);
+  take(p, 3, S3);
+  same_prefix(&S1, S3, 40, 1, 0);
+  /* seq 3 owns the blocks alone now: its eviction gives pages back */
+  uint64_t before = fingerprint(p).alloc;
+  ck_ok(kvp_evict(p, 3, 0, 1, 0));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_lt(fingerprint(p).alloc, before);
+  ck_ok(kvp_seq_free(p, 3));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(fingerprint(p).alloc, 0);
+  free(S3);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 /* A shared prefix offloaded with one sequence: its chunks go under their
  * content keys once; the restore shares the pool's copy. */
 START_TEST(offload_shared_prefix) {
@@ -614,6 +752,56 @@ START_TEST(two_processes_share_a_prefix) {
 }
 END_TEST
 
+/* max_bytes: a write that would take the server's memory past the cap is
+ * refused with KVP_ENOSPC naming the cap; an offload then frees nothing, a
+ * publish keeps what the store held and says so; reads are never refused. */
+START_TEST(store_max_bytes) {
+  NEED_SERVER();
+  kvp_pool *p = mkpool("kv=int8", D);
+  kvp_store *tiny = mkstore("?max_bytes=1"), *roomy = mkstore("?max_bytes=1T");
+  for (uint32_t i = 0; i < MAXT; i++) TOK[i] = i * 17 + 9;
+  kvp_seq_config sc = with_tokens(45);
+  ck_ok(kvp_seq_add(p, 1, &sc));
+  step(p, 1, 100, 0, 30);
+  step(p, 1, 100, 30, 15); /* chunks 0..4 */
+  TOK[41] = 77777;
+  sc = with_tokens(70);
+  ck_ok(kvp_seq_add(p, 2, &sc)); /* chunks 0..4 attached, 5..7 its own */
+  ck_assert_uint_eq(positions(p, 2), 40);
+  step(p, 2, 200, 40, 30);
+  fp before = fingerprint(p);
+  take(p, 1, &S1);
+  ck_status(kvp_seq_offload(p, 1, tiny), KVP_ENOSPC);
+  ck_msg("max_bytes=1");
+  ck_msg("kvp:");
+  ck_ok(kvp_check(p));
+  same_fp(fingerprint(p), before);
+  take(p, 1, &S2);
+  ck_assert_mem_eq(&S1, &S2, sizeof S1);
+  uint32_t pub = 99;
+  ck_status(kvp_prefix_publish(p, 1, tiny, &pub), KVP_ENOSPC);
+  ck_assert_uint_eq(pub, 0);
+  ck_msg("max_bytes=1");
+  ck_ok(kvp_prefix_publish(p, 1, roomy, &pub));
+  ck_assert_uint_eq(pub, 40);
+  ck_status(kvp_prefix_publish(p, 2, tiny, &pub), KVP_ENOSPC); /* its first 5 chunks are there already */
+  ck_assert_uint_eq(pub, 40);
+  ck_msg("holds its first 40 tokens");
+  ck_ok(kvp_check(p));
+  same_fp(fingerprint(p), before);
+  /* out through the roomy handle, back through the tiny one */
+  ck_ok(kvp_seq_offload(p, 1, roomy));
+  ck_ok(kvp_check(p));
+  ck_ok(kvp_seq_restore(p, 1, tiny));
+  ck_ok(kvp_check(p));
+  take(p, 1, &S2);
+  ck_assert_mem_eq(&S1, &S2, sizeof S1);
+  kvp_store_close(tiny);
+  kvp_store_close(roomy);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("store");
   TCase *t = tcase_create("store");
@@ -625,8 +813,10 @@ static Suite *suite(void) {
   tcase_add_test(t, restore_refuses_bad_blobs);
   tcase_add_test(t, server_down_and_timeout);
   tcase_add_test(t, server_killed_mid_offload);
+  tcase_add_test(t, store_max_bytes);
 #endif
   tcase_add_loop_test(t, prefix_sharing_in_pool, 0, 4);
+  tcase_add_loop_test(t, prefix_chunk_references, 0, 4);
   tcase_add_test(t, offload_shared_prefix);
   tcase_add_test(t, two_processes_share_a_prefix);
   suite_add_tcase(s, t);

@@ -7,7 +7,10 @@
  *     open steps), evicts random (layer, head, step) units (open steps
  *     included), forks, frees and preempts on a budget refusal; every status
  *     is checked against its model, kvp_check runs every CHECK_EVERY
- *     operations, and a finishing sequence is read back exactly;
+ *     operations, and a finishing sequence is read back exactly; half
+ *     of the stream-mode sequences carry a prompt of one shared family,
+ *     so they attach chunks others computed (and evict over them, fork,
+ *     free under the readers);
  *   - NREADERS reader threads read every head of random (sequence, layer)
  *     pairs and take views, and check every row they get against the
  *     deterministic model: positions strictly increasing, every channel of
@@ -395,6 +398,7 @@ typedef struct wseq {
   int in_step;                      /* a step is open */
   uint32_t next_layer;              /* next layer to append in the open step */
   uint32_t target;                  /* positions at which it finishes */
+  uint32_t prompt;                  /* tokens of its shared-family prompt (its first step computes the rest), or 0 */
   uint8_t evicted[L][H][MAX_STEPS]; /* (layer, head, step) evicted */
 } wseq;
 
@@ -402,7 +406,7 @@ static wseq W[MAXLIVE];
 
 typedef struct wstats {
   uint64_t ops, adds, steps, appends, evicts, evict_enoent, forks, fork_refused, frees, preempts, finished, aimed,
-      checks, verified_rows;
+      checks, verified_rows, attached;
 } wstats;
 
 static kvp_pool *P;
@@ -521,6 +525,13 @@ static int pick_slot(int busy) {
   return n ? c[rnd(&wrng) % (uint64_t)n] : -1;
 }
 
+/* Prompts of one family share their token ids, so their sequences share
+ * prefix chunks: their lineage's parent is the root g_root (an id never
+ * added) below their prompt's end, so every one of them writes, and reads
+ * from a chunk another computed, the root's values there. */
+static uint32_t PROMPT[MAX_TOKENS];
+static uint64_t g_root;
+
 /* Publish a fresh id's lineage before the pool may show it. */
 static uint64_t publish_id(int64_t parent, uint32_t fork_pos, kvp_seq_mode mode) {
   uint64_t id = atomic_load_explicit(&g_next_id, memory_order_relaxed);
@@ -564,9 +575,22 @@ static void op_add(void) {
     }
   } else {
     m->target = 48 + (uint32_t)(rnd(&wrng) % 640);
+    if (rnd(&wrng) % 2 == 0) { /* a prompt of the shared family: attaches what the pool holds of it */
+      sc.tokens = PROMPT;
+      sc.n_tokens = m->prompt = 24 + (uint32_t)(rnd(&wrng) % (MAX_STEP_N - 24));
+    }
   }
-  m->id = publish_id(-1, 0, m->mode);
+  m->id = publish_id(sc.n_tokens ? (int64_t)g_root : -1, sc.n_tokens, m->mode);
   ck_ok(kvp_seq_add(P, m->id, &sc));
+  if (sc.n_tokens) {
+    kvp_seq_desc d = {.struct_size = sizeof d};
+    ck_ok(kvp_seq_info(P, m->id, &d));
+    if (d.n_positions) { /* step 0: the shared chunks */
+      m->nsteps = 1;
+      m->pos[1] = d.n_positions;
+      WS.attached += d.n_positions;
+    }
+  }
   m->used = 1;
   atomic_store_explicit(&g_live[slot], m->id + 1, memory_order_relaxed);
   WS.adds++;
@@ -577,7 +601,8 @@ static uint32_t step_tokens(const wseq *m) {
   if (k < m->n_plan) return m->plan[k];
   uint64_t x = rnd(&wrng);
   if (m->mode == KVP_SEQ_STEP) n = 1 + (uint32_t)(x % 96);
-  else if (k == 0) n = 1 + (uint32_t)(x % 300);                   /* prefill */
+  else if (k == 0) n = m->prompt ? m->prompt : 1 + (uint32_t)(x % 300); /* prefill */
+  else if (end < m->prompt) n = m->prompt - end; /* the prompt's rest after an attach */
   else n = x % 5 ? 1 : 2 + (uint32_t)((x >> 8) % 40);             /* decode, or a chunk */
   if (n > MAX_STEP_N) n = MAX_STEP_N;
   if (end + n > MAX_TOKENS) n = MAX_TOKENS - end;
@@ -748,6 +773,8 @@ START_TEST(readers_beside_writer) {
   atomic_store(&g_viewed, 0);
   atomic_store(&g_stop, 0);
   for (int i = 0; i < MAXLIVE; i++) atomic_store(&g_live[i], 0);
+  for (uint32_t i = 0; i < MAX_TOKENS; i++) PROMPT[i] = i * 7 + 1;
+  g_root = publish_id(-1, 0, KVP_SEQ_STREAM);
 
   kvp_config c;
   kvp_config_init(&c);
@@ -801,14 +828,15 @@ START_TEST(readers_beside_writer) {
   ck_ok(kvp_stats_get(P, &s));
   printf("stress: %.1f s, %d readers; writer: %llu ops (%llu adds, %llu steps, %llu appends, %llu evictions + %llu "
          "refused, %llu forks + %llu refused, %llu frees, %llu preempted, %llu finished, %llu aimed at held views, "
-         "%llu checks, %llu rows read back); readers: %llu reads, %llu rows verified, %llu ENOENT, %llu ENOSPC, %llu "
+         "%llu checks, %llu rows read back, %llu prefix tokens attached); readers: %llu reads, %llu rows verified, %llu ENOENT, %llu ENOSPC, %llu "
          "views (%llu blocks, %llu rows verified), %llu held (%llu across writer ops, %llu past a free), %llu "
          "seq_info; peak %llu of %llu budget bytes\n",
          elapsed, NREADERS, (unsigned long long)WS.ops, (unsigned long long)WS.adds, (unsigned long long)WS.steps,
          (unsigned long long)WS.appends, (unsigned long long)WS.evicts, (unsigned long long)WS.evict_enoent,
          (unsigned long long)WS.forks, (unsigned long long)WS.fork_refused, (unsigned long long)WS.frees,
          (unsigned long long)WS.preempts, (unsigned long long)WS.finished, (unsigned long long)WS.aimed,
-         (unsigned long long)WS.checks, (unsigned long long)WS.verified_rows, (unsigned long long)sum.reads,
+         (unsigned long long)WS.checks, (unsigned long long)WS.verified_rows, (unsigned long long)WS.attached,
+         (unsigned long long)sum.reads,
          (unsigned long long)sum.rows, (unsigned long long)sum.enoent, (unsigned long long)sum.enospc,
          (unsigned long long)sum.views, (unsigned long long)sum.view_blocks, (unsigned long long)sum.view_rows,
          (unsigned long long)sum.held, (unsigned long long)sum.held_across, (unsigned long long)sum.held_gone,
@@ -824,6 +852,7 @@ START_TEST(readers_beside_writer) {
   ck_assert_uint_gt(WS.evicts, 0);
   ck_assert_uint_gt(WS.forks, 0);
   ck_assert_uint_gt(WS.finished, 0);
+  ck_assert_uint_gt(WS.attached, 0);
   /* nothing left: every byte and token went back */
   ck_assert_uint_le(s.bytes_allocated.peak, s.budget_bytes);
   ck_assert_uint_eq(s.bytes_allocated.current, 0);

@@ -83,10 +83,10 @@ static void resume(void) { kvp__fault_arm(armed_k > seen ? armed_k - seen : 0, f
 /* ---- what must not change ------------------------------------------------- */
 
 typedef struct fp {
-  uint64_t req, alloc, pages, tokens, evicted, seqs;
-  uint32_t steps[3], positions[3];
-  int exists[3], in_step[3];
-  uint64_t seq_tokens[3];
+  uint64_t req, alloc, pages, tokens, evicted, seqs, chunks;
+  uint32_t steps[4], positions[4];
+  int exists[4], in_step[4];
+  uint64_t seq_tokens[4];
 } fp;
 
 static fp fingerprint(kvp_pool *p) {
@@ -96,7 +96,8 @@ static fp fingerprint(kvp_pool *p) {
   ck_assert_int_eq(kvp_stats_get(p, &s), KVP_OK);
   f.req = s.bytes_requested.current, f.alloc = s.bytes_allocated.current, f.pages = s.pages.current;
   f.tokens = s.tokens_retained.current, f.evicted = s.tokens_evicted, f.seqs = s.sequences.current;
-  for (uint64_t q = 1; q <= 2; q++) {
+  f.chunks = s.prefix_chunks.current;
+  for (uint64_t q = 1; q <= 3; q++) {
     kvp_seq_desc d = {.struct_size = sizeof d};
     f.exists[q] = kvp_seq_info(p, q, &d) == KVP_OK;
     f.steps[q] = d.n_steps, f.positions[q] = d.n_positions, f.in_step[q] = d.in_step;
@@ -244,6 +245,82 @@ START_TEST(every_allocation_fails_in_turn) {
   printf("fault %-20s %5llu allocations swept, %5llu calls failed, %3llu creates failed, %llu leaks\n", s->name,
          (unsigned long long)t.runs, (unsigned long long)t.failed_calls, (unsigned long long)t.create_failures,
          (unsigned long long)leaks);
+}
+END_TEST
+
+/* ---- shared prefixes ---------------------------------------------------------
+ * Seq 1 computes a prompt (its chunks enter the prefix table), seq 2
+ * attaches them (chunk-level references) and appends, 3 forks from 2;
+ * evictions over the shared chunks by the fork, the sequence that computed
+ * them and the attached one (each turns its references into its own block
+ * references first), reads, frees: every allocation of the run fails in
+ * turn, as above. */
+static uint64_t run_prefix(const char *codecs, uint64_t k, tally *t) {
+  armed_k = k;
+  seen = 0;
+  failed_so_far = 0;
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = BT;
+  c.region_bytes = 4ull << 20;
+  c.codecs = codecs;
+  kvp_pool *p = NULL;
+  resume();
+  int rc = kvp_pool_create(&c, &p);
+  hold();
+  if (rc) {
+    ck_assert_msg(fault_failed_total() > 0, "create failed with no fault: %s", kvp_last_error());
+    t->create_failures++;
+    return seen;
+  }
+  resume();
+  static uint32_t tok[24];
+  for (uint32_t i = 0; i < 24; i++) tok[i] = i * 3 + 1;
+  kvp_seq_config sc;
+  kvp_seq_config_init(&sc);
+  sc.tokens = tok, sc.n_tokens = 23;
+  CALL(t, p, kvp_seq_add(p, 1, &sc));
+  one_step(t, p, 1, 9, 0);
+  one_step(t, p, 1, 14, 0); /* chunks 0..4 registered */
+  CALL(t, p, kvp_seq_add(p, 2, &sc)); /* attaches 5 chunks (20 tokens) */
+  one_step(t, p, 2, 3, 0);
+  CALL(t, p, read_all(p, 2));
+  CALL(t, p, kvp_seq_fork(p, 2, 3));
+  one_step(t, p, 3, 2, 0);
+  CALL(t, p, evict_if_retained(p, 3, 1, 1, 0));
+  CALL(t, p, evict_if_retained(p, 1, 0, 0, 0));
+  CALL(t, p, evict_if_retained(p, 2, 0, 1, 0));
+  CALL(t, p, read_all(p, 3));
+  CALL(t, p, kvp_seq_free(p, 1));
+  CALL(t, p, kvp_seq_free(p, 2));
+  CALL(t, p, read_all(p, 3));
+  CALL(t, p, kvp_seq_free(p, 3));
+  CALL(t, p, kvp_seq_add(p, 1, &sc));
+  kvp_pool_destroy(p);
+  hold();
+  return seen;
+}
+
+static const char *const PREFIX_CODECS[] = {NULL, "k=nvfp4,v=int8"};
+
+START_TEST(prefix_every_allocation_fails_in_turn) {
+  for (size_t i = 0; i < sizeof KV / sizeof *KV; i++) KV[i] = (uint16_t)(0x3f00 + (i * 37) % 256);
+  uint64_t live0 = kvp__fault_live(NULL), live_b;
+  tally t = {0, 0, 0, 0};
+  uint64_t total = run_prefix(PREFIX_CODECS[_i], 0, &t);
+  ck_assert_uint_gt(total, 0);
+  ck_assert_uint_eq(t.failed_calls, 0);
+  for (uint64_t k = 1; k <= total; k++) {
+    uint64_t n = run_prefix(PREFIX_CODECS[_i], k, &t);
+    t.runs++;
+    uint64_t live = kvp__fault_live(&live_b);
+    ck_assert_msg(live == live0, "prefix k=%llu: %llu allocations (%llu bytes) left after destroy",
+                  (unsigned long long)k, (unsigned long long)(live - live0), (unsigned long long)live_b);
+    if (n < k) break;
+  }
+  printf("fault prefix %-14s %5llu allocations swept, %5llu calls failed\n",
+         PREFIX_CODECS[_i] ? PREFIX_CODECS[_i] : "raw", (unsigned long long)t.runs, (unsigned long long)t.failed_calls);
+  ck_assert_uint_gt(t.failed_calls, 0);
 }
 END_TEST
 
@@ -499,6 +576,7 @@ int main(void) {
   TCase *tc = tcase_create("sweep");
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, every_allocation_fails_in_turn, 0, NSCEN);
+  tcase_add_loop_test(tc, prefix_every_allocation_fails_in_turn, 0, 2);
   suite_add_tcase(s, tc);
   TCase *room = tcase_create("room");
   tcase_set_timeout(room, 60);

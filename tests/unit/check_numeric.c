@@ -628,8 +628,32 @@ START_TEST(sincos_vs_libm) {
 }
 END_TEST
 
+/* XXH64 against the reference implementation's values ("", "a", "abc",
+ * seed 0), and the paired form equal to two calls at every length through
+ * the stripes and the 8-, 4- and 1-byte tails. */
+START_TEST(xxh64_known_and_paired) {
+  ck_assert_uint_eq(kvp__xxh64("", 0, 0), 0xEF46DB3751D8E999ull);
+  ck_assert_uint_eq(kvp__xxh64("a", 1, 0), 0xD24EC4F1A98C6E5Bull);
+  ck_assert_uint_eq(kvp__xxh64("abc", 3, 0), 0x44BC2CF5AD770999ull);
+  unsigned char buf[300];
+  for (int i = 0; i < 300; i++) buf[i] = (unsigned char)(i * 131 + 7);
+  for (size_t n = 0; n <= 300; n++) {
+    uint64_t seeds[3][2] = {{0, 1}, {0x6b76706f6f6c2d61ull, 0x6b76706f6f6c2d62ull}, {~0ull, 12345}};
+    for (int k = 0; k < 3; k++) {
+      uint64_t two[2];
+      kvp__xxh64_2(buf, n, seeds[k][0], seeds[k][1], two);
+      ck_assert_uint_eq(two[0], kvp__xxh64(buf, n, seeds[k][0]));
+      ck_assert_uint_eq(two[1], kvp__xxh64(buf, n, seeds[k][1]));
+    }
+  }
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("numeric");
+  TCase *th = tcase_create("hash");
+  tcase_add_test(th, xxh64_known_and_paired);
+  suite_add_tcase(s, th);
   TCase *tc = tcase_create("codes");
   tcase_add_loop_test(tc, every_code_decodes, 0, NFMT);
   tcase_add_loop_test(tc, every_code_reencodes, 0, NFMT);
