@@ -40,7 +40,13 @@ struct emu_idx {
 namespace emu {
 
 constexpr int kMaxThreads = 1024;
+/* Under ASan every stack switch (swapcontext) clears the shadow of the whole
+ * stack it enters: smaller stacks there (the kernels' frames are small). */
+#if defined(__SANITIZE_ADDRESS__)
+constexpr size_t kStack = 64 * 1024;
+#else
 constexpr size_t kStack = 256 * 1024;
+#endif
 
 /* Coroutine switches: on x86-64 a 14-instruction switch of the stack
  * pointer and the callee-saved registers (swapcontext makes a system call
