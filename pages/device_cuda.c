@@ -250,7 +250,7 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
   uint32_t used = 0;
   for (int i = 0; i < 4; i++) {
     kvp__dev_group *g = &db->g[i];
-    if (g->n < STAGE_MIN_JOBS || used + g->n > STAGE_JOBS) continue;
+    if (g->hstates || g->n < STAGE_MIN_JOBS || used + g->n > STAGE_JOBS) continue; /* qvg reads its jobs from parameters */
     memcpy(d->stage_host + used, g->jobs, g->n * sizeof *g->jobs);
     staged[i] = d->stage_dev + used;
     used += g->n;
