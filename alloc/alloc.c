@@ -1,10 +1,10 @@
 /*
  * alloc/alloc.c - the page allocator: size-class dispatch (slab slots up to
- * 16 KiB, extents above, sized to the 4 KiB unit), the strict budget, grow,
- * and the allocator check.
+ * small_max_bytes, 32 KiB in a region of 8 MiB or more; extents above,
+ * sized to the 4 KiB unit), the strict budget, grow, and the allocator check.
  *
  * Invariants (kvp__alloc_check):
- *   page.allocated   = kvp__alloc_size(requested) when taken; a page keeps its
+ *   page.allocated   = kvp__alloc_size(a, requested) when taken; a page keeps its
  *                      bytes when it shrinks in place
  *   ledger.allocated = sum over live slab slots of their class size
  *                    + sum over LARGE extents of their bytes (no class rounding)
@@ -31,11 +31,14 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
   kvp__sc_init();
   a->stats = stats;
   a->meta = meta;
-  for (uint32_t i = 0; i < KVP__SC_COUNT; i++) a->bins[i].cur = &kvp__slab_empty;
+  for (uint32_t i = 0; i < KVP__SC_SMALL_COUNT; i++) a->bins[i].cur = &kvp__slab_empty;
   int rc = kvp__region_open(mem, device, region_bytes, flags, &a->region);
   if (rc) return rc;
   a->slab_bytes = kvp__slab_bytes_for(region_bytes);
-  for (uint32_t c = 0; c < kvp__sc_small_count; c++)
+  a->small_max_bytes = kvp__small_max_for(a->slab_bytes);
+  a->nsmall = kvp__sc_index(a->small_max_bytes) + 1;
+  kvp__assert(kvp__sc_size(a->nsmall - 1) == a->small_max_bytes && a->nsmall <= KVP__SC_SMALL_COUNT);
+  for (uint32_t c = 0; c < a->nsmall; c++)
     a->class_slab_bytes[c] = kvp__slab_bytes_of(kvp__sc_size(c), a->slab_bytes);
   if ((rc = kvp__extents_init(&a->ext, region_bytes, meta))) {
     kvp__region_close(&a->region);
@@ -53,7 +56,7 @@ void kvp__alloc_fini(kvp__alloc *a) {
 
 uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
   uint64_t room = a->ledger.reserved_bytes - a->ledger.committed.current;
-  for (uint32_t c = 0; c < kvp__sc_small_count; c++) {
+  for (uint32_t c = 0; c < a->nsmall; c++) {
     uint64_t size = kvp__sc_size(c), nslots = a->class_slab_bytes[c] / size;
     room += (a->bins[c].nslabs * nslots - a->bins[c].nused) * size;
   }
@@ -61,13 +64,13 @@ uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
 }
 
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
-  return bytes && bytes <= KVP_MAX_PAGE_BYTES && kvp__ledger_fits(&a->ledger, kvp__alloc_size(bytes));
+  return bytes && bytes <= KVP_MAX_PAGE_BYTES && kvp__ledger_fits(&a->ledger, kvp__alloc_size(a, bytes));
 }
 
 /* Take size bytes (kvp__alloc_size of a request); *off receives the region
  * offset. */
 static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
-  if (KVP__LIKELY(size <= KVP__SMALL_MAX_BYTES)) return kvp__slab_take(a, kvp__sc_lut[size >> 6], off);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) return kvp__slab_take(a, kvp__sc_index(size), off);
   kvp__extent *e = NULL;
   int rc = kvp__extent_alloc(&a->ext, size, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
   if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
@@ -80,7 +83,7 @@ static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
 }
 
 int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size) {
-  if (size <= KVP__SMALL_MAX_BYTES) return kvp__slab_put(a, off, kvp__sc_lut[size >> 6]);
+  if (size <= a->small_max_bytes) return kvp__slab_put(a, off, kvp__sc_index(size));
   kvp__extent *e = kvp__extent_at(&a->ext, off);
   if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size)
     return kvp__err(KVP_EINVAL, "page at offset %llu (%llu bytes): not a live large page (foreign or already freed)",
@@ -139,7 +142,7 @@ void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
 
 /* Allocate without validation or ledger section (callers hold it). */
 static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
-  uint64_t size = kvp__alloc_size(bytes);
+  uint64_t size = kvp__alloc_size(a, bytes);
   if (KVP__UNLIKELY(!kvp__ledger_fits(&a->ledger, size))) return KVP_EBUDGET;
   if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, tag->seq))) return KVP_ENOMEM;
   uint64_t off = 0;
@@ -149,7 +152,7 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
     a->tx->reused = kvp__alloc_tx_overlaps(a->tx, off, size);
   out->off = off;
   out->requested_bytes = (uint32_t)bytes;
-  out->size64 = (uint32_t)(size >> 6);
+  out->size8 = (uint32_t)(size >> 3);
   out->tag = *tag;
   kvp__alloc_count(a, out, +1);
   kvp__count_add(&a->ledger.allocs, 1);
@@ -157,7 +160,7 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
 }
 
 static int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
-  uint64_t size = kvp__alloc_size(bytes);
+  uint64_t size = kvp__alloc_size(a, bytes);
   if (rc == KVP_EBUDGET) return refuse_budget(a, bytes, size);
   if (rc == KVP_ENOSPC) return refuse_space(a, bytes, size);
   return rc; /* ENOMEM: message already set */
@@ -178,8 +181,8 @@ int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__pag
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   if (!p) return kvp__err(KVP_EINVAL, "page is NULL");
   uint64_t size = kvp__page_alloc_bytes(p);
-  bool small_ok = size <= KVP__SMALL_MAX_BYTES && size && kvp__sc_size(kvp__page_class(p)) == size;
-  bool large_ok = size > KVP__SMALL_MAX_BYTES && size % KVP__EXTENT_UNIT == 0;
+  bool small_ok = size <= a->small_max_bytes && size && kvp__sc_size(kvp__page_class(p)) == size;
+  bool large_ok = size > a->small_max_bytes && size % KVP__EXTENT_UNIT == 0;
   if ((!small_ok && !large_ok) || !p->requested_bytes || p->requested_bytes > size)
     return kvp__err(KVP_EINVAL, "page at offset %llu: %llu allocated / %u requested bytes is not a page",
                     (unsigned long long)p->off, (unsigned long long)size, p->requested_bytes);
@@ -200,7 +203,7 @@ static int grow_large_in_place(kvp__alloc *a, kvp__page *p, uint64_t new_cls, ui
   if (!e || e->state != KVP__EXT_LARGE || !kvp__ledger_fits(&a->ledger, new_cls - old_cls)) return KVP_ENOSPC;
   if (!kvp__extent_grow_in_place(&a->ext, e, new_cls)) return KVP_ENOSPC;
   kvp__alloc_count(a, p, -1);
-  p->size64 = (uint32_t)(new_cls >> 6);
+  p->size8 = (uint32_t)(new_cls >> 3);
   p->requested_bytes = (uint32_t)bytes;
   kvp__alloc_count(a, p, +1);
   kvp__gauge_add(&a->ledger.committed, new_cls - old_cls);
@@ -211,7 +214,7 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
   if (!bytes || bytes > KVP_MAX_PAGE_BYTES)
     return kvp__err(KVP_EINVAL, "grow to %llu bytes: must be 1..%llu", (unsigned long long)bytes,
                     (unsigned long long)KVP_MAX_PAGE_BYTES);
-  uint64_t size = kvp__alloc_size(bytes);
+  uint64_t size = kvp__alloc_size(a, bytes);
   int rc = KVP_OK;
   kvp__ledger_begin(&a->ledger);
   kvp__count_add(&a->ledger.grows, 1);
@@ -219,7 +222,7 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
     kvp__alloc_count(a, p, -1);
     p->requested_bytes = (uint32_t)bytes;
     kvp__alloc_count(a, p, +1);
-  } else if (kvp__page_is_small(p) || grow_large_in_place(a, p, size, bytes) != KVP_OK) {
+  } else if (kvp__page_is_small(a, p) || grow_large_in_place(a, p, size, bytes) != KVP_OK) {
     kvp__page np;
     rc = alloc_locked(a, bytes, &p->tag, &np); /* both pages count while the move lasts */
     if (!rc) {
@@ -247,7 +250,7 @@ int kvp__alloc_check(const kvp__alloc *a) {
   int rc = kvp__extents_check(&a->ext);
   if (rc) return rc;
   uint64_t allocated = 0, nused = 0, nslabs = 0, nlarge = 0;
-  uint64_t per_class_used[KVP__SC_COUNT] = {0}, per_class_slabs[KVP__SC_COUNT] = {0};
+  uint64_t per_class_used[KVP__SC_SMALL_COUNT] = {0}, per_class_slabs[KVP__SC_SMALL_COUNT] = {0};
   for (const kvp__extent *e = a->ext.first; e; e = e->anext) {
     if (e->state == KVP__EXT_SLAB) {
       const kvp__slab *s = e->owner;
@@ -266,7 +269,7 @@ int kvp__alloc_check(const kvp__alloc *a) {
       nlarge++;
     }
   }
-  for (uint32_t c = 0; c < KVP__SC_COUNT; c++)
+  for (uint32_t c = 0; c < KVP__SC_SMALL_COUNT; c++)
     if (per_class_used[c] != a->bins[c].nused || per_class_slabs[c] != a->bins[c].nslabs)
       return kvp__err(KVP_ECORRUPT, "class %u: %llu used slots in %llu slabs, bin says %llu in %llu", c,
                       (unsigned long long)per_class_used[c], (unsigned long long)per_class_slabs[c],

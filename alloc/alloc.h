@@ -10,15 +10,22 @@
  *           | extent | extent (SLAB) | free | extent | ...
  *   The region is tiled by extents in address order; each is FREE, SLAB
  *   (one slab of one size class, sized by its class: kvp__slab_bytes_of) or
- *   LARGE (one page > 16 KiB, its requested bytes rounded up to the 4 KiB
- *   extent unit only: large pages waste < 4 KiB each, not a size class's
- *   up to 20%).
+ *   LARGE (one page above the largest slab class, its requested bytes
+ *   rounded up to the 4 KiB extent unit only).
  *
  * Allocated bytes of a request (kvp__alloc_size):
- *   bytes <= 16 KiB: its size class (4 per doubling, 64 B granule)
- *   bytes >  16 KiB: align_up(bytes, 4 KiB)
+ *   bytes <= small_max_bytes: its size class (8 B, 16 B steps to 1 KiB, then
+ *                             64 per doubling: under 1/64 of rounding)
+ *   bytes >  small_max_bytes: align_up(bytes, 4 KiB) (under 4 KiB, 1/8)
+ *   small_max_bytes = 32 KiB in a region of 8 MiB or more (slabs of 8
+ *   slots of it: 256 KiB); in a smaller region, an 8th of its slab cap.
+ * Slab classes stop at 32 KiB because every class in use keeps a partly
+ * used slab: finer classes above would cost a random mix of sizes up to 8x
+ * its bytes in slabs, and from 32 KiB on the 4 KiB unit rounds by 1/8 at
+ * most (nothing, for the 4 KiB multiples a KV cache's pages mostly are).
  * The extent unit is the granule on a device region too: the region is one
- * cudaMalloc, so sub-allocation needs no finer device granule than 4 KiB.
+ * cudaMalloc, so sub-allocation needs no finer device granule than 4 KiB,
+ * and slots of a class are 16-byte aligned (8-byte for the 8 B class).
  */
 #ifndef KVP_ALLOC_H
 #define KVP_ALLOC_H
@@ -80,35 +87,44 @@ extern const kvp__region_ops kvp__region_cuda_ops;
 
 /* ======================================================================
  * Size classes (alloc/sizeclass.c)
- * Four classes per doubling from a 64 B granule:
- *   64 128 192 256 | 320 384 448 512 | 640 768 896 1024 | ...
- * index(bytes) is the smallest class >= bytes; size(index(b)) >= b.
+ * An 8 B class, 16 B steps up to 1 KiB, then 64 classes per doubling:
+ *   8 | 16 32 48 ... 1024 | 1040 1056 ... 2048 | 2080 ... 4096 | ...
+ * index(bytes) is the smallest class >= bytes; size(index(b)) >= b, and
+ * size(index(b)) - b < max(16, b / 64).
  * ==================================================================== */
 
-#define KVP__SC_GRANULE 64u
+#define KVP__SC_TINY 8u                       /* the first class */
+#define KVP__SC_QUANTUM 16u                   /* step of the linear classes */
+#define KVP__SC_LINEAR_MAX 1024ull            /* largest linear class */
+#define KVP__SC_LINEAR_COUNT 64u              /* linear classes: 16, 32, ..., 1024 (indexes 1..64) */
+#define KVP__SC_LG_STEPS 6u                   /* 2^6 = 64 classes per doubling above 1 KiB */
+#define KVP__SC_STEPS (1u << KVP__SC_LG_STEPS)
 #define KVP__SC_MAX_BYTES (1ull << 44)        /* largest class: 16 TiB */
-#define KVP__SC_COUNT 148u                    /* classes up to KVP__SC_MAX_BYTES (checked by a test) */
+#define KVP__SC_COUNT 2241u                   /* classes up to KVP__SC_MAX_BYTES (checked by a test) */
+#define KVP__SC_LUT_MAX_BYTES (16ull << 10)   /* sizes the table answers (one load) */
 #define KVP__SLAB_BYTES (2ull << 20)          /* one slab (regions of 64 MiB and more) */
-#define KVP__SLAB_MIN_BYTES (64ull << 10)     /* smallest slab cap: 4 slots of the largest small class */
-#define KVP__SLAB_SLOTS 512u                  /* slots a slab is sized for (fewer where the cap binds) */
-#define KVP__SMALL_MAX_BYTES (16ull << 10)    /* largest class carved from slabs (>= 128 slots) */
+#define KVP__SLAB_MIN_BYTES (64ull << 10)     /* smallest slab cap */
+#define KVP__SLAB_SLOTS 512u                  /* most slots of a slab (its bitmap: 8 words) */
+#define KVP__SLAB_MIN_SLOTS 8u                /* slots a slab holds at least: a class is a slab class only so */
+#define KVP__SLAB_FLOOR_BYTES (16ull << 10)   /* smallest slab where 8 slots take less (at most 512 slots) */
+#define KVP__SMALL_MAX_BYTES (32ull << 10)    /* largest slab class (a 256 KiB slab of 8 slots) */
+#define KVP__SC_SMALL_COUNT 385u              /* classes <= KVP__SMALL_MAX_BYTES (checked by a test) */
 #define KVP__EXTENT_UNIT (4ull << 10)         /* extent granularity */
 #define KVP__EXTENT_UNIT_SHIFT 12u
 
 uint32_t kvp__sc_index_slow(uint64_t bytes); /* the formula; bytes in 1..MAX */
 uint64_t kvp__sc_size_slow(uint32_t index);  /* the formula */
 extern uint64_t kvp__sc_sizes[KVP__SC_COUNT]; /* the formula, tabulated */
-extern uint8_t kvp__sc_lut[(KVP__SMALL_MAX_BYTES >> 6) + 1]; /* (b+63)>>6 -> index */
-extern uint32_t kvp__sc_small_count;          /* classes <= KVP__SMALL_MAX_BYTES */
-void kvp__sc_init(void);                      /* fill the LUT; idempotent */
+extern uint16_t kvp__sc_lut[(KVP__SC_LUT_MAX_BYTES >> 3) + 1]; /* (b+7)>>3 -> index */
+void kvp__sc_init(void);                      /* fill the tables; idempotent */
 
-/* Fast path: one table load for small sizes. bytes in 1..KVP__SC_MAX_BYTES. */
+/* Fast path: one table load up to 16 KiB. bytes in 1..KVP__SC_MAX_BYTES. */
 static inline uint32_t kvp__sc_index(uint64_t bytes) {
-  if (KVP__LIKELY(bytes <= KVP__SMALL_MAX_BYTES)) return kvp__sc_lut[(bytes + 63) >> 6];
+  if (KVP__LIKELY(bytes <= KVP__SC_LUT_MAX_BYTES)) return kvp__sc_lut[(bytes + 7) >> 3];
   return kvp__sc_index_slow(bytes);
 }
 static inline uint64_t kvp__sc_size(uint32_t index) { return kvp__sc_sizes[index]; }
-/* Largest class <= bytes (bytes >= 64). */
+/* Largest class <= bytes (bytes >= 8). */
 uint32_t kvp__sc_index_floor(uint64_t bytes);
 
 /* ======================================================================
@@ -116,6 +132,16 @@ uint32_t kvp__sc_index_floor(uint64_t bytes);
  * ==================================================================== */
 
 typedef enum { KVP__EXT_FREE, KVP__EXT_SLAB, KVP__EXT_LARGE } kvp__ext_state;
+
+/* Free extents are binned by size, four bins per doubling from the 4 KiB
+ * unit: bin(b) = 4 (lg b - 12) + the two bits below b's leading one, so a
+ * bin holds [lower(bin), lower(bin + 1)) and every higher bin holds only
+ * larger extents. */
+#define KVP__EXT_BINS 132u /* up to 16 TiB */
+static inline uint32_t kvp__ext_bin(uint64_t bytes) {
+  unsigned lg = kvp__lg_floor(bytes); /* >= 12 */
+  return 4 * (lg - KVP__EXTENT_UNIT_SHIFT) + (uint32_t)((bytes >> (lg - 2)) & 3);
+}
 
 typedef struct kvp__extent {
   uint64_t off;                      /* byte offset in the region */
@@ -146,8 +172,8 @@ typedef struct kvp__extents {
   uint64_t nchunks;             /* entries of rmap: ceil(nunits / KVP__RMAP_CHUNK_UNITS) */
   kvp__rmap_chunk **rmap;       /* [nchunks]: address map chunks, NULL where no unit is used */
   uint32_t *rmap_nused;         /* [nchunks]: non-NULL entries of each chunk */
-  kvp__extent *bins[KVP__SC_COUNT]; /* free extents by floor size class */
-  uint64_t nonempty[(KVP__SC_COUNT + 63) / 64]; /* bit per non-empty bin */
+  kvp__extent *bins[KVP__EXT_BINS]; /* free extents by kvp__ext_bin of their bytes */
+  uint64_t nonempty[(KVP__EXT_BINS + 63) / 64]; /* bit per non-empty bin */
   kvp__extent *first;           /* lowest-address extent */
   uint64_t nextents;            /* descriptors (free and used) */
   uint64_t used_bytes;          /* bytes of SLAB and LARGE extents */
@@ -271,15 +297,16 @@ void kvp__ledger_snapshot(const kvp__ledger *l, kvp__ledger *out);
 typedef struct kvp__page {
   uint64_t off;             /* region offset of the first byte */
   uint32_t requested_bytes; /* what the layout asked */
-  uint32_t size64;          /* allocated bytes / 64: a small class size (<= 16 KiB: a slab slot) or a
-                               large page's extent bytes (> 16 KiB, a multiple of 4 KiB) */
+  uint32_t size8;           /* allocated bytes / 8: a slab class size (<= small_max_bytes: a slab slot) or a
+                               large page's extent bytes (> small_max_bytes, a multiple of 4 KiB) */
   kvp__tag tag;             /* where its bytes are counted */
 } kvp__page;
 
-/* Allocated bytes for a request of bytes (1..KVP_MAX_PAGE_BYTES): the size
- * class up to 16 KiB, the 4 KiB extent unit above. */
-static inline uint64_t kvp__alloc_size(uint64_t bytes) {
-  if (KVP__LIKELY(bytes <= KVP__SMALL_MAX_BYTES)) return kvp__sc_size(kvp__sc_lut[(bytes + 63) >> 6]);
+/* Allocated bytes for a request of bytes (1..KVP_MAX_PAGE_BYTES) in an
+ * allocator whose largest slab class is small_max: the size class up to
+ * it, the 4 KiB extent unit above. */
+static inline uint64_t kvp__alloc_size_for(uint64_t small_max, uint64_t bytes) {
+  if (KVP__LIKELY(bytes <= small_max)) return kvp__sc_size(kvp__sc_index(bytes));
   return kvp__align_up(bytes, KVP__EXTENT_UNIT);
 }
 
@@ -324,9 +351,11 @@ typedef struct kvp__alloc_tx {
 typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
-  kvp__bin bins[KVP__SC_COUNT]; /* slab bins, small classes only */
+  uint64_t small_max_bytes;    /* largest slab class: KVP__SMALL_MAX_BYTES, or an 8th of a smaller slab cap */
+  uint32_t nsmall;             /* slab classes: kvp__sc_index(small_max_bytes) + 1 */
+  kvp__bin bins[KVP__SC_SMALL_COUNT]; /* slab bins, [nsmall] used */
   uint64_t slab_bytes;         /* largest slab: kvp__slab_bytes_for(region) */
-  uint64_t class_slab_bytes[KVP__SC_COUNT]; /* bytes of a slab of each small class: kvp__slab_bytes_of */
+  uint64_t class_slab_bytes[KVP__SC_SMALL_COUNT]; /* bytes of a slab of each slab class: kvp__slab_bytes_of */
   kvp__ledger ledger;          /* byte truth */
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */
@@ -341,22 +370,44 @@ static inline uint64_t kvp__slab_bytes_for(uint64_t region_bytes) {
   if (want <= KVP__SLAB_MIN_BYTES) return KVP__SLAB_MIN_BYTES;
   return 1ull << kvp__lg_floor(want);
 }
-/* Slab bytes of a class of slot_bytes under a cap (kvp__slab_bytes_for): room
- * for KVP__SLAB_SLOTS slots (a multiple of the 4 KiB unit, since classes are
- * multiples of 64 B), at most the cap. A 64 B class takes a 32 KiB slab, a
- * 4 KiB class 2 MiB, the 16 KiB class 2 MiB (128 slots): a small class never
- * needs a large slab, so a small region holds many classes at once. */
+/* Largest slab class under a slab cap: one whose slab holds
+ * KVP__SLAB_MIN_SLOTS slots, at most KVP__SMALL_MAX_BYTES (32 KiB from a
+ * 256 KiB cap on, 8 KiB under 64 KiB). */
+static inline uint64_t kvp__small_max_for(uint64_t cap_bytes) {
+  uint64_t m = cap_bytes / KVP__SLAB_MIN_SLOTS;
+  return m < KVP__SMALL_MAX_BYTES ? m : KVP__SMALL_MAX_BYTES;
+}
+/* Slab bytes of a class of slot_bytes under a cap (kvp__slab_bytes_for):
+ * room for KVP__SLAB_MIN_SLOTS (8) slots rounded up to the 4 KiB unit, at
+ * least a floor of 16 KiB (an 8th of a smaller cap), at most
+ * KVP__SLAB_SLOTS (512) slots and at most the cap. Like jemalloc's slabs, a
+ * slab is as small as a few slots allow, because every class in use keeps
+ * one partly used slab: with 64 classes per doubling a KV cache's pages
+ * (few sizes) or a random mix (many) pay at most a slab per class. An 8 B
+ * class takes 4 KiB, 64 B 16 KiB, 1 KiB 16 KiB, 4 KiB 32 KiB, 32 KiB
+ * 256 KiB (8 slots); in a 4 MiB region (128 KiB cap) a class never takes
+ * more than 128 KiB, so a small region holds many classes at once. */
 static inline uint64_t kvp__slab_bytes_of(uint64_t slot_bytes, uint64_t cap_bytes) {
-  uint64_t want = slot_bytes * KVP__SLAB_SLOTS;
+  uint64_t floor = cap_bytes / KVP__SLAB_MIN_SLOTS < KVP__SLAB_FLOOR_BYTES ? cap_bytes / KVP__SLAB_MIN_SLOTS
+                                                                           : KVP__SLAB_FLOOR_BYTES;
+  uint64_t want = kvp__align_up(slot_bytes * KVP__SLAB_MIN_SLOTS, KVP__EXTENT_UNIT);
+  if (want < floor) want = floor;
+  if (want > slot_bytes * KVP__SLAB_SLOTS) want = slot_bytes * KVP__SLAB_SLOTS; /* a multiple of 4 KiB */
   return want < cap_bytes ? want : cap_bytes;
+}
+/* Allocated bytes for a request of bytes in a (kvp__alloc_size_for). */
+static inline uint64_t kvp__alloc_size(const kvp__alloc *a, uint64_t bytes) {
+  return kvp__alloc_size_for(a->small_max_bytes, bytes);
 }
 int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes,
                     uint64_t budget_bytes, uint32_t flags, kvp__stats *stats, kvp__meta *meta);
 void kvp__alloc_fini(kvp__alloc *a);
-static inline uint64_t kvp__page_alloc_bytes(const kvp__page *p) { return (uint64_t)p->size64 << 6; }
-/* A small page is a slab slot; its class is one table load. */
-static inline bool kvp__page_is_small(const kvp__page *p) { return p->size64 <= (KVP__SMALL_MAX_BYTES >> 6); }
-static inline uint32_t kvp__page_class(const kvp__page *p) { return kvp__sc_lut[p->size64]; }
+static inline uint64_t kvp__page_alloc_bytes(const kvp__page *p) { return (uint64_t)p->size8 << 3; }
+/* A small page is a slab slot; its class is one table load (up to 16 KiB). */
+static inline bool kvp__page_is_small(const kvp__alloc *a, const kvp__page *p) {
+  return kvp__page_alloc_bytes(p) <= a->small_max_bytes;
+}
+static inline uint32_t kvp__page_class(const kvp__page *p) { return kvp__sc_index(kvp__page_alloc_bytes(p)); }
 static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {
   return a->region.base + p->off;
 }

@@ -10,7 +10,7 @@
  * Invariants (kvp__extents_check):
  *   off(first) = 0; off(next) = off + bytes; sum of bytes = x->bytes
  *   no two address-adjacent extents are both FREE (free coalesces)
- *   a FREE extent is in bins[floor_class(bytes)], and that bin's bit is set
+ *   a FREE extent is in bins[kvp__ext_bin(bytes)], and that bin's bit is set
  *   rmap[u] = e for every unit u of a SLAB extent e and for the first unit of
  *   a LARGE one; NULL for every other unit (free, or inside a large page)
  *   a chunk of the address map exists iff one of its units is used, and its
@@ -30,7 +30,7 @@ static void bit_set(uint64_t *w, uint32_t i) { w[i / 64] |= 1ull << (i % 64); }
 static void bit_clear(uint64_t *w, uint32_t i) { w[i / 64] &= ~(1ull << (i % 64)); }
 
 static void bin_insert(kvp__extents *x, kvp__extent *e) {
-  uint32_t b = kvp__sc_index_floor(e->bytes);
+  uint32_t b = kvp__ext_bin(e->bytes);
   e->state = KVP__EXT_FREE;
   e->bin = b;
   e->fprev = NULL;
@@ -171,13 +171,13 @@ static kvp__extent *best_in(kvp__extent *list, uint64_t bytes, uint64_t align, u
   return best;
 }
 
-/* Best fit over the segregated bins: the bin of floor_class(n) may hold
+/* Best fit over the segregated bins: the bin of kvp__ext_bin(n) may hold
  * extents large enough, every higher non-empty bin (found through a bitmap)
  * holds only large-enough ones (modulo alignment): the first bin with a fit
  * has the smallest one, since bins do not overlap in size. Cost: O(1) bitmap
  * scans plus the lists of the bins inspected (one, almost always). */
 static kvp__extent *find_fit(const kvp__extents *x, uint64_t bytes, uint64_t align, uint64_t *at) {
-  uint32_t b = kvp__sc_index_floor(bytes);
+  uint32_t b = kvp__ext_bin(bytes);
   kvp__extent *e = best_in(x->bins[b], bytes, align, at);
   if (e) return e;
   for (uint32_t w = (b + 1) / 64; w < KVP__ARRAY_LEN(x->nonempty); w++) {
@@ -335,11 +335,11 @@ bool kvp__extent_grow_in_place(kvp__extents *x, kvp__extent *e, uint64_t bytes) 
 
 static int check_bins(const kvp__extents *x, uint64_t nfree) {
   uint64_t listed = 0;
-  for (uint32_t b = 0; b < KVP__SC_COUNT; b++) {
+  for (uint32_t b = 0; b < KVP__EXT_BINS; b++) {
     bool bit = (x->nonempty[b / 64] >> (b % 64)) & 1;
     if (bit != (x->bins[b] != NULL)) return CORRUPT("extent bin %u: non-empty bit %d disagrees with its list", b, bit);
     for (const kvp__extent *e = x->bins[b]; e; e = e->fnext, listed++) {
-      if (e->state != KVP__EXT_FREE || e->bin != b || kvp__sc_index_floor(e->bytes) != b)
+      if (e->state != KVP__EXT_FREE || e->bin != b || kvp__ext_bin(e->bytes) != b)
         return CORRUPT("extent at offset %llu (%llu bytes) is in free bin %u wrongly",
                        (unsigned long long)e->off, (unsigned long long)e->bytes, b);
       if (listed > nfree) return CORRUPT("extent bin %u: list longer than the free extents", b);

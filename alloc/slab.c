@@ -1,9 +1,11 @@
 /*
  * alloc/slab.c - slabs: one extent cut into slots of one size class, with a
  * host-side bitmap (bit set = slot free). A slab is sized by its class
- * (kvp__slab_bytes_of: 512 slots, at most 2 MiB, or less in a region under
- * 64 MiB: a 32nd of the region, at least 64 KiB), so a 64 B class takes a
- * 32 KiB slab and a small region holds many classes at once.
+ * (kvp__slab_bytes_of: 8 slots rounded up to the 4 KiB unit, at least
+ * 16 KiB, at most 512 slots, at most the cap: 2 MiB, or a 32nd of a region
+ * under 64 MiB, at least 64 KiB; the 8 slots bound the slab classes:
+ * kvp__small_max_for), so an 8 B class takes a 4 KiB slab, a 64 B one
+ * 16 KiB, and a region of any size holds many classes at once.
  *
  *   slab          | slot 0 | slot 1 | ... | slot nslots-1 | unused tail |
  *   bitmap        [ word 0: slots 0..63 ][ word 1 ] ... [ word nwords-1 ]
@@ -54,7 +56,7 @@ static void slab_release(kvp__alloc *a, kvp__slab *s);
 
 uint64_t kvp__slabs_purge_empty(kvp__alloc *a) {
   uint64_t n = 0;
-  for (uint32_t c = 0; c < kvp__sc_small_count; c++) {
+  for (uint32_t c = 0; c < a->nsmall; c++) {
     kvp__slab *s = a->bins[c].cur;
     if (s != &kvp__slab_empty && s->nfree == s->nslots) {
       slab_release(a, s);

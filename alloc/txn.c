@@ -60,7 +60,7 @@ int kvp__alloc_tx_reserve(kvp__alloc *a, kvp__alloc_tx *tx, const kvp__page *p) 
     d->anext = tx->spare_ext;
     tx->spare_ext = d;
   }
-  if (kvp__page_is_small(p)) {
+  if (kvp__page_is_small(a, p)) {
     uint32_t sc = kvp__page_class(p);
     arr = tx->spare_slab;
     rc = grow(a, &arr, tx->nspare_slab, &tx->spare_slab_cap, sizeof *tx->spare_slab);
@@ -89,7 +89,7 @@ void kvp__alloc_tx_free(kvp__alloc *a, kvp__alloc_tx *tx, const kvp__page *p) {
   kvp__alloc_freed *f = &tx->freed[tx->n++];
   f->page = *p;
   f->slab_off = 0;
-  if (kvp__page_is_small(p)) {
+  if (kvp__page_is_small(a, p)) {
     const kvp__extent *e = kvp__extent_at(&a->ext, p->off);
     kvp__assert(e && e->state == KVP__EXT_SLAB);
     f->slab_off = ((const kvp__slab *)e->owner)->base;
@@ -142,7 +142,7 @@ static kvp__slab **spare_slab_of(kvp__alloc_tx *tx, uint32_t sc) {
 static void take_back(kvp__alloc *a, kvp__alloc_tx *tx, const kvp__alloc_freed *f) {
   const kvp__page *p = &f->page;
   uint64_t size = kvp__page_alloc_bytes(p);
-  if (kvp__page_is_small(p)) {
+  if (kvp__page_is_small(a, p)) {
     kvp__slab **desc = spare_slab_of(tx, kvp__page_class(p));
     kvp__slab_restore(a, p->off, kvp__page_class(p), f->slab_off, desc, &tx->spare_ext);
   } else {

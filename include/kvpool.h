@@ -192,8 +192,9 @@ KVP_API int kvp_pool_info(kvp_pool *pool, uint32_t layer, kvp_layer_info *out);
  *   requested <= allocated <= committed <= reserved
  *   allocated <= budget
  * requested: bytes the page layouts asked for; allocated: their size class
- * up to 16 KiB, above that the request rounded up to the 4 KiB extent unit
- * only (less than 4 KiB of rounding per large page); committed: bytes of slabs and extents in use; reserved:
+ * up to 32 KiB (8 B, 16 B steps to 1 KiB, then 64 classes per doubling:
+ * under 16 B or 1/64 of rounding), above that the request rounded up to the
+ * 4 KiB extent unit only; committed: bytes of slabs and extents in use; reserved:
  * the region. Gauges carry {current, peak, total}: total is the sum of all
  * increases. Counters carry a total.
  * ---------------------------------------------------------------------- */
@@ -695,7 +696,7 @@ typedef struct kvp_page_tag {
 typedef struct kvp_page_desc {
   void *addr;               /* first byte (host or device address) */
   uint64_t requested_bytes; /* what was asked */
-  uint64_t allocated_bytes; /* its size class (<= 16 KiB) or extent size (4 KiB units) */
+  uint64_t allocated_bytes; /* its size class (<= 32 KiB) or extent size (4 KiB units) */
 } kvp_page_desc;
 
 /* Allocate a page of bytes (1..KVP_MAX_PAGE_BYTES) with a tag. Errors:

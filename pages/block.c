@@ -113,7 +113,7 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
     const kvp__binding *bd = raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
     kvp_codec_layout lay;
     kvp__bind_layout(bd, pos0, cap, &lay);
-    for (unsigned i = 0; i < lay.npages; i++) sum += kvp__alloc_size(lay.bytes[i]);
+    for (unsigned i = 0; i < lay.npages; i++) sum += kvp__alloc_size(&pool->alloc, lay.bytes[i]);
   }
   return sum;
 }

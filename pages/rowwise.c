@@ -62,10 +62,10 @@ static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
   for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
 }
 
-static uint64_t class_bytes(const kvp_codec_layout *lay) {
+static uint64_t class_bytes(const kvp_pool *pool, const kvp_codec_layout *lay) {
   uint64_t sum = 0;
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < lay[kv].npages; i++) sum += kvp__alloc_size(lay[kv].bytes[i]);
+    for (unsigned i = 0; i < lay[kv].npages; i++) sum += kvp__alloc_size(&pool->alloc, lay[kv].bytes[i]);
   return sum;
 }
 
@@ -153,13 +153,13 @@ static int rw_plan_make(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t po
     int rc = KVP_OK;
     if (tail) {
       *e = (rw_blk){.blk = tail, .pos0 = tail->pos0, .cap = tail->cap_tokens, .n_have = tail->n_tokens, .n_new = fill};
-      if (!(rc = rw_size(pool, layer, h, kv, e, tail)) && e->rep) pl->bytes += class_bytes(e->lay);
+      if (!(rc = rw_size(pool, layer, h, kv, e, tail)) && e->rep) pl->bytes += class_bytes(pool, e->lay);
       e++;
     }
     for (uint32_t j = 0; !rc && j < pl->nnew; j++, e++) {
       uint32_t m = rest - j * bt < bt ? rest - j * bt : bt;
       *e = (rw_blk){.pos0 = pos + fill + j * bt, .cap = stream ? bt : m, .n_new = m, .src_row = fill + j * bt};
-      if (!(rc = rw_size(pool, layer, h, kv, e, NULL))) pl->bytes += class_bytes(e->lay);
+      if (!(rc = rw_size(pool, layer, h, kv, e, NULL))) pl->bytes += class_bytes(pool, e->lay);
       e->rep = NULL;
     }
     if (rc) {

@@ -271,12 +271,12 @@ START_TEST(refused_append_evicts_nothing_region) {
 }
 END_TEST
 
-/* The region, not the budget, is short, and fragmented: raw pages of 64 B
+/* The region, not the budget, is short, and fragmented: raw pages of 16 B
  * fill every free extent with slabs, then all but one slot of each slab are
  * freed, so the region has many free slots and no free extent. Each step of
  * the sequence is one block per (layer, head) whose pages are a size class
  * of their own (block_tokens 64), and a raw page of each class used so far
- * keeps those slabs alive. The append of step 4 needs a new slab (64 KiB,
+ * keeps those slabs alive. The append of step 4 needs a new slab (8 KiB,
  * class 1024): none fits; its before-evictions could make room as far as
  * the budget and the free slots tell, so they are applied, free only slots,
  * and the slab still does not fit. The append fails with KVP_ENOSPC and
@@ -305,11 +305,11 @@ START_TEST(fragmented_region_undoes_evictions) {
     ck_ok(kvp_step_end(p, 1));
   }
   kvp_page_tag tag = {.seq = 99, .layer = 0, .head = 0, .type = KVP_PAGE_RAW, .kv = 0, .codec = 0};
-  kvp_page_id keep[4], *fill = malloc(sizeof *fill * (1u << 16));
+  kvp_page_id keep[4], *fill = malloc(sizeof *fill * (1u << 17));
   for (uint32_t k = 0; k < 4; k++) ck_ok(kvp_page_alloc(p, T[k] * D * 2, &tag, &keep[k])); /* K and V pages' class */
   uint32_t n = 0;
-  int rc;
-  while ((rc = kvp_page_alloc(p, 64, &tag, &fill[n])) == KVP_OK) n++;
+  int rc = KVP_OK;
+  while (n < (1u << 17) && (rc = kvp_page_alloc(p, 16, &tag, &fill[n])) == KVP_OK) n++; /* 512 to a slab */
   ck_assert_int_eq(rc, KVP_ENOSPC);
   ck_assert_uint_gt(n, 512);
   for (uint32_t i = 0; i < n; i++)

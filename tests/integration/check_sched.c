@@ -194,13 +194,16 @@ END_TEST
 
 /* ---- VAR-shaped run in step mode ----------------------------------------- */
 
-/* Size class of n bytes, from DESIGN.md's rule (4 per doubling, 64 B
- * granule), computed here independently of the library. */
+/* Allocated bytes of a page of n bytes in this 64 MiB region, computed
+ * here independently of the library: a size class up to 32 KiB (8 B, 16 B
+ * steps to 1 KiB, then 64 per doubling), the 4 KiB extent unit above. */
 static uint64_t class_of(uint64_t n) {
-  if (n <= 256) return (n + 63) / 64 * 64;
-  uint64_t hi = 256;
-  while (hi < n) hi *= 2;
-  uint64_t step = hi / 8; /* four classes in (hi/2, hi] */
+  if (n > (32u << 10)) return (n + 4095) / 4096 * 4096;
+  if (n <= 8) return 8;
+  if (n <= 1024) return (n + 15) / 16 * 16;
+  uint64_t lo = 1024;
+  while (lo * 2 < n) lo *= 2; /* n in (lo, 2 lo] */
+  uint64_t step = lo / 64;
   return (n + step - 1) / step * step;
 }
 

@@ -90,17 +90,18 @@ static double F(json_t *j, const char *key) {
   return json_number_value(v);
 }
 
-/* Allocated bytes of a page: up to 16 KiB its size class as DESIGN.md
- * section 5 states them (4 per doubling from a 64 B granule: 64, 128, 192,
- * 256, 320, 384, 448, 512, 640, ...); above, the request rounded up to the
- * 4 KiB extent unit only. */
+/* Allocated bytes of a page in a region of 64 MiB or more (the simulator's):
+ * up to 32 KiB its size class (8 B, then 16 B steps to 1 KiB, then 64 per
+ * doubling: 1040, 1056, ..., 2048, 2080, ...); above, the request rounded
+ * up to the 4 KiB extent unit only. */
 static uint64_t size_class(uint64_t n) {
-  if (n > 16384) return (n + 4095) / 4096 * 4096;
-  if (n <= 256) return (n + 63) / 64 * 64;
-  uint64_t b = 256;
-  while (b * 2 < n) b *= 2;
-  uint64_t step = b / 4;
-  return b + (n - b + step - 1) / step * step;
+  if (n > (32u << 10)) return (n + 4095) / 4096 * 4096;
+  if (n <= 8) return 8;
+  if (n <= 1024) return (n + 15) / 16 * 16;
+  uint64_t lo = 1024;
+  while (lo * 2 < n) lo *= 2; /* n in (lo, 2 lo] */
+  uint64_t step = lo / 64;
+  return (n + step - 1) / step * step;
 }
 
 /* Raw bf16 var: full cache from the geometry alone. */

@@ -17,14 +17,18 @@
 START_TEST(sc_formula_every_boundary) {
   kvp__sc_init();
   ck_assert_uint_eq(kvp__sc_size(KVP__SC_COUNT - 1), KVP__SC_MAX_BYTES);
-  ck_assert_uint_eq(kvp__sc_size(0), 64);
+  ck_assert_uint_eq(kvp__sc_size(0), 8);
+  ck_assert_uint_eq(kvp__sc_size(1), 16);
+  ck_assert_uint_eq(kvp__sc_size(KVP__SC_LINEAR_COUNT), KVP__SC_LINEAR_MAX);
+  ck_assert_uint_eq(kvp__sc_size(KVP__SC_SMALL_COUNT - 1), KVP__SMALL_MAX_BYTES);
   uint64_t prev = 0;
   for (uint32_t i = 0; i < KVP__SC_COUNT; i++) {
     uint64_t sz = kvp__sc_size(i);
     ck_assert_uint_eq(sz, kvp__sc_size_slow(i)); /* the table is the formula */
-    ck_assert_msg(sz > prev && sz % KVP__SC_GRANULE == 0, "class %u size %llu", i, (unsigned long long)sz);
-    /* four classes per doubling: size(i + 4) = 2 size(i) past the first group */
-    if (i >= 4 && i + 4 < KVP__SC_COUNT) ck_assert_uint_eq(kvp__sc_size(i + 4), 2 * sz);
+    ck_assert_msg(sz > prev && (i == 0 || sz % KVP__SC_QUANTUM == 0), "class %u size %llu", i, (unsigned long long)sz);
+    /* 64 classes per doubling past 1 KiB: size(i + 64) = 2 size(i) */
+    if (sz >= KVP__SC_LINEAR_MAX && i + KVP__SC_STEPS < KVP__SC_COUNT)
+      ck_assert_uint_eq(kvp__sc_size(i + KVP__SC_STEPS), 2 * sz);
     /* boundaries: sz maps to i, sz + 1 to i + 1, prev + 1 to i */
     ck_assert_uint_eq(kvp__sc_index(sz), i);
     ck_assert_uint_eq(kvp__sc_index_slow(sz), i);
@@ -32,11 +36,11 @@ START_TEST(sc_formula_every_boundary) {
     if (i + 1 < KVP__SC_COUNT) ck_assert_uint_eq(kvp__sc_index(sz + 1), i + 1);
     ck_assert_uint_eq(kvp__sc_index_floor(sz), i);
     if (i > 0 && sz - 1 > prev) ck_assert_uint_eq(kvp__sc_index_floor(sz - 1), i - 1);
-    /* rounding waste under 25% */
-    ck_assert(prev < 256 || (sz - (prev + 1)) * 4 < sz);
-    /* large classes are whole extent units; small ones give >= 8 slots */
-    if (sz > KVP__SMALL_MAX_BYTES) ck_assert_uint_eq(sz % KVP__EXTENT_UNIT, 0);
-    else ck_assert(KVP__SLAB_BYTES / sz >= 128);
+    /* rounding waste: under 16 B, or under 1/64 of the size */
+    uint64_t waste = sz - (prev + 1);
+    ck_assert_msg(waste < 16 || waste * 64 < sz, "class %u: %llu bytes of waste", i, (unsigned long long)waste);
+    /* slab classes give >= 8 slots in a 2 MiB slab */
+    if (sz <= KVP__SMALL_MAX_BYTES) ck_assert_uint_ge(KVP__SLAB_BYTES / sz, KVP__SLAB_MIN_SLOTS);
     prev = sz;
   }
 }
@@ -46,7 +50,32 @@ START_TEST(sc_lut_matches_formula) {
   kvp__sc_init();
   for (uint64_t b = 1; b <= KVP__SMALL_MAX_BYTES; b++)
     ck_assert_msg(kvp__sc_index(b) == kvp__sc_index_slow(b), "bytes %llu", (unsigned long long)b);
-  ck_assert_uint_eq(kvp__sc_small_count, kvp__sc_index(KVP__SMALL_MAX_BYTES) + 1);
+  ck_assert_uint_eq(KVP__SC_SMALL_COUNT, kvp__sc_index(KVP__SMALL_MAX_BYTES) + 1);
+  /* the slab classes of a region follow its slab cap: 8 slots at least */
+  ck_assert_uint_eq(kvp__small_max_for(KVP__SLAB_BYTES), KVP__SMALL_MAX_BYTES);
+  ck_assert_uint_eq(kvp__small_max_for(128ull << 10), 16ull << 10);
+  ck_assert_uint_eq(kvp__small_max_for(256ull << 10), KVP__SMALL_MAX_BYTES);
+  ck_assert_uint_eq(kvp__small_max_for(KVP__SLAB_MIN_BYTES), 8ull << 10);
+}
+END_TEST
+
+/* The pages of a KV cache come in few, arbitrary sizes; each costs what it
+ * asks within 16 B or 1/64 (nvfp4's 4-byte META page, kvquant's 66-byte
+ * OUTLIERS, the CODES and SCALES of VAR scales: 64 and 8 bytes x side^2). */
+START_TEST(sc_kv_page_sizes_cost_what_they_ask) {
+  kvp__sc_init();
+  static const struct { uint64_t req, alloc; } cases[] = {
+      {4, 8},         {6, 8},         {8, 8},          {18, 32},        {66, 80},        {96, 96},
+      {128, 128},     {288, 288},     {1152, 1152},    {1156, 1168},    {2304, 2304},    {3200, 3200},
+      {4608, 4608},   {9216, 9216},   {12800, 12800},  {18432, 18432},  {25600, 25600},  {36864, 36864},
+      {102400, 102400}, {147456, 147456}, {262144, 262144}, {262145, 266240}, {1180000, 1183744}};
+  for (unsigned i = 0; i < sizeof cases / sizeof *cases; i++)
+    ck_assert_msg(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, cases[i].req) == cases[i].alloc,
+                  "%llu bytes: %llu allocated, want %llu", (unsigned long long)cases[i].req,
+                  (unsigned long long)kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, cases[i].req),
+                  (unsigned long long)cases[i].alloc);
+  /* alignment: slots of classes above 8 B are 16-byte multiples */
+  for (uint32_t c = 1; c < KVP__SC_SMALL_COUNT; c++) ck_assert_uint_eq(kvp__sc_size(c) % 16, 0);
 }
 END_TEST
 
@@ -231,42 +260,59 @@ START_TEST(slab_fill_and_drain) {
 }
 END_TEST
 
-/* A small region holds slabs of many classes at once: a 4 MiB region takes
- * one page of each of 24 small classes (a 2 MiB slab per class fitted two),
- * and the slab size follows the class (512 slots), capped by the region. */
+/* A small region holds slabs of many classes at once: a slab is sized for
+ * 8 slots (at least 16 KiB, or an 8th of the cap), capped at a 32nd of the
+ * region, so a 4 MiB region takes one page of each of the 64 classes of 16..1024 bytes
+ * and of 23 more up to its largest slab class (16 KiB, 9/8 apart), where a
+ * 2 MiB slab per class failed at the third class with 192 bytes allocated;
+ * the 2 MiB region, the smallest, takes 81 classes (up to 8 KiB). */
 START_TEST(small_region_many_classes) {
   ck_assert_uint_eq(kvp__slab_bytes_for(4ull << 20), 128ull << 10);
   ck_assert_uint_eq(kvp__slab_bytes_for(1ull << 20), KVP__SLAB_MIN_BYTES);
   ck_assert_uint_eq(kvp__slab_bytes_for(100ull << 20), KVP__SLAB_BYTES);
   ck_assert_uint_eq(kvp__slab_bytes_for(48ull << 20), 1ull << 20);
-  kvp_pool *p = mkpool(4 * MB, 0, 1, 1);
-  ck_assert_uint_eq(p->alloc.class_slab_bytes[0], 32 << 10); /* 512 x 64 B */
-  ck_assert_uint_eq(p->alloc.class_slab_bytes[1], 64 << 10);
-  ck_assert_uint_eq(p->alloc.class_slab_bytes[23], 128 << 10); /* the cap: 8 x 16 KiB */
-  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
-  kvp_page_id ids[24];
-  uint64_t want = 0;
-  for (uint32_t c = 0; c < 24; c++) {
-    uint64_t sz = kvp__sc_size(c);
-    ck_assert_uint_le(sz, KVP__SMALL_MAX_BYTES);
-    ck_assert_uint_ge(p->alloc.class_slab_bytes[c] / sz, 8);
-    want += p->alloc.class_slab_bytes[c];
-    if (kvp_page_alloc(p, sz, &t, &ids[c])) ck_abort_msg("class %u (%llu bytes): %s", c, (unsigned long long)sz,
-                                                         kvp_last_error());
+  ck_assert_uint_eq(kvp__slab_bytes_of(8, KVP__SLAB_BYTES), 4 << 10); /* 512 slots */
+  ck_assert_uint_eq(kvp__slab_bytes_of(64, KVP__SLAB_BYTES), 16 << 10);
+  ck_assert_uint_eq(kvp__slab_bytes_of(4096, KVP__SLAB_BYTES), 32 << 10);
+  ck_assert_uint_eq(kvp__slab_bytes_of(33280, KVP__SLAB_BYTES), 8 * 33280);
+  ck_assert_uint_eq(kvp__slab_bytes_of(KVP__SMALL_MAX_BYTES, KVP__SLAB_BYTES), 8 * KVP__SMALL_MAX_BYTES);
+  for (int r = 0; r < 2; r++) {
+    uint64_t region = r ? 2 * MB : 4 * MB;
+    kvp_pool *p = mkpool(region, 0, 1, 1);
+    ck_assert_uint_eq(p->alloc.small_max_bytes, r ? 8 << 10 : 16 << 10);
+    ck_assert_uint_eq(p->alloc.class_slab_bytes[kvp__sc_index(64)], r ? 8 << 10 : 16 << 10);
+    ck_assert_uint_eq(p->alloc.class_slab_bytes[kvp__sc_index(1024)], r ? 8 << 10 : 16 << 10);
+    ck_assert_uint_eq(p->alloc.class_slab_bytes[p->alloc.nsmall - 1], p->alloc.slab_bytes); /* the cap: 8 slots */
+    kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
+    kvp_page_id ids[96];
+    uint64_t want = 0, req = 0;
+    uint32_t n = 0, nwant = r ? 81 : 87;
+    for (uint64_t sz = 16; n < nwant; sz = sz < 1024 ? sz + 16 : sz * 9 / 8) {
+      uint32_t c = kvp__sc_index(sz);
+      if (c >= p->alloc.nsmall) break;
+      ck_assert_uint_ge(p->alloc.class_slab_bytes[c] / kvp__sc_size(c), KVP__SLAB_MIN_SLOTS);
+      want += p->alloc.class_slab_bytes[c];
+      req += sz;
+      if (kvp_page_alloc(p, sz, &t, &ids[n])) ck_abort_msg("%u MiB region, page %u (%llu bytes, %llu allocated): %s",
+                                                         (unsigned)(region / MB), n, (unsigned long long)sz,
+                                                         (unsigned long long)req, kvp_last_error());
+      n++;
+      ck_pool(p);
+    }
+    ck_assert_uint_eq(n, nwant);
+    kvp_stats s = {.struct_size = sizeof s};
+    ck_ok(kvp_stats_get(p, &s));
+    ck_assert_uint_eq(s.bytes_committed.current, want);
+    ck_assert_uint_le(want, region);
+    for (uint32_t i = 0; i < n; i++) ck_ok(kvp_page_free(p, ids[i]));
     ck_pool(p);
+    kvp_pool_destroy(p);
   }
-  kvp_stats s = {.struct_size = sizeof s};
-  ck_ok(kvp_stats_get(p, &s));
-  ck_assert_uint_eq(s.bytes_committed.current, want);
-  ck_assert_uint_lt(want, 24 * p->alloc.slab_bytes);
-  for (uint32_t c = 0; c < 24; c++) ck_ok(kvp_page_free(p, ids[c]));
-  ck_pool(p);
-  kvp_pool_destroy(p);
 }
 END_TEST
 
 /* A small class never needs a 2 MiB slab, in a large region too: a 64 B
- * page commits 32 KiB; a region with room for a few small slabs only still
+ * page commits 16 KiB; a region with room for a few small slabs only still
  * serves many classes, and every slab's slot is found again on free. */
 START_TEST(small_class_small_slab) {
   kvp_pool *p = mkpool(128 * MB, 0, 1, 1);
@@ -276,10 +322,10 @@ START_TEST(small_class_small_slab) {
   ck_ok(kvp_page_alloc(p, 64, &t, &a));
   kvp_stats s = {.struct_size = sizeof s};
   ck_ok(kvp_stats_get(p, &s));
-  ck_assert_uint_eq(s.bytes_committed.current, 32 << 10);
-  /* leave 512 KiB of the region: room for slabs of three more classes (64 + 96 + 128 KiB), where one
+  ck_assert_uint_eq(s.bytes_committed.current, 16 << 10);
+  /* leave 512 KiB of the region: room for slabs of three more classes (16 KiB each), where one
    * 2 MiB slab per class would have none */
-  ck_ok(kvp_page_alloc(p, 128 * MB - (32 << 10) - (512 << 10), &t, &big));
+  ck_ok(kvp_page_alloc(p, 128 * MB - (16 << 10) - (512 << 10), &t, &big));
   kvp_page_id ids[5];
   static const uint64_t sz[5] = {100, 150, 200, 60, 64};
   for (int i = 0; i < 5; i++) {
@@ -297,24 +343,24 @@ START_TEST(small_class_small_slab) {
 END_TEST
 
 START_TEST(slab_bitmap_reuses_lowest) {
-  kvp_pool *p = mkpool(8 * MB, 0, 1, 1);
+  kvp_pool *p = mkpool(64 * MB, 0, 1, 1); /* 512-slot slabs: the 200 pages share one */
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
   kvp_page_id ids[200];
   kvp_page_desc d[200];
-  for (int i = 0; i < 200; i++) {
+  for (int i = 0; i < 140; i++) { /* one slab of 146 slots */
     ck_ok(kvp_page_alloc(p, 100, &t, &ids[i]));
     ck_ok(kvp_page_describe(p, ids[i], &d[i]));
   }
   ck_ok(kvp_page_free(p, ids[7]));
-  ck_ok(kvp_page_free(p, ids[150]));
+  ck_ok(kvp_page_free(p, ids[100]));
   kvp_page_id a, b;
   kvp_page_desc da, db;
-  ck_ok(kvp_page_alloc(p, 128, &t, &a));
-  ck_ok(kvp_page_alloc(p, 65, &t, &b));
+  ck_ok(kvp_page_alloc(p, 112, &t, &a)); /* 100's class */
+  ck_ok(kvp_page_alloc(p, 97, &t, &b));
   ck_ok(kvp_page_describe(p, a, &da));
   ck_ok(kvp_page_describe(p, b, &db));
   ck_assert_ptr_eq(da.addr, d[7].addr);
-  ck_assert_ptr_eq(db.addr, d[150].addr);
+  ck_assert_ptr_eq(db.addr, d[100].addr);
   ck_pool(p);
   kvp_pool_destroy(p);
 }
@@ -362,12 +408,12 @@ START_TEST(budget_exactly_reachable_never_passable) {
   kvp_pool *p = mkpool(16 * MB, budget, 1, 1);
   kvp_page_tag t = tag_of(3, 0, 0, KVP_PAGE_RAW, 1);
   kvp_page_id ids[11], last;
-  for (int i = 0; i < 10; i++) ck_ok(kvp_page_alloc(p, 4000, &t, &ids[i]));
+  for (int i = 0; i < 10; i++) ck_ok(kvp_page_alloc(p, 4065, &t, &ids[i])); /* class 4096 */
   kvp_stats s0 = {.struct_size = sizeof s0}, s1 = {.struct_size = sizeof s1};
   ck_ok(kvp_stats_get(p, &s0));
   ck_status(kvp_page_alloc(p, 4096, &t, &ids[10]), KVP_EBUDGET);
   ck_assert(strstr(kvp_last_error(), "budget 41024") != NULL);
-  ck_status(kvp_page_alloc(p, 65, &t, &ids[10]), KVP_EBUDGET); /* class 128 > 64 left */
+  ck_status(kvp_page_alloc(p, 65, &t, &ids[10]), KVP_EBUDGET); /* class 80 > 64 left */
   ck_ok(kvp_page_alloc(p, 64, &t, &last));                    /* exactly the budget */
   ck_ok(kvp_stats_get(p, &s1));
   ck_assert_uint_eq(s1.bytes_allocated.current, budget);
@@ -385,9 +431,9 @@ START_TEST(budget_exactly_reachable_never_passable) {
   ck_pool(p);
   ck_ok(kvp_page_free(p, last));
   ck_ok(kvp_page_free(p, ids[1]));
-  ck_status(kvp_page_grow(p, ids[0], 8000), KVP_EBUDGET); /* 9 x 4096 + 8192 > budget */
+  ck_status(kvp_page_grow(p, ids[0], 8000), KVP_EBUDGET); /* 9 x 4096 + 8000 > budget */
   ck_ok(kvp_page_free(p, ids[2]));
-  ck_ok(kvp_page_grow(p, ids[0], 8000)); /* 8 x 4096 + 8192 fit during the move */
+  ck_ok(kvp_page_grow(p, ids[0], 8000)); /* 8 x 4096 + 8000 fit during the move */
   ck_pool(p);
   kvp_pool_destroy(p);
 }
@@ -400,8 +446,9 @@ START_TEST(region_full_is_enospc) {
   ck_ok(kvp_page_alloc(p, 3 * MB, &t, &a));
   ck_status(kvp_page_alloc(p, 2 * MB, &t, &b), KVP_ENOSPC);
   ck_assert(strstr(kvp_last_error(), "region") != NULL);
-  ck_ok(kvp_page_alloc(p, 64, &t, &b)); /* a 32 KiB slab in the last MiB */
-  ck_ok(kvp_page_alloc(p, 1 * MB - p->alloc.class_slab_bytes[0], &t, &c));
+  ck_ok(kvp_page_alloc(p, 64, &t, &b)); /* a 16 KiB slab in the last MiB */
+  ck_assert_uint_eq(p->alloc.class_slab_bytes[kvp__sc_index(64)], 16 << 10);
+  ck_ok(kvp_page_alloc(p, 1 * MB - p->alloc.class_slab_bytes[kvp__sc_index(64)], &t, &c));
   ck_status(kvp_page_alloc(p, 192, &t, &d), KVP_ENOSPC); /* no room for a slab of another class */
   ck_ok(kvp_page_alloc(p, 64, &t, &d));                  /* the slab of its class has room */
   ck_pool(p);
@@ -476,22 +523,23 @@ END_TEST
  * ledger, the stats and kvp_page_describe all say align_up(requested, 4 KiB),
  * the budget binds on those bytes exactly, and a refused page changes nothing. */
 START_TEST(large_pages_exact_sizes) {
-  static const uint64_t sizes[] = {16385, 20479, 20480, 20481, 65536 + 1, 1180000, 1310720 - 4096 + 1, 3 * MB + 17};
+  static const uint64_t sizes[] = {262145, 266239, 266240, 266241, 300001, 1180000, 1310720 - 4096 + 1, 3 * MB + 17};
   enum { N = sizeof sizes / sizeof *sizes };
   kvp__sc_init();
   uint64_t want = 0, req = 0;
   for (int i = 0; i < N; i++) {
-    uint64_t a = kvp__alloc_size(sizes[i]);
+    uint64_t a = kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, sizes[i]);
     ck_assert_uint_eq(a, (sizes[i] + KVP__EXTENT_UNIT - 1) / KVP__EXTENT_UNIT * KVP__EXTENT_UNIT);
     ck_assert_uint_lt(a - sizes[i], KVP__EXTENT_UNIT);
     want += a;
     req += sizes[i];
   }
-  ck_assert_uint_eq(kvp__alloc_size(KVP__SMALL_MAX_BYTES), KVP__SMALL_MAX_BYTES); /* small: still a class */
-  ck_assert_uint_eq(kvp__alloc_size(1000), 1024);
-  ck_assert_uint_eq(kvp__alloc_size(KVP_MAX_PAGE_BYTES), 1ull << 32);
+  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, KVP__SMALL_MAX_BYTES), KVP__SMALL_MAX_BYTES); /* a class */
+  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 1000), 1008);
+  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, KVP_MAX_PAGE_BYTES), 1ull << 32);
   /* the budget is exactly the sum: a size class would have passed it (1180000 -> 1.25 MiB) */
-  kvp_pool *p = mkpool(32 * MB, want, 1, 1);
+  kvp_pool *p = mkpool(64 * MB, want, 1, 1);
+  ck_assert_uint_eq(p->alloc.small_max_bytes, KVP__SMALL_MAX_BYTES);
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_CODES, 0);
   kvp_page_id ids[N];
   for (int i = 0; i < N; i++) {
@@ -499,7 +547,7 @@ START_TEST(large_pages_exact_sizes) {
     kvp_page_desc d;
     ck_ok(kvp_page_describe(p, ids[i], &d));
     ck_assert_uint_eq(d.requested_bytes, sizes[i]);
-    ck_assert_uint_eq(d.allocated_bytes, kvp__alloc_size(sizes[i]));
+    ck_assert_uint_eq(d.allocated_bytes, kvp__alloc_size(&p->alloc, sizes[i]));
     ck_assert_uint_eq((uintptr_t)d.addr % KVP__EXTENT_UNIT, 0);
     ck_pool(p);
   }
@@ -516,15 +564,15 @@ START_TEST(large_pages_exact_sizes) {
   ck_assert(strstr(buf, "\"bytes.requested\"") && strstr(buf, "\"bytes.allocated\""));
   /* full to the byte: one more unit is refused and nothing changes */
   kvp_page_id extra;
-  ck_status(kvp_page_alloc(p, 16385, &t, &extra), KVP_EBUDGET);
-  ck_assert(strstr(kvp_last_error(), "20480 allocated") != NULL);
+  ck_status(kvp_page_alloc(p, 262145, &t, &extra), KVP_EBUDGET);
+  ck_assert(strstr(kvp_last_error(), "266240 allocated") != NULL);
   ck_ok(kvp_stats_get(p, &s2));
   ck_assert_uint_eq(s2.bytes_allocated.current, want);
   ck_assert_uint_eq(s2.bytes_requested.current, req);
   ck_assert_uint_eq(s2.bytes_committed.current, s.bytes_committed.current);
   ck_pool(p);
   /* growing inside the page's own 4 KiB unit moves nothing and allocates nothing */
-  ck_ok(kvp_page_grow(p, ids[1], 20480));
+  ck_ok(kvp_page_grow(p, ids[1], 266240));
   ck_ok(kvp_stats_get(p, &s2));
   ck_assert_uint_eq(s2.bytes_allocated.current, want);
   ck_assert_uint_eq(s2.bytes_requested.current, req + 1);
@@ -532,14 +580,14 @@ START_TEST(large_pages_exact_sizes) {
   ck_ok(kvp_page_grow(p, ids[5], 100));
   kvp_page_desc d;
   ck_ok(kvp_page_describe(p, ids[5], &d));
-  ck_assert_uint_eq(d.allocated_bytes, kvp__alloc_size(1180000));
+  ck_assert_uint_eq(d.allocated_bytes, kvp__alloc_size(&p->alloc, 1180000));
   ck_assert_uint_eq(d.requested_bytes, 100);
   ck_pool(p);
   /* growing past it would pass the budget: refused, unchanged */
-  ck_status(kvp_page_grow(p, ids[0], 20481), KVP_EBUDGET);
+  ck_status(kvp_page_grow(p, ids[0], 266241), KVP_EBUDGET);
   ck_ok(kvp_page_describe(p, ids[0], &d));
-  ck_assert_uint_eq(d.requested_bytes, 16385);
-  ck_assert_uint_eq(d.allocated_bytes, 20480);
+  ck_assert_uint_eq(d.requested_bytes, 262145);
+  ck_assert_uint_eq(d.allocated_bytes, 266240);
   ck_pool(p);
   for (int i = 0; i < N; i++) ck_ok(kvp_page_free(p, ids[i]));
   ck_ok(kvp_stats_get(p, &s2));
@@ -639,13 +687,13 @@ START_TEST(internal_free_rejects_foreign_and_double) {
   f.off = 1ull << 40; /* outside the region */
   ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
   f = a;
-  f.size64 = (uint32_t)(kvp__sc_size(kvp__page_class(&a) + 1) >> 6); /* wrong class */
+  f.size8 = (uint32_t)(kvp__sc_size(kvp__page_class(&a) + 1) >> 3); /* wrong class */
   ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
   f = a;
-  f.size64 += 1; /* no class at all */
+  f.size8 += 1; /* no class at all */
   ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
   f = big;
-  f.size64 += KVP__EXTENT_UNIT >> 6; /* a large page of the wrong size */
+  f.size8 += KVP__EXTENT_UNIT >> 3; /* a large page of the wrong size */
   ck_status(kvp__alloc_free(&p->alloc, &f), KVP_EINVAL);
   f = big;
   f.off += KVP__EXTENT_UNIT; /* inside a large page */
@@ -850,6 +898,7 @@ static Suite *suite(void) {
   TCase *tc = tcase_create("sizeclass");
   tcase_add_test(tc, sc_formula_every_boundary);
   tcase_add_test(tc, sc_lut_matches_formula);
+  tcase_add_test(tc, sc_kv_page_sizes_cost_what_they_ask);
   suite_add_tcase(s, tc);
   tc = tcase_create("extent");
   tcase_add_test(tc, extents_split_and_coalesce);

@@ -348,10 +348,10 @@ typedef struct room_case {
 static const uint32_t T_ROOM[] = {4, 8, 16, 24, 32, 48};
 static const room_case ROOM[] = {
     {"heatkv", NULL, "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 12288},
-    {"heatkv-int8", "kv=int8", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 8192},
+    {"heatkv-int8", "kv=int8", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 7168},
     /* row by row (pages/rowwise.c) */
-    {"heatkv-kvquant", "kv=kvquant:calib_tokens=16", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 7168},
-    {"heatkv-qvg", "kv=qvg:k=4:group=16", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 9728},
+    {"heatkv-kvquant", "kv=kvquant:calib_tokens=16", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 5568},
+    {"heatkv-qvg", "kv=qvg:k=4:group=16", "heatkv:b=0.5:s=2:orders=synthetic", KVP_SEQ_STEP, 4, 0, 6336},
     {"window", NULL, "window:sink=4:recent=40", KVP_SEQ_STEP, 4, 0, 0},
 };
 #define NROOM (sizeof ROOM / sizeof *ROOM)
@@ -453,8 +453,9 @@ END_TEST
 /* ---- a region too full: new pages over the evicted ones ------------------
  * Every step is 8 tokens (block_tokens 8), so every block's pages are of
  * the same size classes; raw pages then fill every free slot and extent,
- * and every other raw page of 16 KiB goes again (the budget, the region's,
- * has room; the region only for 16 KiB pages). The heatkv append's new pages fit only
+ * and every other raw page of 8 KiB (the region's largest slab class)
+ * goes again (the budget, the region's, has room; the region only for
+ * 8 KiB pages). The heatkv append's new pages fit only
  * in the slots its evictions free, once their bytes go back to the region,
  * so they lie over the evicted blocks' pages; qvg's encode allocates after
  * the pages are taken, so some failure comes while those pages are being
@@ -490,17 +491,15 @@ static kvp_pool *full_region_pool(void) {
   kvp_page_tag tag = {.seq = 99, .type = KVP_PAGE_RAW};
   static kvp_page_id big[512];
   uint32_t nbig = 0;
-  while (nbig < 512 && kvp_page_alloc(p, 16384, &tag, &big[nbig]) == KVP_OK) nbig++; /* 4 to a slab */
+  while (nbig < 512 && kvp_page_alloc(p, 8192, &tag, &big[nbig]) == KVP_OK) nbig++; /* 8 to a slab */
   kvp_page_id id;
-  for (uint64_t size = 64; size <= 16384;) { /* every slot of every class (4 to a doubling, 64 B apart at least) */
+  /* every slot of every class, the largest first (their slabs too): 64 B apart in (4, 8] KiB, 32 in (2, 4],
+   * 16 up to 2 KiB, and the 8 B class last, whose 4 KiB slabs take what is left of the region */
+  for (uint64_t size = 8192; size >= 8; size = size > 4096 ? size - 64 : size > 2048 ? size - 32 : size > 16 ? size - 16 : size - 8)
     while (kvp_page_alloc(p, size, &tag, &id) == KVP_OK) {
     }
-    uint64_t pow2 = 64;
-    while (2 * pow2 <= size) pow2 *= 2;
-    size += pow2 / 4 > 64 ? pow2 / 4 : 64;
-  }
   ck_assert_uint_gt(nbig, 8);
-  for (uint32_t i = 0; i < nbig; i += 2) /* budget room, and region room for 16 KiB pages only: no slab empties */
+  for (uint32_t i = 0; i < nbig; i += 2) /* budget room, and region room for 8 KiB pages only: no slab empties */
     ck_assert_int_eq(kvp_page_free(p, big[i]), KVP_OK);
   return p;
 }
