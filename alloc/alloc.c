@@ -36,6 +36,7 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
   if (rc) return rc;
   a->slab_bytes = kvp__slab_bytes_for(region_bytes);
   a->small_max_bytes = kvp__small_max_for(a->slab_bytes);
+  a->page_align_bytes = mem == KVP_MEM_CUDA ? 64 : KVP__SC_TINY; /* dry CUDA pools too: the same pages */
   a->nsmall = kvp__sc_index(a->small_max_bytes) + 1;
   kvp__assert(kvp__sc_size(a->nsmall - 1) == a->small_max_bytes && a->nsmall <= KVP__SC_SMALL_COUNT);
   for (uint32_t c = 0; c < a->nsmall; c++)
@@ -259,6 +260,9 @@ int kvp__alloc_check(const kvp__alloc *a) {
         return kvp__err(KVP_ECORRUPT, "slab extent at offset %llu: its slab disagrees (base or class slab size)",
                         (unsigned long long)e->off);
       if ((rc = kvp__slab_check(a, s, &u))) return rc;
+      if (s->slot_bytes % a->page_align_bytes)
+        return kvp__err(KVP_ECORRUPT, "slab at offset %llu: class of %u bytes in a region of %llu-byte aligned pages",
+                        (unsigned long long)e->off, s->slot_bytes, (unsigned long long)a->page_align_bytes);
       allocated += u * s->slot_bytes;
       nused += u;
       per_class_used[s->sc] += u;

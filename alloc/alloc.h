@@ -24,8 +24,12 @@
  * its bytes in slabs, and from 32 KiB on the 4 KiB unit rounds by 1/8 at
  * most (nothing, for the 4 KiB multiples a KV cache's pages mostly are).
  * The extent unit is the granule on a device region too: the region is one
- * cudaMalloc, so sub-allocation needs no finer device granule than 4 KiB,
- * and slots of a class are 16-byte aligned (8-byte for the 8 B class).
+ * cudaMalloc, so sub-allocation needs no finer device granule than 4 KiB.
+ * Slots of a class are 16-byte aligned (8-byte for the 8 B class) on the
+ * host. A CUDA region's pages are 64-byte aligned: a request there rounds
+ * up to 64 B before its class (page_align_bytes), because the device's
+ * paged gather addresses pages in 64-byte units (kernels/kernels.h,
+ * kvp__gjob); every class of a multiple of 64 is one.
  */
 #ifndef KVP_ALLOC_H
 #define KVP_ALLOC_H
@@ -303,10 +307,12 @@ typedef struct kvp__page {
 } kvp__page;
 
 /* Allocated bytes for a request of bytes (1..KVP_MAX_PAGE_BYTES) in an
- * allocator whose largest slab class is small_max: the size class up to
- * it, the 4 KiB extent unit above. */
-static inline uint64_t kvp__alloc_size_for(uint64_t small_max, uint64_t bytes) {
-  if (KVP__LIKELY(bytes <= small_max)) return kvp__sc_size(kvp__sc_index(bytes));
+ * allocator whose largest slab class is small_max (a multiple of 64) and
+ * whose pages are align-byte aligned (8, or 64 on a CUDA region): the size
+ * class of the request rounded up to align, up to small_max; the 4 KiB
+ * extent unit above. */
+static inline uint64_t kvp__alloc_size_for(uint64_t small_max, uint64_t align, uint64_t bytes) {
+  if (KVP__LIKELY(bytes <= small_max)) return kvp__sc_size(kvp__sc_index(kvp__align_up(bytes, align)));
   return kvp__align_up(bytes, KVP__EXTENT_UNIT);
 }
 
@@ -353,6 +359,7 @@ typedef struct kvp__alloc {
   kvp__extents ext;            /* extent tiling */
   uint64_t small_max_bytes;    /* largest slab class: KVP__SMALL_MAX_BYTES, or an 8th of a smaller slab cap */
   uint32_t nsmall;             /* slab classes: kvp__sc_index(small_max_bytes) + 1 */
+  uint64_t page_align_bytes;   /* every page's alignment: 8 (host), 64 (CUDA region: kvp__gjob's units) */
   kvp__bin bins[KVP__SC_SMALL_COUNT]; /* slab bins, [nsmall] used */
   uint64_t slab_bytes;         /* largest slab: kvp__slab_bytes_for(region) */
   uint64_t class_slab_bytes[KVP__SC_SMALL_COUNT]; /* bytes of a slab of each slab class: kvp__slab_bytes_of */
@@ -397,7 +404,7 @@ static inline uint64_t kvp__slab_bytes_of(uint64_t slot_bytes, uint64_t cap_byte
 }
 /* Allocated bytes for a request of bytes in a (kvp__alloc_size_for). */
 static inline uint64_t kvp__alloc_size(const kvp__alloc *a, uint64_t bytes) {
-  return kvp__alloc_size_for(a->small_max_bytes, bytes);
+  return kvp__alloc_size_for(a->small_max_bytes, a->page_align_bytes, bytes);
 }
 int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_bytes,
                     uint64_t budget_bytes, uint32_t flags, kvp__stats *stats, kvp__meta *meta);

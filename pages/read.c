@@ -344,8 +344,10 @@ KVP_API void kvp_gather_req_init(kvp_gather_req *req) {
 void kvp__gjob_fill(kvp__gjob *r, const kvp__block *b, uint32_t head, uint32_t a, uint32_t e, uint32_t row,
                     uint16_t tag) {
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++)
+    for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++) {
+      kvp__assert(i >= b->npages[kv] || b->pages[kv][i].off % 64 == 0); /* a CUDA region's pages: 64-byte aligned */
       r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
+    }
   r->row = row;
   r->pos0 = b->pos0;
   r->head = (uint16_t)head;

@@ -70,9 +70,9 @@ START_TEST(sc_kv_page_sizes_cost_what_they_ask) {
       {4608, 4608},   {9216, 9216},   {12800, 12800},  {18432, 18432},  {25600, 25600},  {36864, 36864},
       {102400, 102400}, {147456, 147456}, {262144, 262144}, {262145, 266240}, {1180000, 1183744}};
   for (unsigned i = 0; i < sizeof cases / sizeof *cases; i++)
-    ck_assert_msg(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, cases[i].req) == cases[i].alloc,
+    ck_assert_msg(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, cases[i].req) == cases[i].alloc,
                   "%llu bytes: %llu allocated, want %llu", (unsigned long long)cases[i].req,
-                  (unsigned long long)kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, cases[i].req),
+                  (unsigned long long)kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, cases[i].req),
                   (unsigned long long)cases[i].alloc);
   /* alignment: slots of classes above 8 B are 16-byte multiples */
   for (uint32_t c = 1; c < KVP__SC_SMALL_COUNT; c++) ck_assert_uint_eq(kvp__sc_size(c) % 16, 0);
@@ -220,6 +220,41 @@ static kvp_pool *mkpool(uint64_t region, uint64_t budget, uint32_t layers, uint3
 static kvp_page_tag tag_of(uint64_t seq, uint32_t layer, uint32_t head, kvp_page_type t, uint32_t kv) {
   return (kvp_page_tag){seq, layer, head, t, kv, 0};
 }
+
+/* A CUDA region's pages are 64-byte aligned (the device's paged gather
+ * addresses pages in 64-byte units): a request rounds up to 64 B before its
+ * class there, a dry CUDA pool alike; a host region's classes are finer. */
+START_TEST(cuda_region_pages_64_byte_aligned) {
+  static const uint64_t sizes[] = {4, 66, 96, 100, 1000, 1040, 2080, 5000, 20000};
+  static const uint64_t want[] = {64, 128, 128, 128, 1024, 1088, 2112, 5056, 20224};
+  kvp_config c;
+  kvp_config_init(&c);
+  c.region_bytes = 64ull << 20;
+  c.memory = KVP_MEM_CUDA;
+  c.flags = KVP_POOL_DRY;
+  kvp_pool *p = NULL;
+  ck_ok(kvp_pool_create(&c, &p));
+  ck_assert_uint_eq(p->alloc.page_align_bytes, 64);
+  enum { N = sizeof sizes / sizeof *sizes };
+  kvp__page pg[N][3];
+  for (unsigned i = 0; i < N; i++)
+    for (int k = 0; k < 3; k++) {
+      ck_ok(kvp__alloc_page(&p->alloc, sizes[i], &(kvp__tag){1, 0, 0, KVP_PAGE_META, 0, 0}, &pg[i][k]));
+      ck_assert_uint_eq(kvp__page_alloc_bytes(&pg[i][k]), want[i]);
+      ck_assert_uint_eq(pg[i][k].off % 64, 0);
+      ck_ok(kvp__alloc_check(&p->alloc));
+    }
+  for (unsigned i = 0; i < N; i++)
+    for (int k = 0; k < 3; k++) ck_ok(kvp__alloc_free(&p->alloc, &pg[i][k]));
+  ck_pool(p);
+  kvp_pool_destroy(p);
+  kvp_pool *h = mkpool(64ull << 20, 0, 1, 1); /* the host: 8, 80, 96, 112, 1008, 1040, 2080, 5056 */
+  ck_assert_uint_eq(kvp__alloc_size(&h->alloc, 4), 8);
+  ck_assert_uint_eq(kvp__alloc_size(&h->alloc, 66), 80);
+  ck_assert_uint_eq(kvp__alloc_size(&h->alloc, 1000), 1008);
+  kvp_pool_destroy(h);
+}
+END_TEST
 
 START_TEST(slab_fill_and_drain) {
   /* fill one slab of class _i completely, then a second one; drain both */
@@ -528,15 +563,15 @@ START_TEST(large_pages_exact_sizes) {
   kvp__sc_init();
   uint64_t want = 0, req = 0;
   for (int i = 0; i < N; i++) {
-    uint64_t a = kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, sizes[i]);
+    uint64_t a = kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, sizes[i]);
     ck_assert_uint_eq(a, (sizes[i] + KVP__EXTENT_UNIT - 1) / KVP__EXTENT_UNIT * KVP__EXTENT_UNIT);
     ck_assert_uint_lt(a - sizes[i], KVP__EXTENT_UNIT);
     want += a;
     req += sizes[i];
   }
-  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, KVP__SMALL_MAX_BYTES), KVP__SMALL_MAX_BYTES); /* a class */
-  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 1000), 1008);
-  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, KVP_MAX_PAGE_BYTES), 1ull << 32);
+  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, KVP__SMALL_MAX_BYTES), KVP__SMALL_MAX_BYTES);
+  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, 1000), 1008);
+  ck_assert_uint_eq(kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, KVP_MAX_PAGE_BYTES), 1ull << 32);
   /* the budget is exactly the sum: a size class would have passed it (1180000 -> 1.25 MiB) */
   kvp_pool *p = mkpool(64 * MB, want, 1, 1);
   ck_assert_uint_eq(p->alloc.small_max_bytes, KVP__SMALL_MAX_BYTES);
@@ -899,6 +934,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, sc_formula_every_boundary);
   tcase_add_test(tc, sc_lut_matches_formula);
   tcase_add_test(tc, sc_kv_page_sizes_cost_what_they_ask);
+  tcase_add_test(tc, cuda_region_pages_64_byte_aligned);
   suite_add_tcase(s, tc);
   tc = tcase_create("extent");
   tcase_add_test(tc, extents_split_and_coalesce);

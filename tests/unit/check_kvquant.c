@@ -142,7 +142,7 @@ START_TEST(layout_figures) {
         VT->layout_at(q, (uint32_t)pos0, bt, &l);
         for (unsigned i = 0; i < l.npages; i++) {
           req += l.bytes[i];
-          alloc += kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, l.bytes[i]);
+          alloc += kvp__alloc_size_for(KVP__SMALL_MAX_BYTES, 8, l.bytes[i]);
         }
       }
       VT->destroy(q);
