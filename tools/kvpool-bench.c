@@ -15,6 +15,9 @@
  *   var_allocated_over_requested  allocated / requested bytes of the pages of
  *                       a raw bf16 Infinity-2B full cache (one page per scale,
  *                       head and side) from the pool's stats; baseline: exact.
+ *   var_nvfp4_allocated_over_requested  the same for an nvfp4 cache (codes,
+ *                       scales and a 4-byte META per scale, head and side),
+ *                       with jemalloc's rounding of those sizes (nallocx).
  *   scaling_*_ns        alloc+free pairs (page mix), decode append per (seq,
  *                       layer) and kvp_read per token at 8, 64, 512 and 8192
  *                       live sequences, and alloc+free and a dry decode append
@@ -488,6 +491,47 @@ static void print_scaling(int quick, int json_only) {
 
 /* ---- rounding: allocated over requested bytes of VAR-scale pages ---------- */
 
+/* The pages of an nvfp4 Infinity-2B full cache (per scale, head and side:
+ * E2M1 codes of 64 B a token, E4M3 scales of 8 B a token, a 4-byte FP32
+ * META) taken from a dry pool: allocated / requested from the pool's stats,
+ * beside jemalloc's rounding of the same sizes (nallocx); baseline: exact. */
+static void print_rounding_nvfp4(int json_only) {
+  static const uint32_t sched[12] = {1, 4, 16, 36, 64, 144, 256, 400, 576, 1024, 1600, 2304};
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 1;
+  c.n_kv_heads = 1;
+  c.region_bytes = 1ull << 30;
+  c.flags = KVP_POOL_DRY;
+  kvp_pool *p;
+  int rc = kvp_pool_create(&c, &p);
+  if (rc) die("kvp_pool_create (rounding nvfp4)", rc);
+  uint64_t je_alloc = 0;
+  for (unsigned i = 0; i < 12; i++)
+    for (int side = 0; side < 2; side++) {
+      static const kvp_page_type types[3] = {KVP_PAGE_CODES, KVP_PAGE_SCALES, KVP_PAGE_META};
+      uint64_t bytes[3] = {(uint64_t)sched[i] * 64, (uint64_t)sched[i] * 8, 4};
+      for (int j = 0; j < 3; j++) {
+        kvp_page_tag t = {1, 0, 0, types[j], 0, 0};
+        kvp_page_id id;
+        if ((rc = kvp_page_alloc(p, bytes[j], &t, &id))) die("kvp_page_alloc (rounding nvfp4)", rc);
+        je_alloc += nallocx(bytes[j], 0);
+      }
+    }
+  kvp_stats s = {.struct_size = sizeof s};
+  if ((rc = kvp_stats_get(p, &s))) die("kvp_stats_get", rc);
+  double ratio = (double)s.bytes_allocated.current / (double)s.bytes_requested.current;
+  double je = (double)je_alloc / (double)s.bytes_requested.current;
+  if (!json_only)
+    printf("%-34s %10.4f    %10.4f    %9.4fx   (nvfp4 Infinity-2B scale pages, D=128; jemalloc's classes: %.4f; "
+           "target <= 1.01)\n", "allocated / requested, nvfp4 VAR", ratio, 1.0, ratio, je);
+  printf("{\"figure\":\"var_nvfp4_allocated_over_requested\",\"kvpool\":%.5f,\"baseline\":\"exact\","
+         "\"baseline_value\":1.0,\"ratio\":%.5f,\"jemalloc_nallocx\":%.5f,\"allocated_bytes\":%llu,"
+         "\"requested_bytes\":%llu}\n",
+         ratio, ratio, je, (unsigned long long)s.bytes_allocated.current, (unsigned long long)s.bytes_requested.current);
+  kvp_pool_destroy(p);
+}
+
 /* The pages of a raw bf16 Infinity-2B full cache (13-scale 1024x1024
  * schedule, D = 128: one page per (scale, head, side)) taken from a dry pool:
  * allocated / requested from the pool's own stats; baseline: 1.0 (exact). */
@@ -517,6 +561,7 @@ static void print_rounding(int json_only) {
          "\"ratio\":%.5f,\"allocated_bytes\":%llu,\"requested_bytes\":%llu}\n",
          ratio, ratio, (unsigned long long)s.bytes_allocated.current, (unsigned long long)s.bytes_requested.current);
   kvp_pool_destroy(p);
+  print_rounding_nvfp4(json_only);
 }
 
 /* ---- codecs: host encode/decode throughput --------------------------------- */
