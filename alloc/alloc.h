@@ -110,7 +110,7 @@ extern const kvp__region_ops kvp__region_cuda_ops;
 #define KVP__SLAB_MIN_BYTES (64ull << 10)     /* smallest slab cap */
 #define KVP__SLAB_SLOTS 512u                  /* most slots of a slab (its bitmap: 8 words) */
 #define KVP__SLAB_MIN_SLOTS 8u                /* slots a slab holds at least: a class is a slab class only so */
-#define KVP__SLAB_FLOOR_BYTES (16ull << 10)   /* smallest slab where 8 slots take less (at most 512 slots) */
+#define KVP__SLAB_FLOOR_BYTES (256ull << 10)  /* smallest slab where 8 slots take less (at most 512 slots) */
 #define KVP__SMALL_MAX_BYTES (32ull << 10)    /* largest slab class (a 256 KiB slab of 8 slots) */
 #define KVP__SC_SMALL_COUNT 385u              /* classes <= KVP__SMALL_MAX_BYTES (checked by a test) */
 #define KVP__EXTENT_UNIT (4ull << 10)         /* extent granularity */
@@ -386,14 +386,18 @@ static inline uint64_t kvp__small_max_for(uint64_t cap_bytes) {
 }
 /* Slab bytes of a class of slot_bytes under a cap (kvp__slab_bytes_for):
  * room for KVP__SLAB_MIN_SLOTS (8) slots rounded up to the 4 KiB unit, at
- * least a floor of 16 KiB (an 8th of a smaller cap), at most
- * KVP__SLAB_SLOTS (512) slots and at most the cap. Like jemalloc's slabs, a
- * slab is as small as a few slots allow, because every class in use keeps
- * one partly used slab: with 64 classes per doubling a KV cache's pages
- * (few sizes) or a random mix (many) pay at most a slab per class. An 8 B
- * class takes 4 KiB, 64 B 16 KiB, 1 KiB 16 KiB, 4 KiB 32 KiB, 32 KiB
- * 256 KiB (8 slots); in a 4 MiB region (128 KiB cap) a class never takes
- * more than 128 KiB, so a small region holds many classes at once. */
+ * least a floor of 256 KiB (an 8th of a smaller cap), at most
+ * KVP__SLAB_SLOTS (512) slots and at most the cap. Every class in use keeps
+ * one partly used slab, so with 64 classes per doubling a slab is far
+ * smaller than the 2 MiB cap: a KV cache's pages (few sizes) or a random
+ * mix (many) pay at most 256 KiB of committed bytes per class. The floor
+ * is what keeps the fast path's slab turnover (creating and returning
+ * slabs as a class's pages come and go) as rare as with 2 MiB slabs: 8-slot
+ * slabs of the page mix cost kvpool-bench's alloc+free pair 15% more. An
+ * 8 B class takes 4 KiB (512 slots), 64 B 32 KiB, 1 KiB and 4 KiB and 32 KiB
+ * 256 KiB (256, 64, 8 slots); in a 4 MiB region (128 KiB cap) a class takes
+ * at most 128 KiB and its floor is 16 KiB, so a small region holds many
+ * classes at once. */
 static inline uint64_t kvp__slab_bytes_of(uint64_t slot_bytes, uint64_t cap_bytes) {
   uint64_t floor = cap_bytes / KVP__SLAB_MIN_SLOTS < KVP__SLAB_FLOOR_BYTES ? cap_bytes / KVP__SLAB_MIN_SLOTS
                                                                            : KVP__SLAB_FLOOR_BYTES;

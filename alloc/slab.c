@@ -2,10 +2,11 @@
  * alloc/slab.c - slabs: one extent cut into slots of one size class, with a
  * host-side bitmap (bit set = slot free). A slab is sized by its class
  * (kvp__slab_bytes_of: 8 slots rounded up to the 4 KiB unit, at least
- * 16 KiB, at most 512 slots, at most the cap: 2 MiB, or a 32nd of a region
- * under 64 MiB, at least 64 KiB; the 8 slots bound the slab classes:
- * kvp__small_max_for), so an 8 B class takes a 4 KiB slab, a 64 B one
- * 16 KiB, and a region of any size holds many classes at once.
+ * 256 KiB, at most 512 slots, at most the cap: 2 MiB, or a 32nd of a region
+ * under 64 MiB, at least 64 KiB; the floor is an 8th of a smaller cap, and
+ * the 8 slots bound the slab classes: kvp__small_max_for), so an 8 B class
+ * takes a 4 KiB slab, a 64 B one 32 KiB, and a region of any size holds
+ * many classes at once.
  *
  *   slab          | slot 0 | slot 1 | ... | slot nslots-1 | unused tail |
  *   bitmap        [ word 0: slots 0..63 ][ word 1 ] ... [ word nwords-1 ]

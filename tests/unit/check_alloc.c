@@ -307,8 +307,10 @@ START_TEST(small_region_many_classes) {
   ck_assert_uint_eq(kvp__slab_bytes_for(100ull << 20), KVP__SLAB_BYTES);
   ck_assert_uint_eq(kvp__slab_bytes_for(48ull << 20), 1ull << 20);
   ck_assert_uint_eq(kvp__slab_bytes_of(8, KVP__SLAB_BYTES), 4 << 10); /* 512 slots */
-  ck_assert_uint_eq(kvp__slab_bytes_of(64, KVP__SLAB_BYTES), 16 << 10);
-  ck_assert_uint_eq(kvp__slab_bytes_of(4096, KVP__SLAB_BYTES), 32 << 10);
+  ck_assert_uint_eq(kvp__slab_bytes_of(64, KVP__SLAB_BYTES), 32 << 10);   /* 512 slots */
+  ck_assert_uint_eq(kvp__slab_bytes_of(4096, KVP__SLAB_BYTES), 256 << 10); /* the floor: 64 slots */
+  ck_assert_uint_eq(kvp__slab_bytes_of(1024, 128 << 10), 16 << 10);        /* a 4 MiB region's floor: 16 slots */
+  ck_assert_uint_eq(kvp__slab_bytes_of(8192, 128 << 10), 64 << 10);        /* 8 slots at least */
   ck_assert_uint_eq(kvp__slab_bytes_of(33280, KVP__SLAB_BYTES), 8 * 33280);
   ck_assert_uint_eq(kvp__slab_bytes_of(KVP__SMALL_MAX_BYTES, KVP__SLAB_BYTES), 8 * KVP__SMALL_MAX_BYTES);
   for (int r = 0; r < 2; r++) {
@@ -347,7 +349,7 @@ START_TEST(small_region_many_classes) {
 END_TEST
 
 /* A small class never needs a 2 MiB slab, in a large region too: a 64 B
- * page commits 16 KiB; a region with room for a few small slabs only still
+ * page commits 32 KiB; a region with room for a few small slabs only still
  * serves many classes, and every slab's slot is found again on free. */
 START_TEST(small_class_small_slab) {
   kvp_pool *p = mkpool(128 * MB, 0, 1, 1);
@@ -357,10 +359,10 @@ START_TEST(small_class_small_slab) {
   ck_ok(kvp_page_alloc(p, 64, &t, &a));
   kvp_stats s = {.struct_size = sizeof s};
   ck_ok(kvp_stats_get(p, &s));
-  ck_assert_uint_eq(s.bytes_committed.current, 16 << 10);
-  /* leave 512 KiB of the region: room for slabs of three more classes (16 KiB each), where one
+  ck_assert_uint_eq(s.bytes_committed.current, 32 << 10);
+  /* leave 512 KiB of the region: room for slabs of three more classes (56 + 80 + 104 KiB), where one
    * 2 MiB slab per class would have none */
-  ck_ok(kvp_page_alloc(p, 128 * MB - (16 << 10) - (512 << 10), &t, &big));
+  ck_ok(kvp_page_alloc(p, 128 * MB - (32 << 10) - (512 << 10), &t, &big));
   kvp_page_id ids[5];
   static const uint64_t sz[5] = {100, 150, 200, 60, 64};
   for (int i = 0; i < 5; i++) {
@@ -382,7 +384,7 @@ START_TEST(slab_bitmap_reuses_lowest) {
   kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
   kvp_page_id ids[200];
   kvp_page_desc d[200];
-  for (int i = 0; i < 140; i++) { /* one slab of 146 slots */
+  for (int i = 0; i < 140; i++) { /* one slab of 512 slots */
     ck_ok(kvp_page_alloc(p, 100, &t, &ids[i]));
     ck_ok(kvp_page_describe(p, ids[i], &d[i]));
   }
