@@ -21,8 +21,9 @@
  *
  * A slot's slab is found on free through the extents' address map (two
  * loads, no hashing): the extent of the slot's 4 KiB unit owns the slab.
- * Full 2 MiB slabs are 2 MiB aligned (transparent huge pages); smaller ones
- * sit at any 4 KiB unit.
+ * Slabs sit at any 4 KiB unit (a slab as large as the 2 MiB cap would be
+ * 2 MiB aligned, for transparent huge pages; the classes' slabs are at most
+ * 256 KiB).
  *
  * Fast path (kvp__slab_take with a current slab that has room): the bin's
  * cur slab is never NULL (an empty sentinel with nfree = 0 stands in), so
