@@ -28,6 +28,7 @@ namespace kvpk {
 namespace qvg_ {
 
 constexpr uint32_t kJobsPerLaunch = 128;
+constexpr uint32_t kQvgDecThreads = 256;
 
 struct EncBatch {
   kvp__qvg_kparams p;
@@ -45,20 +46,32 @@ struct DecBatch {
 };
 
 __global__ void __launch_bounds__(kQvgThreads) enc_kernel(const __grid_constant__ EncBatch b) {
-  qvg_encode(b.p, b.jobs[blockIdx.x], b.ws + blockIdx.x * b.ws_stride, b.index[blockIdx.x], b.status);
+  extern __shared__ float4 qvg_smem[];
+  qvg_encode(b.p, b.jobs[blockIdx.x], b.ws + blockIdx.x * b.ws_stride, (float *)qvg_smem, b.index[blockIdx.x],
+             b.status);
 }
 
-__global__ void __launch_bounds__(kDecodeThreads) dec_kernel(const __grid_constant__ DecBatch b) {
-  qvg_decode(b.p, b.jobs[blockIdx.x], b.out);
+/* Decode: blockIdx.x the job, blockIdx.y the part of its rows. */
+__global__ void __launch_bounds__(kQvgDecThreads) dec_kernel(const __grid_constant__ DecBatch b) {
+  qvg_decode(b.p, b.jobs[blockIdx.x], b.out, blockIdx.y, gridDim.y);
 }
 
-__global__ void __launch_bounds__(kDecodeThreads)
+__global__ void __launch_bounds__(kQvgDecThreads)
     dec_kernel_dev(const __grid_constant__ kvp__qvg_kparams p, const kvp_codec_dev_job *__restrict__ jobs,
                    uint32_t out) {
   __shared__ kvp_codec_dev_job j;
   if (threadIdx.x < sizeof j / 8) ((uint64_t *)&j)[threadIdx.x] = ((const uint64_t *)&jobs[blockIdx.x])[threadIdx.x];
   __syncthreads();
-  qvg_decode(p, j, out);
+  qvg_decode(p, j, out, blockIdx.y, gridDim.y);
+}
+
+/* Parts per decode job: one (row, octet) item per thread, rows up to the
+ * batch's longest. */
+static uint32_t dec_parts(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs) {
+  uint64_t m = 0;
+  for (uint32_t i = 0; i < njobs; i++) m = jobs[i].m > m ? jobs[i].m : m;
+  uint64_t parts = (m * (p->head_dim / 8) + kQvgDecThreads - 1) / kQvgDecThreads;
+  return parts < 1 ? 1u : parts > 65535 ? 65535u : (uint32_t)parts;
 }
 
 static_assert(sizeof(EncBatch) <= 32000, "a batch must fit the 32 KiB parameter space");
@@ -79,6 +92,11 @@ extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_d
   uint64_t fit = stride ? ws_bytes / stride : kJobsPerLaunch;
   if (njobs && fit == 0) return (int)cudaErrorInvalidValue; /* the caller sizes ws for one job at least */
   uint32_t wave = fit < kJobsPerLaunch ? (uint32_t)fit : kJobsPerLaunch;
+  uint32_t smem = qvg_smem_bytes(p->head_dim);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(enc_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return (int)e;
+  }
   EncBatch b;
   for (uint32_t at = 0; at < njobs; at += wave) {
     uint32_t n = njobs - at < wave ? njobs - at : wave;
@@ -88,7 +106,7 @@ extern "C" int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_d
     b.ws_stride = stride;
     for (uint32_t i = 0; i < n; i++) b.index[i] = index ? index[at + i] : at + i;
     memcpy(b.jobs, jobs + at, n * sizeof *jobs);
-    enc_kernel<<<n, kQvgThreads, 0, s>>>(b);
+    enc_kernel<<<n, kQvgThreads, smem, s>>>(b);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
   }
@@ -99,8 +117,9 @@ extern "C" int kvp__kern_qvg_decode(const kvp__qvg_kparams *p, const kvp_codec_d
                                     const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint32_t out, void *stream) {
   cudaStream_t s = (cudaStream_t)stream;
   if (!njobs) return 0;
+  dim3 grid(njobs, dec_parts(p, jobs, njobs));
   if (jobs_dev) {
-    dec_kernel_dev<<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
+    dec_kernel_dev<<<grid, kQvgDecThreads, 0, s>>>(*p, jobs_dev, out);
     return (int)cudaGetLastError();
   }
   DecBatch b;
@@ -109,7 +128,7 @@ extern "C" int kvp__kern_qvg_decode(const kvp__qvg_kparams *p, const kvp_codec_d
     b.p = *p;
     b.out = out;
     memcpy(b.jobs, jobs + at, n * sizeof *jobs);
-    dec_kernel<<<n, kDecodeThreads, 0, s>>>(b);
+    dec_kernel<<<dim3(n, dec_parts(p, jobs + at, n)), kQvgDecThreads, 0, s>>>(b);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return (int)e;
   }
