@@ -50,6 +50,15 @@
 
 #include "common.cuh"
 
+/* Unrolling where loads of independent iterations should be in flight at
+ * once (latency from L2, not arithmetic, bounds those loops). */
+#if defined(__CUDACC__)
+#define KVP_QVG_PRAGMA(x) _Pragma(#x)
+#define KVP_QVG_UNROLL(n) KVP_QVG_PRAGMA(unroll n)
+#else
+#define KVP_QVG_UNROLL(n)
+#endif
+
 namespace kvpk {
 namespace qvg_ {
 
@@ -186,23 +195,27 @@ KVP_D void res_sub(const Ctx &c, uint32_t s) {
 /* ---- k-means++ seeding -------------------------------------------------------- */
 
 /* w[t] = min(w[t], ||r_t - cent_j||^2) (= it when init): a thread keeps
- * four rows' sums (t, t + T, t + 2T, t + 3T), each in i order. */
+ * kNearRows rows' sums (t, t + T, ...), each in i order, and the channel
+ * loop is unrolled so that their loads (L2: the residual is megabytes)
+ * are in flight together. */
+constexpr uint32_t kNearRows = 8;
 KVP_D void near(const Ctx &c, uint32_t jc, bool init) {
   const float *cj = c.ws.cent + (size_t)jc * c.D;
   uint32_t T = blockDim.x;
-  for (uint32_t t = threadIdx.x; t < c.n; t += 4 * T) {
-    uint32_t row[4];
-    for (uint32_t u = 0; u < 4; u++) row[u] = t + u * T < c.n ? t + u * T : c.n - 1;
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (uint32_t t = threadIdx.x; t < c.n; t += kNearRows * T) {
+    uint32_t row[kNearRows];
+    float acc[kNearRows];
+    for (uint32_t u = 0; u < kNearRows; u++) row[u] = t + u * T < c.n ? t + u * T : c.n - 1, acc[u] = 0.0f;
+    KVP_QVG_UNROLL(4)
     for (uint32_t i = 0; i < c.D; i++) {
       const float *ri = c.ws.r + (size_t)i * c.cap4;
       float ci = cj[i];
-      for (uint32_t u = 0; u < 4; u++) {
+      for (uint32_t u = 0; u < kNearRows; u++) {
         float e = __fsub_rn(ri[row[u]], ci);
         acc[u] = __fadd_rn(acc[u], __fmul_rn(e, e));
       }
     }
-    for (uint32_t u = 0; u < 4 && t + u * T < c.n; u++)
+    for (uint32_t u = 0; u < kNearRows && t + u * T < c.n; u++)
       if (init || acc[u] < __uint_as_float(c.ws.w[row[u]])) c.ws.w[row[u]] = __float_as_uint(acc[u]);
   }
   __syncthreads();
@@ -309,6 +322,7 @@ KVP_D uint32_t assign(const Ctx &c, uint32_t s, bool fresh) {
   uint32_t changed = 0;
   for (uint32_t t0 = 0; t0 < c.n; t0 += kRT) {
     uint32_t nr = c.n - t0 < kRT ? c.n - t0 : kRT;
+    KVP_QVG_UNROLL(8)
     for (uint32_t e = tid; e < D * kRT; e += T) {
       uint32_t i = e / kRT, r = e % kRT;
       tile[e] = r < nr ? __fmul_rn(-2.0f, res(c, t0 + r, i)) : 0.0f;
@@ -355,6 +369,7 @@ KVP_D void update(const Ctx &c, uint32_t s) {
   uint32_t *cnt = c.ws.cnt, *start = c.ws.cnt + c.kc, *list = c.ws.w;
   for (uint32_t jc = threadIdx.x; jc < c.ka; jc += blockDim.x) {
     uint32_t k = 0;
+    KVP_QVG_UNROLL(16)
     for (uint32_t t = 0; t < c.n; t++) k += lab[t] == jc;
     cnt[jc] = k;
   }
@@ -370,8 +385,10 @@ KVP_D void update(const Ctx &c, uint32_t s) {
     uint32_t jc = e / c.D, i = e % c.D, k = cnt[jc];
     if (!k) continue;
     const float *ri = c.ws.r + (size_t)i * c.cap4;
+    const uint32_t *li = list + start[jc];
     double sum = 0.0;
-    for (uint32_t m = 0; m < k; m++) sum = __dadd_rn(sum, (double)ri[list[start[jc] + m]]);
+    KVP_QVG_UNROLL(8)
+    for (uint32_t m = 0; m < k; m++) sum = __dadd_rn(sum, (double)ri[li[m]]); /* loads ahead, adds in order */
     c.ws.cent[e] = __double2float_rn(__ddiv_rn(sum, (double)k));
   }
   __syncthreads();
@@ -489,19 +506,34 @@ KVP_D void qvg_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uin
   uint64_t items = (uint64_t)j.m * oct, step = (uint64_t)nparts * blockDim.x;
   for (uint64_t e = (uint64_t)part * blockDim.x + threadIdx.x; e < items; e += step) {
     uint32_t r = (uint32_t)(e / oct), i0 = (uint32_t)(e % oct) * 8, t = j.t0 + r;
-    /* the octet's codes: 8 b bits, most significant first */
+    /* the octet's codes: 8 b bits, most significant first (b bytes, b-aligned:
+     * rows are D b / 8 bytes, D a multiple of 8) */
     const uint8_t *cb = codes + (size_t)t * rb + i0 * p.bits / 8;
-    uint32_t word = 0;
-    for (uint32_t b = 0; b < p.bits; b++) word = word << 8 | cb[b];
+    uint32_t word;
+    if (p.bits == 2) word = (uint32_t)cb[0] << 8 | cb[1];
+    else if (((uintptr_t)cb & 3) == 0) {
+      uint32_t x = *(const uint32_t *)cb; /* bytes in page order, the first most significant */
+      word = x >> 24 | (x >> 8 & 0xFF00u) | (x << 8 & 0xFF0000u) | x << 24;
+    } else
+      word = (uint32_t)cb[0] << 24 | (uint32_t)cb[1] << 16 | (uint32_t)cb[2] << 8 | cb[3];
+    /* an octet lies in one group (g is a multiple of 8) */
+    float sv = fp8_to_f32(scales[(size_t)t * ng + i0 / p.group]);
     float y[8];
-    for (uint32_t u = 0; u < 8; u++) {
-      uint32_t code = word >> (p.bits * (7 - u)) & mask;
-      y[u] = __fmul_rn((float)((int)code - qm), fp8_to_f32(scales[(size_t)t * ng + (i0 + u) / p.group]));
-    }
+    for (uint32_t u = 0; u < 8; u++) y[u] = __fmul_rn((float)((int)(word >> (p.bits * (7 - u)) & mask) - qm), sv);
     for (uint32_t s = p.stages; s-- > 0;) {
       uint32_t a = asg[(size_t)s * cap + t];
-      const uint8_t *cr = cent + 2 * (((size_t)s * kc + (a < kc ? a : 0)) * D + i0);
-      for (uint32_t u = 0; u < 8; u++) y[u] = a < kc ? __fadd_rn(y[u], bf16_to_f32(ld_u16(cr, 2 * u))) : f32(0x7FC00000u);
+      if (a >= kc) {
+        for (uint32_t u = 0; u < 8; u++) y[u] = f32(0x7FC00000u);
+        continue;
+      }
+      const uint8_t *cr = cent + 2 * (((size_t)s * kc + a) * D + i0);
+      uint32_t h[4];
+      if (((uintptr_t)cr & 15) == 0) {
+        uint4 v = *(const uint4 *)cr;
+        h[0] = v.x, h[1] = v.y, h[2] = v.z, h[3] = v.w;
+      } else
+        for (uint32_t u = 0; u < 4; u++) h[u] = ld_u16(cr, 4 * u) | ld_u16(cr, 4 * u + 2) << 16;
+      for (uint32_t u = 0; u < 8; u++) y[u] = __fadd_rn(y[u], bf16_to_f32(h[u / 2] >> 16 * (u % 2) & 0xFFFFu));
     }
     uint8_t *row = (uint8_t *)j.dst + (size_t)r * j.stride_bytes;
     if (vec) {
