@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(kQvgDecThreads)
 static uint32_t dec_parts(const kvp__qvg_kparams *p, const kvp_codec_dev_job *jobs, uint32_t njobs) {
   uint64_t m = 0;
   for (uint32_t i = 0; i < njobs; i++) m = jobs[i].m > m ? jobs[i].m : m;
-  uint64_t parts = (m * (p->head_dim / 8) + kQvgDecThreads - 1) / kQvgDecThreads;
+  uint64_t per = (uint64_t)kQvgDecThreads * kDecItems, parts = (m * (p->head_dim / 8) + per - 1) / per;
   return parts < 1 ? 1u : parts > 65535 ? 65535u : (uint32_t)parts;
 }
 

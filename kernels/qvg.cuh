@@ -490,60 +490,79 @@ KVP_D void qvg_encode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, voi
   quant_rows(c);
 }
 
+/* The codes of an octet (8 channels from i0): 8 b bits, most significant
+ * first (b bytes; b-aligned when the page is, rows being D b / 8 bytes). */
+KVP_D uint32_t octet_codes(const uint8_t *cb, uint32_t bits) {
+  if (bits == 2) return (uint32_t)cb[0] << 8 | cb[1];
+  if (((uintptr_t)cb & 3) == 0) {
+    uint32_t x = *(const uint32_t *)cb; /* bytes in page order, the first most significant */
+    return x >> 24 | (x >> 8 & 0xFF00u) | (x << 8 & 0xFF0000u) | x << 24;
+  }
+  return (uint32_t)cb[0] << 24 | (uint32_t)cb[1] << 16 | (uint32_t)cb[2] << 8 | cb[3];
+}
+
+/* y[u] += the bf16 centroid channels at cr (8 of them). */
+KVP_D void add_cent(float *y, const uint8_t *cr) {
+  uint32_t h[4];
+  if (((uintptr_t)cr & 15) == 0) {
+    uint4 v = *(const uint4 *)cr;
+    h[0] = v.x, h[1] = v.y, h[2] = v.z, h[3] = v.w;
+  } else
+    for (uint32_t u = 0; u < 4; u++) h[u] = ld_u16(cr, 4 * u) | ld_u16(cr, 4 * u + 2) << 16;
+  for (uint32_t u = 0; u < 8; u++) y[u] = __fadd_rn(y[u], bf16_to_f32(h[u / 2] >> 16 * (u % 2) & 0xFFFFu));
+}
+
 /* Rows [j.t0, j.t0 + j.m) into j.dst (out dtype), bit for bit the host's
  * decode; a row whose assignment is past Kc (a corrupt page) decodes to
- * NaN. Part `part` of nparts: a thread takes eight channels of a row (one
- * 16-byte store for a 2-byte out dtype), (row, octet) items strided over
- * the parts' threads. No barrier. */
+ * NaN. Part `part` of nparts: an item is eight channels of a row (one
+ * 16-byte store for a 2-byte out dtype); a thread takes kDecItems items a
+ * round, blockDim.x apart, and loads all their codes, scales and labels
+ * before any centroid, so that the round's loads are in flight together.
+ * No barrier. */
+constexpr uint32_t kDecItems = 4;
 KVP_D void qvg_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uint32_t out, uint32_t part,
                       uint32_t nparts) {
-  uint32_t D = p.head_dim, ng = D / p.group, rb = D * p.bits / 8, cap = j.cap_tokens, kc = kc_of(p, cap);
-  uint32_t oct = D / 8, mask = (1u << p.bits) - 1;
-  int qm = (int)((1u << (p.bits - 1)) - 1);
+  const uint32_t D = p.head_dim, ng = D / p.group, rb = D * p.bits / 8, cap = j.cap_tokens, kc = kc_of(p, cap);
+  const uint32_t oct = D / 8, mask = (1u << p.bits) - 1, S = p.stages, T = blockDim.x;
+  const int qm = (int)((1u << (p.bits - 1)) - 1);
   const uint8_t *codes = (const uint8_t *)j.pages[kCodes], *scales = (const uint8_t *)j.pages[kScales];
   const uint8_t *cent = (const uint8_t *)j.pages[kCent], *asg = (const uint8_t *)j.pages[kAssign];
-  bool vec = out != kF32 && ((uintptr_t)j.dst & 15) == 0 && (j.stride_bytes & 15) == 0;
-  uint64_t items = (uint64_t)j.m * oct, step = (uint64_t)nparts * blockDim.x;
-  for (uint64_t e = (uint64_t)part * blockDim.x + threadIdx.x; e < items; e += step) {
-    uint32_t r = (uint32_t)(e / oct), i0 = (uint32_t)(e % oct) * 8, t = j.t0 + r;
-    /* the octet's codes: 8 b bits, most significant first (b bytes, b-aligned:
-     * rows are D b / 8 bytes, D a multiple of 8) */
-    const uint8_t *cb = codes + (size_t)t * rb + i0 * p.bits / 8;
-    uint32_t word;
-    if (p.bits == 2) word = (uint32_t)cb[0] << 8 | cb[1];
-    else if (((uintptr_t)cb & 3) == 0) {
-      uint32_t x = *(const uint32_t *)cb; /* bytes in page order, the first most significant */
-      word = x >> 24 | (x >> 8 & 0xFF00u) | (x << 8 & 0xFF0000u) | x << 24;
-    } else
-      word = (uint32_t)cb[0] << 24 | (uint32_t)cb[1] << 16 | (uint32_t)cb[2] << 8 | cb[3];
-    /* an octet lies in one group (g is a multiple of 8) */
-    float sv = fp8_to_f32(scales[(size_t)t * ng + i0 / p.group]);
-    float y[8];
-    for (uint32_t u = 0; u < 8; u++) y[u] = __fmul_rn((float)((int)(word >> (p.bits * (7 - u)) & mask) - qm), sv);
-    for (uint32_t s = p.stages; s-- > 0;) {
-      uint32_t a = asg[(size_t)s * cap + t];
-      if (a >= kc) {
-        for (uint32_t u = 0; u < 8; u++) y[u] = f32(0x7FC00000u);
-        continue;
-      }
-      const uint8_t *cr = cent + 2 * (((size_t)s * kc + a) * D + i0);
-      uint32_t h[4];
-      if (((uintptr_t)cr & 15) == 0) {
-        uint4 v = *(const uint4 *)cr;
-        h[0] = v.x, h[1] = v.y, h[2] = v.z, h[3] = v.w;
-      } else
-        for (uint32_t u = 0; u < 4; u++) h[u] = ld_u16(cr, 4 * u) | ld_u16(cr, 4 * u + 2) << 16;
-      for (uint32_t u = 0; u < 8; u++) y[u] = __fadd_rn(y[u], bf16_to_f32(h[u / 2] >> 16 * (u % 2) & 0xFFFFu));
+  const bool vec = out != kF32 && ((uintptr_t)j.dst & 15) == 0 && (j.stride_bytes & 15) == 0;
+  const uint32_t items = j.m * oct; /* m <= cap tokens, oct <= 32 */
+  for (uint32_t base = part * T * kDecItems + threadIdx.x; base < items; base += nparts * T * kDecItems) {
+    uint32_t word[kDecItems], sc[kDecItems], a[kDecItems];
+    KVP_QVG_UNROLL(kDecItems)
+    for (uint32_t u = 0; u < kDecItems; u++) {
+      uint32_t e = base + u * T < items ? base + u * T : items - 1, t = j.t0 + e / oct, i0 = e % oct * 8;
+      word[u] = octet_codes(codes + (size_t)t * rb + i0 * p.bits / 8, p.bits);
+      sc[u] = scales[(size_t)t * ng + i0 / p.group]; /* an octet lies in one group (g is a multiple of 8) */
+      a[u] = S ? asg[(size_t)(S - 1) * cap + t] : 0;
     }
-    uint8_t *row = (uint8_t *)j.dst + (size_t)r * j.stride_bytes;
-    if (vec) {
-      uint32_t h[8];
-      for (uint32_t u = 0; u < 8; u++) h[u] = out == kBF16 ? bf16_from_f32(y[u]) : f16_from_f32(y[u]);
-      uint4 v;
-      v.x = h[0] | h[1] << 16, v.y = h[2] | h[3] << 16, v.z = h[4] | h[5] << 16, v.w = h[6] | h[7] << 16;
-      *(uint4 *)(row + (size_t)i0 * 2) = v;
-    } else
-      for (uint32_t u = 0; u < 8; u++) store_elem(row, out, i0 + u, y[u]);
+    KVP_QVG_UNROLL(kDecItems)
+    for (uint32_t u = 0; u < kDecItems; u++) {
+      uint32_t e = base + u * T;
+      if (e >= items) continue;
+      uint32_t r = e / oct, i0 = e % oct * 8, t = j.t0 + r;
+      float sv = fp8_to_f32(sc[u]), y[8];
+      for (uint32_t q = 0; q < 8; q++) y[q] = __fmul_rn((float)((int)(word[u] >> (p.bits * (7 - q)) & mask) - qm), sv);
+      for (uint32_t s = S; s-- > 0;) { /* the host adds the last stage's centroid first */
+        uint32_t as = s == S - 1 ? a[u] : asg[(size_t)s * cap + t];
+        if (as >= kc) {
+          for (uint32_t q = 0; q < 8; q++) y[q] = f32(0x7FC00000u);
+          continue;
+        }
+        add_cent(y, cent + 2 * (((size_t)s * kc + as) * D + i0));
+      }
+      uint8_t *row = (uint8_t *)j.dst + (size_t)r * j.stride_bytes;
+      if (vec) {
+        uint32_t h[8];
+        for (uint32_t q = 0; q < 8; q++) h[q] = out == kBF16 ? bf16_from_f32(y[q]) : f16_from_f32(y[q]);
+        uint4 v;
+        v.x = h[0] | h[1] << 16, v.y = h[2] | h[3] << 16, v.z = h[4] | h[5] << 16, v.w = h[6] | h[7] << 16;
+        *(uint4 *)(row + (size_t)i0 * 2) = v;
+      } else
+        for (uint32_t q = 0; q < 8; q++) store_elem(row, out, i0 + q, y[q]);
+    }
   }
 }
 
