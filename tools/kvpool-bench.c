@@ -686,7 +686,7 @@ static void print_heatkv(int quick, int json_only) {
 static void print_codecs(int quick, int json_only) {
   static const struct {
     const char *name, *params, *label;
-    int rounds; /* 0: the default; qvg's k-means encode takes ~0.2 s per block per stage: one round */
+    int rounds; /* 0: the default; qvg's k-means encode takes ~0.1 s per block per stage: one round */
   } codecs[] = {{"raw", "", "bf16 (raw)", 0},
                 {"fp8", "", "fp8 dynamic", 0},
                 {"int8", "", "int8", 0},
