@@ -62,13 +62,55 @@ int kvp__store_pool_ok(kvp_pool *pool, const char *what) {
 }
 
 
-int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w) {
-  uint32_t H = pool->cfg.n_kv_heads;
+uint64_t kvp__blob_group_bytes(const item *items, uint32_t n) {
+  uint64_t bytes = sizeof(blob_hdr) + (uint64_t)n * sizeof(blk_rec);
+  for (uint32_t i = 0; i < n; i++)
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += items[i].b->pages[kv][p].requested_bytes;
+  return bytes;
+}
+
+/* Device copies of one blob, gathered for one batch. */
+typedef struct xlist {
+  void **dst;
+  const void **src;
+  size_t *bytes;
+  uint32_t n, cap;
+} xlist;
+
+static void xlist_free(xlist *x) {
+  kvp__meta_free(NULL, x->dst, x->cap * sizeof *x->dst);
+  kvp__meta_free(NULL, x->src, x->cap * sizeof *x->src);
+  kvp__meta_free(NULL, x->bytes, x->cap * sizeof *x->bytes);
+  *x = (xlist){0};
+}
+
+static int xlist_room(xlist *x, uint32_t n) {
+  if (n <= x->cap) return KVP_OK;
+  xlist y = {kvp__meta_alloc(NULL, n * sizeof *y.dst), kvp__meta_alloc(NULL, n * sizeof *y.src),
+             kvp__meta_alloc(NULL, n * sizeof *y.bytes), 0, n};
+  xlist_free(x);
+  if (!y.dst || !y.src || !y.bytes) {
+    xlist_free(&y);
+    return kvp__err(KVP_ENOMEM, "store transfer: list of %u page copies", n);
+  }
+  *x = y;
+  return KVP_OK;
+}
+
+
+int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w,
+                          void *stream) {
+  uint32_t H = pool->cfg.n_kv_heads, npages = 0;
   blob_hdr h = hdr_for(pool, KIND_GROUP, n, t0, t1);
   w->n = 0;
   wput(w, &h, sizeof h);
   kvp__region *rg = &pool->alloc.region;
-  for (uint32_t i = 0; i < n && !w->oom; i++) {
+  xlist xl = {0};
+  bool dev = pool->dev != NULL; /* pages staged into w (pinned), one batch of copies */
+  for (uint32_t i = 0; dev && i < n; i++) npages += items[i].b->npages[0] + items[i].b->npages[1];
+  int rc = dev ? xlist_room(&xl, npages) : KVP_OK;
+  for (uint32_t i = 0; !rc && i < n && !w->oom; i++) {
     const kvp__block *b = items[i].b;
     blk_rec r;
     memset(&r, 0, sizeof r);
@@ -87,52 +129,131 @@ int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_
       }
     }
     wput(w, &r, sizeof r);
-    for (int kv = 0; kv < 2; kv++)
-      for (unsigned p = 0; p < b->npages[kv] && !w->oom; p++) {
+    for (int kv = 0; kv < 2 && !rc; kv++)
+      for (unsigned p = 0; p < b->npages[kv] && !w->oom && !rc; p++) {
         size_t at = w->n, nb = b->pages[kv][p].requested_bytes;
         wput(w, NULL, nb);
         if (w->oom) break;
-        int rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
-        if (rc) return rc;
+        if (dev) {
+          xl.dst[xl.n] = w->p + at;
+          xl.src[xl.n] = rg->base + b->pages[kv][p].off;
+          xl.bytes[xl.n++] = nb;
+        } else {
+          rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
+        }
       }
   }
-  if (w->oom) return kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
-  return KVP_OK;
-}
-
-
-int kvp__putq_flush(kvp_pool *pool, kvp_store *st, putq *q) {
-  if (!q->n) return KVP_OK;
-  int rc = pool->alloc.region.ops->quiesce(&pool->alloc.region); /* device copies of the pages landed */
-  const char *keys[64];
-  const void *vals[64];
-  size_t lens[64];
-  for (uint32_t i = 0; i < q->n; i++) keys[i] = q->keys[i], vals[i] = q->bufs[i].p, lens[i] = q->bufs[i].n;
-  if (!rc) rc = kvp__store_put(st, q->n, keys, vals, lens);
-  if (!rc) q->written += q->bytes;
-  q->n = 0;
-  q->bytes = 0;
+  if (!rc && w->oom) rc = kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
+#ifdef KVP_HAVE_CUDA
+  if (!rc && dev) rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, stream);
+#endif
+  xlist_free(&xl);
   return rc;
 }
 
-void kvp__putq_free(putq *q) {
-  for (uint32_t i = 0; i < q->cap; i++) wfree(&q->bufs[i]);
+
+/* ---- the write queue ------------------------------------------------------------ */
+
+int kvp__putq_init(putq *q, kvp_pool *pool, kvp_store *st) {
+  memset(q, 0, sizeof *q);
+  q->pool = pool;
+  q->st = st;
+  q->stream = kvp__store_stream(st);
+  q->dev = pool->dev != NULL;
+  q->keys = kvp__meta_alloc(NULL, 2 * PUTQ_CAP * sizeof *q->keys);
+  q->bufs = kvp__meta_calloc(NULL, 2 * PUTQ_CAP * sizeof *q->bufs);
+  if (q->keys && q->bufs) return KVP_OK;
+  kvp__putq_free(q);
+  return kvp__err(KVP_ENOMEM, "store write queue");
 }
 
-/* The next staging slot (flushing first when the batch is full). */
-int kvp__putq_slot(kvp_pool *pool, kvp_store *st, putq *q, wbuf **w, char **key) {
-  if (q->n == q->cap || q->bytes >= PUT_BATCH_BYTES) {
-    int rc = kvp__putq_flush(pool, st, q);
-    if (rc) return rc;
+/* Write sealed half h (one pipelined batch). */
+static int putq_send(putq *q, uint32_t h) {
+  if (!q->sealed[h]) return KVP_OK;
+  const char *keys[PUTQ_CAP];
+  const void *vals[PUTQ_CAP];
+  size_t lens[PUTQ_CAP];
+  wbuf *b = q->bufs + h * PUTQ_CAP;
+  for (uint32_t i = 0; i < q->n[h]; i++) keys[i] = q->keys[h * PUTQ_CAP + i], vals[i] = b[i].p, lens[i] = b[i].n;
+  int rc = kvp__store_put(q->st, q->n[h], keys, vals, lens);
+  if (!rc) q->written += q->bytes[h];
+  q->sealed[h] = false;
+  q->n[h] = 0;
+  q->bytes[h] = 0;
+  return rc;
+}
+
+/* Close the filling half: its copies enqueued, write the other half
+ * meanwhile, then wait for them and seal its blobs; fill the other next. */
+static int putq_rotate(putq *q) {
+  uint32_t h = q->cur, o = h ^ 1;
+  int rc = KVP_OK;
+  if (!q->n[h]) return KVP_OK;
+#ifdef KVP_HAVE_CUDA
+  if (q->dev) rc = kvp__xfer_record(q->pool, h, q->stream);
+#endif
+  if (!rc) rc = putq_send(q, o); /* over the network while the copies run */
+#ifdef KVP_HAVE_CUDA
+  if (!rc && q->dev) rc = kvp__xfer_wait(q->pool, h);
+#endif
+  if (rc) return rc;
+  for (uint32_t i = 0; i < q->n[h]; i++) hdr_seal(&q->bufs[h * PUTQ_CAP + i]);
+  q->sealed[h] = true;
+  q->cur = o;
+  return KVP_OK;
+}
+
+int kvp__putq_slot(putq *q, uint64_t bytes, wbuf **w, char **key) {
+  uint32_t h = q->cur;
+  bool full = q->n[h] == PUTQ_CAP || (q->dev ? q->n[h] && q->bytes[h] + bytes > q->pin_cap[h]
+                                             : q->bytes[h] >= PUT_BATCH_BYTES);
+  int rc = full ? putq_rotate(q) : KVP_OK;
+  if (rc) return rc;
+  h = q->cur;
+  wbuf *b = &q->bufs[h * PUTQ_CAP + q->n[h]];
+#ifdef KVP_HAVE_CUDA
+  if (q->dev) {
+    if (!q->n[h] && (rc = kvp__xfer_buf(q->pool, h, bytes, &q->pin[h], &q->pin_cap[h]))) return rc;
+    *b = (wbuf){q->pin[h] + q->bytes[h], 0, bytes, false, true};
   }
-  *w = &q->bufs[q->n];
-  *key = q->keys[q->n];
+#endif
+  b->n = 0;
+  b->oom = false;
+  *w = b;
+  *key = q->keys[h * PUTQ_CAP + q->n[h]];
   return KVP_OK;
 }
 
 void kvp__putq_push(putq *q) {
-  q->bytes += q->bufs[q->n].n;
-  q->n++;
+  uint32_t h = q->cur;
+  wbuf *b = &q->bufs[h * PUTQ_CAP + q->n[h]];
+  q->bytes[h] += q->dev ? b->cap : b->n;
+  q->n[h]++;
+}
+
+int kvp__putq_flush(putq *q) {
+  int rc = putq_rotate(q);
+  if (!rc) rc = putq_send(q, q->cur ^ 1);
+  return rc;
+}
+
+void kvp__putq_free(putq *q) {
+#ifdef KVP_HAVE_CUDA
+  if (q->dev && q->pool) (void)kvp__xfer_drain(q->pool); /* no copy still fills a half */
+#endif
+  for (uint32_t i = 0; q->bufs && i < 2 * PUTQ_CAP; i++) wfree(&q->bufs[i]);
+  kvp__meta_free(NULL, q->keys, 2 * PUTQ_CAP * sizeof *q->keys);
+  kvp__meta_free(NULL, q->bufs, 2 * PUTQ_CAP * sizeof *q->bufs);
+  q->keys = NULL;
+  q->bufs = NULL;
+}
+
+int kvp__blob_drain(kvp_pool *pool) {
+#ifdef KVP_HAVE_CUDA
+  if (pool->dev) return kvp__xfer_drain(pool);
+#endif
+  (void)pool;
+  return KVP_OK;
 }
 
 /* Which content keys the store already holds (dedup). */
@@ -185,7 +306,8 @@ void kvp__parsed_free(parsed *p) {
 }
 int kvp__parsed_room(parsed *p, uint32_t n) {
   if (n <= p->cap) return KVP_OK;
-  parsed np = {kvp__meta_alloc(NULL, n * sizeof *np.blk + 1), kvp__meta_alloc(NULL, n * sizeof *np.lh + 1), 0, n};
+  parsed np = {kvp__meta_alloc(NULL, n * sizeof *np.blk + 1), kvp__meta_alloc(NULL, n * sizeof *np.lh + 1), 0, n,
+               p->nstaged, p->stream};
   if (!np.blk || !np.lh) {
     kvp__parsed_free(&np);
     return kvp__err(KVP_ENOMEM, "restore: block list of %u", n);
@@ -236,6 +358,18 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
   if ((rc = kvp__parsed_room(out, expect_n))) return rc;
   out->n = 0;
   kvp__region *rg = &pool->alloc.region;
+  /* a CUDA region: the pages' bytes go to a pinned half, then to the
+   * fresh pages as one batch once the whole blob checked out */
+  bool dev = pool->dev != NULL;
+  unsigned char *pin = NULL;
+  uint64_t pin_at = 0, pin_cap = 0;
+  uint32_t half = out->nstaged & 1;
+  xlist xl = {0};
+#ifdef KVP_HAVE_CUDA
+  uint32_t max_recs = expect_n < len / sizeof(blk_rec) ? expect_n : (uint32_t)(len / sizeof(blk_rec));
+  if (dev && !(rc = kvp__xfer_buf(pool, half, len, &pin, &pin_cap)))
+    rc = xlist_room(&xl, max_recs * 2u * KVP_CODEC_MAX_PAGES + 1);
+#endif
   for (uint32_t i = 0; i < expect_n && !rc; i++) {
     blk_rec rec;
     kvp_codec_layout lay[2];
@@ -270,13 +404,30 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
     for (int kv = 0; kv < 2 && !rc; kv++)
       for (unsigned p = 0; p < b->npages[kv] && !rc; p++) {
         size_t nb = b->pages[kv][p].requested_bytes;
-        rc = rg->ops->write2d(rg, b->pages[kv][p].off, nb, r.p, nb, nb, 1, NULL);
+        if (dev) {
+          kvp__assert(pin_at + nb <= pin_cap && xl.n < xl.cap);
+          memcpy(pin + pin_at, r.p, nb);
+          xl.dst[xl.n] = rg->base + b->pages[kv][p].off;
+          xl.src[xl.n] = pin + pin_at;
+          xl.bytes[xl.n++] = nb;
+          pin_at += nb;
+        } else {
+          rc = rg->ops->write2d(rg, b->pages[kv][p].off, nb, r.p, nb, nb, 1, NULL);
+        }
         rget(&r, NULL, nb);
       }
     kvp__block_set_n(b, rec.n_tokens);
     b->sealed = rec.sealed;
   }
   if (!rc && r.left) rc = kvp__err(KVP_EFORMAT, "store key %s: %zu bytes past the last block", key, r.left);
+#ifdef KVP_HAVE_CUDA
+  if (!rc && dev && !(rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, out->stream))) {
+    out->nstaged++;
+    rc = kvp__xfer_record(pool, half, out->stream);
+    if (rc) (void)kvp__xfer_drain(pool); /* the copies may run: wait before the pages go */
+  }
+#endif
+  xlist_free(&xl);
   if (rc) kvp__parsed_destroy(pool, out);
   return rc;
 }
