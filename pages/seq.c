@@ -227,8 +227,8 @@ static int seq_config_check(const kvp_seq_config *in, kvp_seq_config *c) {
 }
 
 /* The prompt's content keys, and the longest prefix of them the table
- * holds attached as step 0 (a new sequence, not yet published). Cost: two
- * XXH64 passes over the prompt, one table probe and one chunk-level
+ * holds attached as step 0 (a new sequence, not yet published). Cost: one
+ * kvp__hash128 pass over the prompt, one table probe and one chunk-level
  * reference per chunk attached. */
 static int prompt_attach(kvp_pool *pool, kvp__seq *s, const uint32_t *tokens, uint32_t n_tokens) {
   uint32_t bt = pool->chunk_tokens, n = bt ? n_tokens / bt : 0;
