@@ -341,6 +341,58 @@ static int rec_check(kvp_pool *pool, const char *key, uint32_t index, const blk_
   return KVP_OK;
 }
 
+/* A page of a checked blob on its way to a CUDA region. */
+typedef struct spage {
+  uint64_t off, alloc_bytes;  /* its place in the region, its size class */
+  const unsigned char *src;   /* its bytes in the blob */
+  size_t bytes;               /* requested bytes */
+} spage;
+
+#ifdef KVP_HAVE_CUDA
+static int spage_cmp(const void *a, const void *b) {
+  uint64_t x = ((const spage *)a)->off, y = ((const spage *)b)->off;
+  return (x > y) - (x < y);
+}
+
+/* Stage pages sp[n] in the next pinned half in region order and copy them
+ * on out->stream: pages one after another in the region (fresh pages of a
+ * blob mostly are: consecutive slots of a slab) go as one copy, the size
+ * classes' padding between them carried along (bytes of those pages
+ * alone). 1,000 small pages of a chunk become a few copies. */
+static int stage_pages(kvp_pool *pool, spage *sp, uint32_t n, parsed *out) {
+  kvp__region *rg = &pool->alloc.region;
+  uint32_t half = out->nstaged & 1, nruns = 0;
+  qsort(sp, n, sizeof *sp, spage_cmp);
+  uint64_t need = 0;
+  for (uint32_t i = 0, j; i < n; i = j) { /* runs [i, j) */
+    for (j = i + 1; j < n && sp[j].off == sp[j - 1].off + sp[j - 1].alloc_bytes; j++) {}
+    need += sp[j - 1].off + sp[j - 1].bytes - sp[i].off;
+    nruns++;
+  }
+  unsigned char *pin;
+  uint64_t cap;
+  xlist xl = {0};
+  int rc = kvp__xfer_buf(pool, half, need, &pin, &cap);
+  if (!rc) rc = xlist_room(&xl, nruns + 1);
+  uint64_t at = 0;
+  for (uint32_t i = 0, j; !rc && i < n; i = j) {
+    for (j = i + 1; j < n && sp[j].off == sp[j - 1].off + sp[j - 1].alloc_bytes; j++) {}
+    for (uint32_t k = i; k < j; k++) memcpy(pin + at + (sp[k].off - sp[i].off), sp[k].src, sp[k].bytes);
+    xl.dst[xl.n] = rg->base + sp[i].off;
+    xl.src[xl.n] = pin + at;
+    xl.bytes[xl.n] = sp[j - 1].off + sp[j - 1].bytes - sp[i].off;
+    at += xl.bytes[xl.n++];
+  }
+  if (!rc && !(rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, out->stream))) {
+    out->nstaged++;
+    rc = kvp__xfer_record(pool, half, out->stream);
+    if (rc) (void)kvp__xfer_drain(pool); /* the copies may run: wait before the pages go */
+  }
+  xlist_free(&xl);
+  return rc;
+}
+#endif
+
 /* Parse a group blob into fresh blocks (pages taken and filled). tag: the
  * header's expected tag. On failure nothing is left taken. */
 int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const void *data, size_t len, uint32_t index,
@@ -358,18 +410,14 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
   if ((rc = kvp__parsed_room(out, expect_n))) return rc;
   out->n = 0;
   kvp__region *rg = &pool->alloc.region;
-  /* a CUDA region: the pages' bytes go to a pinned half, then to the
-   * fresh pages as one batch once the whole blob checked out */
+  /* a CUDA region: the pages are listed, then (the whole blob checked)
+   * staged in a pinned half in region order and copied as one batch */
   bool dev = pool->dev != NULL;
-  unsigned char *pin = NULL;
-  uint64_t pin_at = 0, pin_cap = 0;
-  uint32_t half = out->nstaged & 1;
-  xlist xl = {0};
-#ifdef KVP_HAVE_CUDA
+  uint32_t nsp = 0;
+  spage *sp = NULL;
   uint32_t max_recs = expect_n < len / sizeof(blk_rec) ? expect_n : (uint32_t)(len / sizeof(blk_rec));
-  if (dev && !(rc = kvp__xfer_buf(pool, half, len, &pin, &pin_cap)))
-    rc = xlist_room(&xl, max_recs * 2u * KVP_CODEC_MAX_PAGES + 1);
-#endif
+  size_t sp_bytes = ((size_t)max_recs * 2u * KVP_CODEC_MAX_PAGES + 1) * sizeof *sp;
+  if (dev && !(sp = kvp__meta_alloc(NULL, sp_bytes))) rc = kvp__err(KVP_ENOMEM, "store key %s: page list", key);
   for (uint32_t i = 0; i < expect_n && !rc; i++) {
     blk_rec rec;
     kvp_codec_layout lay[2];
@@ -405,12 +453,8 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
       for (unsigned p = 0; p < b->npages[kv] && !rc; p++) {
         size_t nb = b->pages[kv][p].requested_bytes;
         if (dev) {
-          kvp__assert(pin_at + nb <= pin_cap && xl.n < xl.cap);
-          memcpy(pin + pin_at, r.p, nb);
-          xl.dst[xl.n] = rg->base + b->pages[kv][p].off;
-          xl.src[xl.n] = pin + pin_at;
-          xl.bytes[xl.n++] = nb;
-          pin_at += nb;
+          kvp__assert((nsp + 1) * sizeof *sp < sp_bytes);
+          sp[nsp++] = (spage){b->pages[kv][p].off, kvp__page_alloc_bytes(&b->pages[kv][p]), r.p, nb};
         } else {
           rc = rg->ops->write2d(rg, b->pages[kv][p].off, nb, r.p, nb, nb, 1, NULL);
         }
@@ -421,13 +465,9 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
   }
   if (!rc && r.left) rc = kvp__err(KVP_EFORMAT, "store key %s: %zu bytes past the last block", key, r.left);
 #ifdef KVP_HAVE_CUDA
-  if (!rc && dev && !(rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, out->stream))) {
-    out->nstaged++;
-    rc = kvp__xfer_record(pool, half, out->stream);
-    if (rc) (void)kvp__xfer_drain(pool); /* the copies may run: wait before the pages go */
-  }
+  if (!rc && dev) rc = stage_pages(pool, sp, nsp, out);
 #endif
-  xlist_free(&xl);
+  kvp__meta_free(NULL, sp, sp_bytes);
   if (rc) kvp__parsed_destroy(pool, out);
   return rc;
 }
