@@ -99,17 +99,77 @@ static int xlist_room(xlist *x, uint32_t n) {
 }
 
 
-int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w,
-                          void *stream) {
+uint64_t kvp__blob_slot_bytes(const kvp_pool *pool, const item *items, uint32_t n) {
+  uint64_t bytes = kvp__blob_group_bytes(items, n);
+  for (uint32_t i = 0; pool->dev && i < n; i++) /* the staging area after the blob: at most the pages' classes */
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += kvp__page_alloc_bytes(&items[i].b->pages[kv][p]);
+  return bytes;
+}
+
+/* A page of a blob being built from a CUDA region. */
+typedef struct opage {
+  uint64_t off, alloc_bytes; /* its place in the region, its size class */
+  uint64_t blob_at;          /* where its bytes go in the blob */
+  size_t bytes;              /* requested bytes */
+} opage;
+
+static int opage_cmp(const void *a, const void *b) {
+  uint64_t x = ((const opage *)a)->off, y = ((const opage *)b)->off;
+  return (x > y) - (x < y);
+}
+
+static int fixes_room(xfixes *fx, uint32_t n) {
+  if (n <= fx->cap) return KVP_OK;
+  xfix *f = kvp__meta_realloc(NULL, fx->f, fx->cap * sizeof *f, n * sizeof *f);
+  if (!f) return kvp__err(KVP_ENOMEM, "store transfer: list of %u page moves", n);
+  fx->f = f;
+  fx->cap = n;
+  return KVP_OK;
+}
+
+/* The device half of a blob's build: pages op[n] copied, in region order,
+ * into the staging area after the blob (w->p + w->n); pages adjacent in
+ * the region go as one copy (their classes' padding carried along). The
+ * moves into the blob's places are left in fx for the seal. */
+static int stage_out(kvp_pool *pool, opage *op, uint32_t n, wbuf *w, xfixes *fx, void *stream) {
+  kvp__region *rg = &pool->alloc.region;
+  qsort(op, n, sizeof *op, opage_cmp);
+  xlist xl = {0};
+  int rc = fixes_room(fx, n + 1);
+  if (!rc) rc = xlist_room(&xl, n + 1);
+  unsigned char *stage = w->p + w->n;
+  uint64_t at = 0;
+  fx->n = 0;
+  for (uint32_t i = 0, j; !rc && i < n; i = j) {
+    for (j = i + 1; j < n && op[j].off == op[j - 1].off + op[j - 1].alloc_bytes; j++) {}
+    for (uint32_t k = i; k < j; k++) fx->f[fx->n++] = (xfix){op[k].blob_at, at + (op[k].off - op[i].off), op[k].bytes};
+    xl.dst[xl.n] = stage + at;
+    xl.src[xl.n] = rg->base + op[i].off;
+    xl.bytes[xl.n] = op[j - 1].off + op[j - 1].bytes - op[i].off;
+    at += xl.bytes[xl.n++];
+  }
+  kvp__assert(rc || w->n + at <= w->cap);
+#ifdef KVP_HAVE_CUDA
+  if (!rc) rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, stream);
+#else
+  (void)stream;
+#endif
+  xlist_free(&xl);
+  return rc;
+}
+
+int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w, putq *q) {
   uint32_t H = pool->cfg.n_kv_heads, npages = 0;
   blob_hdr h = hdr_for(pool, KIND_GROUP, n, t0, t1);
   w->n = 0;
   wput(w, &h, sizeof h);
   kvp__region *rg = &pool->alloc.region;
-  xlist xl = {0};
-  bool dev = pool->dev != NULL; /* pages staged into w (pinned), one batch of copies */
+  bool dev = q && q->dev; /* pages staged after the blob (pinned), moved in at the seal */
+  opage *op = NULL;
   for (uint32_t i = 0; dev && i < n; i++) npages += items[i].b->npages[0] + items[i].b->npages[1];
-  int rc = dev ? xlist_room(&xl, npages) : KVP_OK;
+  int rc = dev && !(op = kvp__meta_alloc(NULL, (npages + 1) * sizeof *op)) ? kvp__err(KVP_ENOMEM, "store transfer: page list") : KVP_OK;
+  uint32_t nop = 0;
   for (uint32_t i = 0; !rc && i < n && !w->oom; i++) {
     const kvp__block *b = items[i].b;
     blk_rec r;
@@ -134,20 +194,13 @@ int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_
         size_t at = w->n, nb = b->pages[kv][p].requested_bytes;
         wput(w, NULL, nb);
         if (w->oom) break;
-        if (dev) {
-          xl.dst[xl.n] = w->p + at;
-          xl.src[xl.n] = rg->base + b->pages[kv][p].off;
-          xl.bytes[xl.n++] = nb;
-        } else {
-          rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
-        }
+        if (dev) op[nop++] = (opage){b->pages[kv][p].off, kvp__page_alloc_bytes(&b->pages[kv][p]), at, nb};
+        else rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
       }
   }
   if (!rc && w->oom) rc = kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
-#ifdef KVP_HAVE_CUDA
-  if (!rc && dev) rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, stream);
-#endif
-  xlist_free(&xl);
+  if (!rc && dev) rc = stage_out(pool, op, nop, w, &q->fx[q->cur * PUTQ_CAP + q->n[q->cur]], q->stream);
+  kvp__meta_free(NULL, op, (npages + 1) * sizeof *op);
   return rc;
 }
 
@@ -162,7 +215,8 @@ int kvp__putq_init(putq *q, kvp_pool *pool, kvp_store *st) {
   q->dev = pool->dev != NULL;
   q->keys = kvp__meta_alloc(NULL, 2 * PUTQ_CAP * sizeof *q->keys);
   q->bufs = kvp__meta_calloc(NULL, 2 * PUTQ_CAP * sizeof *q->bufs);
-  if (q->keys && q->bufs) return KVP_OK;
+  q->fx = q->dev ? kvp__meta_calloc(NULL, 2 * PUTQ_CAP * sizeof *q->fx) : NULL;
+  if (q->keys && q->bufs && (!q->dev || q->fx)) return KVP_OK;
   kvp__putq_free(q);
   return kvp__err(KVP_ENOMEM, "store write queue");
 }
@@ -174,9 +228,13 @@ static int putq_send(putq *q, uint32_t h) {
   const void *vals[PUTQ_CAP];
   size_t lens[PUTQ_CAP];
   wbuf *b = q->bufs + h * PUTQ_CAP;
-  for (uint32_t i = 0; i < q->n[h]; i++) keys[i] = q->keys[h * PUTQ_CAP + i], vals[i] = b[i].p, lens[i] = b[i].n;
+  uint64_t sent = 0; /* blob bytes (a device slot's staging area stays behind) */
+  for (uint32_t i = 0; i < q->n[h]; i++) {
+    keys[i] = q->keys[h * PUTQ_CAP + i], vals[i] = b[i].p, lens[i] = b[i].n;
+    sent += b[i].n;
+  }
   int rc = kvp__store_put(q->st, q->n[h], keys, vals, lens);
-  if (!rc) q->written += q->bytes[h];
+  if (!rc) q->written += sent;
   q->sealed[h] = false;
   q->n[h] = 0;
   q->bytes[h] = 0;
@@ -197,7 +255,13 @@ static int putq_rotate(putq *q) {
   if (!rc && q->dev) rc = kvp__xfer_wait(q->pool, h);
 #endif
   if (rc) return rc;
-  for (uint32_t i = 0; i < q->n[h]; i++) hdr_seal(&q->bufs[h * PUTQ_CAP + i]);
+  for (uint32_t i = 0; i < q->n[h]; i++) {
+    wbuf *b = &q->bufs[h * PUTQ_CAP + i];
+    const xfixes *fx = q->dev ? &q->fx[h * PUTQ_CAP + i] : NULL;
+    for (uint32_t k = 0; fx && k < fx->n; k++) /* the pages from the staging area to their places */
+      memcpy(b->p + fx->f[k].blob_at, b->p + b->n + fx->f[k].stage_at, fx->f[k].bytes);
+    hdr_seal(b);
+  }
   q->sealed[h] = true;
   q->cur = o;
   return KVP_OK;
@@ -242,6 +306,9 @@ void kvp__putq_free(putq *q) {
   if (q->dev && q->pool) (void)kvp__xfer_drain(q->pool); /* no copy still fills a half */
 #endif
   for (uint32_t i = 0; q->bufs && i < 2 * PUTQ_CAP; i++) wfree(&q->bufs[i]);
+  for (uint32_t i = 0; q->fx && i < 2 * PUTQ_CAP; i++) kvp__meta_free(NULL, q->fx[i].f, q->fx[i].cap * sizeof *q->fx[i].f);
+  kvp__meta_free(NULL, q->fx, 2 * PUTQ_CAP * sizeof *q->fx);
+  q->fx = NULL;
   kvp__meta_free(NULL, q->keys, 2 * PUTQ_CAP * sizeof *q->keys);
   kvp__meta_free(NULL, q->bufs, 2 * PUTQ_CAP * sizeof *q->bufs);
   q->keys = NULL;

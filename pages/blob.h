@@ -191,6 +191,14 @@ typedef struct groups {
  * batch). On a CUDA region the halves are the pool's pinned staging
  * (pages/xfer_cuda.c) and a half is sealed once its copies landed. */
 #define PUTQ_CAP 64u /* blobs per half */
+typedef struct xfix {
+  uint64_t blob_at, stage_at; /* a page's place in its blob, its bytes in the staging area after the blob */
+  size_t bytes;
+} xfix;
+typedef struct xfixes {
+  xfix *f;
+  uint32_t n, cap;
+} xfixes;
 typedef struct putq {
   kvp_pool *pool;
   kvp_store *st;
@@ -198,12 +206,13 @@ typedef struct putq {
   bool dev;            /* pages staged through pinned halves */
   uint32_t cur;        /* the half being filled */
   uint32_t n[2];       /* blobs in each half */
-  uint64_t bytes[2];   /* blob bytes in each half */
+  uint64_t bytes[2];   /* bytes each half holds (a device slot: its blob and staging area) */
   bool sealed[2];      /* the half waits to be written */
   unsigned char *pin[2]; /* device: the halves' pinned buffers */
   uint64_t pin_cap[2];   /* ... and their bytes */
   char (*keys)[KVP__STORE_KEY_MAX]; /* [2 * PUTQ_CAP] */
   wbuf *bufs;          /* [2 * PUTQ_CAP] */
+  xfixes *fx;          /* device: [2 * PUTQ_CAP], each slot's page moves from its staging area at the seal */
   uint64_t written;    /* blob bytes written */
 } putq;
 
@@ -221,13 +230,16 @@ int kvp__blob_hdr_check(const kvp_pool *pool, const char *key, const void *data,
                         blob_hdr *h, rbuf *r);
 /* KVP_ENOTSUP naming what the store tier cannot move from this pool (what: the call). */
 int kvp__store_pool_ok(kvp_pool *pool, const char *what);
-/* Bytes of the group blob of items. */
+/* Bytes of the group blob of items; and of its write queue slot (on a
+ * CUDA region the blob, then a staging area its pages are copied to). */
 uint64_t kvp__blob_group_bytes(const item *items, uint32_t n);
-/* The group blob of items (header tagged t0, t1) into w, unsealed. On a
- * CUDA region the page copies are only enqueued on stream: w's bytes are
- * there once the stream passes them (putq seals then). */
-int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w,
-                          void *stream);
+uint64_t kvp__blob_slot_bytes(const kvp_pool *pool, const item *items, uint32_t n);
+/* The group blob of items (header tagged t0, t1) into w (q's slot, or a
+ * buffer of its own with q NULL on a host region), unsealed. On a CUDA
+ * region the page copies are only enqueued on q's stream, into the
+ * staging area after the blob: q moves them in and seals once the stream
+ * passed them. */
+int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w, putq *q);
 /* Batched writes: a slot (its buffer, of bytes, and key) per blob, sealed
  * and written by the queue; flush writes what is left. free waits for
  * copies still in flight (after a failure too). */

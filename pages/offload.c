@@ -186,11 +186,11 @@ static int offload_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint64_t *
     if (content && present[c++]) continue; /* the store has this chunk already */
     wbuf *w;
     char *key;
-    if ((rc = kvp__putq_slot(&q, kvp__blob_group_bytes(gs.items + g->first, g->n), &w, &key))) break;
+    if ((rc = kvp__putq_slot(&q, kvp__blob_slot_bytes(pool, gs.items + g->first, g->n), &w, &key))) break;
     if (content) key_content(st, g->key, key);
     else key_part(st, s->id, gen, g->index, key);
     rc = kvp__blob_build_group(pool, gs.items + g->first, g->n, content ? g->key[0] : gen, content ? g->key[1] : g->index, w,
-                               q.stream);
+                               &q);
     if (rc) break;
     kvp__putq_push(&q);
   }

@@ -43,9 +43,9 @@ KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint
     for (uint32_t j = 0; j < LH; j++) items[j] = (item){ch[i]->blocks[j], j};
     wbuf *w;
     char *key;
-    if ((rc = kvp__putq_slot(&q, kvp__blob_group_bytes(items, LH), &w, &key))) break;
+    if ((rc = kvp__putq_slot(&q, kvp__blob_slot_bytes(pool, items, LH), &w, &key))) break;
     key_content(st, ch[i]->key, key);
-    if ((rc = kvp__blob_build_group(pool, items, LH, ch[i]->key[0], ch[i]->key[1], w, q.stream))) break;
+    if ((rc = kvp__blob_build_group(pool, items, LH, ch[i]->key[0], ch[i]->key[1], w, &q))) break;
     kvp__putq_push(&q);
   }
   if (!rc) rc = kvp__putq_flush(&q);

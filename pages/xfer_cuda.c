@@ -7,10 +7,15 @@
  * idle, freed at pool destroy) and one event recorded after the copies
  * that touch it:
  *
- *   offload  half A: device pages --copy--> pinned blobs     (stream)
- *            half B: sealed blobs --SET--> the store          (host, meanwhile)
- *   restore  blob j: reply --memcpy--> pinned half j%2 --copy--> fresh pages
+ *   offload  half A: device pages --copy--> the staging area after each
+ *                    blob (region order)                       (stream)
+ *            half B: pages moved into their blobs, sealed, --SET--> the store
+ *                    (host, meanwhile)
+ *   restore  blob j: reply --memcpy--> pinned half j%2 (region order)
+ *                    --copy--> fresh pages
  *            blob j+1 is read and checked while blob j's copy runs
+ *   Pages adjacent in the region (consecutive slab slots) go as one copy,
+ *   their size classes' padding carried along (pages/blob.c).
  *
  * Invariants: a half is written by the host only after its event passed
  * (kvp__xfer_buf waits for it); pinned_bytes = sum of the halves'
