@@ -303,7 +303,10 @@ int kvp__putq_flush(putq *q) {
 
 void kvp__putq_free(putq *q) {
 #ifdef KVP_HAVE_CUDA
-  if (q->dev && q->pool) (void)kvp__xfer_drain(q->pool); /* no copy still fills a half */
+  /* no copy still fills a half: a half left filling (a failure before its
+   * seal) has copies no event covers yet */
+  if (q->dev && q->pool && q->n[q->cur] && !q->sealed[q->cur]) (void)kvp__xfer_settle(q->pool, q->stream);
+  if (q->dev && q->pool) (void)kvp__xfer_drain(q->pool);
 #endif
   for (uint32_t i = 0; q->bufs && i < 2 * PUTQ_CAP; i++) wfree(&q->bufs[i]);
   for (uint32_t i = 0; q->fx && i < 2 * PUTQ_CAP; i++) kvp__meta_free(NULL, q->fx[i].f, q->fx[i].cap * sizeof *q->fx[i].f);

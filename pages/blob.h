@@ -268,12 +268,16 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
 /* pages/xfer_cuda.c: pinned staging halves (0, 1) of a CUDA pool. buf: a
  * buffer of >= bytes for the half, once its copies are done (grown then if
  * needed); copy: n copies on stream (one batch where the runtime has it);
- * record: the half's event after them; wait, drain: one half, both. */
+ * record: the half's event after them (a failure waits for the stream);
+ * wait, drain: one half, both. A failed copy waits for the ones before it. */
 int kvp__xfer_buf(kvp_pool *pool, uint32_t half, uint64_t bytes, unsigned char **buf, uint64_t *cap);
 int kvp__xfer_copy(kvp_pool *pool, uint32_t n, void **dst, const void **src, const size_t *bytes, void *stream);
 int kvp__xfer_record(kvp_pool *pool, uint32_t half, void *stream);
 int kvp__xfer_wait(kvp_pool *pool, uint32_t half);
 int kvp__xfer_drain(kvp_pool *pool);
+/* Every copy enqueued on stream so far is done (failure paths: copies no
+ * event covers yet). */
+int kvp__xfer_settle(kvp_pool *pool, void *stream);
 #endif
 
 #endif /* KVP_PAGES_BLOB_H */

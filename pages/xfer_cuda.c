@@ -108,11 +108,22 @@ int kvp__xfer_buf(kvp_pool *pool, uint32_t half, uint64_t bytes, unsigned char *
   return KVP_OK;
 }
 
+int kvp__xfer_settle(kvp_pool *pool, void *stream) {
+  int prev, rc = enter(pool, &prev);
+  if (rc) return rc;
+  cudaError_t e = cudaStreamSynchronize((cudaStream_t)stream);
+  leave(pool, prev);
+  return e == cudaSuccess ? KVP_OK : xfer_fail(e, "cudaStreamSynchronize (staged copies)", pool);
+}
+
 int kvp__xfer_record(kvp_pool *pool, uint32_t half, void *stream) {
   struct kvp__xfer *x = pool->xfer;
   kvp__assert(x && x->has_event[half]);
   cudaError_t e = cudaEventRecord(x->done[half], (cudaStream_t)stream);
-  return e == cudaSuccess ? KVP_OK : xfer_fail(e, "cudaEventRecord (staged copies)", pool);
+  if (e == cudaSuccess) return KVP_OK;
+  int rc = xfer_fail(e, "cudaEventRecord (staged copies)", pool);
+  (void)kvp__xfer_settle(pool, stream); /* no event covers the copies: wait for the stream */
+  return rc;
 }
 
 int kvp__xfer_copy(kvp_pool *pool, uint32_t n, void **dst, const void **src, const size_t *bytes, void *stream) {
@@ -135,6 +146,7 @@ int kvp__xfer_copy(kvp_pool *pool, uint32_t n, void **dst, const void **src, con
     cudaError_t e = cudaMemcpyAsync(dst[i], src[i], bytes[i], cudaMemcpyDefault, (cudaStream_t)stream);
     if (e != cudaSuccess) {
       rc = xfer_fail(e, "cudaMemcpyAsync (staged page copy)", pool);
+      if (i) (void)cudaStreamSynchronize((cudaStream_t)stream); /* the copies before it land before pages go */
       break;
     }
   }
