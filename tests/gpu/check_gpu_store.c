@@ -14,8 +14,11 @@
  *   a restore that fails on a corrupt blob in the middle (copies of the
  *   blobs before it already enqueued) adds nothing, names the key, leaves
  *   kvp_check clean; with the blob mended the restore goes through;
- *   a prefix published by the host pool is fetched by the CUDA pool (and
- *   the CUDA pool's by the host pool): the same reads.
+ *   a prefix published by the host pool is fetched by the CUDA pool: the
+ *   same reads as the host pool's own;
+ *   the server killed in the middle of a CUDA pool's offload: KVP_EIO, the
+ *   pool's ledger and its pages' bytes as before; then the sequence goes
+ *   out and back whole.
  *
  * Public headers only (hiredis to damage a blob). NOFORK; skips with a
  * message without a GPU, a redis-server or hiredis.
@@ -23,6 +26,8 @@
 #include "gpu_test.h"
 
 #include "../../tools/redis_srv.h"
+
+#include <pthread.h>
 
 #ifdef KVP_HAVE_HIREDIS
 #include <hiredis.h>
@@ -334,6 +339,137 @@ START_TEST(prefix_across_host_and_device) {
 }
 END_TEST
 
+#ifdef KVP_HAVE_HIREDIS
+typedef struct killer {
+  unsigned delay_us;
+} killer;
+
+static void *kill_later(void *arg) {
+  usleep(((killer *)arg)->delay_us);
+  kill(R.pid, SIGKILL);
+  return NULL;
+}
+
+/* Layers 0 and BL - 1, every head, bf16, copied to the host (h: [2][BH][BTOK * BD] x K, V). */
+enum { BL = 8, BH = 8, BD = 128, BTOK = 2048 };
+static void snap_dev(kvp_pool *p, cudaStream_t s, uint16_t *h) {
+  void *dk, *dv;
+  uint32_t *pos = malloc(BTOK * 4);
+  size_t bytes = (size_t)BTOK * BD * 2;
+  ck_cuda(cudaMalloc(&dk, bytes));
+  ck_cuda(cudaMalloc(&dv, bytes));
+  for (uint32_t i = 0; i < 2; i++)
+    for (uint32_t hd = 0; hd < BH; hd++) {
+      kvp_read_req q = {sizeof q, hd, KVP_DTYPE_BF16, dk, dv, pos, BTOK, 0, s};
+      ck_ok(kvp_read(p, 1, i ? BL - 1 : 0, &q));
+      ck_assert_uint_eq(q.n_tokens, BTOK);
+      uint16_t *at = h + ((size_t)(i * BH + hd) * 2) * BTOK * BD;
+      ck_cuda(cudaMemcpyAsync(at, dk, bytes, cudaMemcpyDeviceToHost, s));
+      ck_cuda(cudaMemcpyAsync(at + (size_t)BTOK * BD, dv, bytes, cudaMemcpyDeviceToHost, s));
+    }
+  ck_cuda(cudaStreamSynchronize(s));
+  cudaFree(dk);
+  cudaFree(dv);
+  free(pos);
+}
+#endif
+
+/* The server killed while a CUDA pool's offload is in flight (blobs sent
+ * from one staging half while the other's copies run): KVP_EIO, the pool
+ * as before (ledger, the pages' bytes); then the sequence still goes out
+ * and comes back whole. */
+START_TEST(server_killed_mid_offload) {
+#ifndef KVP_HAVE_HIREDIS
+  printf("server_killed_mid_offload: skipped: built without hiredis\n");
+#else
+  if (!have_server) return;
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = BL;
+  c.n_kv_heads = BH;
+  c.head_dim = BD;
+  c.memory = KVP_MEM_CUDA;
+  c.region_bytes = 256ull << 20;
+  kvp_pool *p;
+  ck_ok(kvp_pool_create(&c, &p));
+  cudaStream_t s;
+  ck_cuda(cudaStreamCreate(&s));
+  size_t n = (size_t)BTOK * BH * BD;
+  uint16_t *k = malloc(n * 2), *v = malloc(n * 2);
+  uint64_t seed = 3;
+  for (size_t i = 0; i < n; i++) k[i] = gpu_bf16_of(gpu_normal(&seed)), v[i] = gpu_bf16_of(gpu_normal(&seed));
+  void *dk, *dv;
+  ck_cuda(cudaMalloc(&dk, n * 2));
+  ck_cuda(cudaMalloc(&dv, n * 2));
+  ck_cuda(cudaMemcpy(dk, k, n * 2, cudaMemcpyHostToDevice));
+  ck_cuda(cudaMemcpy(dv, v, n * 2, cudaMemcpyHostToDevice));
+#define FILL()                                                                                                       \
+  do {                                                                                                               \
+    ck_ok(kvp_seq_add(p, 1, NULL));                                                                                  \
+    ck_ok(kvp_step_begin(p, 1, BTOK, 0));                                                                            \
+    for (uint32_t l = 0; l < BL; l++) ck_ok(kvp_append(p, 1, l, &(kvp_kv){dk, dv, s}));                              \
+    ck_ok(kvp_step_end(p, 1));                                                                                       \
+  } while (0)
+  FILL();
+  size_t snap_elems = (size_t)2 * BH * 2 * BTOK * BD;
+  uint16_t *s1 = malloc(snap_elems * 2), *s2 = malloc(snap_elems * 2);
+  snap_dev(p, s, s1);
+  ck_ok(kvp_reclaim(p));
+  kvp_stats before = stats_of(p);
+  int failed_midway = 0;
+  for (unsigned delay = 200; delay <= 8192000 && !failed_midway; delay *= 2) {
+    char url[160];
+    snprintf(url, sizeof url, "%s?timeout_ms=2000", R.url);
+    kvp_store *st;
+    ck_ok(kvp_store_open(url, &st));
+    ck_ok(kvp_store_set_stream(st, s));
+    killer kl = {delay};
+    pthread_t t;
+    pthread_create(&t, NULL, kill_later, &kl);
+    int rc = kvp_seq_offload(p, 1, st);
+    pthread_join(t, NULL);
+    waitpid(R.pid, NULL, 0);
+    R.pid = 0;
+    uint64_t sent = 0, recv = 0;
+    kvp_store_traffic(st, &sent, &recv);
+    if (rc) {
+      ck_assert_int_eq(rc, KVP_EIO);
+      ck_assert_msg(strstr(kvp_last_error(), "stays in the pool"), "%s", kvp_last_error());
+      ck_ok(kvp_check(p));
+      kvp_stats now = stats_of(p);
+      ck_assert_uint_eq(now.bytes_allocated.current, before.bytes_allocated.current);
+      ck_assert_uint_eq(now.pages.current, before.pages.current);
+      failed_midway = sent > 0; /* staged and sent, then died */
+    } else { /* finished before the kill (the copy died with the server): computed again */
+      FILL();
+    }
+    kvp_store_close(st);
+    ck_assert_int_eq(redis_srv_launch(&R), 0);
+  }
+  ck_assert_msg(failed_midway, "no kill landed in the middle of the offload");
+  snap_dev(p, s, s2);
+  ck_assert_int_eq(memcmp(s1, s2, snap_elems * 2), 0);
+  kvp_store *st;
+  ck_ok(kvp_store_open(R.url, &st));
+  ck_ok(kvp_store_set_stream(st, s));
+  ck_ok(kvp_seq_offload(p, 1, st));
+  ck_ok(kvp_seq_restore(p, 1, st));
+  ck_ok(kvp_check(p));
+  ck_assert_uint_eq(stats_of(p).bytes_allocated.current, before.bytes_allocated.current);
+  memset(s2, 0, snap_elems * 2);
+  snap_dev(p, s, s2);
+  ck_assert_int_eq(memcmp(s1, s2, snap_elems * 2), 0);
+  kvp_store_close(st);
+  kvp_pool_destroy(p);
+  cudaStreamDestroy(s);
+  cudaFree(dk);
+  cudaFree(dv);
+  free(k), free(v), free(s1), free(s2);
+#undef FILL
+#endif
+}
+END_TEST
+
 int main(void) {
   if (!gpu_present("check_gpu_store")) return 0;
 #ifdef KVP_HAVE_HIREDIS
@@ -349,6 +485,7 @@ int main(void) {
   tcase_add_loop_test(tc, offload_restore_matches_host, 0, NSPECS);
   tcase_add_loop_test(tc, failed_restore_adds_nothing, 0, NSPECS);
   tcase_add_loop_test(tc, prefix_across_host_and_device, 0, NSPECS);
+  tcase_add_test(tc, server_killed_mid_offload);
   suite_add_tcase(s, tc);
   int rc = gpu_run(s, CK_NORMAL);
   redis_srv_stop(&R);
