@@ -222,6 +222,9 @@ PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
 # check_store damages blobs on its redis-server through hiredis directly.
 $(B)/tests/check_store: PUB_CFLAGS += $(HIREDIS_CFLAGS)
 $(B)/tests/check_store: CHECK_LIBS += $(HIREDIS_LIBS) -lpthread
+# check_gpu_store too (a corrupt blob in the middle of a restore).
+$(B)/tests/check_gpu_store: PUB_CFLAGS += $(HIREDIS_CFLAGS)
+$(B)/tests/check_gpu_store: CHECK_LIBS += $(HIREDIS_LIBS)
 PUB_HDRS := $(wildcard include/*.h)
 $(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
 	@mkdir -p $(dir $@)

@@ -386,6 +386,7 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
 #ifdef KVP_HAVE_CUDA
+  kvp__xfer_fini(pool);
   kvp__dev_fini(pool);
 #endif
   kvp__rawpages_fini(pool);

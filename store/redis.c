@@ -36,6 +36,7 @@ struct kvp_store {
   redisContext *c;        /* the connection, or NULL (reconnect on next use) */
   uint64_t sent_bytes;    /* value bytes written */
   uint64_t received_bytes; /* value bytes read */
+  void *stream;           /* cudaStream_t of device page copies (kvp_store_set_stream), or NULL */
 };
 
 bool kvp__store_available(void) { return true; }
@@ -205,6 +206,13 @@ KVP_API void kvp_store_close(kvp_store *st) {
 }
 
 const char *kvp__store_prefix(const kvp_store *st) { return st->prefix; }
+void *kvp__store_stream(const kvp_store *st) { return st->stream; }
+
+KVP_API int kvp_store_set_stream(kvp_store *st, void *stream) {
+  if (!st) return kvp__err(KVP_EINVAL, "store stream: store is NULL");
+  st->stream = stream;
+  return KVP_OK;
+}
 
 void kvp__store_traffic(const kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes) {
   *sent_bytes = st->sent_bytes;
@@ -413,6 +421,11 @@ KVP_API int kvp_store_open(const char *url, kvp_store **out) {
 }
 KVP_API void kvp_store_close(kvp_store *st) { (void)st; }
 const char *kvp__store_prefix(const kvp_store *st) { return ""; }
+void *kvp__store_stream(const kvp_store *st) { return NULL; }
+KVP_API int kvp_store_set_stream(kvp_store *st, void *stream) {
+  (void)stream;
+  return kvp__err(st ? KVP_ENOTSUP : KVP_EINVAL, "store stream: %s", st ? "built without hiredis" : "store is NULL");
+}
 void kvp__store_traffic(const kvp_store *st, uint64_t *s, uint64_t *r) { *s = *r = 0; }
 int kvp__store_put(kvp_store *st, uint32_t n, const char *const *k, const void *const *v, const size_t *l) {
   return kvp__err(KVP_ENOTSUP, "store: built without hiredis");
