@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-call overhead of the Python binding against the same calls from C, in the same run.
 
-Runs build/py/kvpool-callbench (C) and then the same loop through kvpool.Pool on the same
+Runs build/kvpool-callbench (C) and then the same loop through kvpool.Pool on the same
 library, geometry and data: decode steps of one token (step_begin, append per layer,
 step_end) and reads of one head into fixed buffers (read_into, as C does) and through
 read() (which allocates its arrays). Prints a table, then one JSON line per figure.
@@ -100,7 +100,7 @@ def main():
     ap.add_argument("--read-iters", type=int, default=20000)
     ap.add_argument("--codecs", default="", help="codec spec (default raw)")
     a = ap.parse_args()
-    tool = os.path.join(os.path.dirname(os.path.dirname(HERE)), "build", "py", "kvpool-callbench")
+    tool = os.path.join(os.path.dirname(os.path.dirname(HERE)), "build", "kvpool-callbench")
     # C and Python repetitions alternate, so that load from other processes hits both alike
     c, py = {}, {}
     for _ in range(a.reps):
