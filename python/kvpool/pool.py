@@ -611,17 +611,34 @@ class Pool:
         fh = self._fh
         if fh is not None and type(k_out) is _ndarray and type(v_out) is _ndarray and type(positions_out) is _ndarray \
                 and self._host_np:
-            # fast path (cffi): numpy K, V and positions buffers, as a decode loop reads. About
-            # 1 us over the C call: three from_buffer (which also refuse strided and read-only
-            # arrays: those take the checked path, which says why) and the call.
-            ks, vs, D = k_out.shape, v_out.shape, self._D
-            code = _NP_CODE.get(k_out.dtype)
-            if (code is not None and len(ks) == 2 and len(vs) == 2 and ks[1] == D and vs[1] == D
-                    and _NP_CODE.get(v_out.dtype) == code and positions_out.dtype == _U32 and positions_out.ndim == 1):
-                n = self._read_fast(fh, seq, layer, head, code, min(ks[0], vs[0], positions_out.shape[0]),
-                                    k_out, v_out, positions_out)
-                if n >= 0:
-                    return n
+            # fast path (cffi): numpy K, V and positions buffers as a decode loop passes them (K
+            # and V of one shape and dtype). About 1 us over the C call: the checks below, three
+            # from_buffer (which refuse strided and read-only arrays: those, and every other
+            # case, take the checked path, which says what is wrong) and the call.
+            ks, kd = k_out.shape, k_out.dtype
+            if (v_out.shape == ks and len(ks) == 2 and ks[1] == self._D and v_out.dtype is kd and kd in _NP_CODE
+                    and positions_out.dtype is _U32 and positions_out.ndim == 1):
+                cap = ks[0]
+                if positions_out.shape[0] < cap:
+                    cap = positions_out.shape[0]
+                req = self._freq if _get_ident() == self._owner else _ffi.new(_REQ_T, [_READ_REQ_BYTES])
+                try:
+                    req.k_out = _from_buffer(k_out, require_writable=True)
+                    req.v_out = _from_buffer(v_out, require_writable=True)
+                    req.positions_out = _from_buffer(positions_out, require_writable=True)
+                    ok = True
+                except _BUF_ERRORS:
+                    ok = False
+                if ok:
+                    req.head = head
+                    req.out_dtype = _NP_CODE[kd]
+                    req.capacity_tokens = cap
+                    rc = _c_read(fh, seq, layer, req)
+                    if rc:
+                        e = error_for(rc, "kvp_read")
+                        e.needed = req.n_tokens
+                        raise e
+                    return req.n_tokens
         if (not self._cuda and type(positions_out) in (_ndarray, type(None))
                 and type(k_out) in (_ndarray, type(None)) and type(v_out) in (_ndarray, type(None))):
             return self._read_numpy(seq, layer, head, k_out, v_out, positions_out)
