@@ -167,6 +167,39 @@ def test_read_into_fast_path_refusals():
         assert k.shape == (0, D) and len(pos) == 0
 
 
+def test_pointer_paths_match_checked_ones():
+    """Pool._append_ptrs and _read_ptrs (kvpool.hf's per-row calls, by address) store and read
+    what append and read_into do, and fail the same way."""
+    from kvpool import _lib
+    with mkpool(codecs="kv=int8") as a, mkpool(codecs="kv=int8") as b:
+        for p in (a, b):
+            p.add(1)
+        for pos0, n in ((0, 5), (5, 1), (6, 1)):
+            k, v = f16(pos0, n, 0), f16(pos0, n, 1)
+            a.step_begin(1, n)
+            b.step_begin(1, n)
+            for layer in range(L):
+                a.append(1, layer, k, v)
+                b._append_ptrs(1, layer, k.ctypes.data, v.ctypes.data, None)
+            a.step_end(1)
+            b.step_end(1)
+        out = np.zeros((2, 8, D), np.float16)
+        for layer in range(L):
+            for h in range(H):
+                ka, va, _ = a.read(1, layer, h)
+                n = b._read_ptrs(1, layer, h, _lib.DTYPE_F16, 8, out.ctypes.data, out.ctypes.data + out[0].nbytes, None)
+                assert n == 7 and np.array_equal(out[0, :7], ka) and np.array_equal(out[1, :7], va)
+        with pytest.raises(kvpool.RegionFullError) as ei:
+            b._read_ptrs(1, 0, 0, _lib.DTYPE_F16, 3, out.ctypes.data, out.ctypes.data + out[0].nbytes, None)
+        assert ei.value.needed == 7
+        with pytest.raises(kvpool.InvalidError, match="outside a step"):
+            b._append_ptrs(1, 0, out.ctypes.data, out.ctypes.data, None)
+        a.check()
+        b.check()
+    with pytest.raises(kvpool.InvalidError, match="closed"):
+        b._read_ptrs(1, 0, 0, _lib.DTYPE_F16, 8, out.ctypes.data, out.ctypes.data, None)
+
+
 def test_fast_paths_on_other_threads():
     """Appends and reads from a thread other than the pool's creator (which reuses one request
     struct) give the same results."""
