@@ -585,23 +585,35 @@ class Pool:
         bf16 is ``uint16`` bit patterns unless ``ml_dtypes`` is installed). A CUDA pool returns its
         stored dtype only.
         """
-        if dtype is None and k and v and not as_torch and self._fh is not None and self._host_np:
+        fh = self._fh
+        if dtype is None and k and v and not as_torch and fh is not None and self._host_np:
             # fast path (cffi, numpy, the default dtype): buffers sized by the positions the
-            # sequence used, read without a second check; what it returns is those buffers
-            # when nothing was evicted, else views of their first n rows
+            # sequence used (fresh, so contiguous and writable: no check), one kvp_read; what it
+            # returns is those buffers when nothing was evicted, else their first n rows
             code, ndt = self._read_default
             cap = self._npos.get(seq, 0) or 16
-            kb, vb, pb = _np_empty((cap, self._D), ndt), _np_empty((cap, self._D), ndt), _np_empty(cap, _U32)
-            try:
-                n = self._read_fast(self._fh, seq, layer, head, code, cap, kb, vb, pb)
-            except RegionFullError:
-                n = -1  # the writer appended meanwhile: the loop below grows the buffers
-            if n == cap:
-                return kb, vb, pb
-            if n >= 0:  # a small result does not keep a large buffer alive
-                if 64 < n < cap // 2:
+            shape = (cap, self._D)
+            kb, vb, pb = _np_empty(shape, ndt), _np_empty(shape, ndt), _np_empty(cap, _U32)
+            req = self._freq if _get_ident() == self._owner else _ffi.new(_REQ_T, [_READ_REQ_BYTES])
+            req.k_out = _from_buffer(kb)
+            req.v_out = _from_buffer(vb)
+            req.positions_out = _from_buffer(pb)
+            req.head = head
+            req.out_dtype = code
+            req.capacity_tokens = cap
+            rc = _c_read(fh, seq, layer, req)
+            if rc == 0:
+                n = req.n_tokens
+                if n == cap:
+                    return kb, vb, pb
+                if 64 < n < cap // 2:  # a small result does not keep a large buffer alive
                     return kb[:n].copy(), vb[:n].copy(), pb[:n]
                 return kb[:n], vb[:n], pb[:n]
+            if rc != _ENOSPC:
+                e = error_for(rc, "kvp_read")
+                e.needed = req.n_tokens
+                raise e
+            # the writer appended meanwhile: the loop below grows the buffers
         code = self._out_code(dtype)
         use_torch = as_torch or self._cuda
         cap = self._npos.get(seq, 0) or 16
