@@ -57,6 +57,17 @@ extern "C" {
 /* "MAJOR.MINOR.PATCH" of the library actually linked. */
 KVP_API const char *kvp_version(void);
 
+/* Where host metadata (page tables, block records, hash tables) comes from:
+ * "jemalloc" (a dedicated arena, no thread cache) or "libc" (malloc).
+ * libkvpool does not link jemalloc, so any process can dlopen it (python
+ * after torch, say); it uses the libjemalloc.so.2 the process already has:
+ * link -ljemalloc (`pkg-config --libs kvpool` does) or preload it for the
+ * arena. KVPOOL_META_MALLOC=libc in the environment forces libc; sanitizer
+ * builds always use libc. Decided once per process at the first metadata
+ * allocation (by this call if none happened yet), never changed after.
+ * Thread-safe. Since 0.4.0. */
+KVP_API const char *kvp_metadata_allocator(void);
+
 /* X(name, value, description). Values are pinned: never renumber. */
 #define KVP_STATUS_LIST(X)                                                \
   X(OK, 0, "success")                                                     \

@@ -1010,6 +1010,8 @@ int main(int argc, char **argv) {
     print_prefix(quick, json_only);
     return 0;
   }
+  /* host metadata comes from the arena of the jemalloc this program links (kvpool.pc's Libs) */
+  if (!json_only) printf("kvpool %s, host metadata from %s\n", kvp_version(), kvp_metadata_allocator());
   const int rounds = quick ? 3 : 11;
   if (seqs_only) {
     if (!json_only) printf("%-34s %12s %12s %10s\n", "figure", "kvpool", "baseline", "ratio");

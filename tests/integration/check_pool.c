@@ -40,6 +40,26 @@ START_TEST(status_names_and_version) {
 }
 END_TEST
 
+/* This program links jemalloc (the Makefile's JEMALLOC_LIBS, as kvpool.pc's
+ * Libs), so host metadata comes from its arena; sanitizer builds and
+ * KVPOOL_META_MALLOC=libc take libc malloc. The answer never changes. */
+START_TEST(metadata_allocator_follows_the_program) {
+  const char *env = getenv("KVPOOL_META_MALLOC");
+#ifdef KVP_META_LIBC
+  const char *want = "libc";
+#else
+  const char *want = env && strcmp(env, "libc") == 0 ? "libc" : "jemalloc";
+#endif
+  ck_assert_str_eq(kvp_metadata_allocator(), want);
+  kvp_pool *p = mkpool(8 << 20, 0);
+  kvp_stats st = {.struct_size = sizeof st};
+  ck_ok(kvp_stats_get(p, &st));
+  ck_assert_uint_gt(st.metadata_bytes.current, 0);
+  kvp_pool_destroy(p);
+  ck_assert_str_eq(kvp_metadata_allocator(), want);
+}
+END_TEST
+
 /* Each bad config fails with its status and a message naming the field. */
 START_TEST(config_errors_name_the_field) {
   kvp_pool *p = (kvp_pool *)0x1;
@@ -265,6 +285,7 @@ int main(void) {
   Suite *s = suite_create("pool");
   TCase *tc = tcase_create("api");
   tcase_add_test(tc, status_names_and_version);
+  tcase_add_test(tc, metadata_allocator_follows_the_program);
   tcase_add_test(tc, config_errors_name_the_field);
   tcase_add_test(tc, ledger_moves_region_stays);
   tcase_add_test(tc, emitters_agree_with_stats);
