@@ -221,10 +221,11 @@ static uint64_t km_rand(uint64_t *s) {
 }
 
 #if KVP__HAVE_AVX2
-/* km_near with AVX2, 32 rows' sums in registers over every i (km_near keeps
- * them in acc[] between channels): the same operations per sum in the same
- * order, so the same bits. */
-__attribute__((target("avx2"))) static void km_near_avx2(kvp__km *km, uint32_t j, int init) {
+/* acc[t] for rows [0, n / 32 * 32) with AVX2, 32 rows' sums in registers
+ * over every i (km_near keeps them in acc[] between channels): the same
+ * operations per sum in the same order, so the same bits. Returns how many
+ * rows it did; km_near does the rest. */
+__attribute__((target("avx2"))) static size_t km_near_avx2(kvp__km *km, uint32_t j) {
   size_t n = km->n, d = km->d, n32 = n / 32 * 32;
   const float *c = km->cent + j * d;
   float *restrict acc = km->acc;
@@ -241,16 +242,7 @@ __attribute__((target("avx2"))) static void km_near_avx2(kvp__km *km, uint32_t j
     _mm256_storeu_ps(acc + t, s0), _mm256_storeu_ps(acc + t + 8, s1);
     _mm256_storeu_ps(acc + t + 16, s2), _mm256_storeu_ps(acc + t + 24, s3);
   }
-  for (size_t t = n32; t < n; t++) {
-    float a = 0.0f;
-    for (size_t i = 0; i < d; i++) {
-      float e = km->xt[i * n + t] - c[i];
-      a += e * e;
-    }
-    acc[t] = a;
-  }
-  for (size_t t = 0; t < n; t++)
-    if (init || acc[t] < km->w[t]) km->w[t] = acc[t];
+  return n32;
 }
 #endif
 
@@ -258,20 +250,18 @@ __attribute__((target("avx2"))) static void km_near_avx2(kvp__km *km, uint32_t j
  * init). Over the transposed rows xt, so the loop over rows vectorizes
  * (KVP__KM_LANES at a time) and each distance sums i = 0..d-1 in order. */
 static void km_near(kvp__km *km, uint32_t j, int init) {
+  size_t n = km->n, d = km->d, t0 = 0; /* rows [0, t0) done with AVX2 */
 #if KVP__HAVE_AVX2
-  if (kvp__codec_isa() == KVP__ISA_AVX2) {
-    km_near_avx2(km, j, init);
-    return;
-  }
+  if (kvp__codec_isa() == KVP__ISA_AVX2) t0 = km_near_avx2(km, j);
 #endif
-  size_t n = km->n, d = km->d, n16 = n / KVP__KM_LANES * KVP__KM_LANES;
+  size_t n16 = t0 + (n - t0) / KVP__KM_LANES * KVP__KM_LANES;
   const float *c = km->cent + j * d;
   float *restrict acc = km->acc;
-  memset(acc, 0, n * sizeof *acc);
+  memset(acc + t0, 0, (n - t0) * sizeof *acc);
   for (size_t i = 0; i < d; i++) {
     const float *restrict xi = km->xt + i * n;
     float ci = c[i];
-    for (size_t t = 0; t < n16; t += KVP__KM_LANES)
+    for (size_t t = t0; t < n16; t += KVP__KM_LANES)
       for (size_t l = 0; l < KVP__KM_LANES; l++) {
         float e = xi[t + l] - ci;
         acc[t + l] += e * e;
