@@ -37,7 +37,7 @@
  *     order, two 16-byte loads per step), then the slices' winners are
  *     merged in centroid order, which is the host's first-minimum scan
  *     (see pick()).
- *   - Seeding (near): a thread keeps four rows' sums at once.
+ *   - Seeding (near): a thread keeps kNearRows rows' sums at once.
  *   - Centroid update: per centroid member lists in row order, then one
  *     thread per (centroid, channel) sums its members in double.
  * Scratch (QvgWs, global memory, kvp__qvg_ws_bytes per job): the f32
