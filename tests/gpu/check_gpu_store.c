@@ -35,6 +35,8 @@
 
 enum { L = 3, H = 4, D = 128, BT = 16, MAXTOK = 512 };
 
+#include "gpu_pair.h"
+
 static const char *const specs[] = {
     "kv=bf16",
     "kv=nvfp4",
@@ -47,138 +49,37 @@ static redis_srv R;
 static int have_server;
 
 typedef struct pair {
-  kvp_pool *host, *dev;
+  gpu_pair g;
   kvp_store *hst, *dst; /* the host pool's store handle, the device pool's (its own key prefix) */
-  cudaStream_t stream;
-  uint16_t *hk, *hv;    /* host K/V of a step [MAXTOK][H][D] bf16 */
-  void *dk, *dv;        /* device copies */
-  uint64_t seed;
 } pair;
 
 static void pair_open(pair *p, const char *spec) {
-  memset(p, 0, sizeof *p);
-  p->seed = 11;
-  kvp_config c;
-  kvp_config_init(&c);
-  c.n_layers = L;
-  c.n_kv_heads = H;
-  c.head_dim = D;
-  c.k_dtype = c.v_dtype = KVP_DTYPE_BF16;
-  c.region_bytes = 128ull << 20;
-  c.block_tokens = BT;
-  c.codecs = spec;
-  ck_ok(kvp_pool_create(&c, &p->host));
-  c.memory = KVP_MEM_CUDA;
-  ck_ok(kvp_pool_create(&c, &p->dev));
-  ck_cuda(cudaStreamCreate(&p->stream));
-  size_t bytes = (size_t)MAXTOK * H * D * 2;
-  p->hk = malloc(bytes);
-  p->hv = malloc(bytes);
-  ck_cuda(cudaMalloc(&p->dk, bytes));
-  ck_cuda(cudaMalloc(&p->dv, bytes));
+  gpu_pair_open(&p->g, spec, BT, 128ull << 20, 11);
   char url[160];
   snprintf(url, sizeof url, "%s?prefix=h:", R.url);
   ck_ok(kvp_store_open(url, &p->hst));
   snprintf(url, sizeof url, "%s?prefix=d:", R.url);
   ck_ok(kvp_store_open(url, &p->dst));
-  ck_ok(kvp_store_set_stream(p->dst, p->stream));
+  ck_ok(kvp_store_set_stream(p->dst, p->g.stream));
 }
 
 static void pair_close(pair *p) {
-  ck_ok(kvp_check(p->host));
-  ck_ok(kvp_check(p->dev));
   kvp_store_close(p->hst);
   kvp_store_close(p->dst);
-  kvp_pool_destroy(p->host);
-  kvp_pool_destroy(p->dev);
-  cudaStreamDestroy(p->stream);
-  free(p->hk);
-  free(p->hv);
-  cudaFree(p->dk);
-  cudaFree(p->dv);
+  gpu_pair_close(&p->g);
 }
 
-static kvp_stats stats_of(kvp_pool *pool) {
-  kvp_stats s = {.struct_size = sizeof s};
-  ck_ok(kvp_stats_get(pool, &s));
-  return s;
-}
-
-/* Both pools hold the same ledger and pass their checks. */
-static void same_ledger(pair *p) {
-  ck_ok(kvp_check(p->host));
-  ck_ok(kvp_check(p->dev));
-  kvp_stats a = stats_of(p->host), b = stats_of(p->dev);
-  ck_assert_uint_eq(a.bytes_allocated.current, b.bytes_allocated.current);
-  ck_assert_uint_eq(a.bytes_requested.current, b.bytes_requested.current);
-  ck_assert_uint_eq(a.tokens_retained.current, b.tokens_retained.current);
-  ck_assert_uint_eq(a.pages.current, b.pages.current);
-}
-
-/* One step of n tokens appended to seq in both pools. */
-static void step(pair *p, uint64_t seq, uint32_t n) {
-  ck_assert_uint_le(n, MAXTOK);
-  ck_ok(kvp_step_begin(p->host, seq, n, 0));
-  ck_ok(kvp_step_begin(p->dev, seq, n, 0));
-  for (uint32_t l = 0; l < L; l++) {
-    for (size_t i = 0; i < (size_t)n * H * D; i++) {
-      p->hk[i] = gpu_bf16_of(gpu_normal(&p->seed) * (i % D < 3 ? 6.0f : 1.0f));
-      p->hv[i] = gpu_bf16_of(gpu_normal(&p->seed));
-    }
-    size_t bytes = (size_t)n * H * D * 2;
-    ck_cuda(cudaMemcpyAsync(p->dk, p->hk, bytes, cudaMemcpyHostToDevice, p->stream));
-    ck_cuda(cudaMemcpyAsync(p->dv, p->hv, bytes, cudaMemcpyHostToDevice, p->stream));
-    kvp_kv hkv = {p->hk, p->hv, NULL}, dkv = {p->dk, p->dv, p->stream};
-    ck_ok(kvp_append(p->host, seq, l, &hkv));
-    ck_ok(kvp_append(p->dev, seq, l, &dkv));
-  }
-  ck_ok(kvp_step_end(p->host, seq));
-  ck_ok(kvp_step_end(p->dev, seq));
-}
-
-/* Every head of every layer reads the same bytes from the host pool's
- * hseq and the device pool's dseq, in every out dtype. */
-static void same_reads(pair *p, uint64_t hseq, uint64_t dseq) {
-  enum { CAP = 4096 };
-  uint32_t *hpos = malloc(CAP * 4), *dpos = malloc(CAP * 4);
-  void *dbuf[2];
-  ck_cuda(cudaMalloc(&dbuf[0], (size_t)CAP * D * 4));
-  ck_cuda(cudaMalloc(&dbuf[1], (size_t)CAP * D * 4));
-  unsigned char *hb[2] = {malloc((size_t)CAP * D * 4), malloc((size_t)CAP * D * 4)};
-  unsigned char *got = malloc((size_t)CAP * D * 4);
-  for (uint32_t l = 0; l < L; l++)
-    for (uint32_t h = 0; h < H; h++)
-      for (int out = 0; out < 3; out++) {
-        size_t esz = out == KVP_DTYPE_F32 ? 4 : 2;
-        kvp_read_req hq = {sizeof hq, h, (kvp_dtype)out, hb[0], hb[1], hpos, CAP, 0, NULL};
-        kvp_read_req dq = {sizeof dq, h, (kvp_dtype)out, dbuf[0], dbuf[1], dpos, CAP, 0, p->stream};
-        ck_ok(kvp_read(p->host, hseq, l, &hq));
-        ck_ok(kvp_read(p->dev, dseq, l, &dq));
-        ck_assert_uint_gt(hq.n_tokens, 0);
-        ck_assert_uint_eq(hq.n_tokens, dq.n_tokens);
-        ck_assert_int_eq(memcmp(hpos, dpos, hq.n_tokens * 4), 0);
-        for (int kv = 0; kv < 2; kv++) {
-          ck_cuda(cudaMemcpyAsync(got, dbuf[kv], hq.n_tokens * D * esz, cudaMemcpyDeviceToHost, p->stream));
-          ck_cuda(cudaStreamSynchronize(p->stream));
-          for (size_t i = 0; memcmp(got, hb[kv], hq.n_tokens * D * esz) && i < hq.n_tokens * D * esz; i++)
-            ck_assert_msg(got[i] == hb[kv][i], "layer %u head %u %c out %d: byte %zu (token %zu) differs: device %02x "
-                          "host %02x", l, h, "KV"[kv], out, i, i / (D * esz), got[i], hb[kv][i]);
-        }
-      }
-  cudaFree(dbuf[0]);
-  cudaFree(dbuf[1]);
-  free(hb[0]);
-  free(hb[1]);
-  free(got);
-  free(hpos);
-  free(dpos);
-}
+static void same_ledger(pair *p) { gpu_pair_same_ledger(&p->g); }
+static void step(pair *p, uint64_t seq, uint32_t n) { gpu_pair_step(&p->g, seq, n); }
+/* Every head of every layer reads the same bytes from the host pool's hseq
+ * and the device pool's dseq, in every out dtype. */
+static void same_reads(pair *p, uint64_t hseq, uint64_t dseq) { gpu_pair_same_reads(&p->g, hseq, dseq, 4096, 1); }
 
 /* A sequence of more chunks than one staging half takes (64 blobs), with
  * OPEN tails (decode tokens). */
 static void fill(pair *p, uint64_t seq, const kvp_seq_config *sc) {
-  ck_ok(kvp_seq_add(p->host, seq, sc));
-  ck_ok(kvp_seq_add(p->dev, seq, sc));
+  ck_ok(kvp_seq_add(p->g.host, seq, sc));
+  ck_ok(kvp_seq_add(p->g.dev, seq, sc));
   step(p, seq, 500);
   step(p, seq, 500);
   step(p, seq, 77);
@@ -187,12 +88,12 @@ static void fill(pair *p, uint64_t seq, const kvp_seq_config *sc) {
 }
 
 static void offload_both(pair *p, uint64_t seq) {
-  ck_ok(kvp_seq_offload(p->host, seq, p->hst));
-  ck_ok(kvp_seq_offload(p->dev, seq, p->dst));
+  ck_ok(kvp_seq_offload(p->g.host, seq, p->hst));
+  ck_ok(kvp_seq_offload(p->g.dev, seq, p->dst));
   kvp_seq_desc d = {.struct_size = sizeof d};
-  ck_assert_int_eq(kvp_seq_info(p->dev, seq, &d), KVP_ENOENT);
-  ck_ok(kvp_reclaim(p->host));
-  ck_ok(kvp_reclaim(p->dev));
+  ck_assert_int_eq(kvp_seq_info(p->g.dev, seq, &d), KVP_ENOENT);
+  ck_ok(kvp_reclaim(p->g.host));
+  ck_ok(kvp_reclaim(p->g.dev));
   same_ledger(p);
 }
 
@@ -200,20 +101,20 @@ START_TEST(offload_restore_matches_host) {
   if (gpu_spec_off(specs[_i]) || !have_server) return;
   pair p;
   pair_open(&p, specs[_i]);
-  kvp_stats s0 = stats_of(p.dev);
+  kvp_stats s0 = gpu_stats_of(p.g.dev);
   fill(&p, 1, NULL);
   same_reads(&p, 1, 1);
-  ck_ok(kvp_reclaim(p.dev)); /* blocks retired by the appends' reseals go first */
-  kvp_stats full = stats_of(p.dev);
+  ck_ok(kvp_reclaim(p.g.dev)); /* blocks retired by the appends' reseals go first */
+  kvp_stats full = gpu_stats_of(p.g.dev);
   offload_both(&p, 1);
-  kvp_stats out = stats_of(p.dev);
+  kvp_stats out = gpu_stats_of(p.g.dev);
   ck_assert_uint_eq(out.bytes_allocated.current, s0.bytes_allocated.current);
   ck_assert_uint_gt(out.host_pinned_bytes, s0.host_pinned_bytes); /* the staging halves */
-  ck_assert_uint_eq(out.store_offload_bytes, stats_of(p.host).store_offload_bytes); /* the same blobs */
-  ck_ok(kvp_seq_restore(p.host, 1, p.hst));
-  ck_ok(kvp_seq_restore(p.dev, 1, p.dst));
+  ck_assert_uint_eq(out.store_offload_bytes, gpu_stats_of(p.g.host).store_offload_bytes); /* the same blobs */
+  ck_ok(kvp_seq_restore(p.g.host, 1, p.hst));
+  ck_ok(kvp_seq_restore(p.g.dev, 1, p.dst));
   same_ledger(&p);
-  kvp_stats back = stats_of(p.dev);
+  kvp_stats back = gpu_stats_of(p.g.dev);
   ck_assert_uint_eq(back.tokens_retained.current, full.tokens_retained.current);
   ck_assert_uint_eq(back.bytes_allocated.current, full.bytes_allocated.current);
   ck_assert_uint_eq(back.pages.current, full.pages.current);
@@ -225,8 +126,8 @@ START_TEST(offload_restore_matches_host) {
   same_reads(&p, 1, 1);
   /* a second round trip on the same staging */
   offload_both(&p, 1);
-  ck_ok(kvp_seq_restore(p.dev, 1, p.dst));
-  ck_ok(kvp_seq_restore(p.host, 1, p.hst));
+  ck_ok(kvp_seq_restore(p.g.dev, 1, p.dst));
+  ck_ok(kvp_seq_restore(p.g.host, 1, p.hst));
   same_reads(&p, 1, 1);
   pair_close(&p);
   printf("%-50s CUDA pool offload/restore through redis == host pool\n", specs[_i]);
@@ -252,7 +153,7 @@ START_TEST(failed_restore_adds_nothing) {
   pair_open(&p, specs[_i]);
   fill(&p, 2, NULL);
   offload_both(&p, 2);
-  kvp_stats before = stats_of(p.dev);
+  kvp_stats before = gpu_stats_of(p.g.dev);
   /* the last part of the offload (chunks before it are staged and copied first) */
   redisContext *c = connect_srv();
   redisReply *keys = redisCommand(c, "KEYS d:seq:2:*");
@@ -273,13 +174,13 @@ START_TEST(failed_restore_adds_nothing) {
   freeReplyObject(orig);
   bytes[len - 7] ^= 0x5a; /* a page byte: the checksum catches it */
   freeReplyObject(redisCommand(c, "SET %s %b", victim, bytes, len));
-  ck_assert_int_eq(kvp_seq_restore(p.dev, 2, p.dst), KVP_EFORMAT);
+  ck_assert_int_eq(kvp_seq_restore(p.g.dev, 2, p.dst), KVP_EFORMAT);
   ck_assert_msg(strstr(kvp_last_error(), victim), "message names %s: %s", victim, kvp_last_error());
-  ck_ok(kvp_check(p.dev));
+  ck_ok(kvp_check(p.g.dev));
   kvp_seq_desc d = {.struct_size = sizeof d};
-  ck_assert_int_eq(kvp_seq_info(p.dev, 2, &d), KVP_ENOENT);
-  ck_ok(kvp_reclaim(p.dev));
-  kvp_stats after = stats_of(p.dev);
+  ck_assert_int_eq(kvp_seq_info(p.g.dev, 2, &d), KVP_ENOENT);
+  ck_ok(kvp_reclaim(p.g.dev));
+  kvp_stats after = gpu_stats_of(p.g.dev);
   ck_assert_uint_eq(after.bytes_allocated.current, before.bytes_allocated.current);
   ck_assert_uint_eq(after.pages.current, before.pages.current);
   ck_assert_uint_eq(after.host_pinned_bytes, before.host_pinned_bytes);
@@ -288,8 +189,8 @@ START_TEST(failed_restore_adds_nothing) {
   freeReplyObject(redisCommand(c, "SET %s %b", victim, bytes, len));
   free(bytes);
   redisFree(c);
-  ck_ok(kvp_seq_restore(p.dev, 2, p.dst));
-  ck_ok(kvp_seq_restore(p.host, 2, p.hst));
+  ck_ok(kvp_seq_restore(p.g.dev, 2, p.dst));
+  ck_ok(kvp_seq_restore(p.g.host, 2, p.hst));
   same_ledger(&p);
   same_reads(&p, 2, 2);
   pair_close(&p);
@@ -315,22 +216,22 @@ START_TEST(prefix_across_host_and_device) {
   char url[160];
   snprintf(url, sizeof url, "%s?prefix=s:", R.url);
   ck_ok(kvp_store_open(url, &shared));
-  ck_ok(kvp_store_set_stream(shared, p.stream));
-  ck_ok(kvp_prefix_publish(p.host, 3, shared, &got));
+  ck_ok(kvp_store_set_stream(shared, p.g.stream));
+  ck_ok(kvp_prefix_publish(p.g.host, 3, shared, &got));
   ck_assert_uint_eq(got, NT / BT * BT);
-  ck_ok(kvp_seq_add(p.dev, 4, &sc)); /* the device pool's own chunks: attached locally */
+  ck_ok(kvp_seq_add(p.g.dev, 4, &sc)); /* the device pool's own chunks: attached locally */
   kvp_seq_config nc = sc;
   uint32_t *tok2 = malloc((NT + 1) * sizeof *tok2);
   memcpy(tok2, tok, (NT + 1) * sizeof *tok2);
   nc.tokens = tok2;
-  ck_ok(kvp_seq_free(p.dev, 3)); /* gone from the device pool: the fetch must read the store */
-  ck_ok(kvp_seq_free(p.dev, 4));
-  ck_ok(kvp_reclaim(p.dev));
-  ck_ok(kvp_seq_add(p.dev, 5, &nc));
-  ck_ok(kvp_prefix_fetch(p.dev, 5, shared, &got));
+  ck_ok(kvp_seq_free(p.g.dev, 3)); /* gone from the device pool: the fetch must read the store */
+  ck_ok(kvp_seq_free(p.g.dev, 4));
+  ck_ok(kvp_reclaim(p.g.dev));
+  ck_ok(kvp_seq_add(p.g.dev, 5, &nc));
+  ck_ok(kvp_prefix_fetch(p.g.dev, 5, shared, &got));
   ck_assert_uint_eq(got, (NT - 1) / BT * BT);
-  ck_ok(kvp_check(p.dev));
-  ck_ok(kvp_seq_add(p.host, 5, &nc)); /* attaches from the host pool's own table */
+  ck_ok(kvp_check(p.g.dev));
+  ck_ok(kvp_seq_add(p.g.host, 5, &nc)); /* attaches from the host pool's own table */
   same_reads(&p, 5, 5);
   kvp_store_close(shared);
   free(tok);
@@ -415,7 +316,7 @@ START_TEST(server_killed_mid_offload) {
   uint16_t *s1 = malloc(snap_elems * 2), *s2 = malloc(snap_elems * 2);
   snap_dev(p, s, s1);
   ck_ok(kvp_reclaim(p));
-  kvp_stats before = stats_of(p);
+  kvp_stats before = gpu_stats_of(p);
   int failed_midway = 0;
   for (unsigned delay = 200; delay <= 8192000 && !failed_midway; delay *= 2) {
     char url[160];
@@ -436,7 +337,7 @@ START_TEST(server_killed_mid_offload) {
       ck_assert_int_eq(rc, KVP_EIO);
       ck_assert_msg(strstr(kvp_last_error(), "stays in the pool"), "%s", kvp_last_error());
       ck_ok(kvp_check(p));
-      kvp_stats now = stats_of(p);
+      kvp_stats now = gpu_stats_of(p);
       ck_assert_uint_eq(now.bytes_allocated.current, before.bytes_allocated.current);
       ck_assert_uint_eq(now.pages.current, before.pages.current);
       failed_midway = sent > 0; /* staged and sent, then died */
@@ -455,7 +356,7 @@ START_TEST(server_killed_mid_offload) {
   ck_ok(kvp_seq_offload(p, 1, st));
   ck_ok(kvp_seq_restore(p, 1, st));
   ck_ok(kvp_check(p));
-  ck_assert_uint_eq(stats_of(p).bytes_allocated.current, before.bytes_allocated.current);
+  ck_assert_uint_eq(gpu_stats_of(p).bytes_allocated.current, before.bytes_allocated.current);
   memset(s2, 0, snap_elems * 2);
   snap_dev(p, s, s2);
   ck_assert_int_eq(memcmp(s1, s2, snap_elems * 2), 0);
