@@ -54,7 +54,10 @@ ifeq ($(VARIANT),asan)
 endif
 ifeq ($(VARIANT),tsan)
   SAN := -fsanitize=thread -fno-omit-frame-pointer -DKVP_META_LIBC
-  export TSAN_OPTIONS := suppressions=$(CURDIR)/tools/tsan.supp $(TSAN_OPTIONS)
+  # die_after_fork=0: the library's fork handler starts urcu's worker again
+  # in every child (util/rcu.c), also one that only execs (a test's
+  # redis-server), and TSan otherwise ends such a child at once.
+  export TSAN_OPTIONS := suppressions=$(CURDIR)/tools/tsan.supp die_after_fork=0 $(TSAN_OPTIONS)
 endif
 ifeq ($(VARIANT),valgrind)
   SAN := -DKVP_META_LIBC

@@ -655,7 +655,9 @@ typedef struct kvp_store kvp_store; /* opaque */
 KVP_API int kvp_store_open(const char *url, kvp_store **out);
 /* Close the connection; NULL is fine. */
 KVP_API void kvp_store_close(kvp_store *st);
-/* Value bytes this store handle sent and received since it was opened. */
+/* Value bytes this store handle sent and received since it was opened
+ * (a SET counts once the server acknowledged it). Safe to call from any
+ * thread, also while another thread transfers through st (a monitor). */
 KVP_API int kvp_store_traffic(kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes);
 /* The CUDA stream (cudaStream_t) on which transfers through st copy the
  * pages of a CUDA pool; NULL (the default) is the legacy default stream.

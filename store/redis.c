@@ -34,8 +34,8 @@ struct kvp_store {
   uint64_t max_bytes;     /* cap on the server's used_memory for our writes; 0 = none */
   uint64_t timeout_ms;    /* connect and per-reply timeout */
   redisContext *c;        /* the connection, or NULL (reconnect on next use) */
-  uint64_t sent_bytes;    /* value bytes written */
-  uint64_t received_bytes; /* value bytes read */
+  uint64_t sent_bytes;    /* value bytes written (relaxed atomics: kvp_store_traffic reads them from any thread) */
+  uint64_t received_bytes; /* value bytes read (likewise) */
   void *stream;           /* cudaStream_t of device page copies (kvp_store_set_stream), or NULL */
 };
 
@@ -215,8 +215,8 @@ KVP_API int kvp_store_set_stream(kvp_store *st, void *stream) {
 }
 
 void kvp__store_traffic(const kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes) {
-  *sent_bytes = st->sent_bytes;
-  *received_bytes = st->received_bytes;
+  *sent_bytes = __atomic_load_n(&st->sent_bytes, __ATOMIC_RELAXED);
+  *received_bytes = __atomic_load_n(&st->received_bytes, __ATOMIC_RELAXED);
 }
 
 /* ---- pipelined commands ------------------------------------------------------ */
@@ -274,7 +274,7 @@ static int take_reply(kvp_store *st, const batch *b, uint32_t i, redisReply *r) 
   case OP_SET:
     if (r->type != REDIS_REPLY_STATUS)
       return kvp__err(KVP_EIO, "store %s: SET of key %s: unexpected reply type %d", st->url, key, r->type);
-    st->sent_bytes += b->lens[i];
+    __atomic_fetch_add(&st->sent_bytes, b->lens[i], __ATOMIC_RELAXED);
     return KVP_OK;
   case OP_EXISTS:
   case OP_DEL:
@@ -286,7 +286,7 @@ static int take_reply(kvp_store *st, const batch *b, uint32_t i, redisReply *r) 
     if (r->type == REDIS_REPLY_NIL) return b->fn(b->ctx, i, NULL, 0);
     if (r->type != REDIS_REPLY_STRING)
       return kvp__err(KVP_EIO, "store %s: GET of key %s: unexpected reply type %d", st->url, key, r->type);
-    st->received_bytes += r->len;
+    __atomic_fetch_add(&st->received_bytes, (uint64_t)r->len, __ATOMIC_RELAXED);
     return b->fn(b->ctx, i, r->str, (size_t)r->len);
   }
   return KVP_OK;
