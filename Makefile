@@ -40,7 +40,13 @@ VERSION := 0.1.0
 
 WARN := -Wall -Wextra -Wshadow -Wstrict-prototypes -Wmissing-prototypes -Wno-unused-parameter
 CFLAGS_BASE := -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -fPIC -fvisibility=hidden -DKVP_BUILDING -DKVP_DEBUG=$(DEBUG) -Iinclude
-LIBS := -ljemalloc -lurcu-bp -lurcu-cds -ljansson -lpthread -lm
+# The library's own dependencies. jemalloc is not one of them: util/meta.c
+# uses the libjemalloc.so.2 a program loads (host metadata in its arena) and
+# libc malloc otherwise, so that libkvpool can be dlopened by any process
+# (jemalloc's initial-exec TLS cannot be, once the static TLS block is spent).
+# Programs built here link it (JEMALLOC_LIBS), as kvpool.pc's Libs do.
+LIBS := -lurcu-bp -lurcu-cds -ljansson -lpthread -lm -ldl
+JEMALLOC_LIBS := -Wl,--push-state,--no-as-needed -ljemalloc -Wl,--pop-state
 SAN :=
 ifeq ($(VARIANT),asan)
   SAN := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined -DKVP_META_LIBC \
@@ -48,7 +54,10 @@ ifeq ($(VARIANT),asan)
 endif
 ifeq ($(VARIANT),tsan)
   SAN := -fsanitize=thread -fno-omit-frame-pointer -DKVP_META_LIBC
-  export TSAN_OPTIONS := suppressions=$(CURDIR)/tools/tsan.supp $(TSAN_OPTIONS)
+  # die_after_fork=0: the library's fork handler starts urcu's worker again
+  # in every child (util/rcu.c), also one that only execs (a test's
+  # redis-server), and TSan otherwise ends such a child at once.
+  export TSAN_OPTIONS := suppressions=$(CURDIR)/tools/tsan.supp die_after_fork=0 $(TSAN_OPTIONS)
 endif
 ifeq ($(VARIANT),valgrind)
   SAN := -DKVP_META_LIBC
@@ -143,7 +152,7 @@ $(A): $(LIB_OBJ)
 # Unit tests see internals and link the static library.
 $(B)/tests/check_%: tests/unit/check_%.c $(A) tests/unit/*.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
+	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(CHECK_LIBS) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 
 # Fault injection: the library again, with -DKVP_FAULT_INJECT and libc's
 # allocation calls wrapped (util/fault.h), for tests/unit/check_fault, which
@@ -158,7 +167,7 @@ $(FAULT_A): $(FAULT_OBJ)
 	ar rcs $@ $^
 $(B)/tests/check_fault: tests/unit/check_fault.c $(FAULT_A) tests/unit/*.h
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -DKVP_FAULT_INJECT -fvisibility=default -o $@ $< $(FAULT_A) $(CHECK_LIBS) $(LIBS) $(LDFLAGS)
+	$(CC) $(CFLAGS) -DKVP_FAULT_INJECT -fvisibility=default -o $@ $< $(FAULT_A) $(CHECK_LIBS) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 
 # libFuzzer harnesses (tests/fuzz/, clang): the library and tools/traces.c
 # rebuilt with coverage, ASan and UBSan in build/fuzz/ (host only, libc
@@ -197,7 +206,7 @@ XCHECK_BIN := $(if $(filter 1,$(HAVE_CUDA)),$(B)/tests/xcheck_cuda_numeric)
 $(B)/tests/xcheck_cuda_numeric: tests/unit/xcheck_cuda_numeric.cpp codecs/numeric.h $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Iinclude -isystem $(CUDA_HOME)/include $(SAN) \
-	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+	  -o $@ $< $(A) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 
 # KVQuant's device functions (kernels/kvquant.cuh) on the host, through a
 # CPU emulation of a CTA (tests/unit/cuda_emu.h): no GPU and no CUDA
@@ -208,24 +217,27 @@ $(B)/tests/xcheck_kvquant_emu: tests/unit/xcheck_kvquant_emu.cpp tests/unit/cuda
   codecs/kvquant.h $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
-	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+	  -o $@ $< $(A) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 # QVG's too, and with CUDA its host launch path (codecs/qvg_cuda.c, linked
 # from the library) over emulated launches and host stand-ins of the runtime.
 $(B)/tests/xcheck_qvg_emu: tests/unit/xcheck_qvg_emu.cpp tests/unit/cuda_emu.h tests/unit/emu_expect.h $(wildcard kernels/*.cuh kernels/*.h) $(A)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 $(O) -g -Wall -Wextra -Wshadow -Wno-unknown-pragmas -ffp-contract=off -Iinclude -Ikernels $(SAN) \
 	  $(if $(filter 1,$(HAVE_CUDA)),-DKVP_HAVE_CUDA) \
-	  -o $@ $< $(A) $(LIBS) $(LDFLAGS)
+	  -o $@ $< $(A) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 
 # Integration tests and tools see only include/ and link the shared library.
 PUB_CFLAGS = -std=c11 -D_GNU_SOURCE $(O) -g $(WARN) -Iinclude $(SAN)
 # check_store damages blobs on its redis-server through hiredis directly.
 $(B)/tests/check_store: PUB_CFLAGS += $(HIREDIS_CFLAGS)
 $(B)/tests/check_store: CHECK_LIBS += $(HIREDIS_LIBS) -lpthread
+# check_gpu_store too (a corrupt blob in the middle of a restore).
+$(B)/tests/check_gpu_store: PUB_CFLAGS += $(HIREDIS_CFLAGS)
+$(B)/tests/check_gpu_store: CHECK_LIBS += $(HIREDIS_LIBS)
 PUB_HDRS := $(wildcard include/*.h)
 $(INTEG_BIN): $(B)/tests/%: tests/integration/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(PUB_CFLAGS) -o $@ $< $(filter %.c,$(filter-out $<,$^)) -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool \
+	$(CC) $(PUB_CFLAGS) -o $@ $< $(filter %.c,$(filter-out $<,$^)) -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(JEMALLOC_LIBS) \
 	  $(CHECK_LIBS) -ljansson -lpthread -lm $(LDFLAGS)
 # The trace parsers are tools code, tested through their own header; the
 # simulator's suite runs the built binary.
@@ -236,10 +248,10 @@ $(B)/tests/check_sim: $(B)/kvpool-sim
 # their short version (KVP_STRESS_SECONDS unset: 2 s).
 $(STRESS_BIN): $(B)/tests/%: tests/stress/%.c tests/integration/kvgen.h $(SO) $(PUB_HDRS)
 	@mkdir -p $(dir $@)
-	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) -lpthread $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(JEMALLOC_LIBS) $(CHECK_LIBS) -lpthread $(LDFLAGS)
 
 $(B)/kvpool-demo: tools/kvpool-demo.c tools/pagemix.h $(SO) $(PUB_HDRS)
-	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) $(LDFLAGS)
 
 # check_stat runs the tool; check_tools runs kvpool-demo and kvpool-bench.
 $(B)/tests/check_stat: | $(B)/kvpool-stat
@@ -252,16 +264,16 @@ $(B)/kvpool-stat: tools/kvpool-stat.c
 
 # The bench links jemalloc directly for its baseline.
 $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
-	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljemalloc -lm $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -lm $(LDFLAGS)
 
 $(B)/kvpool-sim: $(SIM_SRC) $(SIM_HDRS) $(SO) $(PUB_HDRS)
-	$(CC) $(PUB_CFLAGS) -o $@ $(SIM_SRC) -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool -ljansson -lm $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) -o $@ $(SIM_SRC) -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -ljansson -lm $(LDFLAGS)
 
 # kvpool-calib works on the library's internals (planner, loaders, fitting):
 # it links the static library like the unit tests do.
 CALIB_SRC := tools/kvpool-calib.c $(wildcard tools/calib_*.c)
 $(B)/kvpool-calib: $(CALIB_SRC) tools/calib.h $(A)
-	$(CC) $(CFLAGS) -fvisibility=default -o $@ $(CALIB_SRC) $(A) $(LIBS) $(LDFLAGS)
+	$(CC) $(CFLAGS) -fvisibility=default -o $@ $(CALIB_SRC) $(A) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 
 run: deps $(B)/kvpool-sim
 	$(B)/kvpool-sim
@@ -297,7 +309,7 @@ bench: deps $(B)/kvpool-bench
 # against a device copy in the same run, then the same quantizers in PyTorch
 # on the same shapes (skipped, with a message, where torch or CUDA is absent).
 $(B)/kvpool-bench-gpu: tools/kvpool-bench-gpu.c $(SO) $(PUB_HDRS)
-	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(CUDA_LIBS) $(LDFLAGS)
+	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) $(CUDA_LIBS) $(LDFLAGS)
 ifeq ($(HAVE_CUDA),1)
 bench-gpu: deps $(B)/kvpool-bench-gpu
 	$(B)/kvpool-bench-gpu | tee $(B)/bench-gpu.txt
@@ -327,7 +339,7 @@ endif
 
 $(GPU_BIN): $(B)/tests/%: tests/gpu/%.c $(SO) $(PUB_HDRS) $(wildcard tests/integration/*.h tests/gpu/*.h)
 	@mkdir -p $(dir $@)
-	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(CHECK_LIBS) \
+	$(CC) $(PUB_CFLAGS) $(CUDA_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN/..' -lkvpool $(JEMALLOC_LIBS) $(CHECK_LIBS) \
 	  -lpthread $(CUDA_LIBS) $(LDFLAGS)
 
 install: lib install-py
@@ -338,7 +350,7 @@ install: lib install-py
 	ln -sf libkvpool.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/libkvpool.so.$(SOVERSION)
 	ln -sf libkvpool.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/libkvpool.so
 	sed -e 's|@PREFIX@|$(PREFIX)|' -e 's|@VERSION@|$(VERSION)|' \
-	  -e 's|@LIBS_PRIVATE@|$(LIBS)|' tools/kvpool.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvpool.pc
+	  -e 's|@LIBS_PRIVATE@|$(LIBS)|' -e 's|@JEMALLOC_LIBS@|$(JEMALLOC_LIBS)|' tools/kvpool.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/kvpool.pc
 	@echo "installed kvpool $(VERSION) into $(DESTDIR)$(PREFIX)"
 
 clean:

@@ -14,7 +14,11 @@
  * so each row of ct is loaded once per tile and the inner loop (fixed
  * KVP__KM_LANES columns, restrict pointers) vectorizes at -O2 without
  * reassociating a sum: every score is accumulated in the order i = 0..d-1.
- * Padding columns score +inf and are never chosen.
+ * Padding columns score +inf and are never chosen. With AVX2
+ * (codecs/kernels.h's choice) km_score_avx2 keeps four rows x sixteen
+ * columns of scores in registers over every i, and km_near_avx2 32 rows'
+ * distances: the same multiply and add per term, in the same order, so
+ * the same bits (tests/unit/check_qvg.c isa_same_pages).
  *
  * Invariants: after kvp__km_assign, label[t] = the lowest j minimizing
  * score[t][j] over j < k; after an update, cent[j] = mean of the rows
@@ -24,10 +28,15 @@
  */
 #include "kmeans.h"
 
+#include "kernels.h"
+
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#if KVP__HAVE_AVX2
+#include <immintrin.h>
+#endif
 
 #define KM_TILE 8u /* rows scored together */
 
@@ -97,18 +106,59 @@ static void km_score(const kvp__km *km, const float *restrict x, uint32_t rows, 
   }
 }
 
+#if KVP__HAVE_AVX2
+/* km_score with AVX2 and the scores in registers: four rows x sixteen
+ * columns (eight accumulators) over every i, so a step loads two vectors
+ * of ct and four scalars for 64 multiply-adds. The same operations as
+ * km_score, in the same order per score (a multiply, then an add: AVX2
+ * without FMA), so the same bits. */
+__attribute__((target("avx2"))) static void km_score_avx2(const kvp__km *km, const float *restrict x, uint32_t rows,
+                                                         float *restrict score) {
+  size_t d = km->d, kp = km->kp;
+  for (size_t r0 = 0; r0 < rows; r0 += 4) {
+    size_t nr = rows - r0 < 4 ? rows - r0 : 4;
+    const float *xr[4];
+    for (size_t r = 0; r < 4; r++) xr[r] = x + (r0 + (r < nr ? r : 0)) * d;
+    for (size_t j = 0; j < kp; j += 16) {
+      __m256 n0 = _mm256_loadu_ps(km->cn + j), n1 = _mm256_loadu_ps(km->cn + j + 8);
+      __m256 a00 = n0, a01 = n1, a10 = n0, a11 = n1, a20 = n0, a21 = n1, a30 = n0, a31 = n1;
+      const float *c = km->ct + j;
+      for (size_t i = 0; i < d; i++, c += kp) {
+        __m256 c0 = _mm256_loadu_ps(c), c1 = _mm256_loadu_ps(c + 8);
+        __m256 b0 = _mm256_set1_ps(-2.0f * xr[0][i]), b1 = _mm256_set1_ps(-2.0f * xr[1][i]);
+        __m256 b2 = _mm256_set1_ps(-2.0f * xr[2][i]), b3 = _mm256_set1_ps(-2.0f * xr[3][i]);
+        a00 = _mm256_add_ps(a00, _mm256_mul_ps(b0, c0)), a01 = _mm256_add_ps(a01, _mm256_mul_ps(b0, c1));
+        a10 = _mm256_add_ps(a10, _mm256_mul_ps(b1, c0)), a11 = _mm256_add_ps(a11, _mm256_mul_ps(b1, c1));
+        a20 = _mm256_add_ps(a20, _mm256_mul_ps(b2, c0)), a21 = _mm256_add_ps(a21, _mm256_mul_ps(b2, c1));
+        a30 = _mm256_add_ps(a30, _mm256_mul_ps(b3, c0)), a31 = _mm256_add_ps(a31, _mm256_mul_ps(b3, c1));
+      }
+      float *o = score + r0 * kp + j;
+      _mm256_storeu_ps(o, a00), _mm256_storeu_ps(o + 8, a01);
+      if (nr > 1) _mm256_storeu_ps(o + kp, a10), _mm256_storeu_ps(o + kp + 8, a11);
+      if (nr > 2) _mm256_storeu_ps(o + 2 * kp, a20), _mm256_storeu_ps(o + 2 * kp + 8, a21);
+      if (nr > 3) _mm256_storeu_ps(o + 3 * kp, a30), _mm256_storeu_ps(o + 3 * kp + 8, a31);
+    }
+  }
+}
+#endif
+
 uint32_t kvp__km_assign(kvp__km *km, const float *x, int fresh) {
   float score[KM_TILE * KVP__KM_MAX_K];
   uint32_t changed = 0, d = km->d, kp = km->kp;
   km_prepare(km);
   for (uint32_t t0 = 0; t0 < km->n; t0 += KM_TILE) {
     uint32_t rows = km->n - t0 < KM_TILE ? km->n - t0 : KM_TILE;
-    km_score(km, x + (size_t)t0 * d, rows, score);
+#if KVP__HAVE_AVX2
+    if (kvp__codec_isa() == KVP__ISA_AVX2) km_score_avx2(km, x + (size_t)t0 * d, rows, score);
+    else
+#endif
+      km_score(km, x + (size_t)t0 * d, rows, score);
     for (uint32_t r = 0; r < rows; r++) {
       const float *s = score + (size_t)r * kp;
       uint32_t best = 0;
+      float sb = s[0];
       for (uint32_t j = 1; j < km->k; j++)
-        if (s[j] < s[best]) best = j;
+        if (s[j] < sb) best = j, sb = s[j];
       if (fresh || km->label[t0 + r] != best) changed++;
       km->label[t0 + r] = (uint8_t)best;
     }
@@ -170,18 +220,48 @@ static uint64_t km_rand(uint64_t *s) {
   return *s * 0x2545F4914F6CDD1DULL;
 }
 
+#if KVP__HAVE_AVX2
+/* acc[t] for rows [0, n / 32 * 32) with AVX2, 32 rows' sums in registers
+ * over every i (km_near keeps them in acc[] between channels): the same
+ * operations per sum in the same order, so the same bits. Returns how many
+ * rows it did; km_near does the rest. */
+__attribute__((target("avx2"))) static size_t km_near_avx2(kvp__km *km, uint32_t j) {
+  size_t n = km->n, d = km->d, n32 = n / 32 * 32;
+  const float *c = km->cent + j * d;
+  float *restrict acc = km->acc;
+  for (size_t t = 0; t < n32; t += 32) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    const float *xi = km->xt + t;
+    for (size_t i = 0; i < d; i++, xi += n) {
+      __m256 ci = _mm256_set1_ps(c[i]);
+      __m256 e0 = _mm256_sub_ps(_mm256_loadu_ps(xi), ci), e1 = _mm256_sub_ps(_mm256_loadu_ps(xi + 8), ci);
+      __m256 e2 = _mm256_sub_ps(_mm256_loadu_ps(xi + 16), ci), e3 = _mm256_sub_ps(_mm256_loadu_ps(xi + 24), ci);
+      s0 = _mm256_add_ps(s0, _mm256_mul_ps(e0, e0)), s1 = _mm256_add_ps(s1, _mm256_mul_ps(e1, e1));
+      s2 = _mm256_add_ps(s2, _mm256_mul_ps(e2, e2)), s3 = _mm256_add_ps(s3, _mm256_mul_ps(e3, e3));
+    }
+    _mm256_storeu_ps(acc + t, s0), _mm256_storeu_ps(acc + t + 8, s1);
+    _mm256_storeu_ps(acc + t + 16, s2), _mm256_storeu_ps(acc + t + 24, s3);
+  }
+  return n32;
+}
+#endif
+
 /* w[t] = min(w[t], ||x_t - cent[j]||^2) for every row (w[t] = it when
  * init). Over the transposed rows xt, so the loop over rows vectorizes
  * (KVP__KM_LANES at a time) and each distance sums i = 0..d-1 in order. */
 static void km_near(kvp__km *km, uint32_t j, int init) {
-  size_t n = km->n, d = km->d, n16 = n / KVP__KM_LANES * KVP__KM_LANES;
+  size_t n = km->n, d = km->d, t0 = 0; /* rows [0, t0) done with AVX2 */
+#if KVP__HAVE_AVX2
+  if (kvp__codec_isa() == KVP__ISA_AVX2) t0 = km_near_avx2(km, j);
+#endif
+  size_t n16 = t0 + (n - t0) / KVP__KM_LANES * KVP__KM_LANES;
   const float *c = km->cent + j * d;
   float *restrict acc = km->acc;
-  memset(acc, 0, n * sizeof *acc);
+  memset(acc + t0, 0, (n - t0) * sizeof *acc);
   for (size_t i = 0; i < d; i++) {
     const float *restrict xi = km->xt + i * n;
     float ci = c[i];
-    for (size_t t = 0; t < n16; t += KVP__KM_LANES)
+    for (size_t t = t0; t < n16; t += KVP__KM_LANES)
       for (size_t l = 0; l < KVP__KM_LANES; l++) {
         float e = xi[t + l] - ci;
         acc[t + l] += e * e;
@@ -196,8 +276,12 @@ static void km_near(kvp__km *km, uint32_t j, int init) {
  * largest is in [2^31, 2^32), then truncated: wq[t] = floor(w[t] 2^(32-e)),
  * wmax = m 2^e, m in [0.5, 1). Exact operations in double, so any order of
  * summing gives the same total, and a device twin that sums in parallel
- * draws the same row. A row under 2^-32 of the largest weight weighs 0. */
-static inline uint64_t km_wq(float w, int e) { return (uint64_t)ldexp((double)w, 32 - e); }
+ * draws the same row. A row under 2^-32 of the largest weight weighs 0.
+ * Computed as w times scale = 2^(32-e): a float >= 0 times a power of two
+ * in [2^-96, 2^180] is exact in double, so it equals ldexp(w, 32 - e). */
+static inline uint64_t km_wq_at(float w, float wmax, double scale) {
+  return (uint64_t)((double)(w < wmax ? w : wmax) * scale); /* a NaN weighs wmax, as fminf */
+}
 
 /* The row drawn with probability wq[t] / sum wq: the first t whose
  * inclusive prefix sum of wq passes r = floor(u total), u = the
@@ -209,13 +293,14 @@ static uint32_t km_draw(const kvp__km *km, uint64_t *s) {
   if (!isfinite(wmax)) wmax = FLT_MAX; /* (a distance overflowed: such rows weigh the most) */
   int e;
   frexp((double)wmax, &e);
+  double scale = ldexp(1.0, 32 - e);
   uint64_t total = 0;
-  for (uint32_t t = 0; t < km->n; t++) total += km_wq(fminf(km->w[t], wmax), e);
+  for (uint32_t t = 0; t < km->n; t++) total += km_wq_at(km->w[t], wmax, scale);
   uint64_t u = km_rand(s) >> 11;
   uint64_t r = (uint64_t)(((unsigned __int128)u * total) >> 53); /* < total */
   uint64_t cum = 0;
   for (uint32_t t = 0; t < km->n; t++) {
-    cum += km_wq(fminf(km->w[t], wmax), e);
+    cum += km_wq_at(km->w[t], wmax, scale);
     if (cum > r) return t;
   }
   return km->n - 1; /* not reached: r < total */

@@ -57,6 +57,17 @@ extern "C" {
 /* "MAJOR.MINOR.PATCH" of the library actually linked. */
 KVP_API const char *kvp_version(void);
 
+/* Where host metadata (page tables, block records, hash tables) comes from:
+ * "jemalloc" (a dedicated arena, no thread cache) or "libc" (malloc).
+ * libkvpool does not link jemalloc, so any process can dlopen it (python
+ * after torch, say); it uses the libjemalloc.so.2 the process already has:
+ * link -ljemalloc (`pkg-config --libs kvpool` does) or preload it for the
+ * arena. KVPOOL_META_MALLOC=libc in the environment forces libc; sanitizer
+ * builds always use libc. Decided once per process at the first metadata
+ * allocation (by this call if none happened yet), never changed after.
+ * Thread-safe. Since 0.4.0. */
+KVP_API const char *kvp_metadata_allocator(void);
+
 /* X(name, value, description). Values are pinned: never renumber. */
 #define KVP_STATUS_LIST(X)                                                \
   X(OK, 0, "success")                                                     \
@@ -265,7 +276,7 @@ typedef struct kvp_usage {
   X(COUNTER, store_restore_bytes, "store.restore_bytes", "blob bytes read from a store (restore, prefix fetch)") \
   X(COUNTER, store_prefix_tokens, "store.prefix_tokens", "prompt tokens attached from a store's published prefix blocks") \
   X(VALUE, device_control_bytes, "device.control_bytes", "device memory a CUDA pool holds beside its region (status words, job stage, codec tables, qvg workspace)") \
-  X(VALUE, host_pinned_bytes, "host.pinned_bytes", "pinned host memory a CUDA pool holds (status copy, job stage, block-table stages)")
+  X(VALUE, host_pinned_bytes, "host.pinned_bytes", "pinned host memory a CUDA pool holds (status copy, job stage, block-table stages, store staging)")
 
 typedef struct kvp_stats {
   size_t struct_size; /* bytes; set by the caller (sizeof(kvp_stats)) */
@@ -600,8 +611,13 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info);
  * checked before a byte is used. Every failure (server down or killed
  * midway, timeout, missing, truncated or corrupt blob, another version,
  * geometry or codec) returns a status whose message names the store key,
- * and leaves the pool exactly as it was. Works on host regions; on a CUDA
- * region the pages are staged through host memory with synchronous copies.
+ * and leaves the pool exactly as it was. Works on host and CUDA regions: on
+ * a CUDA region the pages go through two pinned host buffers of the pool
+ * (cudaHostAlloc'd at the first transfer, grown when a blob needs it, freed
+ * at pool destroy, counted in host.pinned_bytes), copied asynchronously on
+ * the store's stream (kvp_store_set_stream): an offload copies one batch of
+ * blobs while it writes the batch before; a restore or fetch copies one
+ * blob's pages while it reads and checks the next.
  * Not supported (KVP_ENOTSUP, by name): dry pools, sequences or pools with a
  * policy, row-wise codecs (kvquant). Calls on one store come from one
  * thread at a time; the pool's writer lock is held for the whole transfer.
@@ -640,8 +656,21 @@ typedef struct kvp_store kvp_store; /* opaque */
 KVP_API int kvp_store_open(const char *url, kvp_store **out);
 /* Close the connection; NULL is fine. */
 KVP_API void kvp_store_close(kvp_store *st);
-/* Value bytes this store handle sent and received since it was opened. */
+/* Value bytes this store handle sent and received since it was opened
+ * (a SET counts once the server acknowledged it). Safe to call from any
+ * thread, also while another thread transfers through st (a monitor). */
 KVP_API int kvp_store_traffic(kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes);
+/* The CUDA stream (cudaStream_t) on which transfers through st copy the
+ * pages of a CUDA pool; NULL (the default) is the legacy default stream.
+ * An offload's copies follow the work enqueued on it before the call (the
+ * appends that wrote the pages), and the call waits for them (an event of
+ * its own, no device-wide synchronization) before the bytes are checksummed
+ * and sent. A restore or fetch returns once its copies are enqueued: work
+ * on the same stream sees the pages; work on another stream must wait for
+ * this one first. A failed transfer waits for the copies it enqueued
+ * before it frees their pages. Ignored for host pools. KVP_EINVAL (st NULL),
+ * KVP_ENOTSUP in a build without hiredis. Since 0.1.0. */
+KVP_API int kvp_store_set_stream(kvp_store *st, void *stream);
 
 /* Write seq's blocks, step table, runs and codec states to st, then free
  * the sequence from the pool (it no longer exists there until restored).

@@ -202,13 +202,14 @@ typedef struct kvp__qvg_kparams {
   uint32_t k;        /* K, centroids per stage asked for */
   uint32_t iters;    /* most Lloyd updates per stage */
 } kvp__qvg_kparams;
-/* Scratch bytes of one job of capacity cap (qvg.cuh's carve): f32
- * centroids, their norms, a word per row, two per centroid; 16-byte
- * aligned pieces. */
+/* Scratch bytes of one job of capacity cap (qvg.cuh's carve): the f32
+ * centroids twice (row- and channel-major), their norms, a word per row,
+ * two per centroid, and the f32 residual (D x cap rounded up to 4). */
 static inline uint64_t kvp__qvg_ws_bytes(const kvp__qvg_kparams *p, uint32_t cap) {
-  uint64_t kc = p->k < cap ? p->k : cap;
+  uint64_t kc = p->k < cap ? p->k : cap, kc4 = (kc + 3) & ~(uint64_t)3, cap4 = ((uint64_t)cap + 3) & ~(uint64_t)3;
 #define KVP__A16(x) (((x) + 15) & ~(uint64_t)15)
-  return KVP__A16(kc * p->head_dim * 4) + KVP__A16(kc * 4) + KVP__A16((uint64_t)cap * 4) + KVP__A16(kc * 8);
+  return KVP__A16(kc * p->head_dim * 4) + KVP__A16(kc4 * p->head_dim * 4) + KVP__A16(kc4 * 4) +
+         KVP__A16((uint64_t)cap * 4) + KVP__A16(kc * 8) + KVP__A16(cap4 * p->head_dim * 4);
 #undef KVP__A16
 }
 /* Enqueue the encode of njobs blocks (every job t0 = 0) / the decode of

@@ -62,13 +62,115 @@ int kvp__store_pool_ok(kvp_pool *pool, const char *what) {
 }
 
 
-int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w) {
-  uint32_t H = pool->cfg.n_kv_heads;
+uint64_t kvp__blob_group_bytes(const item *items, uint32_t n) {
+  uint64_t bytes = sizeof(blob_hdr) + (uint64_t)n * sizeof(blk_rec);
+  for (uint32_t i = 0; i < n; i++)
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += items[i].b->pages[kv][p].requested_bytes;
+  return bytes;
+}
+
+/* Device copies of one blob, gathered for one batch. */
+typedef struct xlist {
+  void **dst;
+  const void **src;
+  size_t *bytes;
+  uint32_t n, cap;
+} xlist;
+
+static void xlist_free(xlist *x) {
+  kvp__meta_free(NULL, x->dst, x->cap * sizeof *x->dst);
+  kvp__meta_free(NULL, x->src, x->cap * sizeof *x->src);
+  kvp__meta_free(NULL, x->bytes, x->cap * sizeof *x->bytes);
+  *x = (xlist){0};
+}
+
+static int xlist_room(xlist *x, uint32_t n) {
+  if (n <= x->cap) return KVP_OK;
+  xlist y = {kvp__meta_alloc(NULL, n * sizeof *y.dst), kvp__meta_alloc(NULL, n * sizeof *y.src),
+             kvp__meta_alloc(NULL, n * sizeof *y.bytes), 0, n};
+  xlist_free(x);
+  if (!y.dst || !y.src || !y.bytes) {
+    xlist_free(&y);
+    return kvp__err(KVP_ENOMEM, "store transfer: list of %u page copies", n);
+  }
+  *x = y;
+  return KVP_OK;
+}
+
+
+uint64_t kvp__blob_slot_bytes(const kvp_pool *pool, const item *items, uint32_t n) {
+  uint64_t bytes = kvp__blob_group_bytes(items, n);
+  for (uint32_t i = 0; pool->dev && i < n; i++) /* the staging area after the blob: at most the pages' classes */
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += kvp__page_alloc_bytes(&items[i].b->pages[kv][p]);
+  return bytes;
+}
+
+/* A page of a blob being built from a CUDA region. */
+typedef struct opage {
+  uint64_t off, alloc_bytes; /* its place in the region, its size class */
+  uint64_t blob_at;          /* where its bytes go in the blob */
+  size_t bytes;              /* requested bytes */
+} opage;
+
+static int opage_cmp(const void *a, const void *b) {
+  uint64_t x = ((const opage *)a)->off, y = ((const opage *)b)->off;
+  return (x > y) - (x < y);
+}
+
+static int fixes_room(xfixes *fx, uint32_t n) {
+  if (n <= fx->cap) return KVP_OK;
+  xfix *f = kvp__meta_realloc(NULL, fx->f, fx->cap * sizeof *f, n * sizeof *f);
+  if (!f) return kvp__err(KVP_ENOMEM, "store transfer: list of %u page moves", n);
+  fx->f = f;
+  fx->cap = n;
+  return KVP_OK;
+}
+
+/* The device half of a blob's build: pages op[n] copied, in region order,
+ * into the staging area after the blob (w->p + w->n); pages adjacent in
+ * the region go as one copy (their classes' padding carried along). The
+ * moves into the blob's places are left in fx for the seal. */
+static int stage_out(kvp_pool *pool, opage *op, uint32_t n, wbuf *w, xfixes *fx, void *stream) {
+  kvp__region *rg = &pool->alloc.region;
+  qsort(op, n, sizeof *op, opage_cmp);
+  xlist xl = {0};
+  int rc = fixes_room(fx, n + 1);
+  if (!rc) rc = xlist_room(&xl, n + 1);
+  unsigned char *stage = w->p + w->n;
+  uint64_t at = 0;
+  fx->n = 0;
+  for (uint32_t i = 0, j; !rc && i < n; i = j) {
+    for (j = i + 1; j < n && op[j].off == op[j - 1].off + op[j - 1].alloc_bytes; j++) {}
+    for (uint32_t k = i; k < j; k++) fx->f[fx->n++] = (xfix){op[k].blob_at, at + (op[k].off - op[i].off), op[k].bytes};
+    xl.dst[xl.n] = stage + at;
+    xl.src[xl.n] = rg->base + op[i].off;
+    xl.bytes[xl.n] = op[j - 1].off + op[j - 1].bytes - op[i].off;
+    at += xl.bytes[xl.n++];
+  }
+  kvp__assert(rc || w->n + at <= w->cap);
+#ifdef KVP_HAVE_CUDA
+  if (!rc) rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, stream);
+#else
+  (void)stream;
+#endif
+  xlist_free(&xl);
+  return rc;
+}
+
+int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w, putq *q) {
+  uint32_t H = pool->cfg.n_kv_heads, npages = 0;
   blob_hdr h = hdr_for(pool, KIND_GROUP, n, t0, t1);
   w->n = 0;
   wput(w, &h, sizeof h);
   kvp__region *rg = &pool->alloc.region;
-  for (uint32_t i = 0; i < n && !w->oom; i++) {
+  bool dev = q && q->dev; /* pages staged after the blob (pinned), moved in at the seal */
+  opage *op = NULL;
+  for (uint32_t i = 0; dev && i < n; i++) npages += items[i].b->npages[0] + items[i].b->npages[1];
+  int rc = dev && !(op = kvp__meta_alloc(NULL, (npages + 1) * sizeof *op)) ? kvp__err(KVP_ENOMEM, "store transfer: page list") : KVP_OK;
+  uint32_t nop = 0;
+  for (uint32_t i = 0; !rc && i < n && !w->oom; i++) {
     const kvp__block *b = items[i].b;
     blk_rec r;
     memset(&r, 0, sizeof r);
@@ -87,52 +189,141 @@ int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_
       }
     }
     wput(w, &r, sizeof r);
-    for (int kv = 0; kv < 2; kv++)
-      for (unsigned p = 0; p < b->npages[kv] && !w->oom; p++) {
+    for (int kv = 0; kv < 2 && !rc; kv++)
+      for (unsigned p = 0; p < b->npages[kv] && !w->oom && !rc; p++) {
         size_t at = w->n, nb = b->pages[kv][p].requested_bytes;
         wput(w, NULL, nb);
         if (w->oom) break;
-        int rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
-        if (rc) return rc;
+        if (dev) op[nop++] = (opage){b->pages[kv][p].off, kvp__page_alloc_bytes(&b->pages[kv][p]), at, nb};
+        else rc = rg->ops->read2d(rg, w->p + at, nb, b->pages[kv][p].off, nb, nb, 1, NULL);
       }
   }
-  if (w->oom) return kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
-  return KVP_OK;
-}
-
-
-int kvp__putq_flush(kvp_pool *pool, kvp_store *st, putq *q) {
-  if (!q->n) return KVP_OK;
-  int rc = pool->alloc.region.ops->quiesce(&pool->alloc.region); /* device copies of the pages landed */
-  const char *keys[64];
-  const void *vals[64];
-  size_t lens[64];
-  for (uint32_t i = 0; i < q->n; i++) keys[i] = q->keys[i], vals[i] = q->bufs[i].p, lens[i] = q->bufs[i].n;
-  if (!rc) rc = kvp__store_put(st, q->n, keys, vals, lens);
-  if (!rc) q->written += q->bytes;
-  q->n = 0;
-  q->bytes = 0;
+  if (!rc && w->oom) rc = kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
+  if (!rc && dev) rc = stage_out(pool, op, nop, w, &q->fx[q->cur * PUTQ_CAP + q->n[q->cur]], q->stream);
+  kvp__meta_free(NULL, op, (npages + 1) * sizeof *op);
   return rc;
 }
 
-void kvp__putq_free(putq *q) {
-  for (uint32_t i = 0; i < q->cap; i++) wfree(&q->bufs[i]);
+
+/* ---- the write queue ------------------------------------------------------------ */
+
+int kvp__putq_init(putq *q, kvp_pool *pool, kvp_store *st) {
+  memset(q, 0, sizeof *q);
+  q->pool = pool;
+  q->st = st;
+  q->stream = kvp__store_stream(st);
+  q->dev = pool->dev != NULL;
+  q->keys = kvp__meta_alloc(NULL, 2 * PUTQ_CAP * sizeof *q->keys);
+  q->bufs = kvp__meta_calloc(NULL, 2 * PUTQ_CAP * sizeof *q->bufs);
+  q->fx = q->dev ? kvp__meta_calloc(NULL, 2 * PUTQ_CAP * sizeof *q->fx) : NULL;
+  if (q->keys && q->bufs && (!q->dev || q->fx)) return KVP_OK;
+  kvp__putq_free(q);
+  return kvp__err(KVP_ENOMEM, "store write queue");
 }
 
-/* The next staging slot (flushing first when the batch is full). */
-int kvp__putq_slot(kvp_pool *pool, kvp_store *st, putq *q, wbuf **w, char **key) {
-  if (q->n == q->cap || q->bytes >= PUT_BATCH_BYTES) {
-    int rc = kvp__putq_flush(pool, st, q);
-    if (rc) return rc;
+/* Write sealed half h (one pipelined batch). */
+static int putq_send(putq *q, uint32_t h) {
+  if (!q->sealed[h]) return KVP_OK;
+  const char *keys[PUTQ_CAP];
+  const void *vals[PUTQ_CAP];
+  size_t lens[PUTQ_CAP];
+  wbuf *b = q->bufs + h * PUTQ_CAP;
+  uint64_t sent = 0; /* blob bytes (a device slot's staging area stays behind) */
+  for (uint32_t i = 0; i < q->n[h]; i++) {
+    keys[i] = q->keys[h * PUTQ_CAP + i], vals[i] = b[i].p, lens[i] = b[i].n;
+    sent += b[i].n;
   }
-  *w = &q->bufs[q->n];
-  *key = q->keys[q->n];
+  int rc = kvp__store_put(q->st, q->n[h], keys, vals, lens);
+  if (!rc) q->written += sent;
+  q->sealed[h] = false;
+  q->n[h] = 0;
+  q->bytes[h] = 0;
+  return rc;
+}
+
+/* Close the filling half: its copies enqueued, write the other half
+ * meanwhile, then wait for them and seal its blobs; fill the other next. */
+static int putq_rotate(putq *q) {
+  uint32_t h = q->cur, o = h ^ 1;
+  int rc = KVP_OK;
+  if (!q->n[h]) return KVP_OK;
+#ifdef KVP_HAVE_CUDA
+  if (q->dev) rc = kvp__xfer_record(q->pool, h, q->stream);
+#endif
+  if (!rc) rc = putq_send(q, o); /* over the network while the copies run */
+#ifdef KVP_HAVE_CUDA
+  if (!rc && q->dev) rc = kvp__xfer_wait(q->pool, h);
+#endif
+  if (rc) return rc;
+  for (uint32_t i = 0; i < q->n[h]; i++) {
+    wbuf *b = &q->bufs[h * PUTQ_CAP + i];
+    const xfixes *fx = q->dev ? &q->fx[h * PUTQ_CAP + i] : NULL;
+    for (uint32_t k = 0; fx && k < fx->n; k++) /* the pages from the staging area to their places */
+      memcpy(b->p + fx->f[k].blob_at, b->p + b->n + fx->f[k].stage_at, fx->f[k].bytes);
+    hdr_seal(b);
+  }
+  q->sealed[h] = true;
+  q->cur = o;
+  return KVP_OK;
+}
+
+int kvp__putq_slot(putq *q, uint64_t bytes, wbuf **w, char **key) {
+  uint32_t h = q->cur;
+  bool full = q->n[h] == PUTQ_CAP || (q->dev ? q->n[h] && q->bytes[h] + bytes > q->pin_cap[h]
+                                             : q->bytes[h] >= PUT_BATCH_BYTES);
+  int rc = full ? putq_rotate(q) : KVP_OK;
+  if (rc) return rc;
+  h = q->cur;
+  wbuf *b = &q->bufs[h * PUTQ_CAP + q->n[h]];
+#ifdef KVP_HAVE_CUDA
+  if (q->dev) {
+    if (!q->n[h] && (rc = kvp__xfer_buf(q->pool, h, bytes, &q->pin[h], &q->pin_cap[h]))) return rc;
+    *b = (wbuf){q->pin[h] + q->bytes[h], 0, bytes, false, true};
+  }
+#endif
+  b->n = 0;
+  b->oom = false;
+  *w = b;
+  *key = q->keys[h * PUTQ_CAP + q->n[h]];
   return KVP_OK;
 }
 
 void kvp__putq_push(putq *q) {
-  q->bytes += q->bufs[q->n].n;
-  q->n++;
+  uint32_t h = q->cur;
+  wbuf *b = &q->bufs[h * PUTQ_CAP + q->n[h]];
+  q->bytes[h] += q->dev ? b->cap : b->n;
+  q->n[h]++;
+}
+
+int kvp__putq_flush(putq *q) {
+  int rc = putq_rotate(q);
+  if (!rc) rc = putq_send(q, q->cur ^ 1);
+  return rc;
+}
+
+void kvp__putq_free(putq *q) {
+#ifdef KVP_HAVE_CUDA
+  /* no copy still fills a half: a half left filling (a failure before its
+   * seal) has copies no event covers yet */
+  if (q->dev && q->pool && q->n[q->cur] && !q->sealed[q->cur]) (void)kvp__xfer_settle(q->pool, q->stream);
+  if (q->dev && q->pool) (void)kvp__xfer_drain(q->pool);
+#endif
+  for (uint32_t i = 0; q->bufs && i < 2 * PUTQ_CAP; i++) wfree(&q->bufs[i]);
+  for (uint32_t i = 0; q->fx && i < 2 * PUTQ_CAP; i++) kvp__meta_free(NULL, q->fx[i].f, q->fx[i].cap * sizeof *q->fx[i].f);
+  kvp__meta_free(NULL, q->fx, 2 * PUTQ_CAP * sizeof *q->fx);
+  q->fx = NULL;
+  kvp__meta_free(NULL, q->keys, 2 * PUTQ_CAP * sizeof *q->keys);
+  kvp__meta_free(NULL, q->bufs, 2 * PUTQ_CAP * sizeof *q->bufs);
+  q->keys = NULL;
+  q->bufs = NULL;
+}
+
+int kvp__blob_drain(kvp_pool *pool) {
+#ifdef KVP_HAVE_CUDA
+  if (pool->dev) return kvp__xfer_drain(pool);
+#endif
+  (void)pool;
+  return KVP_OK;
 }
 
 /* Which content keys the store already holds (dedup). */
@@ -185,7 +376,8 @@ void kvp__parsed_free(parsed *p) {
 }
 int kvp__parsed_room(parsed *p, uint32_t n) {
   if (n <= p->cap) return KVP_OK;
-  parsed np = {kvp__meta_alloc(NULL, n * sizeof *np.blk + 1), kvp__meta_alloc(NULL, n * sizeof *np.lh + 1), 0, n};
+  parsed np = {kvp__meta_alloc(NULL, n * sizeof *np.blk + 1), kvp__meta_alloc(NULL, n * sizeof *np.lh + 1), 0, n,
+               p->nstaged, p->stream};
   if (!np.blk || !np.lh) {
     kvp__parsed_free(&np);
     return kvp__err(KVP_ENOMEM, "restore: block list of %u", n);
@@ -219,6 +411,58 @@ static int rec_check(kvp_pool *pool, const char *key, uint32_t index, const blk_
   return KVP_OK;
 }
 
+/* A page of a checked blob on its way to a CUDA region. */
+typedef struct spage {
+  uint64_t off, alloc_bytes;  /* its place in the region, its size class */
+  const unsigned char *src;   /* its bytes in the blob */
+  size_t bytes;               /* requested bytes */
+} spage;
+
+#ifdef KVP_HAVE_CUDA
+static int spage_cmp(const void *a, const void *b) {
+  uint64_t x = ((const spage *)a)->off, y = ((const spage *)b)->off;
+  return (x > y) - (x < y);
+}
+
+/* Stage pages sp[n] in the next pinned half in region order and copy them
+ * on out->stream: pages one after another in the region (fresh pages of a
+ * blob mostly are: consecutive slots of a slab) go as one copy, the size
+ * classes' padding between them carried along (bytes of those pages
+ * alone). 1,000 small pages of a chunk become a few copies. */
+static int stage_pages(kvp_pool *pool, spage *sp, uint32_t n, parsed *out) {
+  kvp__region *rg = &pool->alloc.region;
+  uint32_t half = out->nstaged & 1, nruns = 0;
+  qsort(sp, n, sizeof *sp, spage_cmp);
+  uint64_t need = 0;
+  for (uint32_t i = 0, j; i < n; i = j) { /* runs [i, j) */
+    for (j = i + 1; j < n && sp[j].off == sp[j - 1].off + sp[j - 1].alloc_bytes; j++) {}
+    need += sp[j - 1].off + sp[j - 1].bytes - sp[i].off;
+    nruns++;
+  }
+  unsigned char *pin;
+  uint64_t cap;
+  xlist xl = {0};
+  int rc = kvp__xfer_buf(pool, half, need, &pin, &cap);
+  if (!rc) rc = xlist_room(&xl, nruns + 1);
+  uint64_t at = 0;
+  for (uint32_t i = 0, j; !rc && i < n; i = j) {
+    for (j = i + 1; j < n && sp[j].off == sp[j - 1].off + sp[j - 1].alloc_bytes; j++) {}
+    for (uint32_t k = i; k < j; k++) memcpy(pin + at + (sp[k].off - sp[i].off), sp[k].src, sp[k].bytes);
+    xl.dst[xl.n] = rg->base + sp[i].off;
+    xl.src[xl.n] = pin + at;
+    xl.bytes[xl.n] = sp[j - 1].off + sp[j - 1].bytes - sp[i].off;
+    at += xl.bytes[xl.n++];
+  }
+  if (!rc && !(rc = kvp__xfer_copy(pool, xl.n, xl.dst, xl.src, xl.bytes, out->stream))) {
+    out->nstaged++;
+    rc = kvp__xfer_record(pool, half, out->stream);
+    if (rc) (void)kvp__xfer_drain(pool); /* the copies may run: wait before the pages go */
+  }
+  xlist_free(&xl);
+  return rc;
+}
+#endif
+
 /* Parse a group blob into fresh blocks (pages taken and filled). tag: the
  * header's expected tag. On failure nothing is left taken. */
 int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const void *data, size_t len, uint32_t index,
@@ -236,6 +480,14 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
   if ((rc = kvp__parsed_room(out, expect_n))) return rc;
   out->n = 0;
   kvp__region *rg = &pool->alloc.region;
+  /* a CUDA region: the pages are listed, then (the whole blob checked)
+   * staged in a pinned half in region order and copied as one batch */
+  bool dev = pool->dev != NULL;
+  uint32_t nsp = 0;
+  spage *sp = NULL;
+  uint32_t max_recs = expect_n < len / sizeof(blk_rec) ? expect_n : (uint32_t)(len / sizeof(blk_rec));
+  size_t sp_bytes = ((size_t)max_recs * 2u * KVP_CODEC_MAX_PAGES + 1) * sizeof *sp;
+  if (dev && !(sp = kvp__meta_alloc(NULL, sp_bytes))) rc = kvp__err(KVP_ENOMEM, "store key %s: page list", key);
   for (uint32_t i = 0; i < expect_n && !rc; i++) {
     blk_rec rec;
     kvp_codec_layout lay[2];
@@ -270,13 +522,22 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
     for (int kv = 0; kv < 2 && !rc; kv++)
       for (unsigned p = 0; p < b->npages[kv] && !rc; p++) {
         size_t nb = b->pages[kv][p].requested_bytes;
-        rc = rg->ops->write2d(rg, b->pages[kv][p].off, nb, r.p, nb, nb, 1, NULL);
+        if (dev) {
+          kvp__assert((nsp + 1) * sizeof *sp < sp_bytes);
+          sp[nsp++] = (spage){b->pages[kv][p].off, kvp__page_alloc_bytes(&b->pages[kv][p]), r.p, nb};
+        } else {
+          rc = rg->ops->write2d(rg, b->pages[kv][p].off, nb, r.p, nb, nb, 1, NULL);
+        }
         rget(&r, NULL, nb);
       }
     kvp__block_set_n(b, rec.n_tokens);
     b->sealed = rec.sealed;
   }
   if (!rc && r.left) rc = kvp__err(KVP_EFORMAT, "store key %s: %zu bytes past the last block", key, r.left);
+#ifdef KVP_HAVE_CUDA
+  if (!rc && dev) rc = stage_pages(pool, sp, nsp, out);
+#endif
+  kvp__meta_free(NULL, sp, sp_bytes);
   if (rc) kvp__parsed_destroy(pool, out);
   return rc;
 }

@@ -85,10 +85,15 @@ typedef struct wbuf {
   unsigned char *p;
   size_t n, cap;
   bool oom;
+  bool fixed; /* p is a slice of pinned staging (not ours to grow or free) */
 } wbuf;
 
 static inline void wput(wbuf *w, const void *src, size_t n) {
   if (w->oom) return;
+  if (w->n + n > w->cap && w->fixed) {
+    w->oom = true;
+    return;
+  }
   if (w->n + n > w->cap) {
     size_t nc = w->cap ? w->cap : 4096;
     while (nc < w->n + n) nc *= 2;
@@ -104,7 +109,7 @@ static inline void wput(wbuf *w, const void *src, size_t n) {
   w->n += n;
 }
 static inline void wfree(wbuf *w) {
-  kvp__meta_free(NULL, w->p, w->cap);
+  if (!w->fixed) kvp__meta_free(NULL, w->p, w->cap);
   *w = (wbuf){0};
 }
 
@@ -181,13 +186,34 @@ typedef struct groups {
 } groups;
 
 
-/* Blobs waiting for one pipelined write. */
-typedef struct putq {
+/* Blobs on their way to the store, in two halves: one fills (its page
+ * copies enqueued) while the other, sealed, is written (one pipelined SET
+ * batch). On a CUDA region the halves are the pool's pinned staging
+ * (pages/xfer_cuda.c) and a half is sealed once its copies landed. */
+#define PUTQ_CAP 64u /* blobs per half */
+typedef struct xfix {
+  uint64_t blob_at, stage_at; /* a page's place in its blob, its bytes in the staging area after the blob */
+  size_t bytes;
+} xfix;
+typedef struct xfixes {
+  xfix *f;
   uint32_t n, cap;
-  char (*keys)[KVP__STORE_KEY_MAX];
-  wbuf *bufs;
-  uint64_t bytes;   /* staged */
-  uint64_t written; /* bytes written by flushes */
+} xfixes;
+typedef struct putq {
+  kvp_pool *pool;
+  kvp_store *st;
+  void *stream;        /* the store's stream (device copies) */
+  bool dev;            /* pages staged through pinned halves */
+  uint32_t cur;        /* the half being filled */
+  uint32_t n[2];       /* blobs in each half */
+  uint64_t bytes[2];   /* bytes each half holds (a device slot: its blob and staging area) */
+  bool sealed[2];      /* the half waits to be written */
+  unsigned char *pin[2]; /* device: the halves' pinned buffers */
+  uint64_t pin_cap[2];   /* ... and their bytes */
+  char (*keys)[KVP__STORE_KEY_MAX]; /* [2 * PUTQ_CAP] */
+  wbuf *bufs;          /* [2 * PUTQ_CAP] */
+  xfixes *fx;          /* device: [2 * PUTQ_CAP], each slot's page moves from its staging area at the seal */
+  uint64_t written;    /* blob bytes written */
 } putq;
 
 /* Blocks parsed out of one group blob (not owned by any stream yet). */
@@ -195,6 +221,8 @@ typedef struct parsed {
   kvp__block **blk; /* [n] */
   uint32_t *lh;     /* [n]: stream of each */
   uint32_t n, cap;
+  uint32_t nstaged; /* device: blobs staged so far (the half of the next: nstaged % 2) */
+  void *stream;     /* device: the store's stream */
 } parsed;
 
 /* A blob's header and checksum checked against this pool; r then reads its payload. */
@@ -202,13 +230,27 @@ int kvp__blob_hdr_check(const kvp_pool *pool, const char *key, const void *data,
                         blob_hdr *h, rbuf *r);
 /* KVP_ENOTSUP naming what the store tier cannot move from this pool (what: the call). */
 int kvp__store_pool_ok(kvp_pool *pool, const char *what);
-/* The group blob of items (header tagged t0, t1) into w, unsealed. */
-int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w);
-/* Batched writes: a slot (its buffer and key) per blob, written by flush. */
-int kvp__putq_flush(kvp_pool *pool, kvp_store *st, putq *q);
-void kvp__putq_free(putq *q);
-int kvp__putq_slot(kvp_pool *pool, kvp_store *st, putq *q, wbuf **w, char **key);
+/* Bytes of the group blob of items; and of its write queue slot (on a
+ * CUDA region the blob, then a staging area its pages are copied to). */
+uint64_t kvp__blob_group_bytes(const item *items, uint32_t n);
+uint64_t kvp__blob_slot_bytes(const kvp_pool *pool, const item *items, uint32_t n);
+/* The group blob of items (header tagged t0, t1) into w (q's slot, or a
+ * buffer of its own with q NULL on a host region), unsealed. On a CUDA
+ * region the page copies are only enqueued on q's stream, into the
+ * staging area after the blob: q moves them in and seals once the stream
+ * passed them. */
+int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_t t0, uint64_t t1, wbuf *w, putq *q);
+/* Batched writes: a slot (its buffer, of bytes, and key) per blob, sealed
+ * and written by the queue; flush writes what is left. free waits for
+ * copies still in flight (after a failure too). */
+int kvp__putq_init(putq *q, kvp_pool *pool, kvp_store *st);
+int kvp__putq_slot(putq *q, uint64_t bytes, wbuf **w, char **key);
 void kvp__putq_push(putq *q);
+int kvp__putq_flush(putq *q);
+void kvp__putq_free(putq *q);
+/* Device copies the store tier enqueued are done (a failed restore or
+ * fetch waits so before it frees the pages they fill). Host: nothing. */
+int kvp__blob_drain(kvp_pool *pool);
 /* present[i]: the store holds content chunk keys[i]. */
 int kvp__store_content_present(kvp_store *st, uint32_t n, const uint64_t (*keys)[2], bool *present);
 /* Count store traffic in the ledger. */
@@ -221,5 +263,21 @@ int kvp__parsed_room(parsed *p, uint32_t n);
 /* A group blob parsed into fresh blocks (pages taken and filled); on failure nothing is left taken. */
 int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const void *data, size_t len, uint32_t index,
                           const uint64_t *tag, bool content, uint32_t expect_n, parsed *out);
+
+#ifdef KVP_HAVE_CUDA
+/* pages/xfer_cuda.c: pinned staging halves (0, 1) of a CUDA pool. buf: a
+ * buffer of >= bytes for the half, once its copies are done (grown then if
+ * needed); copy: n copies on stream (one batch where the runtime has it);
+ * record: the half's event after them (a failure waits for the stream);
+ * wait, drain: one half, both. A failed copy waits for the ones before it. */
+int kvp__xfer_buf(kvp_pool *pool, uint32_t half, uint64_t bytes, unsigned char **buf, uint64_t *cap);
+int kvp__xfer_copy(kvp_pool *pool, uint32_t n, void **dst, const void **src, const size_t *bytes, void *stream);
+int kvp__xfer_record(kvp_pool *pool, uint32_t half, void *stream);
+int kvp__xfer_wait(kvp_pool *pool, uint32_t half);
+int kvp__xfer_drain(kvp_pool *pool);
+/* Every copy enqueued on stream so far is done (failure paths: copies no
+ * event covers yet). */
+int kvp__xfer_settle(kvp_pool *pool, void *stream);
+#endif
 
 #endif /* KVP_PAGES_BLOB_H */

@@ -493,6 +493,7 @@ void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64
     *device_bytes += kvp__codec_dev_static_bytes(pool->bind[i].vt, pool->bind[i].inst);
   *device_bytes += d ? d->qvg_ws_bytes : 0;
   *pinned_bytes = d ? __atomic_load_n(&d->pinned_bytes, __ATOMIC_RELAXED) : 0;
+  *pinned_bytes += kvp__xfer_pinned_bytes(pool); /* the store tier's staging */
 }
 
 /* ---- decode attention ------------------------------------------------------ */

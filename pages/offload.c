@@ -176,9 +176,9 @@ static int offload_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint64_t *
   for (uint32_t j = 0, c = 0; !rc && j < gs.ng; j++)
     if (gs.g[j].kind == GROUP_CONTENT) ckeys[c][0] = gs.g[j].key[0], ckeys[c++][1] = gs.g[j].key[1];
   if (!rc) rc = kvp__store_content_present(st, ncontent, (const uint64_t(*)[2])ckeys, present);
-  wbuf bufs[64] = {{0}};
-  char keys[64][KVP__STORE_KEY_MAX];
-  putq q = {0, 64, keys, bufs, 0, 0};
+  putq q;
+  if (!rc) rc = kvp__putq_init(&q, pool, st);
+  else memset(&q, 0, sizeof q);
   uint32_t j = 0;
   for (uint32_t c = 0; !rc && j < gs.ng; j++) {
     const group *g = &gs.g[j];
@@ -186,25 +186,28 @@ static int offload_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint64_t *
     if (content && present[c++]) continue; /* the store has this chunk already */
     wbuf *w;
     char *key;
-    if ((rc = kvp__putq_slot(pool, st, &q, &w, &key))) break;
+    if ((rc = kvp__putq_slot(&q, kvp__blob_slot_bytes(pool, gs.items + g->first, g->n), &w, &key))) break;
     if (content) key_content(st, g->key, key);
     else key_part(st, s->id, gen, g->index, key);
-    rc = kvp__blob_build_group(pool, gs.items + g->first, g->n, content ? g->key[0] : gen, content ? g->key[1] : g->index, w);
+    rc = kvp__blob_build_group(pool, gs.items + g->first, g->n, content ? g->key[0] : gen, content ? g->key[1] : g->index, w,
+                               &q);
     if (rc) break;
-    hdr_seal(w);
     kvp__putq_push(&q);
   }
-  if (!rc) rc = kvp__putq_flush(pool, st, &q);
+  if (!rc) rc = kvp__putq_flush(&q);
   if (!rc) { /* the manifest last: it names a complete set */
-    wbuf *w = &bufs[0];
-    key_manifest(st, s->id, keys[0]);
-    build_manifest(pool, s, gen, &gs, w);
-    if (w->oom) rc = kvp__err(KVP_ENOMEM, "manifest of seq %llu", (unsigned long long)s->id);
+    wbuf w = {0};
+    char mkey[KVP__STORE_KEY_MAX];
+    key_manifest(st, s->id, mkey);
+    build_manifest(pool, s, gen, &gs, &w);
+    if (w.oom) rc = kvp__err(KVP_ENOMEM, "manifest of seq %llu", (unsigned long long)s->id);
     else {
-      q.n = 1;
-      q.bytes = w->n;
-      rc = kvp__putq_flush(pool, st, &q);
+      const char *kp[1] = {mkey};
+      const void *vp[1] = {w.p};
+      size_t lp[1] = {w.n};
+      if (!(rc = kvp__store_put(st, 1, kp, vp, lp))) q.written += w.n;
     }
+    wfree(&w);
   }
   if (rc) {
     char msg[512];
@@ -465,6 +468,7 @@ static int restore_one(void *vctx, uint32_t i, const void *data, size_t len) {
   c->bytes += len;
   for (uint32_t k = 0; k < c->p.n; k++) {
     if ((rc = stream_push(c->pool, c->s, c->p.lh[k], c->p.blk[k], key))) {
+      (void)kvp__blob_drain(c->pool); /* their staged copies landed */
       for (; k < c->p.n; k++) kvp__block_destroy(c->pool, c->p.blk[k]); /* the rest are nobody's */
       return rc;
     }
@@ -480,6 +484,7 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
   int rc = man_build(pool, mf, &s);
   if (rc) return rc;
   restore_ctx c = {pool, s, st, mf, NULL, NULL, NULL, 0, {0}, NULL, 0};
+  c.p.stream = kvp__store_stream(st);
   c.gidx = kvp__meta_alloc(NULL, ng * sizeof *c.gidx + 1);
   c.keys = kvp__meta_alloc(NULL, ng * sizeof *c.keys + 1);
   c.local = kvp__meta_calloc(NULL, ng * sizeof *c.local + 1);
@@ -523,6 +528,7 @@ static int restore_locked(kvp_pool *pool, uint64_t seq, kvp_store *st, const man
     rc = kvp__err(KVP_EFORMAT, "store key %s: the blobs do not make a valid sequence: %s", mkey, msg);
   }
   if (rc) {
+    (void)kvp__blob_drain(pool); /* no staged copy still fills the pages the undo frees */
     kvp__seq_build_undo(pool, s);
     kvp__seq_free_struct(pool, s);
   } else {
@@ -620,6 +626,7 @@ int kvp__store_fuzz_parse(kvp_pool *pool, int kind, uint32_t n_items, uint32_t i
   } else {
     parsed pr = {0};
     rc = kvp__blob_parse_group(pool, seq, "fuzz", w.p, w.n, index, tag, content != 0, n_items, &pr);
+    (void)kvp__blob_drain(pool);
     if (!rc) kvp__parsed_destroy(pool, &pr);
     kvp__parsed_free(&pr);
   }

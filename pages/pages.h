@@ -190,6 +190,7 @@ struct kvp_pool {
   struct kvp__heatkv_cache *heatkv_cache; /* HeatKV orders and plans shared by sequences, or NULL */
   uint32_t check_epoch;  /* for kvp_check's visit marks */
   struct kvp__dev *dev;  /* CUDA region (not dry): the device control block; else NULL */
+  struct kvp__xfer *xfer; /* CUDA region: the store tier's pinned staging (pages/xfer_cuda.c), made on first use */
   kvp__ptable prefix;    /* content key -> chunk of shared blocks (pages/prefix.c; writer only) */
   uint64_t codec_fp;     /* fingerprint of the codec bindings: names and parameters per (layer, side) */
   uint32_t chunk_tokens; /* the stream-mode block size every layer shares (prefix chunks, store blobs);
@@ -615,6 +616,10 @@ uint32_t kvp__dev_attend_slots(const kvp_pool *pool, const kvp__kparams p[4]);
 /* The device control block of a CUDA pool (status words); 0 or an error. */
 int kvp__dev_init(kvp_pool *pool);
 void kvp__dev_fini(kvp_pool *pool);
+/* The store tier's pinned staging (pages/xfer_cuda.c): its bytes, and its
+ * end (waits for copies in flight) at pool destroy. */
+uint64_t kvp__xfer_pinned_bytes(const kvp_pool *pool);
+void kvp__xfer_fini(kvp_pool *pool);
 #endif
 /* Readers (under rcu_read_lock): visit each (block, token range [a, e))
  * that head retains in (s, layer), in position order, at most limit tokens;

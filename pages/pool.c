@@ -331,6 +331,8 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   kvp_config c;
   int rc = validate(cfg, &c);
   if (rc) return rc;
+  int frc = kvp__rcu_fork_safe();
+  if (frc) return kvp__err(KVP_ENOMEM, "pool: registering the RCU fork handlers failed (pthread_atfork: %s)", strerror(frc));
   kvp__meta meta = {0};
   kvp_pool *p = kvp__meta_calloc(&meta, sizeof *p);
   if (!p) return kvp__err(KVP_ENOMEM, "pool object");
@@ -386,6 +388,7 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
 #ifdef KVP_HAVE_CUDA
+  kvp__xfer_fini(pool);
   kvp__dev_fini(pool);
 #endif
   kvp__rawpages_fini(pool);

@@ -33,9 +33,9 @@ KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint
     ch[n] = c;
   }
   if (!rc) rc = kvp__store_content_present(st, n, (const uint64_t(*)[2])s->pkeys, present);
-  wbuf bufs[64] = {{0}};
-  char keys[64][KVP__STORE_KEY_MAX];
-  putq q = {0, 64, keys, bufs, 0, 0};
+  putq q;
+  if (!rc) rc = kvp__putq_init(&q, pool, st);
+  else memset(&q, 0, sizeof q);
   item *items = kvp__meta_alloc(NULL, LH * sizeof *items);
   if (!rc && !items) rc = kvp__err(KVP_ENOMEM, "prefix publish: items");
   for (uint32_t i = 0; !rc && i < n; i++) {
@@ -43,13 +43,12 @@ KVP_API int kvp_prefix_publish(kvp_pool *pool, uint64_t seq, kvp_store *st, uint
     for (uint32_t j = 0; j < LH; j++) items[j] = (item){ch[i]->blocks[j], j};
     wbuf *w;
     char *key;
-    if ((rc = kvp__putq_slot(pool, st, &q, &w, &key))) break;
+    if ((rc = kvp__putq_slot(&q, kvp__blob_slot_bytes(pool, items, LH), &w, &key))) break;
     key_content(st, ch[i]->key, key);
-    if ((rc = kvp__blob_build_group(pool, items, LH, ch[i]->key[0], ch[i]->key[1], w))) break;
-    hdr_seal(w);
+    if ((rc = kvp__blob_build_group(pool, items, LH, ch[i]->key[0], ch[i]->key[1], w, &q))) break;
     kvp__putq_push(&q);
   }
-  if (!rc) rc = kvp__putq_flush(pool, st, &q);
+  if (!rc) rc = kvp__putq_flush(&q);
   kvp__store_count(pool, q.written, 0, 0);
   if (!rc && published_tokens) *published_tokens = n * pool->chunk_tokens;
   if (rc == KVP_ENOSPC && published_tokens) { /* the store's cap: what it holds now, the message kept */
@@ -124,6 +123,7 @@ static int fetch_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint32_t *fe
   kvp__meta_free(NULL, present, n * sizeof *present);
   if (rc || !m) return rc;
   fetch_ctx c = {pool, s->id, c0, (const uint64_t(*)[2])(s->pkeys + c0), NULL, NULL, 0, {0}, 0};
+  c.p.stream = kvp__store_stream(st);
   c.names = kvp__meta_alloc(NULL, m * sizeof *c.names);
   c.blocks = kvp__meta_alloc(NULL, (size_t)m * LH * sizeof *c.blocks);
   const char **kp = kvp__meta_alloc(NULL, m * sizeof *kp);
@@ -144,6 +144,9 @@ static int fetch_locked(kvp_pool *pool, kvp__seq *s, kvp_store *st, uint32_t *fe
       rc = KVP_ENOMEM;
   }
   if (!rc) rc = kvp__prefix_attach(pool, s, m, ch);
+  bool any_dup = false;
+  for (uint32_t i = 0; dup && i < c.done; i++) any_dup = any_dup || dup[i];
+  if (rc || any_dup) (void)kvp__blob_drain(pool); /* no staged copy still fills the pages freed below */
   for (uint32_t i = 0; rc && ch && i < m; i++) /* undone: the entries made for the fetched blocks */
     if (ch[i] && !dup[i]) kvp__prefix_entry_discard(pool, ch[i]);
   for (size_t i = 0; c.blocks && i < (size_t)c.done * LH; i++) /* fetched blocks no entry took */

@@ -113,6 +113,11 @@ static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
     }
   }
   kvp__count_tokens(pool, -retained, 0);
+  /* the content keys are the writer's alone (no reader looks at them):
+   * freed now, so the next sequence's keys land in memory already touched */
+  kvp__meta_free(&pool->meta, s->pkeys, s->n_pkeys * sizeof *s->pkeys);
+  s->pkeys = NULL;
+  s->n_pkeys = 0;
   kvp__ledger_begin(&pool->alloc.ledger);
   kvp__gauge_sub(&pool->alloc.ledger.sequences, 1);
   kvp__ledger_end(&pool->alloc.ledger);
@@ -121,7 +126,6 @@ static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
     kvp__meta_uncount(&pool->meta, s->streams, s->streams_bytes);
     kvp__meta_uncount(&pool->meta, s->plan, s->n_plan * sizeof *s->plan);
     kvp__meta_uncount(&pool->meta, s->step_pos, s->step_pos_cap * sizeof *s->step_pos);
-    kvp__meta_uncount(&pool->meta, s->pkeys, s->n_pkeys * sizeof *s->pkeys);
     kvp__meta_uncount(&pool->meta, s, sizeof *s);
     kvp__rcu_call(&s->rcu, seq_free_cb);
   } else {
@@ -227,8 +231,8 @@ static int seq_config_check(const kvp_seq_config *in, kvp_seq_config *c) {
 }
 
 /* The prompt's content keys, and the longest prefix of them the table
- * holds attached as step 0 (a new sequence, not yet published). Cost: two
- * XXH64 passes over the prompt, one table probe and one chunk-level
+ * holds attached as step 0 (a new sequence, not yet published). Cost: one
+ * kvp__hash128 pass over the prompt, one table probe and one chunk-level
  * reference per chunk attached. */
 static int prompt_attach(kvp_pool *pool, kvp__seq *s, const uint32_t *tokens, uint32_t n_tokens) {
   uint32_t bt = pool->chunk_tokens, n = bt ? n_tokens / bt : 0;

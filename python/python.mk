@@ -1,24 +1,20 @@
 # python/python.mk - the Python binding's targets, included by the Makefile.
 #
-#   make pylib      build/py/libkvpool.so: the library as the binding loads it (part of `make`)
+#   make pylib      the library and the binding's helper programs (part of `make`)
 #   make test-py    the pytest suite (part of `make test`; skips with a message without pytest/numpy)
 #   make bench-py   per-call overhead of the binding against the same calls from C, same run
 #   make test-gpu   also runs python/tests/gpu_hf_test.py (needs torch, CUDA, transformers)
 #
-# Why a second build: libjemalloc.so uses the initial-exec TLS model, so a
-# process that did not link it at start (python loading libkvpool with
-# dlopen) fails with "cannot allocate memory in static TLS block". The
-# binding's copy is built with KVP_META_LIBC (host metadata from libc malloc,
-# as in the sanitizer builds) and does not link jemalloc; everything else is
-# the same code.
+# The binding loads build/libkvpool.so itself: the library does not link
+# jemalloc (util/meta.c), so dlopen works in any process, python after torch
+# included. Its host metadata then comes from libc malloc, unless the process
+# has jemalloc (LD_PRELOAD=libjemalloc.so.2): kvpool.metadata_allocator() says.
 
 # Debian's packages (python3-numpy, python3-pytest) install for /usr/bin/python3.
 PYTHON ?= $(if $(wildcard /usr/bin/python3),/usr/bin/python3,python3)
-PY_B := $(B)/py
-PY_OBJ := $(LIB_SRC:%.c=$(PY_B)/obj/%.o) $(KERN_SRC:%.cu=$(B)/obj/%.o)
-PY_SO := $(PY_B)/libkvpool.so.$(VERSION)
-PY_LIBS := $(filter-out -ljemalloc,$(LIBS))
-PY_TOOLS := $(PY_B)/kvpool-pyabi $(PY_B)/kvpool-callbench
+# kvpool-pyabi: struct layouts for the ABI test; kvpool-callbench: the C side
+# of bench-py, linked without jemalloc so it runs on the allocator python gets.
+PY_TOOLS := $(B)/kvpool-pyabi $(B)/kvpool-callbench
 # where `make install` puts the package: Debian's python looks in
 # PREFIX/lib/python3/dist-packages (PREFIX /usr and /usr/local); others in
 # PREFIX/lib/pythonX.Y/site-packages. Override with PYTHON_SITE=...
@@ -30,20 +26,10 @@ PYTHON_SITE ?= $(shell $(PYTHON) -c 'import sys, sysconfig; \
 
 .PHONY: pylib test-py bench-py test-gpu-py install-py
 all: pylib
-pylib: $(PY_SO) $(PY_TOOLS)
+pylib: $(SO) $(PY_TOOLS)
 
-$(PY_B)/obj/%.o: %.c $(wildcard include/*.h */*.h)
-	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -DKVP_META_LIBC -c $< -o $@
-
-$(PY_SO): $(PY_OBJ) tools/exports.map
-	$(CC) -shared -Wl,-soname,libkvpool.so.$(SOVERSION) -Wl,--version-script=tools/exports.map \
-	  $(LDFLAGS) -o $@ $(PY_OBJ) $(PY_LIBS)
-	ln -sf libkvpool.so.$(VERSION) $(PY_B)/libkvpool.so.$(SOVERSION)
-	ln -sf libkvpool.so.$(SOVERSION) $(PY_B)/libkvpool.so
-
-$(PY_B)/kvpool-%: python/bench/kvpool-%.c $(PY_SO) $(PUB_HDRS)
-	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(PY_B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
+$(PY_TOOLS): $(B)/kvpool-%: python/bench/kvpool-%.c $(SO) $(PUB_HDRS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(LDFLAGS)
 
 # Sanitizer variants run the C suites only: their library cannot be dlopened
 # by an uninstrumented python.
@@ -64,5 +50,5 @@ test-gpu-py: pylib
 install-py: pylib
 	install -d $(DESTDIR)$(PYTHON_SITE)/kvpool
 	install -m 644 python/kvpool/*.py $(DESTDIR)$(PYTHON_SITE)/kvpool/
-	install -m 755 $(PY_SO) $(DESTDIR)$(PYTHON_SITE)/kvpool/libkvpool.so.$(SOVERSION)
+	install -m 755 $(SO) $(DESTDIR)$(PYTHON_SITE)/kvpool/libkvpool.so.$(SOVERSION)
 	@echo "installed the kvpool package into $(DESTDIR)$(PYTHON_SITE)"

@@ -34,8 +34,9 @@ struct kvp_store {
   uint64_t max_bytes;     /* cap on the server's used_memory for our writes; 0 = none */
   uint64_t timeout_ms;    /* connect and per-reply timeout */
   redisContext *c;        /* the connection, or NULL (reconnect on next use) */
-  uint64_t sent_bytes;    /* value bytes written */
-  uint64_t received_bytes; /* value bytes read */
+  uint64_t sent_bytes;    /* value bytes written (relaxed atomics: kvp_store_traffic reads them from any thread) */
+  uint64_t received_bytes; /* value bytes read (likewise) */
+  void *stream;           /* cudaStream_t of device page copies (kvp_store_set_stream), or NULL */
 };
 
 bool kvp__store_available(void) { return true; }
@@ -205,10 +206,17 @@ KVP_API void kvp_store_close(kvp_store *st) {
 }
 
 const char *kvp__store_prefix(const kvp_store *st) { return st->prefix; }
+void *kvp__store_stream(const kvp_store *st) { return st->stream; }
+
+KVP_API int kvp_store_set_stream(kvp_store *st, void *stream) {
+  if (!st) return kvp__err(KVP_EINVAL, "store stream: store is NULL");
+  st->stream = stream;
+  return KVP_OK;
+}
 
 void kvp__store_traffic(const kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes) {
-  *sent_bytes = st->sent_bytes;
-  *received_bytes = st->received_bytes;
+  *sent_bytes = __atomic_load_n(&st->sent_bytes, __ATOMIC_RELAXED);
+  *received_bytes = __atomic_load_n(&st->received_bytes, __ATOMIC_RELAXED);
 }
 
 /* ---- pipelined commands ------------------------------------------------------ */
@@ -266,7 +274,7 @@ static int take_reply(kvp_store *st, const batch *b, uint32_t i, redisReply *r) 
   case OP_SET:
     if (r->type != REDIS_REPLY_STATUS)
       return kvp__err(KVP_EIO, "store %s: SET of key %s: unexpected reply type %d", st->url, key, r->type);
-    st->sent_bytes += b->lens[i];
+    __atomic_fetch_add(&st->sent_bytes, b->lens[i], __ATOMIC_RELAXED);
     return KVP_OK;
   case OP_EXISTS:
   case OP_DEL:
@@ -278,7 +286,7 @@ static int take_reply(kvp_store *st, const batch *b, uint32_t i, redisReply *r) 
     if (r->type == REDIS_REPLY_NIL) return b->fn(b->ctx, i, NULL, 0);
     if (r->type != REDIS_REPLY_STRING)
       return kvp__err(KVP_EIO, "store %s: GET of key %s: unexpected reply type %d", st->url, key, r->type);
-    st->received_bytes += r->len;
+    __atomic_fetch_add(&st->received_bytes, (uint64_t)r->len, __ATOMIC_RELAXED);
     return b->fn(b->ctx, i, r->str, (size_t)r->len);
   }
   return KVP_OK;
@@ -413,6 +421,11 @@ KVP_API int kvp_store_open(const char *url, kvp_store **out) {
 }
 KVP_API void kvp_store_close(kvp_store *st) { (void)st; }
 const char *kvp__store_prefix(const kvp_store *st) { return ""; }
+void *kvp__store_stream(const kvp_store *st) { return NULL; }
+KVP_API int kvp_store_set_stream(kvp_store *st, void *stream) {
+  (void)stream;
+  return kvp__err(st ? KVP_ENOTSUP : KVP_EINVAL, "store stream: %s", st ? "built without hiredis" : "store is NULL");
+}
 void kvp__store_traffic(const kvp_store *st, uint64_t *s, uint64_t *r) { *s = *r = 0; }
 int kvp__store_put(kvp_store *st, uint32_t n, const char *const *k, const void *const *v, const size_t *l) {
   return kvp__err(KVP_ENOTSUP, "store: built without hiredis");

@@ -49,6 +49,11 @@ int kvp__store_del(kvp_store *st, uint32_t n, const char *const *keys);
 typedef int (*kvp__store_get_fn)(void *ctx, uint32_t i, const void *data, size_t len);
 int kvp__store_get(kvp_store *st, uint32_t n, const char *const *keys, kvp__store_get_fn fn, void *ctx);
 
+/* The CUDA stream device page copies of transfers through st run on
+ * (kvp_store_set_stream; NULL: the legacy default stream). The store only
+ * keeps it for the pool's side (pages/blob.c). */
+void *kvp__store_stream(const kvp_store *st);
+
 /* Bytes sent as values and received as values since open (for stats). */
 void kvp__store_traffic(const kvp_store *st, uint64_t *sent_bytes, uint64_t *received_bytes);
 

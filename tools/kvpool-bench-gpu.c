@@ -50,6 +50,15 @@
  *                  64 sequences x 32 layers, per (seq, layer): kvp_append
  *                  of one token (its one status read-back included), per
  *                  codec; baseline: cudaMemcpyAsync of the same K/V bytes.
+ *   gpu_store      kvp_seq_offload and kvp_seq_restore of one 32,768-token
+ *                  llama-3-8b sequence (32-token blocks) through a local
+ *                  redis-server (tools/redis_srv.h; skipped without one),
+ *                  bf16 and nvfp4, from a CUDA pool (pages staged through
+ *                  its pinned halves on the store's stream; the restore
+ *                  timed until the stream passed its copies) and from a
+ *                  host pool of the same shape in the same run: MB/s of
+ *                  blob bytes and tokens/s each way, the median of up to 3
+ *                  round trips.
  */
 #include <cuda_runtime_api.h>
 #include <stdio.h>
@@ -58,6 +67,7 @@
 #include <time.h>
 
 #include "kvpool_codec.h"
+#include "redis_srv.h"
 
 #define CK(e)                                                                                         \
   do {                                                                                                \
@@ -590,6 +600,108 @@ static void append_figures(int rounds, int json) {
   cudaFree(k), cudaFree(v), cudaFree(scratch);
 }
 
+/* ---- gpu_store: offload and restore of a CUDA pool through a local redis ---- */
+
+/* A pool of the store bench's shape (llama-3-8b: 32 layers, 32-token blocks). */
+static kvp_pool *store_pool_of(const char *spec, kvp_mem mem, uint64_t region) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 32, c.n_kv_heads = 8, c.head_dim = 128;
+  c.k_dtype = c.v_dtype = KVP_DTYPE_BF16;
+  c.memory = mem, c.region_bytes = region, c.block_tokens = 32, c.codecs = spec;
+  kvp_pool *p;
+  KV(kvp_pool_create(&c, &p));
+  return p;
+}
+
+/* Median seconds of an offload and of a restore (the restore's copies
+ * waited for: the stream synchronized inside the time), blob bytes of one
+ * offload. */
+static void store_round_trips(kvp_pool *p, kvp_store *st, int rounds, float *off_s, float *res_s, uint64_t *wire) {
+  float to[64], tr[64];
+  for (int r = 0; r < rounds; r++) {
+    uint64_t s0, s1, r0;
+    KV(kvp_store_traffic(st, &s0, &r0));
+    double t0 = now_us();
+    KV(kvp_seq_offload(p, 1, st));
+    double t1 = now_us();
+    KV(kvp_seq_restore(p, 1, st));
+    CK(cudaStreamSynchronize(S));
+    double t2 = now_us();
+    KV(kvp_store_traffic(st, &s1, &r0));
+    to[r] = (float)((t1 - t0) * 1e-6);
+    tr[r] = (float)((t2 - t1) * 1e-6);
+    *wire = s1 - s0;
+  }
+  *off_s = median(to, rounds);
+  *res_s = median(tr, rounds);
+}
+
+static void store_figures(int rounds, int json) {
+  enum { T = 32768, CH = 2048, L = 32, H = 8, D = 128 };
+  redis_srv srv;
+  if (redis_srv_start(&srv)) {
+    printf("store: skipped: %s\n", srv.why);
+    return;
+  }
+  kvp_store *st;
+  if (kvp_store_open(srv.url, &st)) {
+    printf("store: skipped: %s (a build without hiredis?)\n", kvp_last_error());
+    redis_srv_stop(&srv);
+    return;
+  }
+  KV(kvp_store_set_stream(st, S));
+  size_t bytes = (size_t)CH * H * D * 2;
+  uint16_t *hk = malloc(bytes), *hv = malloc(bytes);
+  uint64_t seed = 5;
+  for (size_t i = 0; i < bytes / 2; i++) {
+    seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+    hk[i] = (uint16_t)(0x3C00 + (seed >> 56)); /* bf16 in [1, 2) and around */
+    hv[i] = (uint16_t)(0xBC00 + (seed >> 48 & 0xFF));
+  }
+  void *dk, *dv;
+  CK(cudaMalloc(&dk, bytes));
+  CK(cudaMalloc(&dv, bytes));
+  CK(cudaMemcpy(dk, hk, bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dv, hv, bytes, cudaMemcpyHostToDevice));
+  static const char *const sc[] = {"kv=bf16", "kv=nvfp4"};
+  uint64_t region = (uint64_t)T * L * H * D * 4 + (1ull << 30);
+  int r = rounds < 3 ? rounds : 3;
+  for (unsigned c = 0; c < 2; c++)
+    for (int mem = 0; mem < 2; mem++) { /* the host pool of the same shape: the baseline of the same run */
+      kvp_pool *p = store_pool_of(sc[c], mem ? KVP_MEM_CUDA : KVP_MEM_HOST, region);
+      KV(kvp_seq_add(p, 1, NULL));
+      for (uint32_t t = 0; t < T; t += CH) {
+        KV(kvp_step_begin(p, 1, CH, 0));
+        for (uint32_t l = 0; l < L; l++)
+          KV(kvp_append(p, 1, l, mem ? &(kvp_kv){dk, dv, S} : &(kvp_kv){hk, hv, NULL}));
+        KV(kvp_step_end(p, 1));
+      }
+      CK(cudaStreamSynchronize(S));
+      float off, res;
+      uint64_t wire = 0;
+      store_round_trips(p, st, r, &off, &res, &wire);
+      kvp_stats s = {.struct_size = sizeof s};
+      KV(kvp_stats_get(p, &s));
+      const char *where = mem ? "cuda" : "host";
+      if (!json)
+        printf("store %-10s %s pool: offload %7.1f MB/s %9.0f tokens/s, restore %7.1f MB/s %9.0f tokens/s (%.1f MB on "
+               "the wire, %.0f MB pinned)\n", sc[c], where, wire / off / 1e6, T / off, wire / res / 1e6, T / res,
+               wire / 1e6, s.host_pinned_bytes / 1e6);
+      printf("{\"figure\":\"gpu_store\",\"codecs\":\"%s\",\"pool\":\"%s\",\"tokens\":%d,\"wire_bytes\":%llu,"
+             "\"offload_s\":%.4f,\"restore_s\":%.4f,\"offload_mbs\":%.1f,\"restore_mbs\":%.1f,"
+             "\"offload_tokens_s\":%.0f,\"restore_tokens_s\":%.0f,\"pinned_bytes\":%llu}\n",
+             sc[c], where, T, (unsigned long long)wire, off, res, wire / off / 1e6, wire / res / 1e6, T / off, T / res,
+             (unsigned long long)s.host_pinned_bytes);
+      KV(kvp_check(p));
+      kvp_pool_destroy(p);
+    }
+  kvp_store_close(st);
+  redis_srv_stop(&srv);
+  cudaFree(dk), cudaFree(dv);
+  free(hk), free(hv);
+}
+
 int main(int argc, char **argv) {
   int rounds = 15, json = 0;
   for (int i = 1; i < argc; i++) {
@@ -614,11 +726,12 @@ int main(int argc, char **argv) {
   CK(cudaGetDeviceProperties(&prop, 0));
   if (!json) printf("kvpool-bench-gpu on %s, %d rounds, medians\n", prop.name, rounds);
   no_gate = getenv("KVP_BENCH_NOGATE") && *getenv("KVP_BENCH_NOGATE") == '1';
-  const char *only = getenv("KVP_BENCH_ONLY"); /* codec, qvg, gather, attend or append */
+  const char *only = getenv("KVP_BENCH_ONLY"); /* codec, qvg, gather, attend, append or store */
   if (!only || strstr(only, "codec")) codec_figures(rounds, json);
   if (!only || strstr(only, "qvg")) qvg_figures(rounds, json);
   if (!only || strstr(only, "gather")) gather_figures(rounds, json);
   if (!only || strstr(only, "attend")) attend_figures(rounds, json);
   if (!only || strstr(only, "append")) append_figures(rounds < 5 ? rounds : 5, json);
+  if (!only || strstr(only, "store")) store_figures(rounds, json);
   return 0;
 }

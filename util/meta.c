@@ -1,58 +1,125 @@
 /*
- * util/meta.c - host metadata allocation from a dedicated jemalloc arena.
+ * util/meta.c - host metadata allocation from a dedicated jemalloc arena,
+ * or from libc malloc where the process has no jemalloc.
  *
  * Invariant: m->bytes = sum over live metadata blocks of their usable size
- * (sallocx, or the asked size under KVP_META_LIBC).
+ * (sallocx on the arena; the asked size on libc).
  *
  * The arena is created once per process (arenas.create) and shared by all
  * pools; allocations bypass the thread cache (MALLOCX_TCACHE_NONE) so that a
  * free on one thread never parks bytes in another thread's cache.
+ *
+ * libkvpool does not link jemalloc. Debian's libjemalloc.so.2 keeps its
+ * thread state in initial-exec TLS (2.6 KiB of the static TLS block, flag
+ * STATIC_TLS), which only a process that loads it at startup can give: a
+ * dlopen of a library needing it fails with "cannot allocate memory in
+ * static TLS block" once that block's small surplus is spent (python after
+ * torch; any dlopen on glibc's default surplus of about 1.6 KiB). So the
+ * jemalloc calls are resolved once, at the first metadata allocation:
+ *
+ *   KVPOOL_META_MALLOC=libc in the environment  -> libc
+ *   libjemalloc.so.2 already in the process      -> its arena (the program
+ *     (linked: -ljemalloc, as pkg-config's Libs;      linked or preloaded it;
+ *      or LD_PRELOAD)                                  dlopen RTLD_NOLOAD)
+ *   else a dlopen of libjemalloc.so.2 that works -> its arena (the static
+ *                                                   TLS block has room: a
+ *                                                   small C program, a raised
+ *                                                   glibc.rtld.optional_static_tls)
+ *   else                                         -> libc malloc/free
+ *
+ * The choice never changes afterwards, so every block is freed by the
+ * allocator that made it. Cost: one indirect call through a pointer, as the
+ * PLT call it replaces, plus a predicted branch.
  */
 #include "util.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #ifndef KVP_META_LIBC
+/* for the MALLOCX_* flags only: no jemalloc symbol is referenced */
 #include <jemalloc/jemalloc.h>
 
-static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
-static int arena_flags; /* MALLOCX_* flags of the metadata arena, 0 if none */
+#define JEMALLOC_SONAME "libjemalloc.so.2"
 
-static void arena_init(void) {
+static struct {
+  void *(*mallocx)(size_t, int);
+  void *(*rallocx)(void *, size_t, int);
+  void (*sdallocx)(void *, size_t, int);
+  size_t (*sallocx)(const void *, int);
+  int (*mallctl)(const char *, void *, size_t *, void *, size_t);
+} je; /* all NULL: libc */
+static pthread_once_t resolve_once = PTHREAD_ONCE_INIT;
+static int arena_flags; /* MALLOCX_* flags of the metadata arena */
+
+static bool je_bind(void *h) {
+  if (!h) return false;
+  /* POSIX: a void * from dlsym converts to a function pointer (the cast through memcpy keeps -Wpedantic quiet) */
+  void *f[5] = {dlsym(h, "mallocx"), dlsym(h, "rallocx"), dlsym(h, "sdallocx"), dlsym(h, "sallocx"),
+                dlsym(h, "mallctl")};
+  for (int i = 0; i < 5; i++)
+    if (!f[i]) return false; /* not a jemalloc of the 5.x API: libc */
+  memcpy(&je.mallocx, &f[0], sizeof f[0]);
+  memcpy(&je.rallocx, &f[1], sizeof f[1]);
+  memcpy(&je.sdallocx, &f[2], sizeof f[2]);
+  memcpy(&je.sallocx, &f[3], sizeof f[3]);
+  memcpy(&je.mallctl, &f[4], sizeof f[4]);
+  return true;
+}
+
+static void resolve(void) {
+  const char *env = getenv("KVPOOL_META_MALLOC");
+  if (env && strcmp(env, "libc") == 0) return;
+  void *h = dlopen(JEMALLOC_SONAME, RTLD_NOW | RTLD_NOLOAD);
+  if (!h) h = dlopen(JEMALLOC_SONAME, RTLD_NOW | RTLD_LOCAL); /* fails cleanly without static TLS */
+  if (!je_bind(h)) {
+    memset(&je, 0, sizeof je);
+    (void)dlerror(); /* a failed dlopen's message is not the caller's business */
+    return;
+  }
   unsigned ind = 0;
   size_t sz = sizeof ind;
-  if (mallctl("arenas.create", &ind, &sz, NULL, 0) == 0)
+  if (je.mallctl("arenas.create", &ind, &sz, NULL, 0) == 0)
     arena_flags = MALLOCX_ARENA(ind) | MALLOCX_TCACHE_NONE;
   else
     arena_flags = MALLOCX_TCACHE_NONE; /* default arena: still jemalloc */
 }
 
+static inline bool on_jemalloc(void) {
+  pthread_once(&resolve_once, resolve);
+  return je.mallocx != NULL;
+}
+
 static size_t size_of(void *p, size_t asked) {
-  (void)asked;
-  return sallocx(p, arena_flags);
+  return je.mallocx ? je.sallocx(p, arena_flags) : (asked ? asked : 1);
 }
 /* The fault-injection build counts and tracks arena allocations here (the
- * libc ones of KVP_META_LIBC go through its libc wrappers). */
+ * libc ones go through its libc wrappers). */
 static void *raw_alloc(size_t n, bool zero) {
-  pthread_once(&arena_once, arena_init);
+  if (!on_jemalloc()) return zero ? calloc(1, n ? n : 1) : malloc(n ? n : 1);
   if (KVP__FAULT()) return NULL;
-  void *p = mallocx(n ? n : 1, arena_flags | (zero ? MALLOCX_ZERO : 0));
+  void *p = je.mallocx(n ? n : 1, arena_flags | (zero ? MALLOCX_ZERO : 0));
 #ifdef KVP_FAULT_INJECT
   kvp__fault_track(p, n);
 #endif
   return p;
 }
 static void raw_free(void *p, size_t n) {
+  if (!je.mallocx) { /* set before p was allocated */
+    free(p);
+    return;
+  }
 #ifdef KVP_FAULT_INJECT
   kvp__fault_untrack(p);
 #endif
-  sdallocx(p, n ? n : 1, arena_flags);
+  je.sdallocx(p, n ? n : 1, arena_flags);
 }
 static void *raw_realloc(void *p, size_t n) {
+  if (!je.mallocx) return realloc(p, n ? n : 1);
   if (KVP__FAULT()) return NULL;
-  void *q = rallocx(p, n ? n : 1, arena_flags);
+  void *q = je.rallocx(p, n ? n : 1, arena_flags);
 #ifdef KVP_FAULT_INJECT
   if (q) {
     kvp__fault_untrack(p);
@@ -61,6 +128,8 @@ static void *raw_realloc(void *p, size_t n) {
 #endif
   return q;
 }
+
+const char *kvp_metadata_allocator(void) { return on_jemalloc() ? "jemalloc" : "libc"; }
 #else
 static size_t size_of(void *p, size_t asked) {
   (void)p;
@@ -69,6 +138,8 @@ static size_t size_of(void *p, size_t asked) {
 static void *raw_alloc(size_t n, bool zero) { return zero ? calloc(1, n ? n : 1) : malloc(n ? n : 1); }
 static void raw_free(void *p, size_t n) { (void)n; free(p); }
 static void *raw_realloc(void *p, size_t n) { return realloc(p, n ? n : 1); }
+
+const char *kvp_metadata_allocator(void) { return "libc"; }
 #endif
 
 static void count_add(kvp__meta *m, uint64_t n) {

@@ -98,6 +98,9 @@ static inline void kvp__rcu_barrier(void) {
   __tsan_acquire(&kvp__rcu_tsan_gp);
 #endif
 }
+/* Registers urcu's fork handlers once per process (util/rcu.c); before
+ * the first pool. 0, or pthread_atfork's error number. */
+int kvp__rcu_fork_safe(void);
 #define kvp__rcu_publish(obj) KVP__TSAN_RELEASE(obj)
 #define kvp__rcu_subscribe(obj) KVP__TSAN_ACQUIRE(obj)
 /* A release store and a consume load: what rcu_assign_pointer and

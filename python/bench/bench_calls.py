@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Per-call overhead of the Python binding against the same calls from C, in the same run.
 
-Runs build/py/kvpool-callbench (C) and then the same loop through kvpool.Pool on the same
+Runs build/kvpool-callbench (C) and then the same loop through kvpool.Pool on the same
 library, geometry and data: decode steps of one token (step_begin, append per layer,
 step_end) and reads of one head into fixed buffers (read_into, as C does) and through
 read() (which allocates its arrays). Prints a table, then one JSON line per figure.
-Figures are medians over the repetitions (C and Python alternate), in nanoseconds per call;
+Figures are medians over the repetitions (C and Python alternate; ``--stat min`` takes the
+fastest repetition instead, a steadier figure on a machine that others load), in nanoseconds per call;
 the "per C call" column divides a step's overhead by the step_begin + appends + step_end
 calls it makes.
 
@@ -99,8 +100,10 @@ def main():
     ap.add_argument("--read-tokens", type=int, default=64, help="tokens of the sequence read")
     ap.add_argument("--read-iters", type=int, default=20000)
     ap.add_argument("--codecs", default="", help="codec spec (default raw)")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="how repetitions combine (min: the least disturbed one, on a loaded machine)")
     a = ap.parse_args()
-    tool = os.path.join(os.path.dirname(os.path.dirname(HERE)), "build", "py", "kvpool-callbench")
+    tool = os.path.join(os.path.dirname(os.path.dirname(HERE)), "build", "kvpool-callbench")
     # C and Python repetitions alternate, so that load from other processes hits both alike
     c, py = {}, {}
     for _ in range(a.reps):
@@ -108,7 +111,7 @@ def main():
             c.setdefault(k, []).append(v)
         for k, v in py_side(a).items():
             py.setdefault(k, []).append(v)
-    med = statistics.median
+    med = statistics.median if a.stat == "median" else min
     rows = [
         ("append", "kvp_append of 1 token, one layer", med(c["append_ns"]), med(py["append_ns"]), 1),
         ("step", f"a decode step: step_begin + {a.layers} appends + step_end", med(c["step_ns"]),
@@ -118,7 +121,7 @@ def main():
         ("read", f"read() of one head, {a.read_tokens} tokens, new arrays", med(c["read_ns"]),
          med(py["read_alloc_ns"]), 1),
     ]
-    geo = f"L={a.layers} H={a.kv_heads} D={a.head_dim} fp16, codecs {a.codecs or 'raw'}, {a.reps} reps"
+    geo = f"L={a.layers} H={a.kv_heads} D={a.head_dim} fp16, codecs {a.codecs or 'raw'}, {a.stat} of {a.reps} reps"
     print(f"kvpool Python binding: per-call overhead against C, same run ({geo}; {platform.python_version()}, "
           f"{kvpool.library_path}, per-step calls through {kvpool._fast.backend})")
     print(f"{'op':10s} {'C ns':>9s} {'Python ns':>10s} {'overhead ns':>12s} {'per C call':>11s}  what")
@@ -128,7 +131,7 @@ def main():
         print(json.dumps({"bench": "python_call_overhead", "op": op, "c_ns": round(cn, 1), "python_ns": round(pn, 1),
                           "overhead_ns": round(pn - cn, 1), "overhead_ns_per_c_call": round((pn - cn) / calls, 1),
                           "layers": a.layers, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
-                          "codecs": a.codecs or "raw", "python": platform.python_version(),
+                          "codecs": a.codecs or "raw", "stat": a.stat, "python": platform.python_version(),
                           "backend": kvpool._fast.backend}))
 
 

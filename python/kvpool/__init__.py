@@ -35,6 +35,12 @@ library_path: str = _lib.path
 __version__: str = _lib.version()
 
 
+def metadata_allocator() -> str:
+    """Where the library's host metadata comes from (kvp_metadata_allocator): "jemalloc" (an
+    arena of the libjemalloc.so.2 the process has, e.g. through ``LD_PRELOAD``) or "libc"."""
+    return _lib.metadata_allocator()
+
+
 def strerror(status: int) -> str:
     """kvp_strerror: the description of a status."""
     return _lib.lib.kvp_strerror(status).decode()
@@ -62,5 +68,5 @@ def f32_to_bf16(a):
 
 __all__ = ["Pool", "PoolView", "BlockInfo", "Error", "InvalidError", "NoMemoryError", "BudgetError",
            "RegionFullError", "NotFoundError", "ExistsError", "DeviceError", "CodecError", "FormatError",
-           "BusyError", "CorruptError", "NotSupportedError", "StoreIOError", "library_path", "strerror", "last_error",
+           "BusyError", "CorruptError", "NotSupportedError", "StoreIOError", "library_path", "metadata_allocator", "strerror", "last_error",
            "bf16_to_f32", "f32_to_bf16"]

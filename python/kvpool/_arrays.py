@@ -43,8 +43,18 @@ DTYPE_STR = {_lib.DTYPE_F32: "f32", _lib.DTYPE_BF16: "bf16", _lib.DTYPE_F16: "f1
 DTYPE_BYTES = {_lib.DTYPE_F32: 4, _lib.DTYPE_BF16: 2, _lib.DTYPE_F16: 2}
 
 
+_CODE_OF = {}  # dtype objects (numpy, torch) seen before -> kvp_dtype
+
+
 def dtype_code(d: Any, what: str) -> int:
     """A kvp_dtype from a name ("bf16", "fp16", "f32", ...), a numpy dtype or a torch dtype."""
+    if not isinstance(d, str):
+        try:
+            code = _CODE_OF.get(d)
+        except TypeError:  # unhashable
+            code = None
+        if code is not None:
+            return code
     if isinstance(d, str):
         name = d.lower()
     else:
@@ -59,21 +69,32 @@ def dtype_code(d: Any, what: str) -> int:
     code = DTYPE_NAMES.get(name)
     if code is None:
         raise InvalidError(f"{what}={d!r}: not a dtype (f32, bf16, f16)", "kvpool")
+    if not isinstance(d, str):
+        _CODE_OF[d] = code
     return code
+
+
+_NUMPY_DTYPE = {}  # kvp_dtype -> numpy dtype, filled on first use (a failed import is slow)
 
 
 def numpy_dtype(code: int):
     """The numpy dtype holding a kvp_dtype: float32, float16, and for bf16 ml_dtypes.bfloat16
     when that package is installed, else uint16 (the bf16 bit patterns)."""
+    d = _NUMPY_DTYPE.get(code)
+    if d is not None:
+        return d
     if code == _lib.DTYPE_F32:
-        return np.dtype(np.float32)
-    if code == _lib.DTYPE_F16:
-        return np.dtype(np.float16)
-    try:
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    except ImportError:
-        return np.dtype(np.uint16)
+        d = np.dtype(np.float32)
+    elif code == _lib.DTYPE_F16:
+        d = np.dtype(np.float16)
+    else:
+        try:
+            import ml_dtypes
+            d = np.dtype(ml_dtypes.bfloat16)
+        except ImportError:
+            d = np.dtype(np.uint16)
+    _NUMPY_DTYPE[code] = d
+    return d
 
 
 def numpy_accepts(code: int):
@@ -121,6 +142,23 @@ def numpy_ptr(a) -> int:
         return a.ctypes.data
 
 
+_raw_stream = None  # torch._C._cuda_getCurrentRawStream when torch has it
+
+
+def cuda_stream(device: int) -> int:
+    """The current CUDA stream of a device (torch's), as the integer cudaStream_t. Through
+    torch._C._cuda_getCurrentRawStream where torch has it (what Triton launches use: about
+    0.1 us), else torch.cuda.current_stream (a few us: it builds a Stream object)."""
+    global _raw_stream
+    f = _raw_stream
+    if f is None:
+        torch = torch_module()
+        f = getattr(torch._C, "_cuda_getCurrentRawStream", None) or \
+            (lambda i: torch.cuda.current_stream(i).cuda_stream)
+        _raw_stream = f
+    return f(device)
+
+
 def is_torch(x) -> bool:
     torch = _torch if _torch is not None else torch_module()
     return bool(torch) and isinstance(x, torch.Tensor)
@@ -160,7 +198,6 @@ class Input:
         raise InvalidError(f"{side}: expected a numpy array or a torch tensor, got {type(x).__name__}", call)
 
     def _torch_pointer(self, x, want, side: str, call: str) -> Tuple[int, Optional[int]]:
-        torch = _torch
         if self.k_th is None:
             self.k_th, self.v_th = torch_dtype(self.k_code), torch_dtype(self.v_code)
         dt = self.k_th if side == "k" else self.v_th
@@ -175,7 +212,7 @@ class Input:
         if self.cuda:
             if dev.type != "cuda" or (dev.index if dev.index is not None else 0) != self.device:
                 raise InvalidError(f"{side}: tensor on {dev}; this pool's region is on cuda:{self.device}", call)
-            return x.data_ptr(), torch.cuda.current_stream(dev).cuda_stream
+            return x.data_ptr(), cuda_stream(self.device)
         if dev.type != "cpu":
             raise InvalidError(f"{side}: tensor on {dev}; this pool's region is host memory (use .cpu(), or a "
                                f"pool with memory='cuda')", call)

@@ -18,7 +18,7 @@ from . import _lib
 CDEF = """
 typedef struct { const void *k, *v; void *stream; } kvp_kv;
 typedef struct {
-  size_t struct_size; uint32_t head; int out_dtype; void *k_out, *v_out; uint32_t *positions_out;
+  size_t struct_size; uint32_t head; int out_dtype; void *k_out, *v_out; void *positions_out; /* uint32_t * */
   uint32_t capacity_tokens; uint32_t n_tokens; void *stream;
 } kvp_read_req;
 int kvp_step_begin(void *pool, uint64_t seq, uint32_t n_tokens, uint32_t flags);

@@ -8,11 +8,15 @@ to the header that is not made here fails the tests.
 
 Library lookup order (the first that loads wins):
   1. next to the package: ``kvpool/libkvpool.so*`` (a copy placed there), the
-     source tree's ``build/py/`` and ``build/`` (``python/kvpool`` -> ``build/py/libkvpool.so``),
-     and ``PREFIX/lib`` of an installed package
-     (``PREFIX/lib/python3*/{site,dist}-packages/kvpool``);
+     source tree's ``build/`` (``python/kvpool`` -> ``build/libkvpool.so``), and ``PREFIX/lib``
+     of an installed package (``PREFIX/lib/python3*/{site,dist}-packages/kvpool``);
   2. the ``KVPOOL_LIB`` environment variable (a file path);
   3. the system path (``libkvpool.so.0`` through the dynamic loader).
+
+libkvpool does not link jemalloc, whose initial-exec TLS a dlopen cannot place
+once the static TLS block is spent (``import torch`` spends it): host metadata
+comes from the process's jemalloc when it has one (``LD_PRELOAD``), else from
+libc malloc; ``metadata_allocator()`` says which.
 """
 
 from __future__ import annotations
@@ -35,10 +39,8 @@ def candidates() -> List[str]:
     out = []
     for name in ("libkvpool.so", SONAME):
         out.append(os.path.join(_here, name))
-    # source tree: <repo>/python/kvpool -> <repo>/build/py (the build without jemalloc, which
-    # dlopen cannot load: see python/python.mk), then <repo>/build
-    for sub in (("build", "py"), ("build",)):
-        out.append(os.path.normpath(os.path.join(_here, "..", "..", *sub, "libkvpool.so")))
+    # source tree: <repo>/python/kvpool -> <repo>/build
+    out.append(os.path.normpath(os.path.join(_here, "..", "..", "build", "libkvpool.so")))
     # installed: PREFIX/lib/python3[.X]/{dist,site}-packages/kvpool -> PREFIX/lib
     out.append(os.path.normpath(os.path.join(_here, "..", "..", "..", SONAME)))
     return out
@@ -218,6 +220,7 @@ def _proto(name: str, restype, *argtypes) -> None:
 
 
 _proto("kvp_version", c_char_p)
+_proto("kvp_metadata_allocator", c_char_p)
 _proto("kvp_strerror", c_char_p, c_int)
 _proto("kvp_err_name", c_char_p, c_int)
 _proto("kvp_last_error", c_char_p)
@@ -266,6 +269,11 @@ def last_error() -> str:
 def version() -> str:
     """kvp_version(): the version of the library actually loaded."""
     return lib.kvp_version().decode()
+
+
+def metadata_allocator() -> str:
+    """kvp_metadata_allocator(): "jemalloc" or "libc"."""
+    return lib.kvp_metadata_allocator().decode()
 
 
 def codec_name(codec_id: int) -> Optional[str]:

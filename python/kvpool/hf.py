@@ -211,6 +211,10 @@ class KvpoolCache(Cache):
         elif not self._in_step or S != self._step_tokens:
             raise RuntimeError(f"KvpoolCache: layer {layer_idx} updated outside the step layer 0 began")
         on_device = pool.memory == "cuda"
+        # K/V made here are contiguous [S, H, D] in the pool's dtypes; on the pool's device (or
+        # the host) their addresses go straight to kvp_append, else pool.append says what is wrong
+        direct = self._direct(key_states.device) if on_device else True  # host pool: made on the CPU here
+        stream = _arrays.cuda_stream(pool.device) if direct and on_device else None
         for b, seq in enumerate(self.seq_ids):
             k = key_states[b].transpose(0, 1)  # [S, H, D]
             v = value_states[b].transpose(0, 1)
@@ -220,7 +224,10 @@ class KvpoolCache(Cache):
             else:
                 k = k.to("cpu", self._host_dtype).contiguous()
                 v = v.to("cpu", self._v_dtype).contiguous()
-            pool.append(seq, layer_idx, k, v)
+            if direct:
+                pool._append_ptrs(seq, layer_idx, k.data_ptr(), v.data_ptr(), stream)
+            else:
+                pool.append(seq, layer_idx, k, v)
         if layer_idx == pool.layers - 1:
             for seq in self.seq_ids:
                 pool.step_end(seq)
@@ -245,9 +252,20 @@ class KvpoolCache(Cache):
             kb = torch.empty((B, H, cap, D), dtype=rd)
             vb = torch.empty((B, H, cap, D), dtype=rd)
         counts = set()
-        for b, seq in enumerate(self.seq_ids):
-            for h in range(H):
-                counts.add(pool.read_into(seq, layer_idx, h, kb[b, h], vb[b, h]))
+        if self._direct(kb.device):  # one [cap, D] row block per (row, head) of kb and vb, by address
+            code = _arrays.dtype_code(rd, "dtype")
+            stream = _arrays.cuda_stream(pool.device) if kb.is_cuda else None
+            head_bytes = cap * D * kb.element_size()
+            kp, vp = kb.data_ptr(), vb.data_ptr()
+            read = pool._read_ptrs
+            for b, seq in enumerate(self.seq_ids):
+                for h in range(H):
+                    off = (b * H + h) * head_bytes
+                    counts.add(read(seq, layer_idx, h, code, cap, kp + off, vp + off, stream))
+        else:
+            for b, seq in enumerate(self.seq_ids):
+                for h in range(H):
+                    counts.add(pool.read_into(seq, layer_idx, h, kb[b, h], vb[b, h]))
         if len(counts) != 1:
             raise NotImplementedError(
                 f"KvpoolCache: the heads of layer {layer_idx} retain different token counts {sorted(counts)} "
@@ -258,6 +276,13 @@ class KvpoolCache(Cache):
             keys = keys.to(device=device, dtype=dtype, non_blocking=False)
             values = values.to(device=device, dtype=dtype, non_blocking=False)
         return keys, values
+
+    def _direct(self, device: torch.device) -> bool:
+        """Whether tensors on ``device`` are in the pool's memory (its CUDA device, or the host
+        for a host pool), so that their addresses may go to the C calls unchecked."""
+        if self.pool.memory == "cuda":
+            return device.type == "cuda" and (device.index if device.index is not None else 0) == self.pool.device
+        return device.type == "cpu"
 
     def get_seq_length(self, layer_idx: Optional[int] = 0, *args, **kwargs) -> int:
         """Positions seen by the layer (tokens appended, evicted ones included): what RoPE and

@@ -28,8 +28,15 @@ _ndarray = np.ndarray if np is not None else type(None)
 _get_ident = threading.get_ident
 _READ_REQ_BYTES = ctypes.sizeof(_lib.ReadReq)
 _U32 = np.dtype(np.uint32) if np is not None else None
+_NP_CODE = _arrays.NP_CODE
+_np_empty = np.empty if np is not None else None
+_c_char_from_buffer, _addressof = ctypes.c_char.from_buffer, ctypes.addressof
 if _ffi is not None:  # parsed once: a type given as a string is parsed on every call
-    _REQ_T, _KV_T, _U32_ARR = _ffi.typeof("kvp_read_req *"), _ffi.typeof("kvp_kv *"), _ffi.typeof("uint32_t[]")
+    _REQ_T = _ffi.typeof("kvp_read_req *")
+    # the per-step calls, bound once (an attribute lookup on the library object per call otherwise)
+    _from_buffer, _NULL = _ffi.from_buffer, _ffi.NULL
+    _c_step_begin, _c_append, _c_step_end, _c_read = _C.kvp_step_begin, _C.kvp_append, _C.kvp_step_end, _C.kvp_read
+_BUF_ERRORS = (ValueError, TypeError, BufferError)  # what from_buffer raises for an array C cannot take
 
 DIMS = {"page_type": _lib.DIM_PAGE_TYPE, "kv": _lib.DIM_KV, "layer": _lib.DIM_LAYER, "head": _lib.DIM_HEAD,
         "codec": _lib.DIM_CODEC, "seq": _lib.DIM_SEQ}
@@ -224,16 +231,30 @@ class Pool:
         self._dry = dry
         self._in = _arrays.Input(c.k_dtype, c.v_dtype, self._cuda, c.device, c.n_kv_heads, c.head_dim)
         self._open: Dict[int, int] = {}  # seq -> tokens of its open step
+        # seq -> (n, kv_heads, head_dim) of its open step, on a host pool with numpy: the shape
+        # the fast append compares its arrays with (one tuple per step, not one per call)
+        self._want: Dict[int, Tuple[int, int, int]] = {}
+        self._host_np = not self._cuda and np is not None
         self._npos: Dict[int, int] = {}  # seq -> positions used (tokens appended), a read capacity hint
-        self._owner = _get_ident()  # the thread whose appends reuse one kvp_kv
+        self._owner = _get_ident()  # the thread that reuses one kvp_kv (ctypes) and one kvp_read_req (cffi)
         self._kv = _lib.KV()
         self._kv_ref = byref(self._kv)
         H, D = c.n_kv_heads, c.head_dim
         self._hd = (H, D)
         self._knp = self._in.k_np
         self._vnp = self._in.v_np
+        self._D = D
+        if np is not None:  # read()'s default output: kvp_dtype and numpy dtype
+            code = self._out_code(None)
+            self._read_default = (code, _arrays.numpy_dtype(code))
         self._fh = _ffi.cast("void *", self._h) if _ffi is not None else None
-        self._fkv = _ffi.new(_KV_T) if _ffi is not None else None
+        self._freq = None  # the owner thread's kvp_read_req for the fast read_into (cffi)
+        if _ffi is not None:
+            self._freq = _ffi.new(_REQ_T)
+            self._freq.struct_size = _READ_REQ_BYTES
+        self._rq = _lib.ReadReq()  # the creator thread's ctypes kvp_read_req (read_into, _read_ptrs)
+        self._rq.struct_size = _READ_REQ_BYTES
+        self._rq_ref = byref(self._rq)
         self._stats_cap = 1 << 16
 
     # ---- lifetime -------------------------------------------------------------------------------
@@ -243,6 +264,7 @@ class Pool:
         use the pool meanwhile or afterwards."""
         if self._h is not None:
             self._fh = None
+            self._want.clear()
             lib.kvp_pool_destroy(self._h)
             self._h = None
 
@@ -379,6 +401,7 @@ class Pool:
         self._call(lib.kvp_seq_free, "kvp_seq_free", self._handle(), _seq(seq))
         self._npos.pop(seq, None)
         self._open.pop(seq, None)
+        self._want.pop(seq, None)
 
     def fork(self, parent: int, child: int) -> None:
         """Fork ``parent`` into a new sequence ``child`` (kvp_seq_fork): sealed blocks are shared,
@@ -391,24 +414,29 @@ class Pool:
         KVP_STEP_SCENE_CUT (the multishot policy re-binds its shot sink)."""
         if scene_cut:
             flags |= _lib.STEP_SCENE_CUT
-        if self._fh is not None:
-            rc = _C.kvp_step_begin(self._fh, seq, n_tokens, flags)
+        fh = self._fh
+        if fh is not None:
+            rc = _c_step_begin(fh, seq, n_tokens, flags)
         else:
             rc = lib.kvp_step_begin(self._handle(), seq, n_tokens, flags)
         if rc:
             raise error_for(rc, "kvp_step_begin")
         self._open[seq] = n_tokens
         self._npos[seq] = self._npos.get(seq, 0) + n_tokens
+        if self._host_np:
+            self._want[seq] = (n_tokens, *self._hd)
 
     def step_end(self, seq: int) -> None:
         """End the open step of ``seq`` (kvp_step_end); every layer must have been appended."""
-        if self._fh is not None:
-            rc = _C.kvp_step_end(self._fh, seq)
+        fh = self._fh
+        if fh is not None:
+            rc = _c_step_end(fh, seq)
         else:
             rc = lib.kvp_step_end(self._handle(), seq)
         if rc:
             raise error_for(rc, "kvp_step_end")
-        del self._open[seq]
+        self._open.pop(seq, None)
+        self._want.pop(seq, None)
 
     @contextlib.contextmanager
     def step(self, seq: int, n_tokens: int, flags: int = 0, *, scene_cut: bool = False) -> Iterator["Pool"]:
@@ -432,28 +460,73 @@ class Pool:
         All or nothing: on failure (BudgetError, RegionFullError, InvalidError for NaN input, ...)
         the pool is as before and the same layer may be appended again.
         """
-        n = self._open.get(seq)
-        # fast path: host numpy arrays of the right dtype, shape and layout (a decode step)
-        if (n is not None and type(k) is _ndarray and type(v) is _ndarray and k.dtype in self._knp
-                and v.dtype in self._vnp and k.shape == v.shape == (n, *self._hd) and k.flags.c_contiguous
-                and v.flags.c_contiguous and not self._cuda and self._h is not None):
-            if self._fh is not None:
-                if _get_ident() == self._owner:
-                    kv = self._fkv
-                else:
-                    kv = _ffi.new(_KV_T)
-                kv.k = _ffi.from_buffer(k)
-                kv.v = _ffi.from_buffer(v)
-                rc = _C.kvp_append(self._fh, seq, layer, kv)
-            else:
+        # fast path: host numpy arrays of the step's shape and the pool's dtypes (a decode step).
+        # Cost with cffi (python 3.11): about 1 us over the C call, mostly the two from_buffer
+        # and the call itself; C-contiguity is checked by from_buffer (numpy refuses a plain
+        # buffer of a strided array), and such arrays take the checked path, which says why.
+        want = self._want.get(seq)
+        if (want is not None and type(k) is _ndarray and type(v) is _ndarray and k.shape == want
+                and v.shape == want and k.dtype in self._knp and v.dtype in self._vnp):
+            fh = self._fh
+            if fh is not None:
+                try:  # a one-element array of kvp_kv: cffi builds it for the call (no shared struct)
+                    kv = [(_from_buffer(k), _from_buffer(v), _NULL)]
+                except _BUF_ERRORS:
+                    kv = None
+                if kv is not None:
+                    rc = _c_append(fh, seq, layer, kv)
+                    if rc:
+                        raise error_for(rc, "kvp_append")
+                    return
+            elif k.flags.c_contiguous and v.flags.c_contiguous:
                 kv = self._kv if _get_ident() == self._owner else _lib.KV()
                 kv.k = _arrays.numpy_ptr(k)
                 kv.v = _arrays.numpy_ptr(v)
                 rc = lib.kvp_append(self._h, seq, layer, byref(kv))
-            if rc:
-                raise error_for(rc, "kvp_append")
-            return
-        self._append_checked(seq, layer, k, v, n)
+                if rc:
+                    raise error_for(rc, "kvp_append")
+                return
+        self._append_checked(seq, layer, k, v, self._open.get(seq))
+
+    def _append_ptrs(self, seq: int, layer: int, k_ptr: int, v_ptr: int, stream: Optional[int]) -> None:
+        """kvp_append from addresses whose arrays the caller has checked (kvpool.hf: contiguous
+        ``[n, kv_heads, head_dim]`` tensors of the pool's dtypes, in the pool's memory, n the step's
+        tokens; ``stream`` the CUDA stream of a CUDA pool). Through ctypes with the creator
+        thread's kvp_kv (an integer is no cffi pointer): about 1.5 us, against about 10 for append
+        with a CUDA tensor."""
+        if self._h is None:
+            raise InvalidError("the pool is closed", "kvpool.Pool")
+        if _get_ident() == self._owner:
+            kv, ref = self._kv, self._kv_ref
+        else:
+            kv = _lib.KV()
+            ref = byref(kv)
+        kv.k, kv.v, kv.stream = k_ptr, v_ptr, stream
+        rc = lib.kvp_append(self._h, seq, layer, ref)
+        if rc:
+            raise error_for(rc, "kvp_append")
+
+    def _read_ptrs(self, seq: int, layer: int, head: int, code: int, cap: int, k_ptr: int, v_ptr: int,
+                   stream: Optional[int]) -> int:
+        """kvp_read of one head into addresses the caller has checked (kvpool.hf: rows of
+        contiguous ``[cap, head_dim]`` tensors of kvp_dtype ``code`` in the pool's memory), no
+        positions: the tokens read. Through ctypes with the creator thread's kvp_read_req."""
+        if self._h is None:
+            raise InvalidError("the pool is closed", "kvpool.Pool")
+        if _get_ident() == self._owner:
+            req, ref = self._rq, self._rq_ref
+        else:
+            req = _lib.ReadReq()
+            req.struct_size = _READ_REQ_BYTES
+            ref = byref(req)
+        req.head, req.out_dtype, req.capacity_tokens = head, code, cap
+        req.k_out, req.v_out, req.positions_out, req.stream = k_ptr, v_ptr, None, stream
+        rc = lib.kvp_read(self._h, seq, layer, ref)
+        if rc:
+            e = error_for(rc, "kvp_read")
+            e.needed = req.n_tokens
+            raise e
+        return req.n_tokens
 
     def _append_checked(self, seq: int, layer: int, k: Any, v: Any, n: Optional[int]) -> None:
         """append for everything but the fast path: torch tensors, and the checks that name
@@ -513,6 +586,35 @@ class Pool:
         bf16 is ``uint16`` bit patterns unless ``ml_dtypes`` is installed). A CUDA pool returns its
         stored dtype only.
         """
+        fh = self._fh
+        if dtype is None and k and v and not as_torch and fh is not None and self._host_np:
+            # fast path (cffi, numpy, the default dtype): buffers sized by the positions the
+            # sequence used (fresh, so contiguous and writable: no check), one kvp_read; what it
+            # returns is those buffers when nothing was evicted, else their first n rows
+            code, ndt = self._read_default
+            cap = self._npos.get(seq, 0) or 16
+            shape = (cap, self._D)
+            kb, vb, pb = _np_empty(shape, ndt), _np_empty(shape, ndt), _np_empty(cap, _U32)
+            req = self._freq if _get_ident() == self._owner else _ffi.new(_REQ_T, [_READ_REQ_BYTES])
+            req.k_out = _from_buffer(kb)
+            req.v_out = _from_buffer(vb)
+            req.positions_out = _from_buffer(pb)
+            req.head = head
+            req.out_dtype = code
+            req.capacity_tokens = cap
+            rc = _c_read(fh, seq, layer, req)
+            if rc == 0:
+                n = req.n_tokens
+                if n == cap:
+                    return kb, vb, pb
+                if 64 < n < cap // 2:  # a small result does not keep a large buffer alive
+                    return kb[:n].copy(), vb[:n].copy(), pb[:n]
+                return kb[:n], vb[:n], pb[:n]
+            if rc != _ENOSPC:
+                e = error_for(rc, "kvp_read")
+                e.needed = req.n_tokens
+                raise e
+            # the writer appended meanwhile: the loop below grows the buffers
         code = self._out_code(dtype)
         use_torch = as_torch or self._cuda
         cap = self._npos.get(seq, 0) or 16
@@ -527,6 +629,7 @@ class Pool:
             raise InvalidError("numpy is not installed (as_torch=True returns torch tensors)", "kvp_read")
         else:
             ndt = _arrays.numpy_dtype(code)
+        fast = k and v and not use_torch and self._fh is not None
         for _ in range(8):
             if use_torch:
                 kb = torch.empty((cap, D), dtype=tdt, device=dev) if k else None
@@ -537,10 +640,15 @@ class Pool:
                 vb = np.empty((cap, D), ndt) if v else None
                 pb = np.empty((cap,), np.uint32)
             try:
-                n = self.read_into(seq, layer, head, kb, vb, pb)
+                if fast:  # buffers made here: no need to check them again
+                    n = self._read_fast(self._fh, seq, layer, head, code, cap, kb, vb, pb)
+                else:
+                    n = self.read_into(seq, layer, head, kb, vb, pb)
             except RegionFullError as e:
                 cap = max(e.needed, cap) + 16  # the writer appended meanwhile
                 continue
+            if n == cap and not use_torch:  # nothing evicted: the buffers are the result
+                return kb, vb, pb
             if n < cap // 2 and n > 64:  # do not keep a large buffer alive behind a small result
                 kb = kb[:n].clone() if use_torch and k else kb[:n].copy() if k else None
                 vb = vb[:n].clone() if use_torch and v else vb[:n].copy() if v else None
@@ -556,6 +664,55 @@ class Pool:
         device for a CUDA pool); ``positions_out`` an optional ``[capacity]`` uint32 numpy array
         or int32 CPU torch tensor. Returns the tokens written; RegionFullError (with ``.needed``)
         if the buffers are too small, and nothing is written then."""
+        if type(k_out) is _ndarray and type(v_out) is _ndarray and type(positions_out) is _ndarray and self._host_np:
+            # fast path: numpy K, V and positions buffers as a decode loop passes them (K and V of
+            # one shape and dtype), the creator thread's kvp_read_req reused. With cffi about
+            # 1 us over the C call: the checks below, three from_buffer (which refuse strided and
+            # read-only arrays: those, and every other case, take the checked path, which says
+            # what is wrong) and the call; ctypes takes about 0.7 us more.
+            ks, kd = k_out.shape, k_out.dtype
+            if (v_out.shape == ks and len(ks) == 2 and ks[1] == self._D and v_out.dtype is kd and kd in _NP_CODE
+                    and positions_out.dtype is _U32 and positions_out.ndim == 1):
+                cap = ks[0]
+                if positions_out.shape[0] < cap:
+                    cap = positions_out.shape[0]
+                owner = _get_ident() == self._owner
+                fh = self._fh
+                try:
+                    if fh is not None:
+                        req = self._freq if owner else _ffi.new(_REQ_T, [_READ_REQ_BYTES])
+                        req.k_out = _from_buffer(k_out, require_writable=True)
+                        req.v_out = _from_buffer(v_out, require_writable=True)
+                        req.positions_out = _from_buffer(positions_out, require_writable=True)
+                    else:
+                        if owner:
+                            req, ref = self._rq, self._rq_ref
+                        else:
+                            req = _lib.ReadReq()
+                            req.struct_size = _READ_REQ_BYTES
+                            ref = byref(req)
+                        req.k_out = _addressof(_c_char_from_buffer(k_out))
+                        req.v_out = _addressof(_c_char_from_buffer(v_out))
+                        req.positions_out = _addressof(_c_char_from_buffer(positions_out))
+                    ok = True
+                except _BUF_ERRORS:
+                    ok = False
+                if ok:
+                    req.head = head
+                    req.out_dtype = _NP_CODE[kd]
+                    req.capacity_tokens = cap
+                    if fh is not None:
+                        rc = _c_read(fh, seq, layer, req)
+                    elif self._h is not None:
+                        req.stream = None
+                        rc = lib.kvp_read(self._h, seq, layer, ref)
+                    else:
+                        raise InvalidError("the pool is closed", "kvpool.Pool")
+                    if rc:
+                        e = error_for(rc, "kvp_read")
+                        e.needed = req.n_tokens
+                        raise e
+                    return req.n_tokens
         if (not self._cuda and type(positions_out) in (_ndarray, type(None))
                 and type(k_out) in (_ndarray, type(None)) and type(v_out) in (_ndarray, type(None))):
             return self._read_numpy(seq, layer, head, k_out, v_out, positions_out)
@@ -596,7 +753,7 @@ class Pool:
             cap = min(cap, positions_out.shape[0])
         if self._cuda:
             torch = _arrays.torch_module()
-            req.stream = torch.cuda.current_stream(torch.device("cuda", self._cfg.device)).cuda_stream
+            req.stream = _arrays.cuda_stream(self._cfg.device)
         req.capacity_tokens = cap
         rc = lib.kvp_read(self._handle(), _seq(seq), layer, byref(req))
         if rc:
@@ -718,6 +875,27 @@ class Pool:
         spans = [(arr[i].row0, arr[i].n_rows) for i in range(n)]
         return k[:rows], v[:rows], spans, (pos[:rows] if pos is not None else None)
 
+    def _read_fast(self, fh, seq, layer, head, code, cap, k_out, v_out, positions_out) -> int:
+        """kvp_read through cffi into numpy buffers whose shapes and dtypes the caller checked:
+        the tokens read, or -1 when from_buffer refuses a buffer (strided or read-only: the
+        checked path then says which). The owner thread reuses one kvp_read_req."""
+        req = self._freq if _get_ident() == self._owner else _ffi.new(_REQ_T, [_READ_REQ_BYTES])
+        try:
+            req.k_out = _from_buffer(k_out, require_writable=True)
+            req.v_out = _from_buffer(v_out, require_writable=True)
+            req.positions_out = _from_buffer(positions_out, require_writable=True)
+        except _BUF_ERRORS:
+            return -1
+        req.head = head
+        req.out_dtype = code
+        req.capacity_tokens = cap
+        rc = _c_read(fh, seq, layer, req)
+        if rc:
+            e = error_for(rc, "kvp_read")
+            e.needed = req.n_tokens
+            raise e
+        return req.n_tokens
+
     def _read_numpy(self, seq, layer, head, k_out, v_out, positions_out) -> int:
         call = "kvp_read"
         D = self._cfg.head_dim
@@ -753,7 +931,7 @@ class Pool:
             if v_out is not None:
                 req.v_out = _ffi.from_buffer(v_out, require_writable=True)
             if positions_out is not None:
-                req.positions_out = _ffi.from_buffer(_U32_ARR, positions_out, require_writable=True)
+                req.positions_out = _ffi.from_buffer(positions_out, require_writable=True)
             req.capacity_tokens = cap
             rc = _C.kvp_read(self._fh, seq, layer, req)
         else:

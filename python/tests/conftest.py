@@ -11,5 +11,5 @@ if PYDIR not in sys.path:
 
 
 def build_tool(name: str) -> str:
-    """Path of a helper built by `make pylib` (build/py/NAME)."""
-    return os.path.join(REPO, "build", "py", name)
+    """Path of a helper built by `make pylib` (build/NAME)."""
+    return os.path.join(REPO, "build", name)

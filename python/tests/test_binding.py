@@ -133,6 +133,97 @@ def test_read_into_buffers():
         assert not small.any()  # nothing written
 
 
+def test_read_into_fast_path_refusals():
+    """The numpy fast path (cffi) leaves every buffer it cannot take to the checked path, which
+    names the argument; a full-size positions buffer and RegionFullError work as in C."""
+    with mkpool() as pool:
+        pool.add(3)
+        step(pool, 3, 0, 12)
+        ko, vo, po = np.zeros((16, D), np.float16), np.zeros((16, D), np.float16), np.zeros(16, np.uint32)
+        ro = ko.copy()
+        ro.flags.writeable = False
+        with pytest.raises(kvpool.InvalidError, match="k_out"):
+            pool.read_into(3, 0, 1, ro, vo, po)
+        strided = np.zeros((16, 2 * D), np.float16)[:, ::2]
+        with pytest.raises(kvpool.InvalidError, match="v_out"):
+            pool.read_into(3, 0, 1, ko, strided, po)
+        with pytest.raises(kvpool.InvalidError, match="positions_out"):
+            pool.read_into(3, 0, 1, ko, vo, np.zeros(16, np.int64))
+        with pytest.raises(kvpool.InvalidError, match="positions_out"):
+            pool.read_into(3, 0, 1, ko, vo, np.zeros(32, np.uint32)[::2])
+        with pytest.raises(kvpool.InvalidError, match=f"expected a writable C-contiguous \\[capacity, {D}\\]"):
+            pool.read_into(3, 0, 1, ko.reshape(16, D // 2, 2), vo, po)
+        assert not ko.any() and not vo.any() and not po.any()  # nothing written by a refused call
+        with pytest.raises(kvpool.RegionFullError) as ei:
+            pool.read_into(3, 0, 1, ko[:5], vo, po)
+        assert ei.value.needed == 12
+        assert pool.read_into(3, 1, 0, ko, vo, po) == 12
+        assert np.array_equal(vo[:12], f16(0, 12, 1)[:, 0]) and list(po[:12]) == list(range(12))
+        # read() returns its buffers whole when nothing was evicted, sliced otherwise
+        k, v, pos = pool.read(3, 1, 1)
+        assert k.shape == (12, D) and np.array_equal(v, f16(0, 12, 1)[:, 1]) and list(pos) == list(range(12))
+        pool.evict(3, 1, 1, 0)
+        k, v, pos = pool.read(3, 1, 1)
+        assert k.shape == (0, D) and len(pos) == 0
+
+
+def test_pointer_paths_match_checked_ones():
+    """Pool._append_ptrs and _read_ptrs (kvpool.hf's per-row calls, by address) store and read
+    what append and read_into do, and fail the same way."""
+    from kvpool import _lib
+    with mkpool(codecs="kv=int8") as a, mkpool(codecs="kv=int8") as b:
+        for p in (a, b):
+            p.add(1)
+        for pos0, n in ((0, 5), (5, 1), (6, 1)):
+            k, v = f16(pos0, n, 0), f16(pos0, n, 1)
+            a.step_begin(1, n)
+            b.step_begin(1, n)
+            for layer in range(L):
+                a.append(1, layer, k, v)
+                b._append_ptrs(1, layer, k.ctypes.data, v.ctypes.data, None)
+            a.step_end(1)
+            b.step_end(1)
+        out = np.zeros((2, 8, D), np.float16)
+        for layer in range(L):
+            for h in range(H):
+                ka, va, _ = a.read(1, layer, h)
+                n = b._read_ptrs(1, layer, h, _lib.DTYPE_F16, 8, out.ctypes.data, out.ctypes.data + out[0].nbytes, None)
+                assert n == 7 and np.array_equal(out[0, :7], ka) and np.array_equal(out[1, :7], va)
+        with pytest.raises(kvpool.RegionFullError) as ei:
+            b._read_ptrs(1, 0, 0, _lib.DTYPE_F16, 3, out.ctypes.data, out.ctypes.data + out[0].nbytes, None)
+        assert ei.value.needed == 7
+        with pytest.raises(kvpool.InvalidError, match="outside a step"):
+            b._append_ptrs(1, 0, out.ctypes.data, out.ctypes.data, None)
+        a.check()
+        b.check()
+    with pytest.raises(kvpool.InvalidError, match="closed"):
+        b._read_ptrs(1, 0, 0, _lib.DTYPE_F16, 8, out.ctypes.data, out.ctypes.data, None)
+
+
+def test_fast_paths_on_other_threads():
+    """Appends and reads from a thread other than the pool's creator (which reuses one request
+    struct) give the same results."""
+    import threading
+    out = {}
+    with mkpool() as pool:
+        pool.add(5)
+
+        def work():
+            step(pool, 5, 0, 3)
+            ko, vo, po = np.zeros((8, D), np.float16), np.zeros((8, D), np.float16), np.zeros(8, np.uint32)
+            out["n"] = pool.read_into(5, 1, 1, ko, vo, po)
+            out["k"], out["pos"] = ko[:3].copy(), list(po[:3])
+            out["read"] = pool.read(5, 0, 0)
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert out["n"] == 3 and np.array_equal(out["k"], f16(0, 3, 0)[:, 1]) and out["pos"] == [0, 1, 2]
+        k, v, pos = out["read"]
+        assert np.array_equal(v, f16(0, 3, 1)[:, 0]) and list(pos) == [0, 1, 2]
+        pool.check()
+
+
 def test_errors_carry_messages():
     with pytest.raises(kvpool.InvalidError, match="colour") as ei:
         mkpool(codecs="k=fp8:colour=red")

@@ -11,6 +11,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "kvpool.h"
 #include "itest.h"
@@ -37,6 +40,26 @@ START_TEST(status_names_and_version) {
   char want[32];
   snprintf(want, sizeof want, "%d.%d.%d", KVP_VERSION_MAJOR, KVP_VERSION_MINOR, KVP_VERSION_PATCH);
   ck_assert_str_eq(kvp_version(), want);
+}
+END_TEST
+
+/* This program links jemalloc (the Makefile's JEMALLOC_LIBS, as kvpool.pc's
+ * Libs), so host metadata comes from its arena; sanitizer builds and
+ * KVPOOL_META_MALLOC=libc take libc malloc. The answer never changes. */
+START_TEST(metadata_allocator_follows_the_program) {
+  const char *env = getenv("KVPOOL_META_MALLOC");
+#ifdef KVP_META_LIBC
+  const char *want = "libc";
+#else
+  const char *want = env && strcmp(env, "libc") == 0 ? "libc" : "jemalloc";
+#endif
+  ck_assert_str_eq(kvp_metadata_allocator(), want);
+  kvp_pool *p = mkpool(8 << 20, 0);
+  kvp_stats st = {.struct_size = sizeof st};
+  ck_ok(kvp_stats_get(p, &st));
+  ck_assert_uint_gt(st.metadata_bytes.current, 0);
+  kvp_pool_destroy(p);
+  ck_assert_str_eq(kvp_metadata_allocator(), want);
 }
 END_TEST
 
@@ -261,14 +284,59 @@ START_TEST(gather_needs_a_cuda_region) {
 }
 END_TEST
 
+/* A process that used kvpool forks; the child makes, fills and destroys
+ * pools of its own (urcu's workers rebuilt there: without that, the
+ * child's first kvp_pool_destroy waits forever on callbacks no thread
+ * runs). Each side uses RCU before and after the fork. */
+static int fill_and_free(void) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = 2;
+  c.n_kv_heads = 2;
+  c.region_bytes = 8 << 20;
+  kvp_pool *p = NULL;
+  if (kvp_pool_create(&c, &p)) return 1;
+  size_t n = (size_t)16 * c.n_kv_heads * c.head_dim;
+  uint16_t *k = calloc(n, 2);
+  int bad = !k;
+  for (uint64_t seq = 1; !bad && seq <= 4; seq++) {
+    bad |= kvp_seq_add(p, seq, NULL) || kvp_step_begin(p, seq, 16, 0);
+    for (uint32_t l = 0; !bad && l < c.n_layers; l++) bad |= kvp_append(p, seq, l, &(kvp_kv){k, k, NULL}) != 0;
+    bad |= kvp_step_end(p, seq) || kvp_seq_free(p, seq) || kvp_check(p);
+  }
+  free(k);
+  kvp_pool_destroy(p);
+  return bad;
+}
+
+START_TEST(pools_work_in_a_forked_child) {
+  ck_assert_int_eq(fill_and_free(), 0);
+  kvp_pool *held = mkpool(8 << 20, 0); /* alive across the fork */
+  pid_t pid = fork();
+  ck_assert_int_ge(pid, 0);
+  if (pid == 0) _exit(fill_and_free() || fill_and_free());
+  int status = 0, waited = 0; /* a child that hangs is killed after 60 s, and the test fails */
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (++waited == 6000) kill(pid, SIGKILL);
+    usleep(10000);
+  }
+  ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the forked child's pools failed (status %#x)", status);
+  ck_assert_int_eq(fill_and_free(), 0);
+  ck_ok(kvp_check(held));
+  kvp_pool_destroy(held);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("pool");
   TCase *tc = tcase_create("api");
   tcase_add_test(tc, status_names_and_version);
+  tcase_add_test(tc, metadata_allocator_follows_the_program);
   tcase_add_test(tc, config_errors_name_the_field);
   tcase_add_test(tc, ledger_moves_region_stays);
   tcase_add_test(tc, emitters_agree_with_stats);
   tcase_add_test(tc, gather_needs_a_cuda_region);
+  tcase_add_test(tc, pools_work_in_a_forked_child);
   suite_add_tcase(s, tc);
   tc = tcase_create("concurrency");
   tcase_set_timeout(tc, 120);

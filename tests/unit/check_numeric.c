@@ -649,10 +649,66 @@ START_TEST(xxh64_known_and_paired) {
 }
 END_TEST
 
+/* kvp__hash128 (the content keys): every bit of a 128-byte chunk (32
+ * tokens) and of the seeds flips about half of the 128 output bits, and
+ * never fewer than a quarter; swapped blocks, a zero-padded tail, a zero
+ * more token and another seed each give another key; at every length the
+ * paths through full blocks and the tail agree with themselves (two calls). */
+static int popc128(const uint64_t a[2], const uint64_t b[2]) {
+  return __builtin_popcountll(a[0] ^ b[0]) + __builtin_popcountll(a[1] ^ b[1]);
+}
+
+START_TEST(hash128_mixes) {
+  unsigned char buf[200];
+  for (int i = 0; i < 200; i++) buf[i] = (unsigned char)(i * 37 + 11);
+  uint64_t base[2], h[2];
+  kvp__hash128(buf, 128, 1, 2, base);
+  double sum = 0;
+  int worst = 128, n = 0;
+  for (int bit = 0; bit < 128 * 8; bit++, n++) {
+    buf[bit / 8] ^= (unsigned char)(1u << (bit % 8));
+    kvp__hash128(buf, 128, 1, 2, h);
+    buf[bit / 8] ^= (unsigned char)(1u << (bit % 8));
+    int d = popc128(base, h);
+    sum += d;
+    worst = d < worst ? d : worst;
+  }
+  for (int bit = 0; bit < 128; bit++, n++) {
+    uint64_t sa = 1 ^ (bit < 64 ? 1ull << bit : 0), sb = 2 ^ (bit >= 64 ? 1ull << (bit - 64) : 0);
+    kvp__hash128(buf, 128, sa, sb, h);
+    int d = popc128(base, h);
+    sum += d;
+    worst = d < worst ? d : worst;
+  }
+  ck_assert_msg(sum / n > 60 && sum / n < 68, "mean flipped bits %.2f of 128", sum / n);
+  ck_assert_msg(worst >= 32, "a one-bit change flipped only %d output bits", worst);
+  unsigned char sw[128];
+  memcpy(sw, buf + 32, 32);
+  memcpy(sw + 32, buf, 32);
+  memcpy(sw + 64, buf + 64, 64);
+  kvp__hash128(sw, 128, 1, 2, h);
+  ck_assert(popc128(base, h) > 32); /* blocks are keyed by position */
+  unsigned char z[40] = {0};
+  uint64_t a[2], b[2];
+  kvp__hash128(z, 36, 1, 2, a);
+  kvp__hash128(z, 40, 1, 2, b);
+  ck_assert(popc128(a, b) > 32); /* a zero token more is another chunk */
+  kvp__hash128(z, 0, 1, 2, a);
+  kvp__hash128(z, 4, 1, 2, b);
+  ck_assert(popc128(a, b) > 32);
+  for (size_t len = 0; len <= 200; len++) {
+    kvp__hash128(buf, len, 7, 9, a);
+    kvp__hash128(buf, len, 7, 9, b);
+    ck_assert(a[0] == b[0] && a[1] == b[1]);
+  }
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("numeric");
   TCase *th = tcase_create("hash");
   tcase_add_test(th, xxh64_known_and_paired);
+  tcase_add_test(th, hash128_mixes);
   suite_add_tcase(s, th);
   TCase *tc = tcase_create("codes");
   tcase_add_loop_test(tc, every_code_decodes, 0, NFMT);

@@ -23,6 +23,7 @@
  */
 #include "../../alloc/alloc.h"
 #include "../../codecs/builtin.h"
+#include "../../codecs/kernels.h"
 #include "../../codecs/kmeans.h"
 #include "../../codecs/numeric.h"
 #include "../../util/util.h"
@@ -554,6 +555,36 @@ START_TEST(same_input_same_pages) {
 }
 END_TEST
 
+/* The k-means' AVX2 scores and distances (codecs/kmeans.c) give the base
+ * ISA's pages, byte for byte: structured and Gaussian rows, a block longer
+ * than 32 rows with a tail, and one shorter than k. */
+START_TEST(isa_same_pages) {
+  const struct pcase *c = &pcases[_i];
+  uint32_t d = 64, ns[2] = {203, 9};
+  for (int v = 0; v < 2; v++) {
+    uint32_t n = ns[v], cap = 256;
+    float *x = malloc((size_t)n * d * 4);
+    if (v == 0) gen_video(x, n, d, 8, 0, 43);
+    else gen_video(x, n, d, 3, 1, 44);
+    int was = kvp__codec_isa();
+    ck_assert_int_eq(kvp__codec_isa_set(KVP__ISA_BASE), KVP__ISA_BASE);
+    run a;
+    run_codec(&a, c->vt, c->params, x, d, n, cap, NULL, NULL);
+    if (kvp__codec_isa_set(KVP__ISA_AVX2) != KVP__ISA_AVX2) {
+      fprintf(stderr, "isa_same_pages: skip: no AVX2 on this CPU\n");
+    } else {
+      blk b;
+      encode_again(&a, NULL, 0x5A, &b);
+      for (uint32_t p = 0; p < b.lay.npages; p++) ck_assert_mem_eq(a.b.pg[p], b.pg[p], b.lay.bytes[p]);
+      blk_free(&b);
+    }
+    kvp__codec_isa_set(was);
+    run_free(&a);
+    free(x);
+  }
+}
+END_TEST
+
 /* Tokens all equal (bf16 values) reconstruct exactly; zeros give zeros. */
 START_TEST(identical_tokens_and_zeros_exact) {
   const struct pcase *c = &pcases[_i];
@@ -757,6 +788,7 @@ static Suite *suite(void) {
   tc = tcase_create("api");
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, same_input_same_pages, 0, NPC);
+  tcase_add_loop_test(tc, isa_same_pages, 0, NPC);
   tcase_add_loop_test(tc, identical_tokens_and_zeros_exact, 0, NPC);
   tcase_add_test(tc, fp8_underflow_rule);
   tcase_add_test(tc, bad_params_named);

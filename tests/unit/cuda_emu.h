@@ -33,6 +33,13 @@
 #define __forceinline__ inline
 #define __shared__ static /* one CTA at a time: a static is the CTA's */
 
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+
 struct emu_idx {
   unsigned x, y, z;
 };

@@ -45,31 +45,43 @@ struct EncArg {
   const kvp_codec_dev_job *j;
   void *ws;
   unsigned long long *status;
+  float *smem;
 };
 static void enc_body(void *a) {
   EncArg *e = (EncArg *)a;
-  kvpk::qvg_::qvg_encode(*e->p, *e->j, e->ws, 0, e->status);
+  kvpk::qvg_::qvg_encode(*e->p, *e->j, e->ws, e->smem, 0, e->status);
 }
 struct DecArg {
   const kvp__qvg_kparams *p;
   const kvp_codec_dev_job *j;
-  uint32_t out;
+  uint32_t out, part, nparts;
 };
 static void dec_body(void *a) {
   DecArg *d = (DecArg *)a;
-  kvpk::qvg_::qvg_decode(*d->p, *d->j, d->out);
+  kvpk::qvg_::qvg_decode(*d->p, *d->j, d->out, d->part, d->nparts);
+}
+
+/* The CTA's dynamic shared memory, garbage-filled like the scratch. */
+static std::vector<float> smem_of(const kvp__qvg_kparams &p) {
+  std::vector<float> sm(kvpk::qvg_::qvg_smem_bytes(p.head_dim) / 4 + 1);
+  memset(sm.data(), 0x5A, sm.size() * 4);
+  return sm;
 }
 
 static uint64_t emu_encode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j) {
   unsigned long long st = KVP_DEV_STATUS_OK;
   std::vector<unsigned char> ws(kvp__qvg_ws_bytes(&p, j.cap_tokens), 0x5A); /* scratch holds garbage */
-  EncArg a = {&p, &j, ws.data(), &st};
+  std::vector<float> sm = smem_of(p);
+  EncArg a = {&p, &j, ws.data(), &st, sm.data()};
   emu::run(kvpk::qvg_::kQvgThreads, 0, enc_body, &a);
   return st;
 }
+/* Decode in three parts (CTAs), as the launcher splits a job's rows. */
 static void emu_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
-  DecArg a = {&p, &j, out};
-  emu::run(kvpk::kDecodeThreads, 0, dec_body, &a);
+  for (uint32_t part = 0; part < 3; part++) {
+    DecArg a = {&p, &j, out, part, 3};
+    emu::run(256, part, dec_body, &a);
+  }
 }
 
 /* ---- inputs ---------------------------------------------------------------------------- */
@@ -263,14 +275,16 @@ int kvp__kern_qvg_encode(const kvp__qvg_kparams *p, const kvp_codec_dev_job *job
   if (njobs && ws_bytes < stride) return 1;
   launches++;
   for (uint32_t i = 0; i < njobs; i++) {
-    EncArg a = {p, &jobs[i], (uint8_t *)ws + (i % (ws_bytes / stride)) * stride, (unsigned long long *)status};
+    std::vector<float> sm = smem_of(*p);
+    EncArg a = {p, &jobs[i], (uint8_t *)ws + (i % (ws_bytes / stride)) * stride, (unsigned long long *)status,
+                sm.data()};
     struct Idx {
       EncArg *a;
       uint32_t job;
     } x = {&a, index ? index[i] : i};
     emu::run(kvpk::qvg_::kQvgThreads, i, [](void *v) {
       Idx *q = (Idx *)v;
-      kvpk::qvg_::qvg_encode(*q->a->p, *q->a->j, q->a->ws, q->job, q->a->status);
+      kvpk::qvg_::qvg_encode(*q->a->p, *q->a->j, q->a->ws, q->a->smem, q->job, q->a->status);
     }, &x);
   }
   return 0;
