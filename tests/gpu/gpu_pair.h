@@ -62,12 +62,17 @@ static inline kvp_stats gpu_stats_of(kvp_pool *pool) {
   return s;
 }
 
-/* Both pools pass their checks and hold the same bytes, tokens and pages. */
+/* Both pools pass their checks and hold the same tokens, pages and
+ * requested bytes; allocated bytes differ only by the CUDA region's
+ * rounding of every page to 64 B before its class (the device gather
+ * addresses pages in 64-byte units; a host class is a multiple of 8 or
+ * 16 B below 4 KiB): at most 56 B a page more on the device. */
 static inline void gpu_pair_same_ledger(gpu_pair *p) {
   ck_ok(kvp_check(p->host));
   ck_ok(kvp_check(p->dev));
   kvp_stats a = gpu_stats_of(p->host), b = gpu_stats_of(p->dev);
-  ck_assert_uint_eq(a.bytes_allocated.current, b.bytes_allocated.current);
+  ck_assert_uint_ge(b.bytes_allocated.current, a.bytes_allocated.current);
+  ck_assert_uint_le(b.bytes_allocated.current - a.bytes_allocated.current, 56 * a.pages.current);
   ck_assert_uint_eq(a.bytes_requested.current, b.bytes_requested.current);
   ck_assert_uint_eq(a.tokens_retained.current, b.tokens_retained.current);
   ck_assert_uint_eq(a.pages.current, b.pages.current);
