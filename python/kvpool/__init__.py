@@ -28,6 +28,7 @@ from .errors import (BudgetError, BusyError, CodecError, CorruptError, DeviceErr
                      FormatError, InvalidError, NoMemoryError, NotFoundError, NotSupportedError,
                      RegionFullError, StoreIOError)
 from .pool import BlockInfo, Pool, PoolView
+from .store import Store
 
 #: path (or name) of the libkvpool that was loaded
 library_path: str = _lib.path
@@ -66,7 +67,7 @@ def f32_to_bf16(a):
     return np.where(nan, np.uint16(0x7FC0), r)
 
 
-__all__ = ["Pool", "PoolView", "BlockInfo", "Error", "InvalidError", "NoMemoryError", "BudgetError",
+__all__ = ["Pool", "PoolView", "Store", "BlockInfo", "Error", "InvalidError", "NoMemoryError", "BudgetError",
            "RegionFullError", "NotFoundError", "ExistsError", "DeviceError", "CodecError", "FormatError",
            "BusyError", "CorruptError", "NotSupportedError", "StoreIOError", "library_path", "metadata_allocator", "strerror", "last_error",
            "bf16_to_f32", "f32_to_bf16"]

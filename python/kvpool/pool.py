@@ -362,7 +362,8 @@ class Pool:
     # ---- sequences and steps --------------------------------------------------------------------
 
     def add(self, seq: int, mode: Optional[str] = None, step_tokens: Optional[Sequence[int]] = None,
-            budget_fraction: float = 0.0, policy: Optional[str] = None) -> None:
+            budget_fraction: float = 0.0, policy: Optional[str] = None,
+            tokens: Optional[Sequence[int]] = None) -> None:
         """Add a sequence with the caller's 64-bit id (kvp_seq_add).
 
         Args:
@@ -374,6 +375,9 @@ class Pool:
                 must then follow it.
             budget_fraction: per-sequence policy budget (0 = none).
             policy: a policy spec for this sequence (None = the pool's).
+            tokens: the prompt's token ids, for prefix sharing: chunks of the prompt that the
+                pool already holds are attached at once (:meth:`seq_info` ``n_positions`` says
+                how many tokens), and :meth:`prefix_fetch` attaches more from a store.
         """
         call = "kvp_seq_add"
         if mode is None:
@@ -392,8 +396,58 @@ class Pool:
         sc.budget_fraction = float(budget_fraction)
         pol = policy.encode() if policy is not None else None
         sc.policy = pol
+        toks = None
+        if tokens is not None:
+            ids = [_int(t, "tokens", call) for t in tokens]
+            if any(t > 0xFFFFFFFF for t in ids):
+                raise InvalidError("tokens: every id must fit 32 bits", call)
+            toks = (c_uint32 * max(len(ids), 1))(*ids)
+            sc.tokens = ctypes.cast(toks, ctypes.POINTER(c_uint32))
+            sc.n_tokens = len(ids)
         self._call(lib.kvp_seq_add, call, self._handle(), _seq(seq), byref(sc))
-        self._npos[seq] = 0
+        self._npos[seq] = self._positions(seq) if tokens else 0
+
+    def _positions(self, seq: int) -> int:
+        d = _lib.SeqDesc()
+        d.struct_size = ctypes.sizeof(d)
+        self._call(lib.kvp_seq_info, "kvp_seq_info", self._handle(), _seq(seq), byref(d))
+        return d.n_positions
+
+    # ---- the store tier -------------------------------------------------------------------------
+
+    def offload(self, seq: int, store: "Store") -> None:
+        """Write ``seq`` to ``store`` and free it from the pool (kvp_seq_offload); it no longer
+        exists here until :meth:`restore`. On failure nothing is freed. Not inside a step
+        (BusyError); NotSupportedError for dry pools, policies and row-wise codecs."""
+        self._call(lib.kvp_seq_offload, "kvp_seq_offload", self._handle(), _seq(seq), _store(store))
+        self._npos.pop(seq, None)
+        self._open.pop(seq, None)
+        self._want.pop(seq, None)
+
+    def restore(self, seq: int, store: "Store") -> None:
+        """Bring an offloaded sequence back under the same id, all or nothing (kvp_seq_restore).
+        NotFoundError when the store lacks it, FormatError for a blob of another geometry, codec
+        spec or version, or a damaged one."""
+        self._call(lib.kvp_seq_restore, "kvp_seq_restore", self._handle(), _seq(seq), _store(store))
+        self._npos[seq] = self._positions(seq)
+
+    def prefix_publish(self, seq: int, store: "Store") -> int:
+        """Write ``seq``'s prompt chunks that the pool holds to ``store`` under their content keys
+        (kvp_prefix_publish); returns the prompt tokens the store now holds. The pool is not
+        changed."""
+        n = c_uint32()
+        self._call(lib.kvp_prefix_publish, "kvp_prefix_publish", self._handle(), _seq(seq), _store(store),
+                   byref(n))
+        return n.value
+
+    def prefix_fetch(self, seq: int, store: "Store") -> int:
+        """Attach the next chunks of ``seq``'s prompt from ``store`` as one step, right after
+        :meth:`add` with ``tokens`` (kvp_prefix_fetch); returns the tokens attached (0: the store
+        has none of them)."""
+        n = c_uint32()
+        self._call(lib.kvp_prefix_fetch, "kvp_prefix_fetch", self._handle(), _seq(seq), _store(store), byref(n))
+        self._npos[seq] = self._positions(seq)
+        return n.value
 
     def free(self, seq: int) -> None:
         """Free a sequence and every page only it holds (kvp_seq_free); allowed inside a step
@@ -1106,3 +1160,10 @@ def _seq(seq: Any) -> int:
     if isinstance(seq, int) and 0 <= seq < (1 << 64):
         return seq
     raise InvalidError(f"sequence id {seq!r}: an integer in [0, 2**64)", "kvpool")
+
+
+def _store(store: Any) -> int:
+    from .store import Store
+    if not isinstance(store, Store):
+        raise InvalidError(f"store={store!r}: a kvpool.Store", "kvpool")
+    return store._handle()
