@@ -13,8 +13,9 @@
 # Debian's packages (python3-numpy, python3-pytest) install for /usr/bin/python3.
 PYTHON ?= $(if $(wildcard /usr/bin/python3),/usr/bin/python3,python3)
 # kvpool-pyabi: struct layouts for the ABI test; kvpool-callbench: the C side
-# of bench-py, linked without jemalloc so it runs on the allocator python gets.
-PY_TOOLS := $(B)/kvpool-pyabi $(B)/kvpool-callbench
+# of bench-py, linked without jemalloc so it runs on the allocator python gets;
+# kvpool-forkcheck: fork with pools, for test_fork.py (linked the same way).
+PY_TOOLS := $(B)/kvpool-pyabi $(B)/kvpool-callbench $(B)/kvpool-forkcheck
 # where `make install` puts the package: Debian's python looks in
 # PREFIX/lib/python3/dist-packages (PREFIX /usr and /usr/local); others in
 # PREFIX/lib/pythonX.Y/site-packages. Override with PYTHON_SITE=...
