@@ -22,6 +22,7 @@
  *                                           ^ half = top dropped bit
  */
 #include "numeric.h"
+#include "kernels.h"
 
 #include "../util/util.h"
 
@@ -253,7 +254,7 @@ enum { NAN_CHUNK = 256 };
  * running maximum was a serial dependency chain: about one instruction per
  * element. */
 enum { NAN_LANES16 = 16, NAN_LANES32 = 8 };
-static uint32_t chunk_max32(const unsigned char *p) {
+KVP__INLINE uint32_t chunk_max32(const unsigned char *p) {
   int32_t m[NAN_LANES32] = {0};
   for (size_t i = 0; i < NAN_CHUNK; i += NAN_LANES32)
     for (size_t j = 0; j < NAN_LANES32; j++) {
@@ -266,7 +267,7 @@ static uint32_t chunk_max32(const unsigned char *p) {
   for (size_t j = 0; j < NAN_LANES32; j++) mx = m[j] > mx ? m[j] : mx;
   return (uint32_t)mx;
 }
-static uint16_t chunk_max16(const unsigned char *p) {
+KVP__INLINE uint16_t chunk_max16(const unsigned char *p) {
   int16_t m[NAN_LANES16] = {0};
   for (size_t i = 0; i < NAN_CHUNK; i += NAN_LANES16)
     for (size_t j = 0; j < NAN_LANES16; j++) {
@@ -385,12 +386,26 @@ void kvp__nib_unpack(uint8_t *codes, const uint8_t *src, size_t n) {
 /* ---- non-finite screen ----------------------------------------------------
  * Like kvp__row_find_nan, for NaN and +-Inf: magnitude bits >= the infinity
  * pattern. Whole chunks take the branch-free max. */
+/* *at = elements before the first of the nchunks whole chunks whose max
+ * reaches inf (nchunks * NAN_CHUNK when none does). An ISA kernel: an
+ * append screens every value it is handed, and AVX2 halves the count of
+ * and/max instructions. */
+KVP__KERNEL(nonfinite_chunks, (const unsigned char *p, size_t w, size_t nchunks, uint32_t inf, size_t *at),
+            (p, w, nchunks, inf, at)) {
+  size_t c = 0;
+  if (w == 4)
+    while (c < nchunks && chunk_max32(p + c * NAN_CHUNK * 4) < inf) c++;
+  else
+    while (c < nchunks && chunk_max16(p + c * NAN_CHUNK * 2) < inf) c++;
+  *at = c * NAN_CHUNK;
+  return 0;
+}
+
 size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n) {
   const unsigned char *p = src;
   size_t w = kvp__dtype_bytes(dt), i0 = 0;
   uint32_t inf = dt == KVP_DTYPE_F32 ? 0x7F800000u : dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
-  for (; i0 + NAN_CHUNK <= n; i0 += NAN_CHUNK)
-    if ((w == 4 ? chunk_max32(p + i0 * 4) : chunk_max16(p + i0 * 2)) >= inf) break;
+  (void)nonfinite_chunks(p, w, n / NAN_CHUNK, inf, &i0);
   for (size_t i = i0; i < n; i++) {
     uint32_t mag;
     if (w == 4) {

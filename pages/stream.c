@@ -195,12 +195,27 @@ static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
   for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
 }
 
+/* Bytes of one appended row of side kv (head_dim elements). */
+static inline size_t stride_row(const kvp_pool *pool, int kv) {
+  kvp_dtype dt = kv ? pool->cfg.v_dtype : pool->cfg.k_dtype;
+  return (size_t)pool->cfg.head_dim * (dt == KVP_DTYPE_F32 ? 4 : 2);
+}
+
 /* Write n rows of one side into block b of head from token t0 (t0 > 0 only
  * for a raw OPEN block); rows src_stride bytes apart. On a CUDA region the
  * write is a job of db, run once per append (kvp__dev_batch_run). */
 static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block *b, int kv, uint32_t t0,
                       const unsigned char *src, size_t stride, uint32_t n, void *state, kvp__dev_batch *db) {
   const kvp__binding *bd = kvp__block_binding(pool, layer, kv, b);
+  if (!db && b->raw && bd->passthrough) { /* an OPEN block's rows as appended: the copy raw's encode would do,
+                                              without the page table, the dispatch and the dtype lookups */
+    size_t row = stride_row(pool, kv);
+    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[kv][0]) + (size_t)t0 * row;
+    if (stride == row) memcpy(dst, src, (size_t)n * row);
+    else
+      for (uint32_t t = 0; t < n; t++) memcpy(dst + (size_t)t * row, src + (size_t)t * stride, row);
+    return KVP_OK;
+  }
   void *pages[KVP_CODEC_MAX_PAGES];
   page_ptrs(pool, b, kv, pages);
 #ifdef KVP_HAVE_CUDA

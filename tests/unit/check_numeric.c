@@ -15,6 +15,7 @@
  * KVP_NUMERIC_EXHAUSTIVE=1 in the environment makes the reference test run
  * over all 2^32 f32 bit patterns instead of the random sample (minutes).
  */
+#include "../../codecs/kernels.h"
 #include "../../codecs/numeric.h"
 #include "../../util/util.h"
 #include "testutil.h"
@@ -398,6 +399,40 @@ START_TEST(find_nan_per_dtype) {
 }
 END_TEST
 
+/* The append's screen, on every ISA: the first NaN or +-Inf of each dtype,
+ * planted before, on and after the 256-element chunk boundaries and in the
+ * tail, against a scalar scan; finite extremes (max, -max, -0) pass. */
+START_TEST(find_nonfinite_every_isa) {
+  enum { N = 256 * 5 + 37 };
+  static uint32_t f[N];
+  static uint16_t b[N], h[N];
+  const size_t at[] = {0, 1, 255, 256, 257, 511, 700, 1023, 1024, 1279, 1280, 1290, N - 1};
+  int was = kvp__codec_isa();
+  for (int isa = KVP__ISA_BASE; isa <= KVP__ISA_AVX2; isa++) {
+    if (kvp__codec_isa_set(isa) != isa) continue; /* no AVX2 on this CPU */
+    for (size_t i = 0; i < N; i++) { /* finite, the largest magnitudes included */
+      f[i] = i % 3 ? 0x7F7FFFFFu : 0x80000000u | (uint32_t)i;
+      b[i] = i % 3 ? 0xFF7F : (uint16_t)i;
+      h[i] = i % 3 ? 0x7BFF : (uint16_t)(0x8000 | i);
+    }
+    ck_assert_uint_eq(kvp__row_find_nonfinite(f, KVP_DTYPE_F32, N), N);
+    ck_assert_uint_eq(kvp__row_find_nonfinite(b, KVP_DTYPE_BF16, N), N);
+    ck_assert_uint_eq(kvp__row_find_nonfinite(h, KVP_DTYPE_F16, N), N);
+    for (size_t k = sizeof at / sizeof *at; k-- > 0;) { /* latest first: each plant is then the first */
+      size_t i = at[k];
+      f[i] = k % 2 ? 0xFF800000u : 0x7FC00001u;
+      b[i] = k % 2 ? 0x7F80 : 0xFFC1;
+      h[i] = k % 2 ? 0xFC00 : 0x7E00;
+      ck_assert_uint_eq(kvp__row_find_nonfinite(f, KVP_DTYPE_F32, N), i);
+      ck_assert_uint_eq(kvp__row_find_nonfinite(b, KVP_DTYPE_BF16, N), i);
+      ck_assert_uint_eq(kvp__row_find_nonfinite(h, KVP_DTYPE_F16, N), i);
+      ck_assert_uint_eq(kvp__row_find_nonfinite(b, KVP_DTYPE_BF16, i), i); /* not within the first i */
+    }
+  }
+  kvp__codec_isa_set(was);
+}
+END_TEST
+
 /* ---- packed codes ------------------------------------------------------------ */
 
 enum { L_LSB32, L_MSB8, L_NIB };
@@ -730,6 +765,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, rows_match_scalars, 0, NFMT);
   tcase_add_test(tc, rows_by_dtype);
   tcase_add_test(tc, find_nan_per_dtype);
+  tcase_add_test(tc, find_nonfinite_every_isa);
   suite_add_tcase(s, tc);
   tc = tcase_create("branch-free");
   tcase_set_timeout(tc, getenv("KVP_NUMERIC_EXHAUSTIVE") ? 7200 : 300);
