@@ -117,7 +117,7 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
-TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim \
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim $(B)/kvpool-prof-append \
   $(if $(filter 1,$(HAVE_CUDA)),$(B)/kvpool-bench-gpu)
 SIM_SRC := tools/kvpool-sim.c tools/sim_common.c tools/sim_llm.c tools/sim_var.c tools/sim_video.c tools/traces.c
 SIM_HDRS := tools/sim.h tools/traces.h
@@ -265,6 +265,10 @@ $(B)/kvpool-stat: tools/kvpool-stat.c
 # The bench links jemalloc directly for its baseline.
 $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -lm $(LDFLAGS)
+
+# Decode appends in a loop, for callgrind and perf (the instructions per append the notes give).
+$(B)/kvpool-prof-append: tools/kvpool-prof-append.c $(SO) $(PUB_HDRS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) $(LDFLAGS)
 
 $(B)/kvpool-sim: $(SIM_SRC) $(SIM_HDRS) $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $(SIM_SRC) -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -ljansson -lm $(LDFLAGS)

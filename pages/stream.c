@@ -414,49 +414,21 @@ static void give_pages(kvp_pool *pool, void *vctx) {
 }
 
 /* A step whose tokens only fill the OPEN tails (a decode token on a host
- * pool in stream mode, no eviction with it, the last run extending): no
- * block, page, run or metadata to take, so the plan's machinery is
- * skipped. Exactly what the general path does with such a plan (fill > 0,
- * no reseal, nnew = 0, run NULL): the rows past each tail's n_tokens
- * (unpublished until its count moves: a failure leaves them unseen), then
- * the tails' counts, retained tokens, the run's end and the counters. The
- * tails stay OPEN: the fill leaves room (room > n). */
-static bool fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t step,
-                      const kvp__append_tx *tx) {
+ * pool in stream mode, no eviction with it, the last run extending) needs
+ * no block, page, run or metadata: its plan is {fill = n} and nothing
+ * else, so plan_shape, plan_take and the transaction's take are skipped
+ * and the plan goes straight to fill_data and publish. The tails stay
+ * OPEN: the fill leaves room (room > n). */
+static bool fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t step, const kvp__append_tx *tx) {
   if (s->mode != KVP_SEQ_STREAM || pool->cfg.memory != KVP_MEM_HOST || (pool->cfg.flags & KVP_POOL_DRY)) return false;
   if (tx && (tx->before.n || tx->after.n)) return false;
   const kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
   if (!tail || tail->blk->sealed || !tail->blk->raw || tail->blk->cap_tokens - tail->blk->n_tokens <= s->cur_tokens)
     return false;
-  uint64_t mask[KVP_MAX_KV_HEADS / 64] = {0};
-  for (uint32_t h = 0; h < pool->cfg.n_kv_heads; h++) mask[h / 64] |= 1ull << (h % 64);
+  uint64_t mask[KVP_MAX_KV_HEADS / 64];
+  append_plan all = {0}; /* no skip: every head */
+  stored_mask(pool, &all, mask);
   return kvp__run_extends(pool, &s->layers[layer], step, mask);
-}
-
-static int append_fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const kvp_kv *kv,
-                            kvp__append_tx *tx) {
-  uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
-  for (int side = 0; side < 2; side++) {
-    size_t row = stride_row(pool, side), stride = (size_t)H * row;
-    const unsigned char *base = side ? kv->v : kv->k;
-    for (uint32_t h = 0; h < H; h++) {
-      kvp__block *b = kvp__seq_stream(pool, s, layer, h)->tail->blk;
-      int rc = write_rows(pool, layer, h, b, side, b->n_tokens, base + (size_t)h * row, stride, n, NULL, NULL);
-      if (rc) return rc; /* nothing published */
-    }
-  }
-  kvp__append_tx_before_publish(pool, s, tx);
-  for (uint32_t h = 0; h < H; h++) {
-    kvp__stream *st = kvp__seq_stream(pool, s, layer, h);
-    kvp__block *b = st->tail->blk;
-    kvp__block_set_n(b, b->n_tokens + n);
-    atomic_store_explicit(&st->retained_tokens, atomic_load_explicit(&st->retained_tokens, memory_order_relaxed) + n,
-                          memory_order_relaxed);
-  }
-  kvp__run_publish(s, layer, pos + n, NULL, false);
-  kvp__count_tokens(pool, (int64_t)n * H, 0);
-  kvp__append_tx_after_publish(pool, s, tx);
-  return KVP_OK;
 }
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
@@ -464,7 +436,12 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   if (kvp__layer_rowwise(pool, layer)) return kvp__append_rowwise(pool, s, layer, kv, skip, tx);
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
-  if (fill_only(pool, s, layer, step, tx)) return append_fill_only(pool, s, layer, pos, kv, tx);
+  if (fill_only(pool, s, layer, step, tx)) {
+    append_plan fill = {.fill = s->cur_tokens};
+    if ((rc = fill_data(pool, s, layer, pos, kv, &fill))) return rc; /* rows past the tails' counts: unseen */
+    publish(pool, s, layer, pos, &fill, tx);
+    return KVP_OK;
+  }
   append_plan pl;
   plan_shape(pool, s, layer, pos, skip, &pl);
   pl.run_always = tx && tx->before.n;
