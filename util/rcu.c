@@ -18,7 +18,7 @@
  * its frees before jemalloc's locks are taken, where the other order
  * deadlocks the fork. glibc's malloc locks inside fork() itself, after
  * every handler. A dlclose of the library unregisters them (glibc).
- * Cost: once a pool exists, fork() takes some 15 ms more (urcu pauses and
+ * Cost: once a pool exists, fork() takes about 17 ms more (urcu pauses and
  * resumes its workers by polling in 1 ms steps); vfork and posix_spawn run
  * no handlers and cost nothing more.
  *
