@@ -309,6 +309,7 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
       if (pl->tail && j == 0 && !e->rep) { /* in place: only requested bytes move */
         for (int side = 0; side < 2; side++)
           for (unsigned i = 0; i < e->blk->npages[side]; i++) {
+            if (e->blk->pages[side][i].requested_bytes == e->lay[side].bytes[i]) continue; /* not a grow */
             int rc = kvp__alloc_grow(&pool->alloc, &e->blk->pages[side][i], e->lay[side].bytes[i], NULL);
             kvp__assert(rc == KVP_OK); /* the class holds it: never a move */
             (void)rc;
@@ -316,13 +317,14 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
         kvp__block_set_n(e->blk, have);
         e->blk->sealed = sealed;
       } else if (pl->tail && j == 0) { /* the replacement takes the tail's place: each page that grew is a grow,
-                                          one that changed class a move */
+                                          and a move (its rows moved to a new page) */
         kvp__ledger_begin(&pool->alloc.ledger);
         for (int side = 0; side < 2; side++)
           for (unsigned i = 0; i < e->blk->npages[side]; i++) {
             const kvp__page *o = &e->blk->pages[side][i], *p = &e->rep->pages[side][i];
-            kvp__count_add(&pool->alloc.ledger.grows, p->requested_bytes != o->requested_bytes);
-            kvp__count_add(&pool->alloc.ledger.grow_moves, p->off != o->off);
+            bool grew = p->requested_bytes != o->requested_bytes;
+            kvp__count_add(&pool->alloc.ledger.grows, grew);
+            kvp__count_add(&pool->alloc.ledger.grow_moves, grew && p->off != o->off);
           }
         kvp__ledger_end(&pool->alloc.ledger);
         kvp__block_set_n(e->rep, have);

@@ -62,12 +62,15 @@ static void pair_open(pair *p, const char *spec, uint32_t block_tokens) {
   gpu_pair_open(p, spec, block_tokens, 64ull << 20, 7);
 }
 
-/* Both pools hold the same ledger, row-wise OPEN blocks grown alike. */
+/* Both pools hold the same ledger, row-wise OPEN blocks grown alike: the
+ * same pages grew, and a device page, never in a smaller class than its
+ * host twin (64 B rounding first), moved at most as often. */
 static void same_ledger(pair *p) {
   gpu_pair_same_ledger(p);
   kvp_stats a = gpu_stats_of(p->host), b = gpu_stats_of(p->dev);
   ck_assert_uint_eq(a.grows, b.grows);
-  ck_assert_uint_eq(a.grow_moves, b.grow_moves);
+  ck_assert_uint_le(b.grow_moves, a.grow_moves);
+  ck_assert_uint_le(a.grow_moves, a.grows);
 }
 
 /* One step of n tokens appended to seq in both pools, then their ledgers. */

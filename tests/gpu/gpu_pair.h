@@ -66,8 +66,16 @@ static inline kvp_stats gpu_stats_of(kvp_pool *pool) {
  * requested bytes; allocated bytes differ only by the CUDA region's
  * rounding of every page to 64 B before its class (the device gather
  * addresses pages in 64-byte units; a host class is a multiple of 8 or
- * 16 B below 4 KiB): at most 56 B a page more on the device. */
+ * 16 B below 4 KiB): at most 56 B a page more on the device. Retired
+ * blocks are reclaimed first: a row-wise page (kvquant's OUTLIERS) that
+ * grows in place in its 64 B slack on the device is replaced on the host,
+ * whose old block then waits for a grace period. A page grown in place
+ * keeps its class, so the bound still holds: below 4 KiB the device class
+ * is the page's first size rounded to 64 B, above it every class is a
+ * multiple of 64 B. */
 static inline void gpu_pair_same_ledger(gpu_pair *p) {
+  ck_ok(kvp_reclaim(p->host));
+  ck_ok(kvp_reclaim(p->dev));
   ck_ok(kvp_check(p->host));
   ck_ok(kvp_check(p->dev));
   kvp_stats a = gpu_stats_of(p->host), b = gpu_stats_of(p->dev);
