@@ -253,28 +253,19 @@ template <uint32_t D> struct Acc {
   float mx, l, o[D / 16][4];
 };
 
-/* One step over the warp's tiles (k_addr, v_addr: this lane's ldmatrix row
- * in them) of n <= 16 tokens. BF: bf16 tiles, P split into a bf16 value and
- * its bf16 remainder (two products: P to 2^-16); else fp16 tiles and P.
- * ks, vs: per-token scales of this lane's tokens (2 qd, 2 qd + 1, 8 + those)
- * that the tiles leave out: K's multiply the scores, V's the probabilities
- * as the product takes them (the sum of the softmax is of the unscaled). */
 __device__ constexpr float kOnes[4] = {1.0f, 1.0f, 1.0f, 1.0f};
 
+/* The online softmax of one step (n <= 16 tokens) on this lane's scores:
+ * s[0] holds tokens 2 qd, 2 qd + 1 of query head gr (columns 0, 1), s[1]
+ * the same 8 tokens on. Rescales O^T and returns P^T's B fragment: p0
+ * (tokens 2 qd, 2 qd + 1), p1 (8 + those); BF: bf16, with the remainders
+ * r0, r1; else fp16 with V's per-token scales vs folded in. ks: K's
+ * per-token scales (the scores'). */
 template <uint32_t D, bool BF>
-KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t v_addr, uint32_t n, float scale_log2,
-                     uint32_t qd, Acc<D> &st, const float (&ks)[4] = kOnes, const float (&vs)[4] = kOnes) {
+KVP_D void softmax_step(const float (&s)[2][4], uint32_t n, float scale_log2, uint32_t qd, Acc<D> &st,
+                        const float (&ks)[4], const float (&vs)[4], uint32_t &p0, uint32_t &p1, uint32_t &r0,
+                        uint32_t &r1) {
   constexpr uint32_t KS = D / 16;
-  /* S = Q K^T: tokens 2 qd, 2 qd + 1 (s[0]) and 8 + those (s[1]) of head gr */
-  float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-  for (uint32_t k = 0; k < KS; k++) {
-    uint32_t kb[4];
-    ldsm_x4(kb, k_addr + k * 32);
-    const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
-    if (BF) mma16816_bf16(s[0], qk, kb[0], kb[1]), mma16816_bf16(s[1], qk, kb[2], kb[3]);
-    else mma16816(s[0], qk, kb[0], kb[1]), mma16816(s[1], qk, kb[2], kb[3]);
-  }
   float x[4] = {s[0][0] * ks[0] * scale_log2, s[0][1] * ks[1] * scale_log2, s[1][0] * ks[2] * scale_log2,
                 s[1][1] * ks[3] * scale_log2};
   const uint32_t tok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
@@ -296,8 +287,7 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
   const float a0 = __shfl_sync(0xFFFFFFFFu, al, 8 * qd), a1 = __shfl_sync(0xFFFFFFFFu, al, 8 * qd + 4);
 #pragma unroll
   for (uint32_t i = 0; i < KS; i++) st.o[i][0] *= a0, st.o[i][1] *= a1, st.o[i][2] *= a0, st.o[i][3] *= a1;
-  /* O^T += V^T P^T: P^T's B fragment is this lane's probabilities */
-  uint32_t p0, p1, r0 = 0, r1 = 0;
+  r0 = r1 = 0;
   if (BF) {
     p0 = bf16x2(pr[0], pr[1]), p1 = bf16x2(pr[2], pr[3]);
     r0 = bf16x2(pr[0] - bf16_to_f32(p0 & 0xFFFFu), pr[1] - bf16_to_f32(p0 >> 16));
@@ -305,6 +295,31 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
   } else {
     p0 = f16x2(pr[0] * vs[0], pr[1] * vs[1]), p1 = f16x2(pr[2] * vs[2], pr[3] * vs[3]);
   }
+}
+
+/* One step over the warp's tiles (k_addr, v_addr: this lane's ldmatrix row
+ * in them) of n <= 16 tokens. BF: bf16 tiles, P split into a bf16 value and
+ * its bf16 remainder (two products: P to 2^-16); else fp16 tiles and P.
+ * ks, vs: per-token scales of this lane's tokens (2 qd, 2 qd + 1, 8 + those)
+ * that the tiles leave out: K's multiply the scores, V's the probabilities
+ * as the product takes them (the sum of the softmax is of the unscaled). */
+template <uint32_t D, bool BF>
+KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t v_addr, uint32_t n, float scale_log2,
+                     uint32_t qd, Acc<D> &st, const float (&ks)[4] = kOnes, const float (&vs)[4] = kOnes) {
+  constexpr uint32_t KS = D / 16;
+  /* S = Q K^T: tokens 2 qd, 2 qd + 1 (s[0]) and 8 + those (s[1]) of head gr */
+  float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+  for (uint32_t k = 0; k < KS; k++) {
+    uint32_t kb[4];
+    ldsm_x4(kb, k_addr + k * 32);
+    const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
+    if (BF) mma16816_bf16(s[0], qk, kb[0], kb[1]), mma16816_bf16(s[1], qk, kb[2], kb[3]);
+    else mma16816(s[0], qk, kb[0], kb[1]), mma16816(s[1], qk, kb[2], kb[3]);
+  }
+  /* O^T += V^T P^T: P^T's B fragment is this lane's probabilities */
+  uint32_t p0, p1, r0, r1;
+  softmax_step<D, BF>(s, n, scale_log2, qd, st, ks, vs, p0, p1, r0, r1);
 #pragma unroll
   for (uint32_t i = 0; i < KS; i++) {
     uint32_t va[4]; /* V^T's A fragment: tokens 0-7 / 8-15 x channels 16 i + (0-7 / 8-15) */
@@ -314,10 +329,15 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
   }
 }
 
+/* attend_r8_kernel's O^T rows: channel of accumulator o[i][e] of lane gr */
+template <uint32_t D> KVP_D uint32_t r8_channel(uint32_t gr, uint32_t i, uint32_t e) {
+  return gr * (D / 8) + 2 * i + (e & 2u ? 1u : 0u);
+}
+
 /* The CTA's warps' states merged (log-sum-exp) into the output, or into
  * the split's partial records. smem: the tiles' bytes, free once every
  * warp passed the barrier at the top. */
-template <uint32_t D>
+template <uint32_t D, bool R8 = false>
 KVP_D void cta_merge(const AttnArgs &a, const kvp__asplit &sp, Acc<D> &st, unsigned char *smem) {
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4, G = a.G;
   const uint32_t b = sp.bh / a.Hkv, h = sp.bh % a.Hkv;
@@ -331,7 +351,7 @@ KVP_D void cta_merge(const AttnArgs &a, const kvp__asplit &sp, Acc<D> &st, unsig
   for (uint32_t i = 0; i < D / 16; i++)
 #pragma unroll
     for (uint32_t e = 0; e < 4; e++) {
-      uint32_t hd = 2 * qd + (e & 1u), ch = 16 * i + gr + (e & 2u ? 8 : 0);
+      uint32_t hd = 2 * qd + (e & 1u), ch = R8 ? r8_channel<D>(gr, i, e) : 16 * i + gr + (e & 2u ? 8 : 0);
       if (hd < G) wst[hd * (D + 2) + 2 + ch] = st.o[i][e];
     }
   __syncthreads();
@@ -658,6 +678,195 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
   cta_merge<D>(a, sp, st, smem);
 }
 
+/* fp8 and int8 pages at head_dim 64 and 128 (K and V of one codec): the
+ * codes go from global memory straight into the registers of the matrix
+ * fragments, one step ahead (no shared-memory tiles: the bytes a step
+ * reads are the bytes the codes take). Each product uses its own order of
+ * the channels, which a dot product does not see:
+ *   - Q K^T: lane (gr, qd) holds channels [qd D/4, (qd + 1) D/4) of Q's
+ *     row gr and of token gr of each 8-token half, and k-step k takes
+ *     channels qd D/4 + 4k .. + 3 as its k-indices 2 qd, 2 qd + 1, 8 + 2 qd,
+ *     9 + 2 qd (A's and B's alike): one 16-byte load covers 16 channels;
+ *   - V^T P^T: rows gr and 8 + gr of k-step i are channels gr D/8 + 2i and
+ *     gr D/8 + 2i + 1 (r8_channel), so lane (gr, qd) reads channels
+ *     [gr D/8, (gr + 1) D/8) of its tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd,
+ *     and a byte permute pairs two tokens' codes of one channel.
+ * The codes become fp16 exactly (codes4_f16); the per-token scales multiply
+ * the scores and the probabilities as in attend_q_kernel, so the results
+ * are that kernel's. Rows past a step's end read its last row again (a
+ * valid one) and weigh 0. A RAW tail record is read element by element at
+ * its turn (one block per (sequence, head) at most). */
+template <uint32_t D, uint32_t C> struct R8Step {
+  uint32_t k[2][D / 16]; /* group j: token 8 j + gr, channels [qd D/4, (qd + 1) D/4) */
+  uint32_t v[4][D / 32]; /* tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd: channels [gr D/8, (gr + 1) D/8) */
+  float ks[4], vs[4];    /* the per-token scales of tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd */
+  const uint8_t *tk, *tv; /* a RAW tail's K and V rows (tk != NULL), first row of the step */
+  uint32_t n;            /* tokens, 0: no step */
+};
+
+/* 16 bytes, not kept in L1 (each code is read once) */
+KVP_D uint4 ld_stream16(const void *p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+/* WORDS 32-bit words at p (16-byte aligned when WORDS >= 4, else 8) */
+template <uint32_t WORDS> KVP_D void ld_words(const uint8_t *p, uint32_t *w) {
+  if constexpr (WORDS >= 4) {
+#pragma unroll
+    for (uint32_t i = 0; i < WORDS / 4; i++) {
+      const uint4 x = ld_stream16(p + 16 * i);
+      w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
+    }
+  } else {
+    const uint2 x = __ldg((const uint2 *)p);
+    w[0] = x.x, w[1] = x.y;
+  }
+}
+
+/* Two codes (bytes 0, 1 of w's half h) as fp16x2, exactly */
+template <uint32_t C> KVP_D void codes4_f16_fast(uint32_t w, uint32_t &lo, uint32_t &hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  if (C == KVP__K_FP8) {
+    asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.rn.f16x2.e4m3x2 %0, l;\n\tcvt.rn.f16x2.e4m3x2 %1, h;\n\t}"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+    return;
+  }
+#endif
+  codes4_f16<C>(w, lo, hi);
+}
+
+template <uint32_t D, uint32_t C>
+__global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid_constant__ AttnArgs a) {
+  constexpr uint32_t KS = D / 16, KW = D / 16, VW = D / 32;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const kvp__asplit sp = a.splits[blockIdx.x];
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
+  const uint32_t b = sp.bh / a.Hkv, h = sp.bh % a.Hkv;
+  /* Q: row gr, channels qd D/4 + 4k .. + 3 as k-step k's A fragment (fp16) */
+  uint32_t qa[KS][2];
+  {
+    const uint16_t *qr = a.q + ((size_t)b * a.Hq + h * a.G + (gr < a.G ? gr : 0)) * D + qd * (D / 4);
+#pragma unroll
+    for (uint32_t k = 0; k < KS; k++) {
+      const uint2 w = gr < a.G ? __ldg((const uint2 *)(qr + 4 * k)) : make_uint2(0u, 0u);
+      qa[k][0] = f16x2(bf16_to_f32(w.x & 0xFFFFu), bf16_to_f32(w.x >> 16));
+      qa[k][1] = f16x2(bf16_to_f32(w.y & 0xFFFFu), bf16_to_f32(w.y >> 16));
+    }
+  }
+  Acc<D> st;
+  acc_init(st);
+  const uint32_t vtok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
+
+  const kvp__arec_q *recs = (const kvp__arec_q *)a.recs + sp.rec0;
+  uint32_t ri = warp, fib = 0;
+  Rec fr = {}, fnx = {};
+  if (ri < sp.nrec) rec_load(&recs[ri], fr);
+  if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
+  /* the warp's next step into o (o.n = 0: none left); its loads stay in flight */
+  auto issue = [&](R8Step<D, C> &o) {
+    if (ri >= sp.nrec) {
+      o.n = 0;
+      return;
+    }
+    const uint32_t n = min(kTile, fr.m - fib), t = fr.t0 + fib;
+    o.n = n;
+    const uint8_t *kc = (const uint8_t *)a.base + (uint64_t)fr.page[0][0] * 64,
+                  *vc = (const uint8_t *)a.base + (uint64_t)fr.page[1][0] * 64;
+    if (fr.tag & 1u) { /* RAW tail: rows read at its turn */
+      o.tk = kc + (size_t)t * D * dtype_bytes(a.p[1].store_dtype);
+      o.tv = vc + (size_t)t * D * dtype_bytes(a.p[3].store_dtype);
+#pragma unroll
+      for (int e = 0; e < 4; e++) o.ks[e] = o.vs[e] = 1.0f;
+    } else {
+      o.tk = o.tv = nullptr;
+#pragma unroll
+      for (uint32_t j = 0; j < 2; j++)
+        ld_words<KW>(kc + (size_t)(t + min(8 * j + gr, n - 1)) * D + qd * (D / 4), o.k[j]);
+#pragma unroll
+      for (uint32_t e = 0; e < 4; e++) ld_words<VW>(vc + (size_t)(t + min(vtok[e], n - 1)) * D + gr * (D / 8), o.v[e]);
+      const uint8_t *ksc = (const uint8_t *)a.base + (uint64_t)fr.page[0][1] * 64,
+                    *vsc = (const uint8_t *)a.base + (uint64_t)fr.page[1][1] * 64;
+#pragma unroll
+      for (int e = 0; e < 4; e++) {
+        const uint32_t tt = t + min(vtok[e], n - 1);
+        o.ks[e] = row_scale<C>(a.p[0], ksc, tt), o.vs[e] = row_scale<C>(a.p[2], vsc, tt);
+      }
+    }
+    fib += kTile;
+    if (fib >= fr.m) { /* on to the warp's next record */
+      ri += kAttnWarps, fib = 0, fr = fnx;
+      if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
+    }
+  };
+  auto compute = [&](const R8Step<D, C> &c) {
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    uint32_t p0, p1, r0, r1;
+    if (c.tk) { /* RAW tail: this lane's elements, converted to fp16 */
+      const uint32_t kd = a.p[1].store_dtype, vd = a.p[3].store_dtype;
+#pragma unroll
+      for (uint32_t j = 0; j < 2; j++) {
+        const uint8_t *row = c.tk + (size_t)min(8 * j + gr, c.n - 1) * D * dtype_bytes(kd);
+#pragma unroll
+        for (uint32_t k = 0; k < KS; k++) {
+          const uint32_t ch = qd * (D / 4) + 4 * k;
+          const uint32_t b0 = f16x2(load_elem(row, kd, ch), load_elem(row, kd, ch + 1)),
+                         b1 = f16x2(load_elem(row, kd, ch + 2), load_elem(row, kd, ch + 3));
+          const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
+          mma16816(s[j], qk, b0, b1);
+        }
+      }
+      softmax_step<D, false>(s, c.n, a.scale_log2, qd, st, c.ks, c.vs, p0, p1, r0, r1);
+      const uint8_t *vr[4];
+#pragma unroll
+      for (uint32_t e = 0; e < 4; e++) vr[e] = c.tv + (size_t)min(vtok[e], c.n - 1) * D * dtype_bytes(vd);
+#pragma unroll
+      for (uint32_t i = 0; i < KS; i++) {
+        const uint32_t ch = r8_channel<D>(gr, i, 0);
+        const uint32_t va[4] = {f16x2(load_elem(vr[0], vd, ch), load_elem(vr[1], vd, ch)),
+                                f16x2(load_elem(vr[0], vd, ch + 1), load_elem(vr[1], vd, ch + 1)),
+                                f16x2(load_elem(vr[2], vd, ch), load_elem(vr[3], vd, ch)),
+                                f16x2(load_elem(vr[2], vd, ch + 1), load_elem(vr[3], vd, ch + 1))};
+        mma16816(st.o[i], va, p0, p1);
+      }
+      return;
+    }
+#pragma unroll
+    for (uint32_t j = 0; j < 2; j++)
+#pragma unroll
+      for (uint32_t k = 0; k < KS; k++) {
+        uint32_t b0, b1;
+        codes4_f16_fast<C>(c.k[j][k], b0, b1);
+        const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
+        mma16816(s[j], qk, b0, b1);
+      }
+    softmax_step<D, false>(s, c.n, a.scale_log2, qd, st, c.ks, c.vs, p0, p1, r0, r1);
+#pragma unroll
+    for (uint32_t i = 0; i < KS; i++) {
+      /* channels 2i, 2i + 1 of the lane's: byte 2 (i % 2) and the next of word i / 2 */
+      const uint32_t sel = i % 2 ? 0x7362u : 0x5140u;
+      uint32_t va[4];
+      codes4_f16_fast<C>(__byte_perm(c.v[0][i / 2], c.v[1][i / 2], sel), va[0], va[1]);
+      codes4_f16_fast<C>(__byte_perm(c.v[2][i / 2], c.v[3][i / 2], sel), va[2], va[3]);
+      mma16816(st.o[i], va, p0, p1);
+    }
+  };
+  R8Step<D, C> x, y;
+  issue(x);
+  while (x.n) { /* two named steps, no copies: a copy would wait for the loads */
+    issue(y);
+    compute(x);
+    if (!y.n) break;
+    issue(x);
+    compute(y);
+  }
+  cta_merge<D, true>(a, sp, st, smem);
+}
+
 /* One CTA per (sequence, query head) whose KV head has several splits:
  * their partial records merged. */
 template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const __grid_constant__ AttnArgs a) {
@@ -679,13 +888,30 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
 
 template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
+/* attend_r8_kernel's shared memory: the warps' states of the final merge */
+template <uint32_t D> constexpr size_t r8_smem() { return (size_t)kAttnWarps * 8 * (D + 2) * 4; }
+
 /* The kernel for a layer's bindings, and its shared memory */
 enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny };
 template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
   switch (which) {
   case kPickBf16: *smem = attend_smem<D, 2>(); return attend_bf16_kernel<D>;
-  case kPickFp8: *smem = attend_q_smem<D, KVP__K_FP8>(); return attend_q_kernel<D, KVP__K_FP8>;
-  case kPickInt8: *smem = attend_q_smem<D, KVP__K_INT8>(); return attend_q_kernel<D, KVP__K_INT8>;
+  case kPickFp8:
+    if constexpr (D == 64 || D == 128) {
+      *smem = r8_smem<D>();
+      return attend_r8_kernel<D, KVP__K_FP8>;
+    } else {
+      *smem = attend_q_smem<D, KVP__K_FP8>();
+      return attend_q_kernel<D, KVP__K_FP8>;
+    }
+  case kPickInt8:
+    if constexpr (D == 64 || D == 128) {
+      *smem = r8_smem<D>();
+      return attend_r8_kernel<D, KVP__K_INT8>;
+    } else {
+      *smem = attend_q_smem<D, KVP__K_INT8>();
+      return attend_q_kernel<D, KVP__K_INT8>;
+    }
   case kPickNvfp4: *smem = attend_q_smem<D, KVP__K_NVFP4>(); return attend_q_kernel<D, KVP__K_NVFP4>;
   case kPickRaw: *smem = attend_smem<D, 1>(); return attend_kernel<D, KVP__K_RAW>;
   default: *smem = attend_smem<D, 1>(); return attend_kernel<D, kAnyCodec>;
