@@ -173,18 +173,24 @@ struct Rec {
 
 static_assert(sizeof(kvp__arec_raw) == 16 && sizeof(kvp__arec_q) == 32, "one or two 16-byte loads a record");
 
-KVP_D void rec_load(const kvp__arec_raw *r, Rec &o) {
-  const uint4 w = __ldg((const uint4 *)r);
+/* A compact record's fields from its words */
+KVP_D void rec_of(const uint4 (&w)[1], Rec &o) {
 #pragma unroll
   for (int i = 0; i < 4; i++) o.page[0][i] = o.page[1][i] = KVP__GJOB_NO_PAGE;
-  o.page[0][0] = w.x, o.page[1][0] = w.y, o.t0 = w.z & 0xFFFFu, o.m = (w.z >> 16) + 1u, o.tag = 0, o.cap = 0;
+  o.page[0][0] = w[0].x, o.page[1][0] = w[0].y, o.t0 = w[0].z & 0xFFFFu, o.m = (w[0].z >> 16) + 1u, o.tag = 0,
+  o.cap = 0;
 }
 
-KVP_D void rec_load(const kvp__arec_q *r, Rec &o) {
-  const uint4 a = __ldg((const uint4 *)r), b = __ldg((const uint4 *)r + 1);
+KVP_D void rec_of(const uint4 (&w)[2], Rec &o) {
+  const uint4 a = w[0], b = w[1];
   o.page[0][0] = a.x, o.page[0][1] = a.y, o.page[0][2] = a.z, o.page[0][3] = KVP__GJOB_NO_PAGE;
   o.page[1][0] = a.w, o.page[1][1] = b.x, o.page[1][2] = b.y, o.page[1][3] = KVP__GJOB_NO_PAGE;
   o.t0 = b.z & 0xFFFFu, o.m = (b.z >> 16) + 1u, o.cap = (b.w & 0xFFFFu) + 1u, o.tag = b.w >> 16;
+}
+
+KVP_D void rec_load(const kvp__arec_q *r, Rec &o) {
+  const uint4 w[2] = {__ldg((const uint4 *)r), __ldg((const uint4 *)r + 1)};
+  rec_of(w, o);
 }
 
 KVP_D void rec_load(const kvp__gjob *r, Rec &o) {
@@ -193,6 +199,56 @@ KVP_D void rec_load(const kvp__gjob *r, Rec &o) {
 #pragma unroll
     for (int i = 0; i < 4; i++) o.page[kv][i] = __ldg(&r->page[kv][i]);
   o.tag = __ldg(&r->tag), o.t0 = __ldg(&r->t0), o.m = __ldg(&r->m1) + 1u, o.cap = __ldg(&r->cap1) + 1u;
+}
+
+/* A warp's records, read 32 at a time: lane i loads record i of the next
+ * batch (one coalesced load of 32 records, a batch ahead), and each record
+ * reaches every lane by shuffles when its turn comes. The warp takes a
+ * contiguous run of its split's records (warp w: [nrec w / 4, nrec (w + 1) /
+ * 4)), so the table may sit in pinned host memory (kvp__kern_attend_zero_copy):
+ * its reads are whole lines, many in flight. W: 16-byte words a record. */
+template <uint32_t W> struct RecStream {
+  const uint4 *base;
+  uint32_t i, end, b0; /* next record, end of the run, first record of cur */
+  uint4 cur[W], nxt[W];
+
+  KVP_D void load(uint4 (&o)[W], uint32_t first, uint32_t lane) const {
+    const uint32_t r = first + lane;
+    if (r < end)
+#pragma unroll
+      for (uint32_t w = 0; w < W; w++) o[w] = __ldg(base + (size_t)r * W + w);
+  }
+  KVP_D void init(const void *recs, uint32_t nrec, uint32_t warp, uint32_t lane) {
+    base = (const uint4 *)recs;
+    i = b0 = nrec * warp / kAttnWarps, end = nrec * (warp + 1) / kAttnWarps;
+    load(cur, b0, lane);
+    load(nxt, b0 + 32, lane);
+  }
+  /* The next record's words into o (every lane); false past the run's end */
+  KVP_D bool next(uint32_t lane, uint4 (&o)[W]) {
+    if (i >= end) return false;
+    if (i - b0 == 32) {
+#pragma unroll
+      for (uint32_t w = 0; w < W; w++) cur[w] = nxt[w];
+      b0 += 32;
+      load(nxt, b0 + 32, lane);
+    }
+    const int src = (int)(i - b0);
+#pragma unroll
+    for (uint32_t w = 0; w < W; w++)
+      o[w] = make_uint4(__shfl_sync(0xFFFFFFFFu, cur[w].x, src), __shfl_sync(0xFFFFFFFFu, cur[w].y, src),
+                        __shfl_sync(0xFFFFFFFFu, cur[w].z, src), __shfl_sync(0xFFFFFFFFu, cur[w].w, src));
+    i++;
+    return true;
+  }
+};
+
+/* The warp's next record (every lane); false past its run's end */
+template <uint32_t W> KVP_D bool rec_next(RecStream<W> &rs, uint32_t lane, Rec &o) {
+  uint4 w[W];
+  if (!rs.next(lane, w)) return false;
+  rec_of(w, o);
+  return true;
 }
 
 /* d += a b: m16n8k16, bf16 operands, f32 accumulators */
@@ -446,12 +502,12 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
   const uint32_t c = lane % TPT, rw = lane / TPT;                          /* cp.async: chunk, first row */
   const uint32_t cpa0 = smem_addr(wt + rw * LD + 8 * c);
 
-  /* the issue side: record fr (fields; the warp's next record in fnx), its next step at fib */
-  const kvp__arec_raw *recs = (const kvp__arec_raw *)a.recs + sp.rec0;
-  uint32_t ri = warp, fib = 0;
-  Rec fr = {}, fnx = {};
-  if (ri < sp.nrec) rec_load(&recs[ri], fr);
-  if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
+  /* the issue side: record fr (have: one is left), its next step at fib */
+  RecStream<1> rs;
+  rs.init((const kvp__arec_raw *)a.recs + sp.rec0, sp.nrec, warp, lane);
+  uint32_t fib = 0;
+  Rec fr = {};
+  bool have = rec_next(rs, lane, fr);
   auto issue = [&](uint32_t buf) -> uint32_t { /* the step at (fr, fib) into buf: its token count */
     const uint32_t n = min(kTile, fr.m - fib);
 #pragma unroll
@@ -466,15 +522,12 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
     }
     cp_async_commit();
     fib += kTile;
-    if (fib >= fr.m) { /* on to the warp's next record */
-      ri += kAttnWarps, fib = 0, fr = fnx;
-      if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
-    }
+    if (fib >= fr.m) fib = 0, have = rec_next(rs, lane, fr); /* on to the warp's next record */
     return n;
   };
-  uint32_t buf = 0, n = ri < sp.nrec ? issue(0) : 0;
+  uint32_t buf = 0, n = have ? issue(0) : 0;
   while (n) {
-    const uint32_t nn = ri < sp.nrec ? issue(buf ^ 1u) : 0;
+    const uint32_t nn = have ? issue(buf ^ 1u) : 0;
     if (nn) cp_async_wait<1>();
     else cp_async_wait<0>();
     __syncwarp();
@@ -762,14 +815,14 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
   acc_init(st);
   const uint32_t vtok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
 
-  const kvp__arec_q *recs = (const kvp__arec_q *)a.recs + sp.rec0;
-  uint32_t ri = warp, fib = 0;
-  Rec fr = {}, fnx = {};
-  if (ri < sp.nrec) rec_load(&recs[ri], fr);
-  if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
+  RecStream<2> rs;
+  rs.init((const kvp__arec_q *)a.recs + sp.rec0, sp.nrec, warp, lane);
+  uint32_t fib = 0;
+  Rec fr = {};
+  bool have = rec_next(rs, lane, fr);
   /* the warp's next step into o (o.n = 0: none left); its loads stay in flight */
   auto issue = [&](R8Step<D, C> &o) {
-    if (ri >= sp.nrec) {
+    if (!have) {
       o.n = 0;
       return;
     }
@@ -798,10 +851,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
       }
     }
     fib += kTile;
-    if (fib >= fr.m) { /* on to the warp's next record */
-      ri += kAttnWarps, fib = 0, fr = fnx;
-      if (ri + kAttnWarps < sp.nrec) rec_load(&recs[ri + kAttnWarps], fnx);
-    }
+    if (fib >= fr.m) fib = 0, have = rec_next(rs, lane, fr); /* on to the warp's next record */
   };
   auto compute = [&](const R8Step<D, C> &c) {
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -1002,6 +1052,11 @@ extern "C" void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n) 
       memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
     }
   }
+}
+
+extern "C" int kvp__kern_attend_zero_copy(uint32_t kind, uint32_t head_dim) {
+  return kind == kvpk::kPickBf16 ||
+         ((kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8) && (head_dim == 64 || head_dim == 128));
 }
 
 extern "C" int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ) {

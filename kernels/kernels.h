@@ -151,6 +151,10 @@ uint32_t kvp__kern_attend_rec_bytes(uint32_t kind);
  * the front: each record lands at or before where it was read). */
 void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n);
 int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ);
+/* Whether kind's kernel at head_dim reads its records in coalesced batches
+ * (RecStream), so the table may stay in pinned host memory, read over the
+ * bus while the kernel runs, instead of being copied before it. */
+int kvp__kern_attend_zero_copy(uint32_t kind, uint32_t head_dim);
 
 /* KVQuant (kernels/kvquant.cuh, kernels/kvquant.cu). Its parameters do not
  * fit kvp__kparams (the gather passes 512 of those in a launch's 32 KiB), so

@@ -11,6 +11,11 @@
  * index. All three go into one buffer (the pool's pinned stage when free)
  * and cross to the workspace in one copy; partial results of
  * (sequence, KV head)s with several splits follow them in the workspace.
+ * Where the layer's kernel reads its records in coalesced batches (raw
+ * bf16; fp8 and int8 at head_dim 64 and 128) and the table is in the
+ * pinned stage, the records stay there and the kernel reads them over the
+ * bus as it goes: only the splits and the index are copied, and the table's
+ * transfer overlaps the attention instead of preceding it.
  *
  * Page lifetime: the kernels are enqueued before the read lock is left, and
  * pages retired after that are reused only after an RCU grace period and a

@@ -45,7 +45,8 @@ struct kvp__dev {
                                      synchronize the device: never on a call's path) */
   uint32_t n_gstage_old;
   uint64_t pinned_bytes;          /* pinned host bytes held (atomic: stats read it beside a growing call) */
-  cudaEvent_t gstage_done;        /* recorded after the last copy from the stage */
+  cudaEvent_t gstage_done;        /* recorded after the last copy from the stage (after the kernels
+                                     where they read it in place: kvp__dev_attend_run) */
   uint64_t *status;              /* device: 4 status words, one per group of an append */
   uint64_t *host_status;         /* pinned host: their copy */
   kvp_codec_dev_job *stage_dev;  /* device: staged job tables of an append */
@@ -512,13 +513,32 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
   cudaStream_t s = (cudaStream_t)stream;
   int prev, rc = dev_enter(pool, &prev);
   if (rc) return rc;
-  cudaError_t e = cudaMemcpyAsync((void *)a->recs, g->recs, table_bytes, cudaMemcpyHostToDevice, s);
-  if (e == cudaSuccess && g->staged) e = cudaEventRecord(d->gstage_done, s);
+  /* A table in the pinned stage that the layer's kernel reads in batches
+   * stays there (the kernel reads it over the bus while it runs, where a
+   * copy first would add its whole time): only the splits and their index
+   * cross. The stage is then free again when the kernels end. */
+  kvp__attend_args x = *a;
+  uint64_t from = 0;
+  void *mapped = NULL;
+  if (g->staged && kvp__kern_attend_zero_copy(kvp__kern_attend_kind(a->p), a->head_dim)) {
+    if (cudaHostGetDevicePointer(&mapped, g->recs, 0) == cudaSuccess) {
+      from = (uint64_t)((const char *)a->splits - (const char *)a->recs);
+      x.recs = mapped;
+    } else { /* a stage the device cannot map: copied whole */
+      mapped = NULL;
+      cudaGetLastError();
+    }
+  }
+  cudaError_t e = cudaMemcpyAsync((char *)a->recs + from, (const char *)g->recs + from, table_bytes - from,
+                                  cudaMemcpyHostToDevice, s);
+  if (e == cudaSuccess && g->staged && !mapped) e = cudaEventRecord(d->gstage_done, s);
   if (e != cudaSuccess) rc = cuda_fail(e, "attention: the block table's copy");
   if (!rc) {
-    int k = kvp__kern_attend(a, stream);
+    int k = kvp__kern_attend(&x, stream);
     if (k) rc = kvp__err(KVP_EDEVICE, "attention kernel over %u splits: %s", a->n_splits, kvp__kern_errstr(k));
   }
+  if (mapped && (e = cudaEventRecord(d->gstage_done, s)) != cudaSuccess && !rc)
+    rc = cuda_fail(e, "attention: the block table's release");
   dev_leave(pool, prev);
   return rc;
 }
