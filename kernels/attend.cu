@@ -385,7 +385,7 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
   }
 }
 
-/* attend_r8_kernel's O^T rows: channel of accumulator o[i][e] of lane gr */
+/* attend_reg_kernel's O^T rows: channel of accumulator o[i][e] of lane gr */
 template <uint32_t D> KVP_D uint32_t r8_channel(uint32_t gr, uint32_t i, uint32_t e) {
   return gr * (D / 8) + 2 * i + (e & 2u ? 1u : 0u);
 }
@@ -731,30 +731,41 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
   cta_merge<D>(a, sp, st, smem);
 }
 
-/* fp8 and int8 pages at head_dim 64 and 128 (K and V of one codec): the
- * codes go from global memory straight into the registers of the matrix
- * fragments, one step ahead (no shared-memory tiles: the bytes a step
- * reads are the bytes the codes take). Each product uses its own order of
- * the channels, which a dot product does not see:
+/* fp8, int8 and nvfp4 pages at head_dim 64 and 128 (K and V of one codec):
+ * the codes go from global memory straight into the registers of the
+ * matrix fragments, one step ahead (no shared-memory tiles: the bytes a
+ * step reads are the bytes the codes take). Each product uses its own
+ * order of the channels, which a dot product does not see:
  *   - Q K^T: lane (gr, qd) holds channels [qd D/4, (qd + 1) D/4) of Q's
  *     row gr and of token gr of each 8-token half, and k-step k takes
  *     channels qd D/4 + 4k .. + 3 as its k-indices 2 qd, 2 qd + 1, 8 + 2 qd,
- *     9 + 2 qd (A's and B's alike): one 16-byte load covers 16 channels;
+ *     9 + 2 qd (A's and B's alike): one load covers a lane's whole share;
  *   - V^T P^T: rows gr and 8 + gr of k-step i are channels gr D/8 + 2i and
  *     gr D/8 + 2i + 1 (r8_channel), so lane (gr, qd) reads channels
  *     [gr D/8, (gr + 1) D/8) of its tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd,
  *     and a byte permute pairs two tokens' codes of one channel.
- * The codes become fp16 exactly (codes4_f16); the per-token scales multiply
- * the scores and the probabilities as in attend_q_kernel, so the results
- * are that kernel's. Rows past a step's end read its last row again (a
- * valid one) and weigh 0. A RAW tail record is read element by element at
- * its turn (one block per (sequence, head) at most). */
-template <uint32_t D, uint32_t C> struct R8Step {
-  uint32_t k[2][D / 16]; /* group j: token 8 j + gr, channels [qd D/4, (qd + 1) D/4) */
-  uint32_t v[4][D / 32]; /* tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd: channels [gr D/8, (gr + 1) D/8) */
-  float ks[4], vs[4];    /* the per-token scales of tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd */
+ * fp8 and int8 codes become fp16 exactly (codes4_f16); their per-token
+ * scales multiply the scores and the probabilities as in attend_q_kernel.
+ * nvfp4: an E2M1 code times its E4M3 group scale is exact in fp16 (at most
+ * 6 significant bits, 2^-10 .. 2688), so the fragments hold e s exactly and
+ * the block's g multiplies the scores and the probabilities; with K
+ * smoothing (KSM) the score of token t gains mean_t sum(q). Rows past a
+ * step's end read its last row again (a valid one) and weigh 0. A RAW tail
+ * record is read element by element at its turn (one block per
+ * (sequence, head) at most). */
+template <uint32_t C> __host__ __device__ constexpr uint32_t reg_code_bits() { return C == KVP__K_NVFP4 ? 4 : 8; }
+
+template <uint32_t D, uint32_t C> struct RegStep {
+  static constexpr uint32_t KW = D * reg_code_bits<C>() / 128, VW = D * reg_code_bits<C>() / 256;
+  uint32_t k[2][KW];  /* group j: token 8 j + gr, channels [qd D/4, (qd + 1) D/4) */
+  uint32_t v[4][VW];  /* tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd: channels [gr D/8, (gr + 1) D/8) */
+  float ks[4], vs[4]; /* fp8, int8: the per-token scales of tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd;
+                         nvfp4: K's and V's g (all four alike); with KSM ks holds those tokens' K means */
+  uint32_t kg[2];     /* nvfp4: the E4M3 scales of group j's K channels (D = 128: two groups, byte each) */
+  uint32_t vg;        /* nvfp4: the E4M3 scales of the four V tokens, a byte each */
+  float gk;           /* nvfp4: K's g */
   const uint8_t *tk, *tv; /* a RAW tail's K and V rows (tk != NULL), first row of the step */
-  uint32_t n;            /* tokens, 0: no step */
+  uint32_t n;             /* tokens, 0: no step */
 };
 
 /* 16 bytes, not kept in L1 (each code is read once) */
@@ -766,7 +777,8 @@ KVP_D uint4 ld_stream16(const void *p) {
   return r;
 }
 
-/* WORDS 32-bit words at p (16-byte aligned when WORDS >= 4, else 8) */
+/* WORDS 32-bit words at p (aligned to 16 bytes when WORDS >= 4, else to
+ * 4 WORDS) */
 template <uint32_t WORDS> KVP_D void ld_words(const uint8_t *p, uint32_t *w) {
   if constexpr (WORDS >= 4) {
 #pragma unroll
@@ -774,13 +786,15 @@ template <uint32_t WORDS> KVP_D void ld_words(const uint8_t *p, uint32_t *w) {
       const uint4 x = ld_stream16(p + 16 * i);
       w[4 * i] = x.x, w[4 * i + 1] = x.y, w[4 * i + 2] = x.z, w[4 * i + 3] = x.w;
     }
-  } else {
+  } else if constexpr (WORDS == 2) {
     const uint2 x = __ldg((const uint2 *)p);
     w[0] = x.x, w[1] = x.y;
+  } else {
+    w[0] = __ldg((const uint32_t *)p);
   }
 }
 
-/* Two codes (bytes 0, 1 of w's half h) as fp16x2, exactly */
+/* Four fp8 or int8 codes (bytes of w) as two fp16x2 words, exactly */
 template <uint32_t C> KVP_D void codes4_f16_fast(uint32_t w, uint32_t &lo, uint32_t &hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   if (C == KVP__K_FP8) {
@@ -793,15 +807,42 @@ template <uint32_t C> KVP_D void codes4_f16_fast(uint32_t w, uint32_t &lo, uint3
   codes4_f16<C>(w, lo, hi);
 }
 
-template <uint32_t D, uint32_t C>
-__global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid_constant__ AttnArgs a) {
-  constexpr uint32_t KS = D / 16, KW = D / 16, VW = D / 32;
+/* Two E2M1 codes, the nibbles at bits 0-3 (low half) and HI-HI+3 (high
+ * half) of w, as fp16x2 times the fp16x2 scales s2, exactly: sign and
+ * magnitude bits moved into fp16's (2^-14 of the value; the two fields
+ * never overlap in the products, so no carry reaches the masks), times
+ * 2^14, times s2. */
+template <uint32_t HI> KVP_D uint32_t e2m1x2_f16(uint32_t w, uint32_t s2) {
+  const uint32_t mag = ((w & (0x7u | 0x7u << HI)) * ((1u << 9) | (1u << (25 - HI)))) & 0x0E000E00u;
+  const uint32_t sgn = ((w & (0x8u | 0x8u << HI)) * ((1u << 12) | (1u << (28 - HI)))) & 0x80008000u;
+  uint32_t h = mag | sgn;
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x74007400u)); /* 2^14 */
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(h) : "r"(s2));
+  return h;
+}
+
+/* An E4M3 code as fp16 in both halves (exact) */
+KVP_D uint32_t e4m3_f16x2(uint32_t c) {
+  const float f = fp8_to_f32(c & 0xFFu);
+  return f16x2(f, f);
+}
+
+/* {lo, hi} E4M3 codes as fp16x2 (exact) */
+KVP_D uint32_t e4m3x2_f16(uint32_t lo, uint32_t hi) { return f16x2(fp8_to_f32(lo & 0xFFu), fp8_to_f32(hi & 0xFFu)); }
+
+template <uint32_t D, uint32_t C, bool KSM>
+__global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __grid_constant__ AttnArgs a) {
+  using Step = RegStep<D, C>;
+  constexpr uint32_t KS = D / 16, KW = Step::KW, VW = Step::VW;
+  constexpr bool FP4 = C == KVP__K_NVFP4;
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
   const uint32_t b = sp.bh / a.Hkv, h = sp.bh % a.Hkv;
-  /* Q: row gr, channels qd D/4 + 4k .. + 3 as k-step k's A fragment (fp16) */
+  /* Q: row gr, channels qd D/4 + 4k .. + 3 as k-step k's A fragment (fp16);
+   * qsum: the sum of row gr's fp16 values (K smoothing) */
   uint32_t qa[KS][2];
+  float qsum = 0.0f;
   {
     const uint16_t *qr = a.q + ((size_t)b * a.Hq + h * a.G + (gr < a.G ? gr : 0)) * D + qd * (D / 4);
 #pragma unroll
@@ -809,11 +850,20 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
       const uint2 w = gr < a.G ? __ldg((const uint2 *)(qr + 4 * k)) : make_uint2(0u, 0u);
       qa[k][0] = f16x2(bf16_to_f32(w.x & 0xFFFFu), bf16_to_f32(w.x >> 16));
       qa[k][1] = f16x2(bf16_to_f32(w.y & 0xFFFFu), bf16_to_f32(w.y >> 16));
+      if (KSM) {
+        qsum += (f16_to_f32(qa[k][0] & 0xFFFFu) + f16_to_f32(qa[k][0] >> 16)) +
+                (f16_to_f32(qa[k][1] & 0xFFFFu) + f16_to_f32(qa[k][1] >> 16));
+      }
+    }
+    if (KSM) {
+      qsum += __shfl_xor_sync(0xFFFFFFFFu, qsum, 1);
+      qsum += __shfl_xor_sync(0xFFFFFFFFu, qsum, 2);
     }
   }
   Acc<D> st;
   acc_init(st);
   const uint32_t vtok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
+  constexpr uint32_t RB = D * reg_code_bits<C>() / 8, NSC = D / 16; /* code bytes a row; nvfp4 scales a row */
 
   RecStream<2> rs;
   rs.init((const kvp__arec_q *)a.recs + sp.rec0, sp.nrec, warp, lane);
@@ -821,7 +871,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
   Rec fr = {};
   bool have = rec_next(rs, lane, fr);
   /* the warp's next step into o (o.n = 0: none left); its loads stay in flight */
-  auto issue = [&](R8Step<D, C> &o) {
+  auto issue = [&](Step &o) {
     if (!have) {
       o.n = 0;
       return;
@@ -830,6 +880,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
     o.n = n;
     const uint8_t *kc = (const uint8_t *)a.base + (uint64_t)fr.page[0][0] * 64,
                   *vc = (const uint8_t *)a.base + (uint64_t)fr.page[1][0] * 64;
+    const uint8_t *ksc = (const uint8_t *)a.base + (uint64_t)fr.page[0][1] * 64,
+                  *vsc = (const uint8_t *)a.base + (uint64_t)fr.page[1][1] * 64;
     if (fr.tag & 1u) { /* RAW tail: rows read at its turn */
       o.tk = kc + (size_t)t * D * dtype_bytes(a.p[1].store_dtype);
       o.tv = vc + (size_t)t * D * dtype_bytes(a.p[3].store_dtype);
@@ -839,21 +891,42 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
       o.tk = o.tv = nullptr;
 #pragma unroll
       for (uint32_t j = 0; j < 2; j++)
-        ld_words<KW>(kc + (size_t)(t + min(8 * j + gr, n - 1)) * D + qd * (D / 4), o.k[j]);
+        ld_words<KW>(kc + (size_t)(t + min(8 * j + gr, n - 1)) * RB + qd * (RB / 4), o.k[j]);
 #pragma unroll
-      for (uint32_t e = 0; e < 4; e++) ld_words<VW>(vc + (size_t)(t + min(vtok[e], n - 1)) * D + gr * (D / 8), o.v[e]);
-      const uint8_t *ksc = (const uint8_t *)a.base + (uint64_t)fr.page[0][1] * 64,
-                    *vsc = (const uint8_t *)a.base + (uint64_t)fr.page[1][1] * 64;
+      for (uint32_t e = 0; e < 4; e++) ld_words<VW>(vc + (size_t)(t + min(vtok[e], n - 1)) * RB + gr * (RB / 8), o.v[e]);
+      if constexpr (FP4) {
+        const float gk = __ldg((const float *)((const uint8_t *)a.base + (uint64_t)fr.page[0][2] * 64)),
+                    gv = __ldg((const float *)((const uint8_t *)a.base + (uint64_t)fr.page[1][2] * 64));
 #pragma unroll
-      for (int e = 0; e < 4; e++) {
-        const uint32_t tt = t + min(vtok[e], n - 1);
-        o.ks[e] = row_scale<C>(a.p[0], ksc, tt), o.vs[e] = row_scale<C>(a.p[2], vsc, tt);
+        for (uint32_t j = 0; j < 2; j++) { /* the lane's K channels: groups (qd D/4) / 16 .. (D = 128: two) */
+          const uint8_t *sp8 = ksc + (size_t)(t + min(8 * j + gr, n - 1)) * NSC + qd * (D / 64);
+          o.kg[j] = D == 128 ? (uint32_t)__ldg((const unsigned short *)sp8) : (uint32_t)__ldg(sp8);
+        }
+        uint32_t vg = 0;
+#pragma unroll
+        for (uint32_t e = 0; e < 4; e++)
+          vg |= (uint32_t)__ldg(vsc + (size_t)(t + min(vtok[e], n - 1)) * NSC + gr * D / 128) << (8 * e);
+        o.vg = vg, o.gk = gk;
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          o.vs[e] = gv, o.ks[e] = gk;
+          if (KSM) { /* the K means of the score tokens (bf16 after the scales) */
+            const uint8_t *mp = ksc + (size_t)fr.cap * NSC + (size_t)(t + min(vtok[e], n - 1)) * 2;
+            o.ks[e] = bf16_to_f32(__ldg((const unsigned short *)mp));
+          }
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; e++) {
+          const uint32_t tt = t + min(vtok[e], n - 1);
+          o.ks[e] = row_scale<C>(a.p[0], ksc, tt), o.vs[e] = row_scale<C>(a.p[2], vsc, tt);
+        }
       }
     }
     fib += kTile;
     if (fib >= fr.m) fib = 0, have = rec_next(rs, lane, fr); /* on to the warp's next record */
   };
-  auto compute = [&](const R8Step<D, C> &c) {
+  auto compute = [&](const Step &c) {
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     uint32_t p0, p1, r0, r1;
     if (c.tk) { /* RAW tail: this lane's elements, converted to fp16 */
@@ -886,26 +959,54 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_r8_kernel(const __grid
       return;
     }
 #pragma unroll
-    for (uint32_t j = 0; j < 2; j++)
+    for (uint32_t j = 0; j < 2; j++) {
+      uint32_t sc2[2] = {0u, 0u}; /* nvfp4: the lane's K group scales, fp16 in both halves */
+      if constexpr (FP4) {
+        sc2[0] = e4m3_f16x2(c.kg[j]);
+        sc2[1] = D == 128 ? e4m3_f16x2(c.kg[j] >> 8) : sc2[0];
+      }
 #pragma unroll
       for (uint32_t k = 0; k < KS; k++) {
         uint32_t b0, b1;
-        codes4_f16_fast<C>(c.k[j][k], b0, b1);
+        if constexpr (FP4) { /* channels 4k .. 4k + 3 of the lane's: bytes 2k, 2k + 1 */
+          const uint32_t x = c.k[j][k / 2] >> (16 * (k % 2)), s2 = sc2[k / 4];
+          b0 = e2m1x2_f16<4>(x, s2), b1 = e2m1x2_f16<4>(x >> 8, s2);
+        } else {
+          codes4_f16_fast<C>(c.k[j][k], b0, b1);
+        }
         const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
         mma16816(s[j], qk, b0, b1);
       }
-    softmax_step<D, false>(s, c.n, a.scale_log2, qd, st, c.ks, c.vs, p0, p1, r0, r1);
+    }
+    if (KSM) { /* q . (e s g + mean) = g (q . e s) + mean sum(q) */
+      s[0][0] = __fadd_rn(__fmul_rn(s[0][0], c.gk), __fmul_rn(c.ks[0], qsum));
+      s[0][1] = __fadd_rn(__fmul_rn(s[0][1], c.gk), __fmul_rn(c.ks[1], qsum));
+      s[1][0] = __fadd_rn(__fmul_rn(s[1][0], c.gk), __fmul_rn(c.ks[2], qsum));
+      s[1][1] = __fadd_rn(__fmul_rn(s[1][1], c.gk), __fmul_rn(c.ks[3], qsum));
+      softmax_step<D, false>(s, c.n, a.scale_log2, qd, st, kOnes, c.vs, p0, p1, r0, r1);
+    } else {
+      softmax_step<D, false>(s, c.n, a.scale_log2, qd, st, c.ks, c.vs, p0, p1, r0, r1);
+    }
+    uint32_t sv01 = 0, sv23 = 0; /* nvfp4: V scales of tokens 2 qd, 2 qd + 1 and 8 + those, fp16x2 */
+    if constexpr (FP4) sv01 = e4m3x2_f16(c.vg, c.vg >> 8), sv23 = e4m3x2_f16(c.vg >> 16, c.vg >> 24);
 #pragma unroll
     for (uint32_t i = 0; i < KS; i++) {
-      /* channels 2i, 2i + 1 of the lane's: byte 2 (i % 2) and the next of word i / 2 */
-      const uint32_t sel = i % 2 ? 0x7362u : 0x5140u;
       uint32_t va[4];
-      codes4_f16_fast<C>(__byte_perm(c.v[0][i / 2], c.v[1][i / 2], sel), va[0], va[1]);
-      codes4_f16_fast<C>(__byte_perm(c.v[2][i / 2], c.v[3][i / 2], sel), va[2], va[3]);
+      if constexpr (FP4) { /* channels 2i, 2i + 1 of the lane's: byte i, two tokens' side by side */
+        const uint32_t sel = (i % 4) | (4 + i % 4) << 4;
+        const uint32_t y01 = __byte_perm(c.v[0][i / 4], c.v[1][i / 4], sel),
+                       y23 = __byte_perm(c.v[2][i / 4], c.v[3][i / 4], sel);
+        va[0] = e2m1x2_f16<8>(y01, sv01), va[1] = e2m1x2_f16<8>(y01 >> 4, sv01);
+        va[2] = e2m1x2_f16<8>(y23, sv23), va[3] = e2m1x2_f16<8>(y23 >> 4, sv23);
+      } else { /* channels 2i, 2i + 1 of the lane's: byte 2 (i % 2) and the next of word i / 2 */
+        const uint32_t sel = i % 2 ? 0x7362u : 0x5140u;
+        codes4_f16_fast<C>(__byte_perm(c.v[0][i / 2], c.v[1][i / 2], sel), va[0], va[1]);
+        codes4_f16_fast<C>(__byte_perm(c.v[2][i / 2], c.v[3][i / 2], sel), va[2], va[3]);
+      }
       mma16816(st.o[i], va, p0, p1);
     }
   };
-  R8Step<D, C> x, y;
+  Step x, y;
   issue(x);
   while (x.n) { /* two named steps, no copies: a copy would wait for the loads */
     issue(y);
@@ -938,18 +1039,19 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
 
 template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
-/* attend_r8_kernel's shared memory: the warps' states of the final merge */
+/* attend_reg_kernel's shared memory: the warps' states of the final merge */
 template <uint32_t D> constexpr size_t r8_smem() { return (size_t)kAttnWarps * 8 * (D + 2) * 4; }
 
 /* The kernel for a layer's bindings, and its shared memory */
-enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny };
+enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny, kPickNvfp4Ksm, kPickCount };
+static_assert(kPickCount == KVP__KERN_ATTEND_KINDS, "kernels.h counts the kernel kinds");
 template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
   switch (which) {
   case kPickBf16: *smem = attend_smem<D, 2>(); return attend_bf16_kernel<D>;
   case kPickFp8:
     if constexpr (D == 64 || D == 128) {
       *smem = r8_smem<D>();
-      return attend_r8_kernel<D, KVP__K_FP8>;
+      return attend_reg_kernel<D, KVP__K_FP8, false>;
     } else {
       *smem = attend_q_smem<D, KVP__K_FP8>();
       return attend_q_kernel<D, KVP__K_FP8>;
@@ -957,12 +1059,27 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
   case kPickInt8:
     if constexpr (D == 64 || D == 128) {
       *smem = r8_smem<D>();
-      return attend_r8_kernel<D, KVP__K_INT8>;
+      return attend_reg_kernel<D, KVP__K_INT8, false>;
     } else {
       *smem = attend_q_smem<D, KVP__K_INT8>();
       return attend_q_kernel<D, KVP__K_INT8>;
     }
-  case kPickNvfp4: *smem = attend_q_smem<D, KVP__K_NVFP4>(); return attend_q_kernel<D, KVP__K_NVFP4>;
+  case kPickNvfp4:
+    if constexpr (D == 64 || D == 128) {
+      *smem = r8_smem<D>();
+      return attend_reg_kernel<D, KVP__K_NVFP4, false>;
+    } else {
+      *smem = attend_q_smem<D, KVP__K_NVFP4>();
+      return attend_q_kernel<D, KVP__K_NVFP4>;
+    }
+  case kPickNvfp4Ksm: /* attend_kind gives it at head_dim 64 and 128 only */
+    if constexpr (D == 64 || D == 128) {
+      *smem = r8_smem<D>();
+      return attend_reg_kernel<D, KVP__K_NVFP4, true>;
+    } else {
+      *smem = attend_q_smem<D, KVP__K_NVFP4>();
+      return attend_q_kernel<D, KVP__K_NVFP4>;
+    }
   case kPickRaw: *smem = attend_smem<D, 1>(); return attend_kernel<D, KVP__K_RAW>;
   default: *smem = attend_smem<D, 1>(); return attend_kernel<D, kAnyCodec>;
   }
@@ -975,6 +1092,10 @@ inline int attend_kind(const kvp__kparams *p) {
   /* fp8, int8, nvfp4: K and V of one codec, and a raw tail (if any) the kernel's generic reader takes */
   const uint32_t kc = p[0].codec;
   const bool one = kc == p[2].codec && p[1].codec == KVP__K_RAW && p[3].codec == KVP__K_RAW;
+  /* nvfp4 in registers (head_dim 64, 128): K smoothing on K only */
+  const bool reg = p[0].head_dim == 64 || p[0].head_dim == 128;
+  if (one && kc == KVP__K_NVFP4 && reg)
+    return p[2].nvfp4_ksmooth ? kPickAny : p[0].nvfp4_ksmooth ? kPickNvfp4Ksm : kPickNvfp4;
   return raw && bf16                  ? kPickBf16
          : raw                        ? kPickRaw
          : one && kc == KVP__K_FP8    ? kPickFp8
@@ -998,7 +1119,7 @@ cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool 
 
 template <uint32_t D> cudaError_t attend_occupancy(uint32_t *occ) {
   cudaError_t e = cudaSuccess;
-  for (int w = kPickBf16; e == cudaSuccess && w <= kPickAny; w++) {
+  for (int w = kPickBf16; e == cudaSuccess && w < kPickCount; w++) {
     size_t smem;
     AttnFn<D> k = attend_pick<D>(w, &smem);
     int n = 0;
@@ -1017,7 +1138,7 @@ template <uint32_t D> cudaError_t attend_occupancy(uint32_t *occ) {
  * device current. */
 template <uint32_t D> static cudaError_t preload_d() {
   cudaError_t e = cudaSuccess;
-  for (int w = kvpk::kPickBf16; e == cudaSuccess && w <= kvpk::kPickAny; w++) {
+  for (int w = kvpk::kPickBf16; e == cudaSuccess && w < kvpk::kPickCount; w++) {
     size_t smem;
     kvpk::AttnFn<D> k = kvpk::attend_pick<D>(w, &smem);
     cudaFuncAttributes fa;
@@ -1032,7 +1153,7 @@ extern "C" uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]) { return (uin
 
 extern "C" uint32_t kvp__kern_attend_rec_bytes(uint32_t kind) {
   if (kind == kvpk::kPickBf16) return (uint32_t)sizeof(kvp__arec_raw);
-  if (kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4)
+  if (kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4 || kind == kvpk::kPickNvfp4Ksm)
     return (uint32_t)sizeof(kvp__arec_q);
   return (uint32_t)sizeof(kvp__gjob);
 }
@@ -1056,7 +1177,9 @@ extern "C" void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n) 
 
 extern "C" int kvp__kern_attend_zero_copy(uint32_t kind, uint32_t head_dim) {
   return kind == kvpk::kPickBf16 ||
-         ((kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8) && (head_dim == 64 || head_dim == 128));
+         ((kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4 ||
+           kind == kvpk::kPickNvfp4Ksm) &&
+          (head_dim == 64 || head_dim == 128));
 }
 
 extern "C" int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ) {

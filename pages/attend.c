@@ -123,13 +123,17 @@ static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, uint
     uint32_t first = n, r = recs_at[bh], end = recs_at[bh + 1];
     uint64_t total = 0;
     for (uint32_t i = r; i < end; i++) total += recs[i].m1 + 1u;
-    /* ceil(total / chunk) splits of about equal tokens (whole records) */
-    uint64_t parts = total ? (total + chunk - 1) / chunk : 1, even = (total + parts - 1) / parts;
+    /* at most ceil(total / chunk) splits of about equal tokens (whole
+     * records): split k ends at the record boundary nearest to k + 1 parts
+     * of the tokens, so the count is what wave_chunk planned for (one
+     * split more than the device holds at once would cost a second wave) */
+    uint64_t parts = total ? (total + chunk - 1) / chunk : 1, cum = 0;
     if (bh_split0) bh_split0[bh] = n;
     do { /* at least one split per bh: a head with no tokens writes zeros */
       uint32_t r0 = r;
-      uint64_t tok = 0;
-      while (r < end && (tok == 0 || tok + recs[r].m1 + 1u <= even)) tok += recs[r++].m1 + 1u;
+      uint64_t target = total * (n - first + 1) / parts;
+      while (r < end && (r == r0 || 2 * (cum + recs[r].m1 + 1u) <= 2 * target + recs[r].m1 + 1u))
+        cum += recs[r++].m1 + 1u;
       if (out) out[n] = (kvp__asplit){r0, r - r0, bh, 0};
       n++;
     } while (r < end);

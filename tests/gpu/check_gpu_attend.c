@@ -232,7 +232,8 @@ START_TEST(geometry) {
       {8, 64, 1, "kv=nvfp4"}, {2, 64, 8, "kv=kivi:bits=2:group=16"}, {4, 256, 4, "kv=fp8"},
       {2, 256, 8, "k=int8,v=nvfp4"}, {8, 128, 1, "kv=bf16"},      {4, 128, 8, "kv=int8"},
       {3, 128, 3, "kv=bf16"},     {8, 64, 1, "kv=fp8"},         {2, 64, 8, "k=fp8:scale=0.05,v=fp8"},
-      {4, 64, 4, "kv=int8"},
+      {4, 64, 4, "kv=int8"},      {4, 64, 4, "k=nvfp4:ksmooth=store,v=nvfp4"},
+      {4, 128, 4, "k=nvfp4,v=nvfp4:ksmooth=store"}, {2, 64, 8, "kv=nvfp4:ksmooth=store:rule=4/6"},
   };
   const uint32_t n = sizeof g / sizeof g[0];
   for (uint32_t i = 0; i < n; i++) {
