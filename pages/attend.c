@@ -113,16 +113,15 @@ static int attend_bindings(kvp_pool *pool, uint32_t layer, kvp__kparams kp[4]) {
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-/* Splits of the table: recs_at[bh] .. recs_at[bh + 1] are bh's records.
- * Writes them (NULL: counts) and returns their number; *slots: the
- * partial-result slots used. */
-static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, uint32_t nbh, uint32_t chunk,
-                            kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
+/* Splits of the table: recs_at[bh] .. recs_at[bh + 1] are bh's records,
+ * tok_of[bh] their tokens. Writes them (NULL: counts) and returns their
+ * number; *slots: the partial-result slots used. */
+static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, const uint64_t *tok_of, uint32_t nbh,
+                            uint32_t chunk, kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
   uint32_t n = 0, nslot = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
     uint32_t first = n, r = recs_at[bh], end = recs_at[bh + 1];
-    uint64_t total = 0;
-    for (uint32_t i = r; i < end; i++) total += recs[i].m1 + 1u;
+    uint64_t total = tok_of[bh];
     /* at most ceil(total / chunk) splits of about equal tokens (whole
      * records): split k ends at the record boundary nearest to k + 1 parts
      * of the tokens, so the count is what wave_chunk planned for (one
@@ -149,16 +148,14 @@ static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, uint
 /* The smallest split size (tokens, >= SPLIT_MIN_TOKENS) whose splits,
  * ceil(bh's tokens / size) per (sequence, KV head), fit in slots thread
  * blocks (or one split per bh when there are more bh than slots). */
-static uint64_t wave_chunk(const kvp__gjob *recs, const uint32_t *recs_at, uint32_t nbh, uint64_t tokens,
-                           uint32_t slots) {
+static uint64_t wave_chunk(const uint64_t *tok_of, uint32_t nbh, uint64_t tokens, uint32_t slots) {
   if (slots < nbh) slots = nbh;
   uint64_t ch = (tokens + slots - 1) / slots;
   if (ch < SPLIT_MIN_TOKENS) ch = SPLIT_MIN_TOKENS;
   for (int it = 0; it < 8; it++) {
     uint64_t n = 0, most = 0;
     for (uint32_t bh = 0; bh < nbh; bh++) {
-      uint64_t t = 0;
-      for (uint32_t i = recs_at[bh]; i < recs_at[bh + 1]; i++) t += recs[i].m1 + 1u;
+      uint64_t t = tok_of[bh];
       n += t ? (t + ch - 1) / ch : 1;
       if (t > most) most = t;
     }
@@ -177,8 +174,11 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
   kvp__attend_args a;
   memset(&a, 0, sizeof a);
   if ((rc = attend_bindings(pool, req->layer, a.p))) return rc;
-  uint32_t *recs_at = kvp__meta_alloc(NULL, (size_t)(nbh + 1) * sizeof *recs_at);
-  if (!recs_at) return kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", req->batch);
+  /* scratch: each bh's first record (and the end), each bh's tokens */
+  size_t scratch = (size_t)(nbh + 1) * sizeof(uint32_t) + (size_t)nbh * sizeof(uint64_t);
+  uint64_t *tok_of = kvp__meta_alloc(NULL, scratch);
+  if (!tok_of) return kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", req->batch);
+  uint32_t *recs_at = (uint32_t *)(tok_of + nbh);
   kvp__dev_gather g;
   memset(&g, 0, sizeof g);
   attend_ctx c = {.pool = pool, .g = &g};
@@ -197,7 +197,9 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
       }
       recs_at[b * H + h] = (uint32_t)g.n;
       c.head = h;
+      uint64_t tok0 = c.tokens;
       kvp__walk_ranges(s, pool, req->layer, h, UINT64_MAX, attend_range, &c);
+      tok_of[b * H + h] = c.tokens - tok0;
       rc = c.rc;
     }
   }
@@ -207,9 +209,9 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
   if (!rc) {
     nrec = recs_at[nbh] = (uint32_t)g.n;
     uint64_t ch = req->split_tokens;
-    if (!ch) ch = wave_chunk(g.recs, recs_at, nbh, c.tokens, kvp__dev_attend_slots(pool, a.p));
+    if (!ch) ch = wave_chunk(tok_of, nbh, c.tokens, kvp__dev_attend_slots(pool, a.p));
     chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
-    nsplit = make_splits(g.recs, recs_at, nbh, chunk, NULL, NULL, &nslot);
+    nsplit = make_splits(g.recs, recs_at, tok_of, nbh, chunk, NULL, NULL, &nslot);
     /* the table: the kernel's records (rb bytes each), the splits, their index */
     off_splits = align_up((uint64_t)nrec * rb, 16);
     off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
@@ -230,7 +232,7 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
     if (!kvp__dev_gather_slot(pool, &g)) rc = kvp__err(KVP_ENOMEM, "attention block table");
   if (!rc) {
     char *t = (char *)g.recs;
-    make_splits(g.recs, recs_at, nbh, chunk, (kvp__asplit *)(t + gj_bytes),
+    make_splits(g.recs, recs_at, tok_of, nbh, chunk, (kvp__asplit *)(t + gj_bytes),
                 (uint32_t *)(t + gj_bytes + (uint64_t)nsplit * sizeof(kvp__asplit)), &nslot);
     if (rb != sizeof(kvp__gjob)) {
       kvp__kern_attend_compact(kind, t, nrec);
@@ -251,7 +253,7 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
   }
   kvp__dev_gather_end(pool, &g);
   kvp__rcu_read_unlock();
-  kvp__meta_free(NULL, recs_at, (size_t)(nbh + 1) * sizeof *recs_at);
+  kvp__meta_free(NULL, tok_of, scratch);
   return rc;
 }
 
