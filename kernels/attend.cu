@@ -385,6 +385,9 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
   }
 }
 
+/* attend_reg_kernel's merge states: [warps][8 heads][m, l, acc[D]] f32 */
+template <uint32_t D> __host__ __device__ constexpr size_t r8_merge_bytes() { return (size_t)kAttnWarps * 8 * (D + 2) * 4; }
+
 /* attend_reg_kernel's O^T rows: channel of accumulator o[i][e] of lane gr */
 template <uint32_t D> KVP_D uint32_t r8_channel(uint32_t gr, uint32_t i, uint32_t e) {
   return gr * (D / 8) + 2 * i + (e & 2u ? 1u : 0u);
@@ -753,10 +756,18 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
  * step's end read its last row again (a valid one) and weigh 0. A RAW tail
  * record is read element by element at its turn (one block per
  * (sequence, head) at most). */
-template <uint32_t C> __host__ __device__ constexpr uint32_t reg_code_bits() { return C == KVP__K_NVFP4 ? 4 : 8; }
+/* attend_reg_kernel's C beside the codec ids: kivi with per-channel K and
+ * per-token V of 2 or 4 bits */
+constexpr uint32_t kKivi2 = 0x102u, kKivi4 = 0x104u;
+
+template <uint32_t C> __host__ __device__ constexpr uint32_t reg_code_bits() {
+  return C == KVP__K_NVFP4 ? 4 : C == kKivi2 ? 2 : C == kKivi4 ? 4 : 8;
+}
+template <uint32_t C> __host__ __device__ constexpr bool reg_kivi() { return C == kKivi2 || C == kKivi4; }
 
 template <uint32_t D, uint32_t C> struct RegStep {
-  static constexpr uint32_t KW = D * reg_code_bits<C>() / 128, VW = D * reg_code_bits<C>() / 256;
+  static constexpr uint32_t KW = D * reg_code_bits<C>() / 128;
+  static constexpr uint32_t VW = D * reg_code_bits<C>() / 256 ? D * reg_code_bits<C>() / 256 : 1;
   uint32_t k[2][KW];  /* group j: token 8 j + gr, channels [qd D/4, (qd + 1) D/4) */
   uint32_t v[4][VW];  /* tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd: channels [gr D/8, (gr + 1) D/8) */
   float ks[4], vs[4]; /* fp8, int8: the per-token scales of tokens 2 qd, 2 qd + 1, 8 + 2 qd, 9 + 2 qd;
@@ -764,6 +775,8 @@ template <uint32_t D, uint32_t C> struct RegStep {
   uint32_t kg[2];     /* nvfp4: the E4M3 scales of group j's K channels (D = 128: two groups, byte each) */
   uint32_t vg;        /* nvfp4: the E4M3 scales of the four V tokens, a byte each */
   float gk;           /* nvfp4: K's g */
+  uint32_t vr[4];     /* kivi: the four V tokens' records (fp16 scale, fp16 min) */
+  uint32_t buf;       /* kivi: the warp's stage buffer holding the step's K group records */
   const uint8_t *tk, *tv; /* a RAW tail's K and V rows (tk != NULL), first row of the step */
   uint32_t n;             /* tokens, 0: no step */
 };
@@ -821,6 +834,22 @@ template <uint32_t HI> KVP_D uint32_t e2m1x2_f16(uint32_t w, uint32_t s2) {
   return h;
 }
 
+/* Two kivi codes (the low KB bits of lo and of hi) as fp16x2, exactly:
+ * 1024 + c in fp16's bits, less 1024 */
+template <uint32_t KB> KVP_D uint32_t kivi_codes2_f16(uint32_t lo, uint32_t hi) {
+  constexpr uint32_t Q = (1u << KB) - 1;
+  uint32_t h = (lo & Q) | (hi & Q) << 16 | 0x64006400u;
+  asm("sub.rn.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x64006400u));
+  return h;
+}
+
+/* c s + m, fp16x2, one rounding */
+KVP_D uint32_t kivi_fma_f16(uint32_t c, uint32_t s, uint32_t m) {
+  uint32_t d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(c), "r"(s), "r"(m));
+  return d;
+}
+
 /* An E4M3 code as fp16 in both halves (exact) */
 KVP_D uint32_t e4m3_f16x2(uint32_t c) {
   const float f = fp8_to_f32(c & 0xFFu);
@@ -834,7 +863,8 @@ template <uint32_t D, uint32_t C, bool KSM>
 __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __grid_constant__ AttnArgs a) {
   using Step = RegStep<D, C>;
   constexpr uint32_t KS = D / 16, KW = Step::KW, VW = Step::VW;
-  constexpr bool FP4 = C == KVP__K_NVFP4;
+  constexpr bool FP4 = C == KVP__K_NVFP4, KIVI = reg_kivi<C>();
+  constexpr uint32_t KB = reg_code_bits<C>();
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
@@ -864,6 +894,11 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
   acc_init(st);
   const uint32_t vtok[4] = {2 * qd, 2 * qd + 1, 8 + 2 * qd, 9 + 2 * qd};
   constexpr uint32_t RB = D * reg_code_bits<C>() / 8, NSC = D / 16; /* code bytes a row; nvfp4 scales a row */
+  /* kivi: each warp's two buffers of one K group's records (D x 4 bytes),
+   * after the merge's states; the step's group comes by cp.async */
+  uint32_t *kst = (uint32_t *)(smem + r8_merge_bytes<D>()) + (size_t)warp * 2 * D;
+  uint32_t kbuf = 0;
+  const uint32_t GK = KIVI ? a.p[0].kivi_group : 1u, GV = KIVI ? a.p[2].kivi_group : 1u;
 
   RecStream<2> rs;
   rs.init((const kvp__arec_q *)a.recs + sp.rec0, sp.nrec, warp, lane);
@@ -876,7 +911,9 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
       o.n = 0;
       return;
     }
-    const uint32_t n = min(kTile, fr.m - fib), t = fr.t0 + fib;
+    const uint32_t t = fr.t0 + fib;
+    /* kivi: a step stays in one K group (its records fold into Q) */
+    const uint32_t n = KIVI && !(fr.tag & 1u) ? min(min(kTile, fr.m - fib), GK - t % GK) : min(kTile, fr.m - fib);
     o.n = n;
     const uint8_t *kc = (const uint8_t *)a.base + (uint64_t)fr.page[0][0] * 64,
                   *vc = (const uint8_t *)a.base + (uint64_t)fr.page[1][0] * 64;
@@ -893,8 +930,23 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
       for (uint32_t j = 0; j < 2; j++)
         ld_words<KW>(kc + (size_t)(t + min(8 * j + gr, n - 1)) * RB + qd * (RB / 4), o.k[j]);
 #pragma unroll
-      for (uint32_t e = 0; e < 4; e++) ld_words<VW>(vc + (size_t)(t + min(vtok[e], n - 1)) * RB + gr * (RB / 8), o.v[e]);
-      if constexpr (FP4) {
+      for (uint32_t e = 0; e < 4; e++) {
+        const uint8_t *vp = vc + (size_t)(t + min(vtok[e], n - 1)) * RB + gr * (RB / 8);
+        if constexpr (RB / 8 == 2) o.v[e][0] = __ldg((const unsigned short *)vp); /* kivi-2 at head_dim 64 */
+        else ld_words<VW>(vp, o.v[e]);
+      }
+      if constexpr (KIVI) {
+        /* K: the group's records into the warp's stage buffer (D / 4 lanes, 16 bytes each) */
+        __syncwarp(); /* every lane is done with the buffer's last step */
+        o.buf = kbuf, kbuf ^= 1u;
+        const uint8_t *kr = ksc + (size_t)(t / GK) * D * 4;
+        if (lane < D / 4) cp_async16(smem_addr(kst + o.buf * D + 4 * lane), kr + 16 * lane, 16u);
+#pragma unroll
+        for (uint32_t e = 0; e < 4; e++)
+          o.vr[e] = __ldg((const uint32_t *)(vsc + ((size_t)(t + min(vtok[e], n - 1)) * (D / GV) + gr * (D / 8) / GV) * 4));
+#pragma unroll
+        for (int e = 0; e < 4; e++) o.ks[e] = o.vs[e] = 1.0f;
+      } else if constexpr (FP4) {
         const float gk = __ldg((const float *)((const uint8_t *)a.base + (uint64_t)fr.page[0][2] * 64)),
                     gv = __ldg((const float *)((const uint8_t *)a.base + (uint64_t)fr.page[1][2] * 64));
 #pragma unroll
@@ -923,8 +975,13 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
         }
       }
     }
-    fib += kTile;
+    fib += n;
     if (fib >= fr.m) fib = 0, have = rec_next(rs, lane, fr); /* on to the warp's next record */
+  };
+  /* kivi: one cp.async group per issue, empty or not, so a compute waits for its own */
+  auto issue_step = [&](Step &o) {
+    issue(o);
+    if constexpr (KIVI) cp_async_commit();
   };
   auto compute = [&](const Step &c) {
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -958,6 +1015,30 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
       }
       return;
     }
+    /* kivi: K's group records fold into Q (q s per channel, fp16) and a bias
+     * sum(q m) per query head: q . (c s + m) = (q s) . c + q . m */
+    uint32_t qs[KS][2];
+    float kbias = 0.0f;
+    if constexpr (KIVI) {
+      cp_async_wait<1>(); /* this step's group (the next step's may be in flight) */
+      __syncwarp();
+      const uint4 *rec = (const uint4 *)(kst + c.buf * D + qd * (D / 4));
+#pragma unroll
+      for (uint32_t k = 0; k < KS; k++) {
+        const uint4 r = rec[k]; /* channels 4k .. 4k + 3 of the lane's: (scale, min) fp16 pairs */
+        const uint32_t s01 = __byte_perm(r.x, r.y, 0x5410u), s23 = __byte_perm(r.z, r.w, 0x5410u);
+        const uint32_t m01 = __byte_perm(r.x, r.y, 0x7632u), m23 = __byte_perm(r.z, r.w, 0x7632u);
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(qs[k][0]) : "r"(qa[k][0]), "r"(s01));
+        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(qs[k][1]) : "r"(qa[k][1]), "r"(s23));
+        /* the bias in f32: q . m may dwarf the part the codes carry */
+        kbias += (f16_to_f32(qa[k][0] & 0xFFFFu) * f16_to_f32(m01 & 0xFFFFu) +
+                  f16_to_f32(qa[k][0] >> 16) * f16_to_f32(m01 >> 16)) +
+                 (f16_to_f32(qa[k][1] & 0xFFFFu) * f16_to_f32(m23 & 0xFFFFu) +
+                  f16_to_f32(qa[k][1] >> 16) * f16_to_f32(m23 >> 16));
+      }
+      kbias += __shfl_xor_sync(0xFFFFFFFFu, kbias, 1);
+      kbias += __shfl_xor_sync(0xFFFFFFFFu, kbias, 2);
+    }
 #pragma unroll
     for (uint32_t j = 0; j < 2; j++) {
       uint32_t sc2[2] = {0u, 0u}; /* nvfp4: the lane's K group scales, fp16 in both halves */
@@ -971,13 +1052,19 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
         if constexpr (FP4) { /* channels 4k .. 4k + 3 of the lane's: bytes 2k, 2k + 1 */
           const uint32_t x = c.k[j][k / 2] >> (16 * (k % 2)), s2 = sc2[k / 4];
           b0 = e2m1x2_f16<4>(x, s2), b1 = e2m1x2_f16<4>(x >> 8, s2);
+        } else if constexpr (KIVI) { /* channels 4k .. 4k + 3 of the lane's: 4 KB bits from bit 4 KB k */
+          const uint32_t x = c.k[j][(4 * KB * k) / 32] >> ((4 * KB * k) % 32);
+          b0 = kivi_codes2_f16<KB>(x, x >> KB), b1 = kivi_codes2_f16<KB>(x >> (2 * KB), x >> (3 * KB));
         } else {
           codes4_f16_fast<C>(c.k[j][k], b0, b1);
         }
-        const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
+        const uint32_t qk[4] = {KIVI ? qs[k][0] : qa[k][0], 0u, KIVI ? qs[k][1] : qa[k][1], 0u};
         mma16816(s[j], qk, b0, b1);
       }
     }
+    if (KIVI)
+#pragma unroll
+      for (uint32_t j = 0; j < 2; j++) s[j][0] += kbias, s[j][1] += kbias;
     if (KSM) { /* q . (e s g + mean) = g (q . e s) + mean sum(q) */
       s[0][0] = __fadd_rn(__fmul_rn(s[0][0], c.gk), __fmul_rn(c.ks[0], qsum));
       s[0][1] = __fadd_rn(__fmul_rn(s[0][1], c.gk), __fmul_rn(c.ks[1], qsum));
@@ -992,7 +1079,15 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
 #pragma unroll
     for (uint32_t i = 0; i < KS; i++) {
       uint32_t va[4];
-      if constexpr (FP4) { /* channels 2i, 2i + 1 of the lane's: byte i, two tokens' side by side */
+      if constexpr (KIVI) { /* channels 2i, 2i + 1 of the lane's: KB bits from bit 2 KB i, c s + m in fp16 */
+        const uint32_t w = (2 * KB * i) / 32, sh = (2 * KB * i) % 32;
+        const uint32_t s01 = __byte_perm(c.vr[0], c.vr[1], 0x5410u), m01 = __byte_perm(c.vr[0], c.vr[1], 0x7632u);
+        const uint32_t s23 = __byte_perm(c.vr[2], c.vr[3], 0x5410u), m23 = __byte_perm(c.vr[2], c.vr[3], 0x7632u);
+        va[0] = kivi_fma_f16(kivi_codes2_f16<KB>(c.v[0][w] >> sh, c.v[1][w] >> sh), s01, m01);
+        va[1] = kivi_fma_f16(kivi_codes2_f16<KB>(c.v[0][w] >> (sh + KB), c.v[1][w] >> (sh + KB)), s01, m01);
+        va[2] = kivi_fma_f16(kivi_codes2_f16<KB>(c.v[2][w] >> sh, c.v[3][w] >> sh), s23, m23);
+        va[3] = kivi_fma_f16(kivi_codes2_f16<KB>(c.v[2][w] >> (sh + KB), c.v[3][w] >> (sh + KB)), s23, m23);
+      } else if constexpr (FP4) { /* channels 2i, 2i + 1 of the lane's: byte i, two tokens' side by side */
         const uint32_t sel = (i % 4) | (4 + i % 4) << 4;
         const uint32_t y01 = __byte_perm(c.v[0][i / 4], c.v[1][i / 4], sel),
                        y23 = __byte_perm(c.v[2][i / 4], c.v[3][i / 4], sel);
@@ -1007,14 +1102,15 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
     }
   };
   Step x, y;
-  issue(x);
+  issue_step(x);
   while (x.n) { /* two named steps, no copies: a copy would wait for the loads */
-    issue(y);
+    issue_step(y);
     compute(x);
     if (!y.n) break;
-    issue(x);
+    issue_step(x);
     compute(y);
   }
+  if constexpr (KIVI) cp_async_wait<0>();
   cta_merge<D, true>(a, sp, st, smem);
 }
 
@@ -1039,11 +1135,13 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
 
 template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
-/* attend_reg_kernel's shared memory: the warps' states of the final merge */
-template <uint32_t D> constexpr size_t r8_smem() { return (size_t)kAttnWarps * 8 * (D + 2) * 4; }
+/* attend_reg_kernel's shared memory: the warps' states of the final merge
+ * (kivi: then two buffers of K group records per warp) */
+template <uint32_t D> constexpr size_t r8_smem() { return r8_merge_bytes<D>(); }
+template <uint32_t D> constexpr size_t kivi_smem() { return r8_merge_bytes<D>() + (size_t)kAttnWarps * 2 * D * 4; }
 
 /* The kernel for a layer's bindings, and its shared memory */
-enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny, kPickNvfp4Ksm, kPickCount };
+enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny, kPickNvfp4Ksm, kPickKivi2, kPickKivi4, kPickCount };
 static_assert(kPickCount == KVP__KERN_ATTEND_KINDS, "kernels.h counts the kernel kinds");
 template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
   switch (which) {
@@ -1072,6 +1170,15 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
       *smem = attend_q_smem<D, KVP__K_NVFP4>();
       return attend_q_kernel<D, KVP__K_NVFP4>;
     }
+  case kPickKivi2: /* attend_kind gives the kivi kinds at head_dim 64 and 128 only */
+  case kPickKivi4:
+    if constexpr (D == 64 || D == 128) {
+      *smem = kivi_smem<D>();
+      return which == kPickKivi2 ? attend_reg_kernel<D, kKivi2, false> : attend_reg_kernel<D, kKivi4, false>;
+    } else {
+      *smem = attend_smem<D, 1>();
+      return attend_kernel<D, kAnyCodec>;
+    }
   case kPickNvfp4Ksm: /* attend_kind gives it at head_dim 64 and 128 only */
     if constexpr (D == 64 || D == 128) {
       *smem = r8_smem<D>();
@@ -1096,6 +1203,10 @@ inline int attend_kind(const kvp__kparams *p) {
   const bool reg = p[0].head_dim == 64 || p[0].head_dim == 128;
   if (one && kc == KVP__K_NVFP4 && reg)
     return p[2].nvfp4_ksmooth ? kPickAny : p[0].nvfp4_ksmooth ? kPickNvfp4Ksm : kPickNvfp4;
+  /* kivi in registers: per-channel K, per-token V, one width, a lane's V channels in one group */
+  if (one && kc == KVP__K_KIVI && reg && p[0].kivi_kv == 0 && p[2].kivi_kv == 1 && p[0].kivi_bits == p[2].kivi_bits &&
+      p[0].kivi_group >= 1 && p[2].kivi_group % (p[0].head_dim / 8) == 0)
+    return p[0].kivi_bits == 2 ? kPickKivi2 : kPickKivi4;
   return raw && bf16                  ? kPickBf16
          : raw                        ? kPickRaw
          : one && kc == KVP__K_FP8    ? kPickFp8
@@ -1153,7 +1264,8 @@ extern "C" uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]) { return (uin
 
 extern "C" uint32_t kvp__kern_attend_rec_bytes(uint32_t kind) {
   if (kind == kvpk::kPickBf16) return (uint32_t)sizeof(kvp__arec_raw);
-  if (kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4 || kind == kvpk::kPickNvfp4Ksm)
+  if (kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4 || kind == kvpk::kPickNvfp4Ksm ||
+      kind == kvpk::kPickKivi2 || kind == kvpk::kPickKivi4)
     return (uint32_t)sizeof(kvp__arec_q);
   return (uint32_t)sizeof(kvp__gjob);
 }
@@ -1178,7 +1290,7 @@ extern "C" void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n) 
 extern "C" int kvp__kern_attend_zero_copy(uint32_t kind, uint32_t head_dim) {
   return kind == kvpk::kPickBf16 ||
          ((kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4 ||
-           kind == kvpk::kPickNvfp4Ksm) &&
+           kind == kvpk::kPickNvfp4Ksm || kind == kvpk::kPickKivi2 || kind == kvpk::kPickKivi4) &&
           (head_dim == 64 || head_dim == 128));
 }
 

@@ -132,7 +132,7 @@ int kvp__kern_attend_preload(void);
  * many of each kind's thread blocks fit on one SM of the current device at
  * head_dim (occ[KVP__KERN_ATTEND_KINDS], 0 where head_dim is not one the
  * kernels take). */
-#define KVP__KERN_ATTEND_KINDS 7u
+#define KVP__KERN_ATTEND_KINDS 9u
 uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]);
 /* The records of a call's table, by kernel kind: the raw bf16 and the
  * fp8/int8/nvfp4 kernels read compact ones (the fields they use: the table

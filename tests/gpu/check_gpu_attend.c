@@ -234,6 +234,8 @@ START_TEST(geometry) {
       {3, 128, 3, "kv=bf16"},     {8, 64, 1, "kv=fp8"},         {2, 64, 8, "k=fp8:scale=0.05,v=fp8"},
       {4, 64, 4, "kv=int8"},      {4, 64, 4, "k=nvfp4:ksmooth=store,v=nvfp4"},
       {4, 128, 4, "k=nvfp4,v=nvfp4:ksmooth=store"}, {2, 64, 8, "kv=nvfp4:ksmooth=store:rule=4/6"},
+      {4, 128, 4, "k=kivi:bits=4:group=16,v=kivi:bits=4:group=32"}, {4, 64, 4, "kv=kivi:bits=4:group=16"},
+      {8, 128, 1, "k=kivi:bits=2:group=16,v=kivi:bits=2:group=64"},
   };
   const uint32_t n = sizeof g / sizeof g[0];
   for (uint32_t i = 0; i < n; i++) {
