@@ -9,15 +9,22 @@
  * kAttnThreads runs one split for the G = n_q_heads / n_kv_heads query
  * heads that share the KV head (GQA: each K/V row is read once for all G).
  *
- * Each warp takes the split's records in turn (the next record's fields
- * loaded while the current one runs) and walks a record 16 tokens at a
- * time; the layer's bindings pick one of the kernels below:
+ * Each warp takes records of the split (attend_bf16_kernel and
+ * attend_reg_kernel: a contiguous run, read 32 at a time by RecStream, so
+ * the table may stay in pinned host memory; the others: every fourth, the
+ * next one's fields loaded while the current one runs) and walks a record
+ * 16 tokens at a time; the layer's bindings pick one of the kernels below:
  *   - raw bf16 pages (attend_bf16_kernel): the rows go to shared memory by
  *     cp.async one step ahead and enter the products as they are;
- *   - fp8, int8, nvfp4 on both sides (attend_q_kernel): the code rows go
- *     to shared memory by cp.async one step ahead, then to fp16 tiles
- *     (fp8 and int8: the codes exactly, their per-token scales applied to
- *     the scores and the probabilities; nvfp4: the codec's row8s reader);
+ *   - fp8, int8, nvfp4 and kivi (one width, per-channel K, per-token V) on
+ *     both sides at head_dim 64 and 128 (attend_reg_kernel): the codes go
+ *     from global memory straight into the registers of the matrix
+ *     fragments one step ahead (see its comment);
+ *   - fp8, int8, nvfp4 on both sides at head_dim 32 and 256
+ *     (attend_q_kernel): the code rows go to shared memory by cp.async one
+ *     step ahead, then to fp16 tiles (fp8 and int8: the codes exactly,
+ *     their per-token scales applied to the scores and the probabilities;
+ *     nvfp4: the codec's row8s reader);
  *   - any other (attend_kernel): the codec's <codec>_row8 reader (8
  *     elements of a row, the host decode's f32 bit for bit) fills fp16
  *     tiles straight from the pages.
