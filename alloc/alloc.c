@@ -8,18 +8,21 @@
  *                      bytes when it shrinks in place
  *   ledger.allocated = sum over live slab slots of their class size
  *                    + sum over LARGE extents of their bytes (no class rounding)
+ *                    (live slots = slots taken in the bitmaps - cached slots)
  *   ledger.committed = bytes of SLAB and LARGE extents = ext.used_bytes
- *   ledger.pages     = used slots + LARGE extents
+ *   ledger.pages     = live slots + LARGE extents
+ *   every cached slot: a taken slot of a slab of its class, in one cache once
  *   ledger.allocated <= ledger.budget (and peak too), committed <= reserved
  *
  * Order of every mutation: validate, check the budget, reserve metadata
  * (the sequence's stats slot), take the bytes, then count them. Anything that
  * fails before the last step leaves the allocator as it was.
  *
- * Cost of the fast path (small class, current slab has room): a table lookup
- * for the class, a budget compare, the slab take (see slab.c), the sequence
- * slot probe and the per-tag counters: no locks of its own (the caller holds
- * the pool's writer lock), no system calls.
+ * Cost of the fast path (small class, a slot in the class's cache): a table
+ * lookup for the class, a budget compare, a pop (a free: a push) on the
+ * cache, the sequence slot probe and the per-tag counters: no slab touched,
+ * no locks of its own (the caller holds the pool's writer lock), no system
+ * calls. The bitmaps are searched a half cache at a time (kvp__bin_refill).
  */
 #include "slab.h"
 
@@ -59,7 +62,7 @@ uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
   uint64_t room = a->ledger.reserved_bytes - a->ledger.committed.current;
   for (uint32_t c = 0; c < a->nsmall; c++) {
     uint64_t size = kvp__sc_size(c), nslots = a->class_slab_bytes[c] / size;
-    room += (a->bins[c].nslabs * nslots - a->bins[c].nused) * size;
+    room += (a->bins[c].nslabs * nslots - a->bins[c].nused + a->bins[c].ncached) * size;
   }
   return room;
 }
@@ -71,7 +74,15 @@ bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
 /* Take size bytes (kvp__alloc_size of a request); *off receives the region
  * offset. */
 static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
-  if (KVP__LIKELY(size <= a->small_max_bytes)) return kvp__slab_take(a, kvp__sc_index(size), off);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) {
+    uint32_t sc = kvp__sc_index(size);
+    kvp__bin *b = &a->bins[sc];
+    if (KVP__LIKELY(b->ncached)) {
+      *off = b->cache[--b->ncached];
+      return KVP_OK;
+    }
+    return kvp__bin_refill(a, sc, off);
+  }
   kvp__extent *e = NULL;
   int rc = kvp__extent_alloc(&a->ext, size, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
   if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
@@ -179,6 +190,22 @@ int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__pag
   return rc ? refuse(a, rc, bytes) : KVP_OK;
 }
 
+/* A live page's bytes back: a slot on its class's cache, a large page's
+ * extent to the extents. */
+static void give_back(kvp__alloc *a, const kvp__page *p) {
+  uint64_t size = kvp__page_alloc_bytes(p);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) {
+    uint32_t sc = kvp__sc_index(size);
+    kvp__bin *b = &a->bins[sc];
+    if (KVP__LIKELY(b->ncached < b->cache_cap)) b->cache[b->ncached++] = p->off;
+    else kvp__bin_push_slow(a, sc, p->off);
+    return;
+  }
+  int rc = kvp__alloc_put(a, p->off, size);
+  kvp__assert(rc == KVP_OK);
+  (void)rc;
+}
+
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   if (!p) return kvp__err(KVP_EINVAL, "page is NULL");
   uint64_t size = kvp__page_alloc_bytes(p);
@@ -187,6 +214,12 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   if ((!small_ok && !large_ok) || !p->requested_bytes || p->requested_bytes > size)
     return kvp__err(KVP_EINVAL, "page at offset %llu: %llu allocated / %u requested bytes is not a page",
                     (unsigned long long)p->off, (unsigned long long)size, p->requested_bytes);
+  if (small_ok) { /* a live slot: validated here, then cached (its bytes stay taken in the bitmap) */
+    int rc = kvp__slab_check_live(a, p->off, kvp__page_class(p));
+    if (rc) return rc;
+    kvp__alloc_free_live(a, p);
+    return KVP_OK;
+  }
   kvp__ledger_begin(&a->ledger);
   int rc = kvp__alloc_put(a, p->off, size);
   if (!rc) {
@@ -195,6 +228,14 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   }
   kvp__ledger_end(&a->ledger);
   return rc;
+}
+
+void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p) {
+  kvp__ledger_begin(&a->ledger);
+  give_back(a, p);
+  kvp__alloc_count(a, p, -1);
+  kvp__count_add(&a->ledger.frees, 1);
+  kvp__ledger_end(&a->ledger);
 }
 
 /* Large page whose extent can take the following free extent. */
@@ -278,6 +319,10 @@ int kvp__alloc_check(const kvp__alloc *a) {
       return kvp__err(KVP_ECORRUPT, "class %u: %llu used slots in %llu slabs, bin says %llu in %llu", c,
                       (unsigned long long)per_class_used[c], (unsigned long long)per_class_slabs[c],
                       (unsigned long long)a->bins[c].nused, (unsigned long long)a->bins[c].nslabs);
+  uint64_t ncached = 0;
+  if ((rc = kvp__bins_check(a, &ncached))) return rc;
+  for (uint32_t c = 0; c < KVP__SC_SMALL_COUNT; c++) allocated -= a->bins[c].ncached * kvp__sc_size(c);
+  nused -= ncached; /* cached slots are free slots to the ledger */
   const kvp__ledger *l = &a->ledger;
   if (allocated != l->allocated.current)
     return kvp__err(KVP_ECORRUPT, "ledger allocated %llu, slabs and extents hold %llu",

@@ -241,11 +241,29 @@ typedef struct kvp__slab {
   uint64_t bitmap[];              /* bit set = slot free */
 } kvp__slab;
 
+/* A bin: the slabs of one class, and in front of their bitmaps a stack of
+ * free slots (the cache, as jemalloc's tcache bins and mimalloc's page free
+ * lists): a page freed goes on top, an allocation takes the top, so the
+ * fast path touches no slab. Cached slots are taken in their slabs'
+ * bitmaps (bit clear) but belong to no page: the ledger does not count
+ * them as allocated, kvp__alloc_check verifies each one. The stack is
+ * filled from the bitmaps cache_cap / 2 slots at a time (from the current
+ * slab only, so it never makes a slab a single allocation would not have
+ * made) and, when full, flushed by its older half back to them; it holds
+ * at most one slab's slots (up to KVP__BIN_CACHE_MAX), and every cache is
+ * flushed before the region is declared full, before a transaction's
+ * undo takes slots back at their offsets, and at destroy. */
+#define KVP__BIN_CACHE_MAX 32u
+
 typedef struct kvp__bin {
   kvp__slab *cur;    /* slab to allocate from; the empty sentinel if none */
   kvp__slab *avail;  /* other non-full slabs (doubly linked) */
   uint64_t nslabs;   /* slabs of this class */
-  uint64_t nused;    /* used slots of this class */
+  uint64_t nused;    /* slots of this class taken in the bitmaps: pages' slots plus ncached */
+  uint64_t *cache;   /* [cache_cap]: region offsets of cached free slots, oldest first; NULL until the class's first
+                        slab (and if that metadata could not be had: the class then runs without a cache) */
+  uint32_t ncached;  /* slots in cache */
+  uint32_t cache_cap; /* room of cache: min(KVP__BIN_CACHE_MAX, slots of a slab of the class); 0 without one */
 } kvp__bin;
 
 /* The shared sentinel: nfree = 0, so the fast path needs no NULL test. */
@@ -428,6 +446,9 @@ int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__pag
 /* Free a page. EINVAL if p does not name a live page (foreign offset, double
  * free, wrong class); nothing changes then. */
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
+/* Free a page its owner knows to be live (a raw page whose id matched):
+ * kvp__alloc_free without the validation. Cannot fail. */
+void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p);
 /* Resize p to bytes keeping min(old, new) bytes of payload (copied on
  * stream). In place when the class fits; else a new page is taken (the
  * budget must hold both while the move lasts), the payload copied, the old

@@ -74,10 +74,11 @@ KVP_API int kvp_page_free(kvp_pool *pool, kvp_page_id id) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
   kvp__rawslot *s = lookup(pool, id);
-  int rc = s ? kvp__alloc_free(&pool->alloc, &s->page)
+  int rc = s ? KVP_OK
              : kvp__err(KVP_ENOENT, "page id %#llx is not live (freed already, or never allocated)",
                         (unsigned long long)id);
   if (!rc) {
+    kvp__alloc_free_live(&pool->alloc, &s->page); /* the id matched: the page is live */
     s->live = false;
     s->gen++;
     s->next = pool->raw.free_head;
