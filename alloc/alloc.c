@@ -138,7 +138,8 @@ static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
                   (unsigned long long)a->ledger.reserved_bytes, (unsigned long long)a->ledger.committed.current);
 }
 
-void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
+/* kvp__alloc_count with a constant sign (inline on the fast paths). */
+static inline __attribute__((always_inline)) void count(kvp__alloc *a, const kvp__page *p, int sign) {
   uint64_t cls = kvp__page_alloc_bytes(p);
   if (sign > 0) {
     kvp__gauge_add(&a->ledger.requested, p->requested_bytes);
@@ -152,6 +153,11 @@ void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
   kvp__stats_count(a->stats, &p->tag, p->requested_bytes, cls, sign);
 }
 
+void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
+  if (sign > 0) count(a, p, +1);
+  else count(a, p, -1);
+}
+
 /* Allocate without validation or ledger section (callers hold it). */
 static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
   uint64_t size = kvp__alloc_size(a, bytes);
@@ -159,35 +165,38 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
   if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, tag->seq))) return KVP_ENOMEM;
   uint64_t off = 0;
   int rc = take(a, size, &off);
-  if (rc) return rc;
+  if (KVP__UNLIKELY(rc)) return rc;
   if (KVP__UNLIKELY(a->tx != NULL) && a->tx->space_freed && !a->tx->reused)
     a->tx->reused = kvp__alloc_tx_overlaps(a->tx, off, size);
   out->off = off;
   out->requested_bytes = (uint32_t)bytes;
   out->size8 = (uint32_t)(size >> 3);
   out->tag = *tag;
-  kvp__alloc_count(a, out, +1);
+  count(a, out, +1);
   kvp__count_add(&a->ledger.allocs, 1);
   return KVP_OK;
 }
 
-static int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
+static KVP__NOINLINE int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
   uint64_t size = kvp__alloc_size(a, bytes);
   if (rc == KVP_EBUDGET) return refuse_budget(a, bytes, size);
   if (rc == KVP_ENOSPC) return refuse_space(a, bytes, size);
   return rc; /* ENOMEM: message already set */
 }
 
-int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
   if (KVP__UNLIKELY(!bytes || bytes > KVP_MAX_PAGE_BYTES))
     return kvp__err(KVP_EINVAL, "page size %llu bytes: must be 1..%llu", (unsigned long long)bytes,
                     (unsigned long long)KVP_MAX_PAGE_BYTES);
-  int rc = check_tag(a, tag);
-  if (rc) return rc;
   kvp__ledger_begin(&a->ledger);
-  rc = alloc_locked(a, bytes, tag, out);
+  int rc = alloc_locked(a, bytes, tag, out);
   kvp__ledger_end(&a->ledger);
-  return rc ? refuse(a, rc, bytes) : KVP_OK;
+  return KVP__UNLIKELY(rc) ? refuse(a, rc, bytes) : KVP_OK;
+}
+
+int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  int rc = check_tag(a, tag);
+  return rc ? rc : kvp__alloc_page_tagged(a, bytes, tag, out);
 }
 
 /* A live page's bytes back: a slot on its class's cache, a large page's
@@ -233,7 +242,7 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
 void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p) {
   kvp__ledger_begin(&a->ledger);
   give_back(a, p);
-  kvp__alloc_count(a, p, -1);
+  count(a, p, -1);
   kvp__count_add(&a->ledger.frees, 1);
   kvp__ledger_end(&a->ledger);
 }

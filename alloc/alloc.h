@@ -292,8 +292,14 @@ void kvp__ledger_init(kvp__ledger *l, uint64_t reserved_bytes, uint64_t budget_b
 static inline bool kvp__ledger_fits(const kvp__ledger *l, uint64_t alloc_bytes) {
   return alloc_bytes <= l->budget_bytes - l->allocated.current;
 }
-void kvp__ledger_begin(kvp__ledger *l);
-void kvp__ledger_end(kvp__ledger *l);
+/* The writer's section: the count is odd inside (inline: twice per page). */
+static inline void kvp__ledger_begin(kvp__ledger *l) {
+  atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
+}
+static inline void kvp__ledger_end(kvp__ledger *l) {
+  atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_release);
+}
 /* The writer stores with relaxed atomics (plain moves on x86-64) so that the
  * readers' relaxed loads inside the sequence lock are not data races. Inline:
  * the allocation fast path moves four of these per page. */
@@ -443,6 +449,9 @@ static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {
 /* Allocate a tagged page of bytes (1..KVP_MAX_PAGE_BYTES). EINVAL, EBUDGET,
  * ENOSPC, ENOMEM; nothing changes on failure. */
 int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
+/* The same for a tag its caller has validated (a raw page's, checked
+ * against the pool's geometry): bytes are still checked. */
+int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
 /* Free a page. EINVAL if p does not name a live page (foreign offset, double
  * free, wrong class); nothing changes then. */
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);

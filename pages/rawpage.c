@@ -59,7 +59,7 @@ KVP_API int kvp_page_alloc(kvp_pool *pool, uint64_t bytes, const kvp_page_tag *t
   if (!pool->raw.free_head && (rc = grow_table(pool))) goto out;
   uint32_t idx = pool->raw.free_head;
   kvp__rawslot *s = &pool->raw.slots[idx - 1];
-  if ((rc = kvp__alloc_page(&pool->alloc, bytes, &t, &s->page))) goto out;
+  if ((rc = kvp__alloc_page_tagged(&pool->alloc, bytes, &t, &s->page))) goto out; /* t: checked by tag_in */
   pool->raw.free_head = s->next;
   s->live = true;
   s->next = 0;

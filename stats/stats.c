@@ -20,11 +20,7 @@
 
 #include <string.h>
 
-/* Single writer (the pool's writer lock): a relaxed load and store, plain
- * moves on x86-64, instead of a locked read-modify-write; readers still see
- * whole values. */
-#define ADD(field, n) \
-  atomic_store_explicit(&(field), atomic_load_explicit(&(field), memory_order_relaxed) + (n), memory_order_relaxed)
+/* The writer's counting (kvp__stats_count) is inline in stats.h. */
 
 static kvp__seq_table *table_new(kvp__meta *meta, uint32_t cap) {
   kvp__seq_table *t = kvp__meta_calloc(meta, sizeof *t + (size_t)cap * sizeof t->slot[0]);
@@ -122,8 +118,7 @@ static int seq_rehash(kvp__stats *st, uint32_t cap) {
   return KVP_OK;
 }
 
-int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
-  if (KVP__LIKELY(st->seq_last && slot_seq(st->seq_last) == seq)) return KVP_OK;
+int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   if (KVP__LIKELY(found)) return KVP_OK;
@@ -219,36 +214,12 @@ int kvp__stats_top_seqs(const kvp__stats *st, uint32_t n, kvp_seq_usage *out, ui
   return KVP_OK;
 }
 
-/* Branch-free (alloc and free alternate on the hot path; a branch on the
- * sign mispredicts): the deltas are added modulo 2^64. */
-static inline __attribute__((always_inline)) void usage_move(kvp__usage *u, uint64_t dreq, uint64_t dalloc,
-                                                             uint64_t dpages) {
-  ADD(u->requested_bytes, dreq);
-  ADD(u->allocated_bytes, dalloc);
-  ADD(u->npages, dpages);
-}
-
-void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_bytes, uint64_t allocated_bytes,
-                      int sign) {
-  uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
-  uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
-  usage_move(&st->page_types[tag->type], dreq, dalloc, dpages);
-  usage_move(&st->kv[tag->kv], dreq, dalloc, dpages);
-  usage_move(&st->codecs[tag->codec], dreq, dalloc, dpages);
-  usage_move(&st->layers[tag->layer], dreq, dalloc, dpages);
-  usage_move(&st->heads[tag->head], dreq, dalloc, dpages);
-  kvp__seq_usage *e = st->seq_last;
-  if (!e || slot_seq(e) != tag->seq) {
-    bool found;
-    e = seq_find(st->seqt, tag->seq, &found);
-    kvp__assert(found); /* reserved before the page was taken */
-    st->seq_last = e;
-  }
-  uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
-  atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
-  atomic_thread_fence(memory_order_release);
-  usage_move(&e->u, dreq, dalloc, dpages);
-  atomic_store_explicit(&e->ver, v + 2, memory_order_release);
+kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq) {
+  bool found;
+  kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
+  kvp__assert(found); /* reserved before the page was taken */
+  st->seq_last = e;
+  return e;
 }
 
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out) {

@@ -69,12 +69,55 @@ typedef struct kvp__stats {
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
 void kvp__stats_fini(kvp__stats *st);
 /* Make sure the tag's sequence has a slot, so the counting that follows
- * cannot fail. KVP_ENOMEM. Writer lock. */
-int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq);
+ * cannot fail. KVP_ENOMEM. Writer lock. Inline: the last sequence counted
+ * is one compare. */
+int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq);
+static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
+  if (KVP__LIKELY(st->seq_last && atomic_load_explicit(&st->seq_last->seq, memory_order_relaxed) == seq))
+    return KVP_OK;
+  return kvp__stats_reserve_seq_slow(st, seq);
+}
+/* The slot of a sequence that has one (reserved), remembered as the last
+ * one counted. Writer lock. */
+kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq);
+
+/* Single writer (the pool's writer lock): a relaxed load and store, plain
+ * moves on x86-64, instead of a locked read-modify-write; readers still see
+ * whole values. */
+static inline __attribute__((always_inline)) void kvp__usage_move(kvp__usage *u, uint64_t dreq, uint64_t dalloc,
+                                                                  uint64_t dpages) {
+  atomic_store_explicit(&u->requested_bytes, atomic_load_explicit(&u->requested_bytes, memory_order_relaxed) + dreq,
+                        memory_order_relaxed);
+  atomic_store_explicit(&u->allocated_bytes, atomic_load_explicit(&u->allocated_bytes, memory_order_relaxed) + dalloc,
+                        memory_order_relaxed);
+  atomic_store_explicit(&u->npages, atomic_load_explicit(&u->npages, memory_order_relaxed) + dpages,
+                        memory_order_relaxed);
+}
+
 /* Count a page in (sign +1) or out (-1) in every dimension of its tag.
- * The sequence slot must exist (reserve first). */
-void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_bytes,
-                      uint64_t allocated_bytes, int sign);
+ * The sequence slot must exist (reserve first). Inline, so that a constant
+ * sign folds: the deltas are added modulo 2^64. Cost: 18 loads and stores
+ * of the five fixed dimensions, the last sequence's slot (one compare; a
+ * probe of the table otherwise) under its sequence lock. */
+static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
+                                                                   uint64_t requested_bytes, uint64_t allocated_bytes,
+                                                                   int sign) {
+  uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
+  uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
+  kvp__usage_move(&st->page_types[tag->type], dreq, dalloc, dpages);
+  kvp__usage_move(&st->kv[tag->kv], dreq, dalloc, dpages);
+  kvp__usage_move(&st->codecs[tag->codec], dreq, dalloc, dpages);
+  kvp__usage_move(&st->layers[tag->layer], dreq, dalloc, dpages);
+  kvp__usage_move(&st->heads[tag->head], dreq, dalloc, dpages);
+  kvp__seq_usage *e = st->seq_last;
+  if (KVP__UNLIKELY(!e || atomic_load_explicit(&e->seq, memory_order_relaxed) != tag->seq))
+    e = kvp__stats_seq_slot(st, tag->seq);
+  uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
+  atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
+  kvp__usage_move(&e->u, dreq, dalloc, dpages);
+  atomic_store_explicit(&e->ver, v + 2, memory_order_release);
+}
 /* Read one usage into the public struct. */
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out);
 /* The slot of a sequence, or NULL. Writer lock, or inside
