@@ -338,7 +338,7 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   if (!p) return kvp__err(KVP_ENOMEM, "pool object");
   p->meta = meta;
   p->cfg = c;
-  pthread_mutex_init(&p->lock, NULL);
+  kvp__mutex_init(&p->lock);
   if ((rc = kvp__stats_init(&p->stats, c.n_layers, c.n_kv_heads, &p->meta))) goto fail;
   if ((rc = kvp__alloc_init(&p->alloc, c.memory, c.device, c.region_bytes, c.budget_bytes, c.flags, &p->stats, &p->meta))) {
     kvp__stats_fini(&p->stats);
@@ -375,7 +375,6 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   *out = p;
   return KVP_OK;
 fail:
-  pthread_mutex_destroy(&p->lock);
   kvp__meta_free(NULL, p, sizeof *p);
   return rc;
 }
@@ -394,7 +393,6 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
   kvp__stats_fini(&pool->stats);
-  pthread_mutex_destroy(&pool->lock);
   kvp__meta_free(NULL, pool, sizeof *pool);
 }
 
