@@ -766,10 +766,16 @@ START_TEST(check_detects_corruption) {
   p->alloc.ledger.allocated.current += 64;
   ck_status(kvp_check(p), KVP_ECORRUPT);
   p->alloc.ledger.allocated.current -= 64;
-  atomic_fetch_add(&p->stats.heads[0].requested_bytes, 1);
+  atomic_fetch_add(&p->stats.places[0].requested_bytes, 1); /* the cell of (layer 0, head 0) */
   ck_status(kvp_check(p), KVP_ECORRUPT);
-  ck_assert(strstr(kvp_last_error(), "head 0") != NULL);
-  atomic_fetch_sub(&p->stats.heads[0].requested_bytes, 1);
+  ck_assert(strstr(kvp_last_error(), "layer 0") != NULL);
+  atomic_fetch_sub(&p->stats.places[0].requested_bytes, 1);
+  ck_pool(p);
+  atomic_fetch_add(&p->stats.kinds[kvp__stats_kind(0, 1, KVP_PAGE_CODES)].npages, 1); /* V, no such page */
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  ck_assert(strstr(kvp_last_error(), "page type 1") != NULL);
+  atomic_fetch_sub(&p->stats.kinds[kvp__stats_kind(0, 1, KVP_PAGE_CODES)].npages, 1);
+  ck_pool(p);
   p->alloc.bins[kvp__sc_index(1000)].cur->bitmap[0] ^= 1; /* flip a slot */
   ck_status(kvp_check(p), KVP_ECORRUPT);
   p->alloc.bins[kvp__sc_index(1000)].cur->bitmap[0] ^= 1;
