@@ -139,18 +139,22 @@ static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
 }
 
 /* kvp__alloc_count with a constant sign (inline on the fast paths). */
-static inline __attribute__((always_inline)) void count(kvp__alloc *a, const kvp__page *p, int sign) {
-  uint64_t cls = kvp__page_alloc_bytes(p);
+static inline __attribute__((always_inline)) void count_as(kvp__alloc *a, const kvp__tag *tag, uint64_t req,
+                                                            uint64_t cls, int sign) {
   if (sign > 0) {
-    kvp__gauge_add(&a->ledger.requested, p->requested_bytes);
+    kvp__gauge_add(&a->ledger.requested, req);
     kvp__gauge_add(&a->ledger.allocated, cls);
     kvp__gauge_add(&a->ledger.pages, 1);
   } else {
-    kvp__gauge_sub(&a->ledger.requested, p->requested_bytes);
+    kvp__gauge_sub(&a->ledger.requested, req);
     kvp__gauge_sub(&a->ledger.allocated, cls);
     kvp__gauge_sub(&a->ledger.pages, 1);
   }
-  kvp__stats_count(a->stats, &p->tag, p->requested_bytes, cls, sign);
+  kvp__stats_count(a->stats, tag, req, cls, sign);
+}
+
+static inline __attribute__((always_inline)) void count(kvp__alloc *a, const kvp__page *p, int sign) {
+  count_as(a, &p->tag, p->requested_bytes, kvp__page_alloc_bytes(p), sign);
 }
 
 void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
@@ -160,9 +164,11 @@ void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
 
 /* Allocate without validation or ledger section (callers hold it). */
 static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  const kvp__tag t = *tag; /* counted from this copy, not from the page just written (a load of bytes of a wide
+                              store that has not left the core stalls until it has) */
   uint64_t size = kvp__alloc_size(a, bytes);
   if (KVP__UNLIKELY(!kvp__ledger_fits(&a->ledger, size))) return KVP_EBUDGET;
-  if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, tag->seq))) return KVP_ENOMEM;
+  if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, t.seq))) return KVP_ENOMEM;
   uint64_t off = 0;
   int rc = take(a, size, &off);
   if (KVP__UNLIKELY(rc)) return rc;
@@ -171,8 +177,8 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
   out->off = off;
   out->requested_bytes = (uint32_t)bytes;
   out->size8 = (uint32_t)(size >> 3);
-  out->tag = *tag;
-  count(a, out, +1);
+  out->tag = t;
+  count_as(a, &t, bytes, size, +1);
   kvp__count_add(&a->ledger.allocs, 1);
   return KVP_OK;
 }
