@@ -138,23 +138,8 @@ static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
                   (unsigned long long)a->ledger.reserved_bytes, (unsigned long long)a->ledger.committed.current);
 }
 
-/* kvp__alloc_count with a constant sign (inline on the fast paths). */
-static inline __attribute__((always_inline)) void count_as(kvp__alloc *a, const kvp__tag *tag, uint64_t req,
-                                                            uint64_t cls, int sign) {
-  if (sign > 0) {
-    kvp__gauge_add(&a->ledger.requested, req);
-    kvp__gauge_add(&a->ledger.allocated, cls);
-    kvp__gauge_add(&a->ledger.pages, 1);
-  } else {
-    kvp__gauge_sub(&a->ledger.requested, req);
-    kvp__gauge_sub(&a->ledger.allocated, cls);
-    kvp__gauge_sub(&a->ledger.pages, 1);
-  }
-  kvp__stats_count(a->stats, tag, req, cls, sign);
-}
-
 static inline __attribute__((always_inline)) void count(kvp__alloc *a, const kvp__page *p, int sign) {
-  count_as(a, &p->tag, p->requested_bytes, kvp__page_alloc_bytes(p), sign);
+  kvp__alloc_count_as(a, &p->tag, p->requested_bytes, kvp__page_alloc_bytes(p), sign);
 }
 
 void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
@@ -178,7 +163,7 @@ static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp_
   out->requested_bytes = (uint32_t)bytes;
   out->size8 = (uint32_t)(size >> 3);
   out->tag = t;
-  count_as(a, &t, bytes, size, +1);
+  kvp__alloc_count_as(a, &t, bytes, size, +1);
   kvp__count_add(&a->ledger.allocs, 1);
   return KVP_OK;
 }
@@ -190,7 +175,7 @@ static KVP__NOINLINE int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
   return rc; /* ENOMEM: message already set */
 }
 
-int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+int kvp__alloc_page_tagged_slow(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
   if (KVP__UNLIKELY(!bytes || bytes > KVP_MAX_PAGE_BYTES))
     return kvp__err(KVP_EINVAL, "page size %llu bytes: must be 1..%llu", (unsigned long long)bytes,
                     (unsigned long long)KVP_MAX_PAGE_BYTES);
@@ -245,7 +230,7 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   return rc;
 }
 
-void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p) {
+void kvp__alloc_free_live_slow(kvp__alloc *a, const kvp__page *p) {
   kvp__ledger_begin(&a->ledger);
   give_back(a, p);
   count(a, p, -1);

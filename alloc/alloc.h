@@ -450,14 +450,14 @@ static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {
  * ENOSPC, ENOMEM; nothing changes on failure. */
 int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
 /* The same for a tag its caller has validated (a raw page's, checked
- * against the pool's geometry): bytes are still checked. */
-int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
+ * against the pool's geometry): bytes are still checked. Inline below. */
+int kvp__alloc_page_tagged_slow(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
 /* Free a page. EINVAL if p does not name a live page (foreign offset, double
  * free, wrong class); nothing changes then. */
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
 /* Free a page its owner knows to be live (a raw page whose id matched):
- * kvp__alloc_free without the validation. Cannot fail. */
-void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p);
+ * kvp__alloc_free without the validation. Cannot fail. Inline below. */
+void kvp__alloc_free_live_slow(kvp__alloc *a, const kvp__page *p);
 /* Resize p to bytes keeping min(old, new) bytes of payload (copied on
  * stream). In place when the class fits; else a new page is taken (the
  * budget must hold both while the move lasts), the payload copied, the old
@@ -488,5 +488,72 @@ void kvp__alloc_tx_release(kvp__alloc *a, kvp__alloc_tx *tx);
  * slabs and extents. Pages' requested bytes are checked by the owner. */
 int kvp__alloc_check(const kvp__alloc *a);
 /* Bytes of metadata per class etc. are in a->meta. */
+
+/* ======================================================================
+ * The fast path, inline: a small page from or onto its class's cache, in
+ * the caller's function (no call, no registers saved: stores that the
+ * writer lock's atomic instructions would wait for). Everything else (an
+ * empty or full cache, a large page, the budget's refusal, a new sequence,
+ * an open transaction) is the out-of-line path, the same code as before.
+ * ==================================================================== */
+
+/* Count a page in (sign +1) or out (-1): the ledger's figures and the
+ * per-tag cells. Inside the ledger's section. */
+static inline __attribute__((always_inline)) void kvp__alloc_count_as(kvp__alloc *a, const kvp__tag *tag,
+                                                                      uint64_t req, uint64_t cls, int sign) {
+  if (sign > 0) {
+    kvp__gauge_add(&a->ledger.requested, req);
+    kvp__gauge_add(&a->ledger.allocated, cls);
+    kvp__gauge_add(&a->ledger.pages, 1);
+  } else {
+    kvp__gauge_sub(&a->ledger.requested, req);
+    kvp__gauge_sub(&a->ledger.allocated, cls);
+    kvp__gauge_sub(&a->ledger.pages, 1);
+  }
+  kvp__stats_count(a->stats, tag, req, cls, sign);
+}
+
+/* kvp__alloc_page for a validated tag. Fast: a slab class with a cached
+ * slot, room in the budget, the last sequence counted, no transaction. */
+static inline int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  if (KVP__LIKELY(bytes - 1 < a->small_max_bytes)) { /* 1..small_max */
+    uint32_t sc = kvp__sc_index(kvp__align_up(bytes, a->page_align_bytes));
+    uint64_t size = kvp__sc_size(sc);
+    kvp__bin *b = &a->bins[sc];
+    const kvp__tag t = *tag; /* counted from this copy, not loaded back from the page's fresh stores */
+    const kvp__seq_usage *last = a->stats->seq_last;
+    if (KVP__LIKELY(b->ncached && kvp__ledger_fits(&a->ledger, size) && !a->tx && last &&
+                    atomic_load_explicit(&last->seq, memory_order_relaxed) == t.seq)) {
+      kvp__ledger_begin(&a->ledger);
+      out->off = b->cache[--b->ncached];
+      out->requested_bytes = (uint32_t)bytes;
+      out->size8 = (uint32_t)(size >> 3);
+      out->tag = t;
+      kvp__alloc_count_as(a, &t, bytes, size, +1);
+      kvp__count_add(&a->ledger.allocs, 1);
+      kvp__ledger_end(&a->ledger);
+      return KVP_OK;
+    }
+  }
+  return kvp__alloc_page_tagged_slow(a, bytes, tag, out);
+}
+
+/* kvp__alloc_free for a page known live. Fast: a slab slot whose class's
+ * cache has room. */
+static inline void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p) {
+  uint64_t size = kvp__page_alloc_bytes(p);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) {
+    kvp__bin *b = &a->bins[kvp__sc_index(size)];
+    if (KVP__LIKELY(b->ncached < b->cache_cap)) {
+      kvp__ledger_begin(&a->ledger);
+      b->cache[b->ncached++] = p->off;
+      kvp__alloc_count_as(a, &p->tag, p->requested_bytes, size, -1);
+      kvp__count_add(&a->ledger.frees, 1);
+      kvp__ledger_end(&a->ledger);
+      return;
+    }
+  }
+  kvp__alloc_free_live_slow(a, p);
+}
 
 #endif /* KVP_ALLOC_H */
