@@ -49,6 +49,7 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
     return rc;
   }
   kvp__ledger_init(&a->ledger, region_bytes, budget_bytes);
+  a->large_cache_bytes = region_bytes / 16 < KVP__LARGE_CACHE_BYTES ? region_bytes / 16 : KVP__LARGE_CACHE_BYTES;
   return KVP_OK;
 }
 
@@ -64,7 +65,7 @@ uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
     uint64_t size = kvp__sc_size(c), nslots = a->class_slab_bytes[c] / size;
     room += (a->bins[c].nslabs * nslots - a->bins[c].nused + a->bins[c].ncached) * size;
   }
-  return room;
+  return room + a->large_cached_bytes;
 }
 
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
@@ -83,6 +84,16 @@ static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
     }
     return kvp__bin_refill(a, sc, off);
   }
+  for (uint32_t i = a->nlarge_cached; i--;) { /* the newest of its size first */
+    kvp__extent *c = a->large_cache[i];
+    if (c->bytes != size) continue;
+    memmove(&a->large_cache[i], &a->large_cache[i + 1], (a->nlarge_cached - i - 1) * sizeof *a->large_cache);
+    a->nlarge_cached--;
+    a->large_cached_bytes -= size;
+    c->cached = false;
+    *off = c->off;
+    return KVP_OK;
+  }
   kvp__extent *e = NULL;
   int rc = kvp__extent_alloc(&a->ext, size, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
   if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
@@ -94,15 +105,68 @@ static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
   return KVP_OK;
 }
 
-int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size) {
-  if (size <= a->small_max_bytes) return kvp__slab_put(a, off, kvp__sc_index(size));
-  kvp__extent *e = kvp__extent_at(&a->ext, off);
-  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size)
-    return kvp__err(KVP_EINVAL, "page at offset %llu (%llu bytes): not a live large page (foreign or already freed)",
-                    (unsigned long long)off, (unsigned long long)size);
+/* A LARGE extent back to the extents. */
+static void large_release(kvp__alloc *a, kvp__extent *e) {
   kvp__gauge_sub(&a->ledger.committed, e->bytes);
   kvp__gauge_sub(&a->ledger.extents, 1);
   kvp__extent_free(&a->ext, e);
+}
+
+/* The LARGE extent of a live large page at off of size bytes, or NULL
+ * with a message (EINVAL). */
+static kvp__extent *large_live(kvp__alloc *a, uint64_t off, uint64_t size) {
+  kvp__extent *e = kvp__extent_at(&a->ext, off);
+  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size || e->cached) {
+    kvp__err(KVP_EINVAL, "page at offset %llu (%llu bytes): not a live large page (foreign or already freed%s)",
+             (unsigned long long)off, (unsigned long long)size, e && e->cached ? ": double free" : "");
+    return NULL;
+  }
+  return e;
+}
+
+/* A live large page's extent onto the large cache (the oldest entry goes
+ * back to the extents if the cache is full), or back to the extents if
+ * it is larger than the cache may hold. */
+static void large_give_back(kvp__alloc *a, kvp__extent *e) {
+  if (e->bytes > a->large_cache_bytes) {
+    large_release(a, e);
+    return;
+  }
+  while (a->nlarge_cached == KVP__LARGE_CACHE_MAX || a->large_cached_bytes + e->bytes > a->large_cache_bytes) {
+    kvp__extent *old = a->large_cache[0];
+    memmove(&a->large_cache[0], &a->large_cache[1], (a->nlarge_cached - 1) * sizeof *a->large_cache);
+    a->nlarge_cached--;
+    a->large_cached_bytes -= old->bytes;
+    old->cached = false;
+    large_release(a, old);
+  }
+  e->cached = true;
+  a->large_cache[a->nlarge_cached++] = e;
+  a->large_cached_bytes += e->bytes;
+}
+
+uint64_t kvp__large_flush(kvp__alloc *a) {
+  uint32_t n = a->nlarge_cached;
+  for (uint32_t i = 0; i < n; i++) {
+    a->large_cache[i]->cached = false;
+    large_release(a, a->large_cache[i]);
+  }
+  a->nlarge_cached = 0;
+  a->large_cached_bytes = 0;
+  return n;
+}
+
+void kvp__alloc_trim(kvp__alloc *a) {
+  kvp__ledger_begin(&a->ledger);
+  kvp__slabs_purge_empty(a);
+  kvp__ledger_end(&a->ledger);
+}
+
+int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size) {
+  if (size <= a->small_max_bytes) return kvp__slab_put(a, off, kvp__sc_index(size));
+  kvp__extent *e = large_live(a, off, size);
+  if (!e) return KVP_EINVAL;
+  large_release(a, e);
   return KVP_OK;
 }
 
@@ -201,9 +265,9 @@ static void give_back(kvp__alloc *a, const kvp__page *p) {
     else kvp__bin_push_slow(a, sc, p->off);
     return;
   }
-  int rc = kvp__alloc_put(a, p->off, size);
-  kvp__assert(rc == KVP_OK);
-  (void)rc;
+  kvp__extent *e = large_live(a, p->off, size);
+  kvp__assert(e != NULL);
+  large_give_back(a, e);
 }
 
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
@@ -220,14 +284,9 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
     kvp__alloc_free_live(a, p);
     return KVP_OK;
   }
-  kvp__ledger_begin(&a->ledger);
-  int rc = kvp__alloc_put(a, p->off, size);
-  if (!rc) {
-    kvp__alloc_count(a, p, -1);
-    kvp__count_add(&a->ledger.frees, 1);
-  }
-  kvp__ledger_end(&a->ledger);
-  return rc;
+  if (!large_live(a, p->off, size)) return KVP_EINVAL;
+  kvp__alloc_free_live_slow(a, p);
+  return KVP_OK;
 }
 
 void kvp__alloc_free_live_slow(kvp__alloc *a, const kvp__page *p) {
@@ -291,7 +350,7 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
 int kvp__alloc_check(const kvp__alloc *a) {
   int rc = kvp__extents_check(&a->ext);
   if (rc) return rc;
-  uint64_t allocated = 0, nused = 0, nslabs = 0, nlarge = 0;
+  uint64_t allocated = 0, nused = 0, nslabs = 0, nlarge = 0, nlarge_cached = 0, large_cached_bytes = 0;
   uint64_t per_class_used[KVP__SC_SMALL_COUNT] = {0}, per_class_slabs[KVP__SC_SMALL_COUNT] = {0};
   for (const kvp__extent *e = a->ext.first; e; e = e->anext) {
     if (e->state == KVP__EXT_SLAB) {
@@ -310,10 +369,23 @@ int kvp__alloc_check(const kvp__alloc *a) {
       per_class_slabs[s->sc]++;
       nslabs++;
     } else if (e->state == KVP__EXT_LARGE) {
-      allocated += e->bytes;
+      if (e->cached) {
+        nlarge_cached++;
+        large_cached_bytes += e->bytes;
+      } else allocated += e->bytes;
       nlarge++;
-    }
+    } else if (e->cached)
+      return kvp__err(KVP_ECORRUPT, "free extent at offset %llu is marked cached", (unsigned long long)e->off);
   }
+  for (uint32_t i = 0; i < a->nlarge_cached; i++)
+    if (!a->large_cache[i]->cached || a->large_cache[i]->state != KVP__EXT_LARGE)
+      return kvp__err(KVP_ECORRUPT, "large cache entry %u (offset %llu) is not a cached large extent", i,
+                      (unsigned long long)a->large_cache[i]->off);
+  if (nlarge_cached != a->nlarge_cached || large_cached_bytes != a->large_cached_bytes ||
+      a->nlarge_cached > KVP__LARGE_CACHE_MAX || a->large_cached_bytes > a->large_cache_bytes)
+    return kvp__err(KVP_ECORRUPT, "large cache holds %u extents of %llu bytes, the extents say %llu of %llu",
+                    a->nlarge_cached, (unsigned long long)a->large_cached_bytes, (unsigned long long)nlarge_cached,
+                    (unsigned long long)large_cached_bytes);
   for (uint32_t c = 0; c < KVP__SC_SMALL_COUNT; c++)
     if (per_class_used[c] != a->bins[c].nused || per_class_slabs[c] != a->bins[c].nslabs)
       return kvp__err(KVP_ECORRUPT, "class %u: %llu used slots in %llu slabs, bin says %llu in %llu", c,
@@ -330,7 +402,8 @@ int kvp__alloc_check(const kvp__alloc *a) {
   if (a->ext.used_bytes != l->committed.current)
     return kvp__err(KVP_ECORRUPT, "ledger committed %llu, extents in use %llu",
                     (unsigned long long)l->committed.current, (unsigned long long)a->ext.used_bytes);
-  if (nused + nlarge != l->pages.current || nslabs != l->slabs.current || nlarge != l->extents.current)
+  if (nused + nlarge - nlarge_cached != l->pages.current || nslabs != l->slabs.current ||
+      nlarge != l->extents.current)
     return kvp__err(KVP_ECORRUPT, "ledger counts %llu pages/%llu slabs/%llu extents, found %llu/%llu/%llu",
                     (unsigned long long)l->pages.current, (unsigned long long)l->slabs.current,
                     (unsigned long long)l->extents.current, (unsigned long long)(nused + nlarge),

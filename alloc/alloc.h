@@ -155,6 +155,7 @@ typedef struct kvp__extent {
   void *owner;                       /* SLAB: its kvp__slab */
   uint32_t bin;                      /* FREE: bin index */
   uint8_t state;                     /* kvp__ext_state */
+  bool cached;                       /* LARGE: a freed page's, kept for reuse (kvp__alloc's large cache) */
 } kvp__extent;
 
 /* The address map is two-level and committed lazily: a chunk of
@@ -378,6 +379,14 @@ typedef struct kvp__alloc_tx {
   bool reused;             /* a page taken since overlaps a freed one (whose payload it may overwrite) */
 } kvp__alloc_tx;
 
+/* The large cache: as the bins' caches do for slots, the extents of the
+ * last large pages freed stay taken, so that a page of the same size
+ * (a KV cache's large pages come in few sizes: a VAR scale's, a
+ * prefill's) is a scan of a few entries instead of a walk of the free
+ * bins and the address map. It is flushed where the bins' caches are. */
+#define KVP__LARGE_CACHE_MAX 8u
+#define KVP__LARGE_CACHE_BYTES (16ull << 20)
+
 typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
@@ -391,6 +400,12 @@ typedef struct kvp__alloc {
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */
   kvp__alloc_tx *tx;           /* the open transaction, or NULL */
+  kvp__extent *large_cache[KVP__LARGE_CACHE_MAX]; /* [nlarge_cached]: extents of freed large pages, still LARGE
+                                                     (committed, not allocated), for the next page of their size;
+                                                     oldest first */
+  uint32_t nlarge_cached;      /* extents in large_cache */
+  uint64_t large_cached_bytes; /* their bytes: at most large_cache_bytes */
+  uint64_t large_cache_bytes;  /* cap of large_cached_bytes: min(KVP__LARGE_CACHE_BYTES, region / 16) */
 } kvp__alloc;
 
 /* Largest slab of a region: 2 MiB, or for a region under 64 MiB the power
@@ -455,6 +470,11 @@ int kvp__alloc_page_tagged_slow(kvp__alloc *a, uint64_t bytes, const kvp__tag *t
 /* Free a page. EINVAL if p does not name a live page (foreign offset, double
  * free, wrong class); nothing changes then. */
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
+/* Give back what the allocator keeps for speed: the bins' cached slots,
+ * the large cache, the empty slabs kept as current ones (committed bytes
+ * fall to what live pages hold, up to the slabs they share). No figure
+ * but committed bytes and slab and extent counts moves. */
+void kvp__alloc_trim(kvp__alloc *a);
 /* Free a page its owner knows to be live (a raw page whose id matched):
  * kvp__alloc_free without the validation. Cannot fail. Inline below. */
 void kvp__alloc_free_live_slow(kvp__alloc *a, const kvp__page *p);

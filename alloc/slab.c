@@ -64,13 +64,13 @@ static void avail_remove(kvp__bin *b, kvp__slab *s) {
 static void slab_release(kvp__alloc *a, kvp__slab *s);
 
 uint64_t kvp__slabs_purge_empty(kvp__alloc *a) {
-  uint64_t nslabs = a->ledger.slabs.current;
+  uint64_t nslabs = a->ledger.slabs.current, nlarge = kvp__large_flush(a);
   kvp__bins_flush_all(a); /* a slab whose taken slots are all cached goes as its last one comes back */
   for (uint32_t c = 0; c < a->nsmall; c++) {
     kvp__slab *s = a->bins[c].cur;
     if (s != &kvp__slab_empty && s->nfree == s->nslots) slab_release(a, s);
   }
-  return nslabs - a->ledger.slabs.current;
+  return nslabs - a->ledger.slabs.current + nlarge;
 }
 
 size_t kvp__slab_desc_bytes(const kvp__alloc *a, uint32_t sc) {

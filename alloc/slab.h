@@ -30,15 +30,18 @@ void kvp__bin_push_slow(kvp__alloc *a, uint32_t sc, uint64_t off);
 void kvp__bin_flush(kvp__alloc *a, uint32_t sc, uint32_t n);
 /* Every cache back to the bitmaps. */
 void kvp__bins_flush_all(kvp__alloc *a);
+/* Every cached large extent back to the extents; returns how many. */
+uint64_t kvp__large_flush(kvp__alloc *a);
 /* Verify the caches (each slot in a slab of its class, taken in its bitmap,
  * once); *ncached: cached slots of all classes. KVP_ECORRUPT. */
 int kvp__bins_check(const kvp__alloc *a, uint64_t *ncached);
 /* Verify one slab's bitmap and counters; adds its used slots to *nused. */
 int kvp__slab_check(const kvp__alloc *a, const kvp__slab *s, uint64_t *nused);
-/* Flush every bin's cache to the bitmaps, then return every empty slab
- * kept as a class's current slab to the extents; returns how many slabs
- * went (those the flush emptied too). Called before an allocation would
- * answer ENOSPC, and before a transaction's undo takes slots back. */
+/* Flush the large cache and every bin's cache to the bitmaps, then
+ * return every empty slab kept as a class's current slab to the extents;
+ * returns how many slabs and large extents went (those the flush emptied
+ * too). Called before an allocation would answer ENOSPC, and before a
+ * transaction's undo takes pages back at their offsets. */
 uint64_t kvp__slabs_purge_empty(kvp__alloc *a);
 /* Bytes of the descriptor of a slab of class sc. */
 size_t kvp__slab_desc_bytes(const kvp__alloc *a, uint32_t sc);

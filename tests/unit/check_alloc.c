@@ -637,6 +637,10 @@ START_TEST(large_pages_exact_sizes) {
   ck_ok(kvp_stats_get(p, &s2));
   ck_assert_uint_eq(s2.bytes_allocated.current, 0);
   ck_assert_uint_eq(s2.bytes_requested.current, 0);
+  ck_assert_uint_eq(s2.bytes_committed.current, p->alloc.large_cached_bytes); /* the last ones kept for reuse */
+  ck_pool(p);
+  ck_ok(kvp_reclaim(p));
+  ck_ok(kvp_stats_get(p, &s2));
   ck_assert_uint_eq(s2.bytes_committed.current, 0);
   ck_pool(p);
   kvp_pool_destroy(p);
@@ -1093,6 +1097,87 @@ START_TEST(cache_failed_alloc_changes_nothing) {
 }
 END_TEST
 
+/* A freed large page's extent stays taken (committed, not allocated) for
+ * the next page of its size; kvp_check verifies the large cache, the
+ * internal free refuses a cached one, ENOSPC and kvp_reclaim flush it. */
+START_TEST(large_cache_reuses_and_checks) {
+  kvp_pool *p = mkpool(64 * MB, 0, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  kvp_page_id a, b, c;
+  kvp_page_desc da, d;
+  ck_ok(kvp_page_alloc(p, 300000, &t, &a));
+  ck_ok(kvp_page_alloc(p, 300000, &t, &b));
+  ck_ok(kvp_page_alloc(p, 1 * MB, &t, &c));
+  ck_ok(kvp_page_describe(p, a, &da));
+  kvp__page pa = p->raw.slots[(uint32_t)a - 1].page;
+  kvp_stats s0 = {.struct_size = sizeof s0}, s1 = {.struct_size = sizeof s1};
+  ck_ok(kvp_stats_get(p, &s0));
+  ck_ok(kvp_page_free(p, a));
+  ck_assert_uint_eq(p->alloc.nlarge_cached, 1);
+  ck_assert_uint_eq(p->alloc.large_cached_bytes, kvp__page_alloc_bytes(&pa));
+  ck_ok(kvp_stats_get(p, &s1));
+  ck_assert_uint_eq(s1.bytes_allocated.current, s0.bytes_allocated.current - kvp__page_alloc_bytes(&pa));
+  ck_assert_uint_eq(s1.pages.current, 2);
+  ck_assert_uint_eq(s1.bytes_committed.current, s0.bytes_committed.current);
+  ck_pool(p);
+  ck_status(kvp__alloc_free(&p->alloc, &pa), KVP_EINVAL); /* cached: already free */
+  ck_assert(strstr(kvp_last_error(), "double free") != NULL);
+  kvp__extent *e = p->alloc.large_cache[0];
+  e->cached = false; /* a cached extent that says it is live */
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  e->cached = true;
+  ck_pool(p);
+  p->alloc.large_cached_bytes += 4096; /* a count that disagrees */
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  p->alloc.large_cached_bytes -= 4096;
+  ck_pool(p);
+  ck_ok(kvp_page_alloc(p, 299900, &t, &a)); /* the same 74 units of 4 KiB: the cached extent */
+  ck_ok(kvp_page_describe(p, a, &d));
+  ck_assert_ptr_eq(d.addr, da.addr);
+  ck_assert_uint_eq(p->alloc.nlarge_cached, 0);
+  ck_pool(p);
+  ck_ok(kvp_page_free(p, a));
+  ck_ok(kvp_page_free(p, b));
+  ck_ok(kvp_page_free(p, c));
+  ck_assert_uint_eq(p->alloc.nlarge_cached, 3);
+  ck_pool(p);
+  ck_ok(kvp_reclaim(p)); /* the caches back */
+  ck_assert_uint_eq(p->alloc.nlarge_cached, 0);
+  ck_ok(kvp_stats_get(p, &s1));
+  ck_assert_uint_eq(s1.bytes_committed.current, 0);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* The large cache holds at most KVP__LARGE_CACHE_MAX extents and a 16th of
+ * the region; a region full otherwise flushes it before ENOSPC. */
+START_TEST(large_cache_bounded_and_flushed_when_full) {
+  kvp_pool *p = mkpool(8 * MB, 0, 1, 1);
+  kvp_page_tag t = tag_of(1, 0, 0, KVP_PAGE_RAW, 0);
+  enum { N = 40 };
+  kvp_page_id ids[N];
+  uint32_t n = 0;
+  while (n < N && kvp_page_alloc(p, 200000, &t, &ids[n]) == KVP_OK) n++;
+  ck_assert_uint_gt(n, 30);
+  for (uint32_t i = 0; i < n; i++) {
+    ck_ok(kvp_page_free(p, ids[i]));
+    ck_assert_uint_le(p->alloc.nlarge_cached, KVP__LARGE_CACHE_MAX);
+    ck_assert_uint_le(p->alloc.large_cached_bytes, (8 * MB) / 16);
+  }
+  ck_assert_uint_gt(p->alloc.nlarge_cached, 0);
+  ck_pool(p);
+  kvp_page_id big;
+  ck_ok(kvp_page_alloc(p, 8 * MB, &t, &big)); /* the whole region */
+  ck_assert_uint_eq(p->alloc.nlarge_cached, 0);
+  ck_pool(p);
+  ck_ok(kvp_page_free(p, big)); /* larger than the cache may hold: straight back */
+  ck_assert_uint_eq(p->alloc.nlarge_cached, 0);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 /* Pages taken and given back from several threads at once (the writer
  * lock), with lock-free stats readers beside them; every page accounted
  * for at the end. Run under TSan by make tsan. */
@@ -1191,6 +1276,8 @@ static Suite *suite(void) {
   tcase_add_test(tc, cache_flushed_when_region_full);
   tcase_add_test(tc, cache_failed_alloc_changes_nothing);
   tcase_add_test(tc, cache_threads);
+  tcase_add_test(tc, large_cache_reuses_and_checks);
+  tcase_add_test(tc, large_cache_bounded_and_flushed_when_full);
   suite_add_tcase(s, tc);
   tc = tcase_create("txn");
   tcase_add_loop_test(tc, txn_rollback_puts_pages_back, 0, 4);
