@@ -34,15 +34,14 @@
 /* One slot of the raw-page table (the experimental page API). */
 typedef struct kvp__rawslot {
   kvp__page page; /* the page, when live */
-  uint32_t gen;   /* generation: bumped at every free, part of the id */
+  uint32_t gen;   /* generation: bumped at every alloc and free, part of the id; odd while the slot holds a page */
   uint32_t next;  /* free list link (index + 1; 0 = end) */
-  bool live;      /* holds a page */
 } kvp__rawslot;
+static inline bool kvp__rawslot_live(const kvp__rawslot *s) { return s->gen & 1; }
 
 typedef struct kvp__rawpages {
   kvp__rawslot *slots; /* [cap] */
   uint32_t cap;        /* slots */
-  uint32_t nlive;      /* live pages */
   uint32_t free_head;  /* first free slot (index + 1; 0 = none) */
 } kvp__rawpages;
 
