@@ -534,16 +534,15 @@ static inline __attribute__((always_inline)) void kvp__alloc_count_as(kvp__alloc
 }
 
 /* kvp__alloc_page for a validated tag. Fast: a slab class with a cached
- * slot, room in the budget, the last sequence counted, no transaction. */
+ * slot, room in the budget, no transaction. */
 static inline int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
   if (KVP__LIKELY(bytes - 1 < a->small_max_bytes)) { /* 1..small_max */
     uint32_t sc = kvp__sc_index(kvp__align_up(bytes, a->page_align_bytes));
     uint64_t size = kvp__sc_size(sc);
     kvp__bin *b = &a->bins[sc];
     const kvp__tag t = *tag; /* counted from this copy, not loaded back from the page's fresh stores */
-    const kvp__seq_usage *last = a->stats->seq_last;
-    if (KVP__LIKELY(b->ncached && kvp__ledger_fits(&a->ledger, size) && !a->tx && last &&
-                    atomic_load_explicit(&last->seq, memory_order_relaxed) == t.seq)) {
+    if (KVP__LIKELY(b->ncached && kvp__ledger_fits(&a->ledger, size) && !a->tx &&
+                    kvp__stats_reserve_seq(a->stats, t.seq) == KVP_OK)) { /* a probe if not the last sequence */
       kvp__ledger_begin(&a->ledger);
       out->off = b->cache[--b->ncached];
       out->requested_bytes = (uint32_t)bytes;

@@ -127,7 +127,10 @@ static int seq_rehash(kvp__stats *st, uint32_t cap) {
 int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
-  if (KVP__LIKELY(found)) return KVP_OK;
+  if (KVP__LIKELY(found)) {
+    st->seq_last = e; /* the page about to be counted finds it without a second probe */
+    return KVP_OK;
+  }
   if ((st->seq_used + 1) * 2 > st->seqt->cap) {
     uint32_t live = 0;
     for (uint32_t i = 0; i < st->seqt->cap; i++)
@@ -140,6 +143,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   }
   slot_claim(e, seq);
   st->seq_used++;
+  st->seq_last = e;
   return KVP_OK;
 }
 

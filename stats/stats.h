@@ -76,8 +76,8 @@ typedef struct kvp__stats {
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
 void kvp__stats_fini(kvp__stats *st);
 /* Make sure the tag's sequence has a slot, so the counting that follows
- * cannot fail. KVP_ENOMEM. Writer lock. Inline: the last sequence counted
- * is one compare. */
+ * cannot fail, and remember it as the last one. KVP_ENOMEM. Writer lock.
+ * Inline: the last sequence counted is one compare. */
 int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq);
 static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
   if (KVP__LIKELY(st->seq_last && atomic_load_explicit(&st->seq_last->seq, memory_order_relaxed) == seq))
