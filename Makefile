@@ -117,7 +117,7 @@ UNIT_BIN := $(UNIT_SRC:tests/unit/%.c=$(B)/tests/%)
 INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
-TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim $(B)/kvpool-prof-append \
+TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim $(B)/kvpool-prof-append $(B)/kvpool-prof-alloc \
   $(if $(filter 1,$(HAVE_CUDA)),$(B)/kvpool-bench-gpu)
 SIM_SRC := tools/kvpool-sim.c tools/sim_common.c tools/sim_llm.c tools/sim_var.c tools/sim_video.c tools/traces.c
 SIM_HDRS := tools/sim.h tools/traces.h
@@ -268,6 +268,10 @@ $(B)/kvpool-bench: tools/kvpool-bench.c tools/pagemix.h $(SO) $(PUB_HDRS)
 
 # Decode appends in a loop, for callgrind and perf (the instructions per append the notes give).
 $(B)/kvpool-prof-append: tools/kvpool-prof-append.c $(SO) $(PUB_HDRS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) $(LDFLAGS)
+
+# The bench's page-mix alloc+free pairs in a loop, for callgrind (jemalloc linked for its baseline).
+$(B)/kvpool-prof-alloc: tools/kvpool-prof-alloc.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) $(LDFLAGS)
 
 $(B)/kvpool-sim: $(SIM_SRC) $(SIM_HDRS) $(SO) $(PUB_HDRS)

@@ -8,18 +8,21 @@
  *                      bytes when it shrinks in place
  *   ledger.allocated = sum over live slab slots of their class size
  *                    + sum over LARGE extents of their bytes (no class rounding)
+ *                    (live slots = slots taken in the bitmaps - cached slots)
  *   ledger.committed = bytes of SLAB and LARGE extents = ext.used_bytes
- *   ledger.pages     = used slots + LARGE extents
+ *   ledger.pages     = live slots + LARGE extents
+ *   every cached slot: a taken slot of a slab of its class, in one cache once
  *   ledger.allocated <= ledger.budget (and peak too), committed <= reserved
  *
  * Order of every mutation: validate, check the budget, reserve metadata
  * (the sequence's stats slot), take the bytes, then count them. Anything that
  * fails before the last step leaves the allocator as it was.
  *
- * Cost of the fast path (small class, current slab has room): a table lookup
- * for the class, a budget compare, the slab take (see slab.c), the sequence
- * slot probe and the per-tag counters: no locks of its own (the caller holds
- * the pool's writer lock), no system calls.
+ * Cost of the fast path (small class, a slot in the class's cache): a table
+ * lookup for the class, a budget compare, a pop (a free: a push) on the
+ * cache, the sequence slot probe and the per-tag counters: no slab touched,
+ * no locks of its own (the caller holds the pool's writer lock), no system
+ * calls. The bitmaps are searched a half cache at a time (kvp__bin_refill).
  */
 #include "slab.h"
 
@@ -46,6 +49,7 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
     return rc;
   }
   kvp__ledger_init(&a->ledger, region_bytes, budget_bytes);
+  a->large_cache_bytes = region_bytes / 16 < KVP__LARGE_CACHE_BYTES ? region_bytes / 16 : KVP__LARGE_CACHE_BYTES;
   return KVP_OK;
 }
 
@@ -59,9 +63,9 @@ uint64_t kvp__alloc_room_bound(const kvp__alloc *a) {
   uint64_t room = a->ledger.reserved_bytes - a->ledger.committed.current;
   for (uint32_t c = 0; c < a->nsmall; c++) {
     uint64_t size = kvp__sc_size(c), nslots = a->class_slab_bytes[c] / size;
-    room += (a->bins[c].nslabs * nslots - a->bins[c].nused) * size;
+    room += (a->bins[c].nslabs * nslots - a->bins[c].nused + a->bins[c].ncached) * size;
   }
-  return room;
+  return room + a->large_cached_bytes;
 }
 
 bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
@@ -71,7 +75,25 @@ bool kvp__alloc_fits(const kvp__alloc *a, uint64_t bytes) {
 /* Take size bytes (kvp__alloc_size of a request); *off receives the region
  * offset. */
 static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
-  if (KVP__LIKELY(size <= a->small_max_bytes)) return kvp__slab_take(a, kvp__sc_index(size), off);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) {
+    uint32_t sc = kvp__sc_index(size);
+    kvp__bin *b = &a->bins[sc];
+    if (KVP__LIKELY(b->ncached)) {
+      *off = b->cache[--b->ncached];
+      return KVP_OK;
+    }
+    return kvp__bin_refill(a, sc, off);
+  }
+  for (uint32_t i = a->nlarge_cached; i--;) { /* the newest of its size first */
+    kvp__extent *c = a->large_cache[i];
+    if (c->bytes != size) continue;
+    memmove(&a->large_cache[i], &a->large_cache[i + 1], (a->nlarge_cached - i - 1) * sizeof *a->large_cache);
+    a->nlarge_cached--;
+    a->large_cached_bytes -= size;
+    c->cached = false;
+    *off = c->off;
+    return KVP_OK;
+  }
   kvp__extent *e = NULL;
   int rc = kvp__extent_alloc(&a->ext, size, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &e);
   if (rc == KVP_ENOSPC && kvp__slabs_purge_empty(a))
@@ -83,15 +105,68 @@ static int take(kvp__alloc *a, uint64_t size, uint64_t *off) {
   return KVP_OK;
 }
 
-int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size) {
-  if (size <= a->small_max_bytes) return kvp__slab_put(a, off, kvp__sc_index(size));
-  kvp__extent *e = kvp__extent_at(&a->ext, off);
-  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size)
-    return kvp__err(KVP_EINVAL, "page at offset %llu (%llu bytes): not a live large page (foreign or already freed)",
-                    (unsigned long long)off, (unsigned long long)size);
+/* A LARGE extent back to the extents. */
+static void large_release(kvp__alloc *a, kvp__extent *e) {
   kvp__gauge_sub(&a->ledger.committed, e->bytes);
   kvp__gauge_sub(&a->ledger.extents, 1);
   kvp__extent_free(&a->ext, e);
+}
+
+/* The LARGE extent of a live large page at off of size bytes, or NULL
+ * with a message (EINVAL). */
+static kvp__extent *large_live(kvp__alloc *a, uint64_t off, uint64_t size) {
+  kvp__extent *e = kvp__extent_at(&a->ext, off);
+  if (!e || e->state != KVP__EXT_LARGE || e->off != off || e->bytes != size || e->cached) {
+    kvp__err(KVP_EINVAL, "page at offset %llu (%llu bytes): not a live large page (foreign or already freed%s)",
+             (unsigned long long)off, (unsigned long long)size, e && e->cached ? ": double free" : "");
+    return NULL;
+  }
+  return e;
+}
+
+/* A live large page's extent onto the large cache (the oldest entry goes
+ * back to the extents if the cache is full), or back to the extents if
+ * it is larger than the cache may hold. */
+static void large_give_back(kvp__alloc *a, kvp__extent *e) {
+  if (e->bytes > a->large_cache_bytes) {
+    large_release(a, e);
+    return;
+  }
+  while (a->nlarge_cached == KVP__LARGE_CACHE_MAX || a->large_cached_bytes + e->bytes > a->large_cache_bytes) {
+    kvp__extent *old = a->large_cache[0];
+    memmove(&a->large_cache[0], &a->large_cache[1], (a->nlarge_cached - 1) * sizeof *a->large_cache);
+    a->nlarge_cached--;
+    a->large_cached_bytes -= old->bytes;
+    old->cached = false;
+    large_release(a, old);
+  }
+  e->cached = true;
+  a->large_cache[a->nlarge_cached++] = e;
+  a->large_cached_bytes += e->bytes;
+}
+
+uint64_t kvp__large_flush(kvp__alloc *a) {
+  uint32_t n = a->nlarge_cached;
+  for (uint32_t i = 0; i < n; i++) {
+    a->large_cache[i]->cached = false;
+    large_release(a, a->large_cache[i]);
+  }
+  a->nlarge_cached = 0;
+  a->large_cached_bytes = 0;
+  return n;
+}
+
+void kvp__alloc_trim(kvp__alloc *a) {
+  kvp__ledger_begin(&a->ledger);
+  kvp__slabs_purge_empty(a);
+  kvp__ledger_end(&a->ledger);
+}
+
+int kvp__alloc_put(kvp__alloc *a, uint64_t off, uint64_t size) {
+  if (size <= a->small_max_bytes) return kvp__slab_put(a, off, kvp__sc_index(size));
+  kvp__extent *e = large_live(a, off, size);
+  if (!e) return KVP_EINVAL;
+  large_release(a, e);
   return KVP_OK;
 }
 
@@ -127,56 +202,72 @@ static int refuse_space(kvp__alloc *a, uint64_t bytes, uint64_t alloc_bytes) {
                   (unsigned long long)a->ledger.reserved_bytes, (unsigned long long)a->ledger.committed.current);
 }
 
+static inline __attribute__((always_inline)) void count(kvp__alloc *a, const kvp__page *p, int sign) {
+  kvp__alloc_count_as(a, &p->tag, p->requested_bytes, kvp__page_alloc_bytes(p), sign);
+}
+
 void kvp__alloc_count(kvp__alloc *a, const kvp__page *p, int sign) {
-  uint64_t cls = kvp__page_alloc_bytes(p);
-  if (sign > 0) {
-    kvp__gauge_add(&a->ledger.requested, p->requested_bytes);
-    kvp__gauge_add(&a->ledger.allocated, cls);
-    kvp__gauge_add(&a->ledger.pages, 1);
-  } else {
-    kvp__gauge_sub(&a->ledger.requested, p->requested_bytes);
-    kvp__gauge_sub(&a->ledger.allocated, cls);
-    kvp__gauge_sub(&a->ledger.pages, 1);
-  }
-  kvp__stats_count(a->stats, &p->tag, p->requested_bytes, cls, sign);
+  if (sign > 0) count(a, p, +1);
+  else count(a, p, -1);
 }
 
 /* Allocate without validation or ledger section (callers hold it). */
 static int alloc_locked(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  const kvp__tag t = *tag; /* counted from this copy, not from the page just written (a load of bytes of a wide
+                              store that has not left the core stalls until it has) */
   uint64_t size = kvp__alloc_size(a, bytes);
   if (KVP__UNLIKELY(!kvp__ledger_fits(&a->ledger, size))) return KVP_EBUDGET;
-  if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, tag->seq))) return KVP_ENOMEM;
+  if (KVP__UNLIKELY(kvp__stats_reserve_seq(a->stats, t.seq))) return KVP_ENOMEM;
   uint64_t off = 0;
   int rc = take(a, size, &off);
-  if (rc) return rc;
+  if (KVP__UNLIKELY(rc)) return rc;
   if (KVP__UNLIKELY(a->tx != NULL) && a->tx->space_freed && !a->tx->reused)
     a->tx->reused = kvp__alloc_tx_overlaps(a->tx, off, size);
   out->off = off;
   out->requested_bytes = (uint32_t)bytes;
   out->size8 = (uint32_t)(size >> 3);
-  out->tag = *tag;
-  kvp__alloc_count(a, out, +1);
+  out->tag = t;
+  kvp__alloc_count_as(a, &t, bytes, size, +1);
   kvp__count_add(&a->ledger.allocs, 1);
   return KVP_OK;
 }
 
-static int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
+static KVP__NOINLINE int refuse(kvp__alloc *a, int rc, uint64_t bytes) {
   uint64_t size = kvp__alloc_size(a, bytes);
   if (rc == KVP_EBUDGET) return refuse_budget(a, bytes, size);
   if (rc == KVP_ENOSPC) return refuse_space(a, bytes, size);
   return rc; /* ENOMEM: message already set */
 }
 
-int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+int kvp__alloc_page_tagged_slow(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
   if (KVP__UNLIKELY(!bytes || bytes > KVP_MAX_PAGE_BYTES))
     return kvp__err(KVP_EINVAL, "page size %llu bytes: must be 1..%llu", (unsigned long long)bytes,
                     (unsigned long long)KVP_MAX_PAGE_BYTES);
-  int rc = check_tag(a, tag);
-  if (rc) return rc;
   kvp__ledger_begin(&a->ledger);
-  rc = alloc_locked(a, bytes, tag, out);
+  int rc = alloc_locked(a, bytes, tag, out);
   kvp__ledger_end(&a->ledger);
-  return rc ? refuse(a, rc, bytes) : KVP_OK;
+  return KVP__UNLIKELY(rc) ? refuse(a, rc, bytes) : KVP_OK;
+}
+
+int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  int rc = check_tag(a, tag);
+  return rc ? rc : kvp__alloc_page_tagged(a, bytes, tag, out);
+}
+
+/* A live page's bytes back: a slot on its class's cache, a large page's
+ * extent to the extents. */
+static void give_back(kvp__alloc *a, const kvp__page *p) {
+  uint64_t size = kvp__page_alloc_bytes(p);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) {
+    uint32_t sc = kvp__sc_index(size);
+    kvp__bin *b = &a->bins[sc];
+    if (KVP__LIKELY(b->ncached < b->cache_cap)) b->cache[b->ncached++] = p->off;
+    else kvp__bin_push_slow(a, sc, p->off);
+    return;
+  }
+  kvp__extent *e = large_live(a, p->off, size);
+  kvp__assert(e != NULL);
+  large_give_back(a, e);
 }
 
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
@@ -187,14 +278,23 @@ int kvp__alloc_free(kvp__alloc *a, const kvp__page *p) {
   if ((!small_ok && !large_ok) || !p->requested_bytes || p->requested_bytes > size)
     return kvp__err(KVP_EINVAL, "page at offset %llu: %llu allocated / %u requested bytes is not a page",
                     (unsigned long long)p->off, (unsigned long long)size, p->requested_bytes);
-  kvp__ledger_begin(&a->ledger);
-  int rc = kvp__alloc_put(a, p->off, size);
-  if (!rc) {
-    kvp__alloc_count(a, p, -1);
-    kvp__count_add(&a->ledger.frees, 1);
+  if (small_ok) { /* a live slot: validated here, then cached (its bytes stay taken in the bitmap) */
+    int rc = kvp__slab_check_live(a, p->off, kvp__page_class(p));
+    if (rc) return rc;
+    kvp__alloc_free_live(a, p);
+    return KVP_OK;
   }
+  if (!large_live(a, p->off, size)) return KVP_EINVAL;
+  kvp__alloc_free_live_slow(a, p);
+  return KVP_OK;
+}
+
+void kvp__alloc_free_live_slow(kvp__alloc *a, const kvp__page *p) {
+  kvp__ledger_begin(&a->ledger);
+  give_back(a, p);
+  count(a, p, -1);
+  kvp__count_add(&a->ledger.frees, 1);
   kvp__ledger_end(&a->ledger);
-  return rc;
 }
 
 /* Large page whose extent can take the following free extent. */
@@ -250,7 +350,7 @@ int kvp__alloc_grow(kvp__alloc *a, kvp__page *p, uint64_t bytes, void *stream) {
 int kvp__alloc_check(const kvp__alloc *a) {
   int rc = kvp__extents_check(&a->ext);
   if (rc) return rc;
-  uint64_t allocated = 0, nused = 0, nslabs = 0, nlarge = 0;
+  uint64_t allocated = 0, nused = 0, nslabs = 0, nlarge = 0, nlarge_cached = 0, large_cached_bytes = 0;
   uint64_t per_class_used[KVP__SC_SMALL_COUNT] = {0}, per_class_slabs[KVP__SC_SMALL_COUNT] = {0};
   for (const kvp__extent *e = a->ext.first; e; e = e->anext) {
     if (e->state == KVP__EXT_SLAB) {
@@ -269,15 +369,32 @@ int kvp__alloc_check(const kvp__alloc *a) {
       per_class_slabs[s->sc]++;
       nslabs++;
     } else if (e->state == KVP__EXT_LARGE) {
-      allocated += e->bytes;
+      if (e->cached) {
+        nlarge_cached++;
+        large_cached_bytes += e->bytes;
+      } else allocated += e->bytes;
       nlarge++;
-    }
+    } else if (e->cached)
+      return kvp__err(KVP_ECORRUPT, "free extent at offset %llu is marked cached", (unsigned long long)e->off);
   }
+  for (uint32_t i = 0; i < a->nlarge_cached; i++)
+    if (!a->large_cache[i]->cached || a->large_cache[i]->state != KVP__EXT_LARGE)
+      return kvp__err(KVP_ECORRUPT, "large cache entry %u (offset %llu) is not a cached large extent", i,
+                      (unsigned long long)a->large_cache[i]->off);
+  if (nlarge_cached != a->nlarge_cached || large_cached_bytes != a->large_cached_bytes ||
+      a->nlarge_cached > KVP__LARGE_CACHE_MAX || a->large_cached_bytes > a->large_cache_bytes)
+    return kvp__err(KVP_ECORRUPT, "large cache holds %u extents of %llu bytes, the extents say %llu of %llu",
+                    a->nlarge_cached, (unsigned long long)a->large_cached_bytes, (unsigned long long)nlarge_cached,
+                    (unsigned long long)large_cached_bytes);
   for (uint32_t c = 0; c < KVP__SC_SMALL_COUNT; c++)
     if (per_class_used[c] != a->bins[c].nused || per_class_slabs[c] != a->bins[c].nslabs)
       return kvp__err(KVP_ECORRUPT, "class %u: %llu used slots in %llu slabs, bin says %llu in %llu", c,
                       (unsigned long long)per_class_used[c], (unsigned long long)per_class_slabs[c],
                       (unsigned long long)a->bins[c].nused, (unsigned long long)a->bins[c].nslabs);
+  uint64_t ncached = 0;
+  if ((rc = kvp__bins_check(a, &ncached))) return rc;
+  for (uint32_t c = 0; c < KVP__SC_SMALL_COUNT; c++) allocated -= a->bins[c].ncached * kvp__sc_size(c);
+  nused -= ncached; /* cached slots are free slots to the ledger */
   const kvp__ledger *l = &a->ledger;
   if (allocated != l->allocated.current)
     return kvp__err(KVP_ECORRUPT, "ledger allocated %llu, slabs and extents hold %llu",
@@ -285,7 +402,8 @@ int kvp__alloc_check(const kvp__alloc *a) {
   if (a->ext.used_bytes != l->committed.current)
     return kvp__err(KVP_ECORRUPT, "ledger committed %llu, extents in use %llu",
                     (unsigned long long)l->committed.current, (unsigned long long)a->ext.used_bytes);
-  if (nused + nlarge != l->pages.current || nslabs != l->slabs.current || nlarge != l->extents.current)
+  if (nused + nlarge - nlarge_cached != l->pages.current || nslabs != l->slabs.current ||
+      nlarge != l->extents.current)
     return kvp__err(KVP_ECORRUPT, "ledger counts %llu pages/%llu slabs/%llu extents, found %llu/%llu/%llu",
                     (unsigned long long)l->pages.current, (unsigned long long)l->slabs.current,
                     (unsigned long long)l->extents.current, (unsigned long long)(nused + nlarge),

@@ -155,6 +155,7 @@ typedef struct kvp__extent {
   void *owner;                       /* SLAB: its kvp__slab */
   uint32_t bin;                      /* FREE: bin index */
   uint8_t state;                     /* kvp__ext_state */
+  bool cached;                       /* LARGE: a freed page's, kept for reuse (kvp__alloc's large cache) */
 } kvp__extent;
 
 /* The address map is two-level and committed lazily: a chunk of
@@ -241,11 +242,29 @@ typedef struct kvp__slab {
   uint64_t bitmap[];              /* bit set = slot free */
 } kvp__slab;
 
+/* A bin: the slabs of one class, and in front of their bitmaps a stack of
+ * free slots (the cache, as jemalloc's tcache bins and mimalloc's page free
+ * lists): a page freed goes on top, an allocation takes the top, so the
+ * fast path touches no slab. Cached slots are taken in their slabs'
+ * bitmaps (bit clear) but belong to no page: the ledger does not count
+ * them as allocated, kvp__alloc_check verifies each one. The stack is
+ * filled from the bitmaps cache_cap / 2 slots at a time (from the current
+ * slab only, so it never makes a slab a single allocation would not have
+ * made) and, when full, flushed by its older half back to them; it holds
+ * at most one slab's slots (up to KVP__BIN_CACHE_MAX), and every cache is
+ * flushed before the region is declared full, before a transaction's
+ * undo takes slots back at their offsets, and at destroy. */
+#define KVP__BIN_CACHE_MAX 32u
+
 typedef struct kvp__bin {
   kvp__slab *cur;    /* slab to allocate from; the empty sentinel if none */
   kvp__slab *avail;  /* other non-full slabs (doubly linked) */
   uint64_t nslabs;   /* slabs of this class */
-  uint64_t nused;    /* used slots of this class */
+  uint64_t nused;    /* slots of this class taken in the bitmaps: pages' slots plus ncached */
+  uint64_t *cache;   /* [cache_cap]: region offsets of cached free slots, oldest first; NULL until the class's first
+                        slab (and if that metadata could not be had: the class then runs without a cache) */
+  uint32_t ncached;  /* slots in cache */
+  uint32_t cache_cap; /* room of cache: min(KVP__BIN_CACHE_MAX, slots of a slab of the class); 0 without one */
 } kvp__bin;
 
 /* The shared sentinel: nfree = 0, so the fast path needs no NULL test. */
@@ -274,8 +293,14 @@ void kvp__ledger_init(kvp__ledger *l, uint64_t reserved_bytes, uint64_t budget_b
 static inline bool kvp__ledger_fits(const kvp__ledger *l, uint64_t alloc_bytes) {
   return alloc_bytes <= l->budget_bytes - l->allocated.current;
 }
-void kvp__ledger_begin(kvp__ledger *l);
-void kvp__ledger_end(kvp__ledger *l);
+/* The writer's section: the count is odd inside (inline: twice per page). */
+static inline void kvp__ledger_begin(kvp__ledger *l) {
+  atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
+}
+static inline void kvp__ledger_end(kvp__ledger *l) {
+  atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_release);
+}
 /* The writer stores with relaxed atomics (plain moves on x86-64) so that the
  * readers' relaxed loads inside the sequence lock are not data races. Inline:
  * the allocation fast path moves four of these per page. */
@@ -354,6 +379,14 @@ typedef struct kvp__alloc_tx {
   bool reused;             /* a page taken since overlaps a freed one (whose payload it may overwrite) */
 } kvp__alloc_tx;
 
+/* The large cache: as the bins' caches do for slots, the extents of the
+ * last large pages freed stay taken, so that a page of the same size
+ * (a KV cache's large pages come in few sizes: a VAR scale's, a
+ * prefill's) is a scan of a few entries instead of a walk of the free
+ * bins and the address map. It is flushed where the bins' caches are. */
+#define KVP__LARGE_CACHE_MAX 8u
+#define KVP__LARGE_CACHE_BYTES (16ull << 20)
+
 typedef struct kvp__alloc {
   kvp__region region;          /* the reserved memory */
   kvp__extents ext;            /* extent tiling */
@@ -367,6 +400,12 @@ typedef struct kvp__alloc {
   kvp__stats *stats;           /* per-tag counters */
   kvp__meta *meta;             /* metadata counter of the pool */
   kvp__alloc_tx *tx;           /* the open transaction, or NULL */
+  kvp__extent *large_cache[KVP__LARGE_CACHE_MAX]; /* [nlarge_cached]: extents of freed large pages, still LARGE
+                                                     (committed, not allocated), for the next page of their size;
+                                                     oldest first */
+  uint32_t nlarge_cached;      /* extents in large_cache */
+  uint64_t large_cached_bytes; /* their bytes: at most large_cache_bytes */
+  uint64_t large_cache_bytes;  /* cap of large_cached_bytes: min(KVP__LARGE_CACHE_BYTES, region / 16) */
 } kvp__alloc;
 
 /* Largest slab of a region: 2 MiB, or for a region under 64 MiB the power
@@ -425,9 +464,20 @@ static inline void *kvp__page_addr(const kvp__alloc *a, const kvp__page *p) {
 /* Allocate a tagged page of bytes (1..KVP_MAX_PAGE_BYTES). EINVAL, EBUDGET,
  * ENOSPC, ENOMEM; nothing changes on failure. */
 int kvp__alloc_page(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
+/* The same for a tag its caller has validated (a raw page's, checked
+ * against the pool's geometry): bytes are still checked. Inline below. */
+int kvp__alloc_page_tagged_slow(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out);
 /* Free a page. EINVAL if p does not name a live page (foreign offset, double
  * free, wrong class); nothing changes then. */
 int kvp__alloc_free(kvp__alloc *a, const kvp__page *p);
+/* Give back what the allocator keeps for speed: the bins' cached slots,
+ * the large cache, the empty slabs kept as current ones (committed bytes
+ * fall to what live pages hold, up to the slabs they share). No figure
+ * but committed bytes and slab and extent counts moves. */
+void kvp__alloc_trim(kvp__alloc *a);
+/* Free a page its owner knows to be live (a raw page whose id matched):
+ * kvp__alloc_free without the validation. Cannot fail. Inline below. */
+void kvp__alloc_free_live_slow(kvp__alloc *a, const kvp__page *p);
 /* Resize p to bytes keeping min(old, new) bytes of payload (copied on
  * stream). In place when the class fits; else a new page is taken (the
  * budget must hold both while the move lasts), the payload copied, the old
@@ -458,5 +508,71 @@ void kvp__alloc_tx_release(kvp__alloc *a, kvp__alloc_tx *tx);
  * slabs and extents. Pages' requested bytes are checked by the owner. */
 int kvp__alloc_check(const kvp__alloc *a);
 /* Bytes of metadata per class etc. are in a->meta. */
+
+/* ======================================================================
+ * The fast path, inline: a small page from or onto its class's cache, in
+ * the caller's function (no call, no registers saved: stores that the
+ * writer lock's atomic instructions would wait for). Everything else (an
+ * empty or full cache, a large page, the budget's refusal, a new sequence,
+ * an open transaction) is the out-of-line path, the same code as before.
+ * ==================================================================== */
+
+/* Count a page in (sign +1) or out (-1): the ledger's figures and the
+ * per-tag cells. Inside the ledger's section. */
+static inline __attribute__((always_inline)) void kvp__alloc_count_as(kvp__alloc *a, const kvp__tag *tag,
+                                                                      uint64_t req, uint64_t cls, int sign) {
+  if (sign > 0) {
+    kvp__gauge_add(&a->ledger.requested, req);
+    kvp__gauge_add(&a->ledger.allocated, cls);
+    kvp__gauge_add(&a->ledger.pages, 1);
+  } else {
+    kvp__gauge_sub(&a->ledger.requested, req);
+    kvp__gauge_sub(&a->ledger.allocated, cls);
+    kvp__gauge_sub(&a->ledger.pages, 1);
+  }
+  kvp__stats_count(a->stats, tag, req, cls, sign);
+}
+
+/* kvp__alloc_page for a validated tag. Fast: a slab class with a cached
+ * slot, room in the budget, no transaction. */
+static inline int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kvp__tag *tag, kvp__page *out) {
+  if (KVP__LIKELY(bytes - 1 < a->small_max_bytes)) { /* 1..small_max */
+    uint32_t sc = kvp__sc_index(kvp__align_up(bytes, a->page_align_bytes));
+    uint64_t size = kvp__sc_size(sc);
+    kvp__bin *b = &a->bins[sc];
+    const kvp__tag t = *tag; /* counted from this copy, not loaded back from the page's fresh stores */
+    if (KVP__LIKELY(b->ncached && kvp__ledger_fits(&a->ledger, size) && !a->tx &&
+                    kvp__stats_reserve_seq(a->stats, t.seq) == KVP_OK)) { /* a probe if not the last sequence */
+      kvp__ledger_begin(&a->ledger);
+      out->off = b->cache[--b->ncached];
+      out->requested_bytes = (uint32_t)bytes;
+      out->size8 = (uint32_t)(size >> 3);
+      out->tag = t;
+      kvp__alloc_count_as(a, &t, bytes, size, +1);
+      kvp__count_add(&a->ledger.allocs, 1);
+      kvp__ledger_end(&a->ledger);
+      return KVP_OK;
+    }
+  }
+  return kvp__alloc_page_tagged_slow(a, bytes, tag, out);
+}
+
+/* kvp__alloc_free for a page known live. Fast: a slab slot whose class's
+ * cache has room. */
+static inline void kvp__alloc_free_live(kvp__alloc *a, const kvp__page *p) {
+  uint64_t size = kvp__page_alloc_bytes(p);
+  if (KVP__LIKELY(size <= a->small_max_bytes)) {
+    kvp__bin *b = &a->bins[kvp__sc_index(size)];
+    if (KVP__LIKELY(b->ncached < b->cache_cap)) {
+      kvp__ledger_begin(&a->ledger);
+      b->cache[b->ncached++] = p->off;
+      kvp__alloc_count_as(a, &p->tag, p->requested_bytes, size, -1);
+      kvp__count_add(&a->ledger.frees, 1);
+      kvp__ledger_end(&a->ledger);
+      return;
+    }
+  }
+  kvp__alloc_free_live_slow(a, p);
+}
 
 #endif /* KVP_ALLOC_H */

@@ -20,16 +20,7 @@ void kvp__ledger_init(kvp__ledger *l, uint64_t reserved_bytes, uint64_t budget_b
   l->budget_bytes = budget_bytes;
 }
 
-/* kvp__gauge_add/sub and kvp__count_add are inline in alloc.h. */
-
-void kvp__ledger_begin(kvp__ledger *l) {
-  atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_relaxed);
-  atomic_thread_fence(memory_order_release);
-}
-
-void kvp__ledger_end(kvp__ledger *l) {
-  atomic_store_explicit(&l->seq, atomic_load_explicit(&l->seq, memory_order_relaxed) + 1, memory_order_release);
-}
+/* kvp__gauge_add/sub, kvp__count_add and kvp__ledger_begin/end are inline in alloc.h. */
 
 /* Copy the figures word by word with relaxed atomic loads, so the copy
  * itself is not a data race under the C11 model (and TSan agrees). */

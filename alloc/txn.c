@@ -176,7 +176,8 @@ void kvp__alloc_tx_rollback(kvp__alloc *a, kvp__alloc_tx *tx) {
   kvp__assert(tx->open && a->tx == tx);
   kvp__ledger_begin(&a->ledger);
   if (tx->space_freed) {
-    kvp__slabs_purge_empty(a); /* slabs the transaction's own pages emptied, kept as current ones */
+    kvp__slabs_purge_empty(a); /* the caches flushed (a page taken and given back meanwhile may sit there, over a
+                                  freed one), then the slabs the transaction's own pages emptied */
     for (uint32_t i = tx->n; i--;) take_back(a, tx, &tx->freed[i]);
   }
   for (uint32_t i = 0; i < tx->n; i++) kvp__alloc_count(a, &tx->freed[i].page, +1);

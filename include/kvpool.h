@@ -568,7 +568,10 @@ typedef struct kvp_seq_desc {
  * freed, or replaced when an OPEN block was sealed and encoded) to the
  * allocator. Retired bytes stay allocated (bytes.retired) until then; the
  * pool reclaims by itself when an allocation would not fit, at evict and
- * free, and at step end once they pass max(1 MiB, budget / 256). */
+ * free, and at step end once they pass max(1 MiB, budget / 256). This call
+ * also empties the allocator's caches of free slots and large extents and
+ * returns its empty slabs, so committed bytes fall to what live pages hold
+ * (the pool does so by itself before it would answer KVP_ENOSPC). */
 KVP_API int kvp_reclaim(kvp_pool *pool);
 
 /* Describe a sequence. Lock-free. Shared blocks count in every sequence

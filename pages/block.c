@@ -271,6 +271,7 @@ KVP_API int kvp_reclaim(kvp_pool *pool) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
   kvp__reclaim(pool);
+  kvp__alloc_trim(&pool->alloc); /* the allocator's caches too: committed bytes down to what pages hold */
   kvp__unlock(pool);
   return KVP_OK;
 }

@@ -34,15 +34,14 @@
 /* One slot of the raw-page table (the experimental page API). */
 typedef struct kvp__rawslot {
   kvp__page page; /* the page, when live */
-  uint32_t gen;   /* generation: bumped at every free, part of the id */
+  uint32_t gen;   /* generation: bumped at every alloc and free, part of the id; odd while the slot holds a page */
   uint32_t next;  /* free list link (index + 1; 0 = end) */
-  bool live;      /* holds a page */
 } kvp__rawslot;
+static inline bool kvp__rawslot_live(const kvp__rawslot *s) { return s->gen & 1; }
 
 typedef struct kvp__rawpages {
   kvp__rawslot *slots; /* [cap] */
   uint32_t cap;        /* slots */
-  uint32_t nlive;      /* live pages */
   uint32_t free_head;  /* first free slot (index + 1; 0 = none) */
 } kvp__rawpages;
 
@@ -175,7 +174,7 @@ typedef struct kvp__ptable {
 
 struct kvp_pool {
   kvp_config cfg;        /* copy of the configuration (strings not kept) */
-  pthread_mutex_t lock;  /* the writer lock: one mutator at a time */
+  kvp__mutex lock;       /* the writer lock: one mutator at a time */
   kvp__meta meta;        /* host metadata bytes of this pool */
   kvp__stats stats;      /* per-tag counters */
   kvp__alloc alloc;      /* region, extents, slabs, ledger */
@@ -225,8 +224,8 @@ typedef void (*kvp__page_visit)(void *ctx, const kvp__page *pg);
 void kvp__rawpages_walk(const kvp__rawpages *r, kvp__page_visit fn, void *ctx);
 void kvp__rawpages_fini(kvp_pool *pool);
 
-static inline void kvp__lock(kvp_pool *p) { pthread_mutex_lock(&p->lock); }
-static inline void kvp__unlock(kvp_pool *p) { pthread_mutex_unlock(&p->lock); }
+static inline void kvp__lock(kvp_pool *p) { kvp__mutex_lock(&p->lock); }
+static inline void kvp__unlock(kvp_pool *p) { kvp__mutex_unlock(&p->lock); }
 
 /* pages/prefix.c: prefix sharing by content keys. */
 /* Keys of the first n_chunks full blocks of tokens (chained). */

@@ -338,7 +338,7 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   if (!p) return kvp__err(KVP_ENOMEM, "pool object");
   p->meta = meta;
   p->cfg = c;
-  pthread_mutex_init(&p->lock, NULL);
+  kvp__mutex_init(&p->lock);
   if ((rc = kvp__stats_init(&p->stats, c.n_layers, c.n_kv_heads, &p->meta))) goto fail;
   if ((rc = kvp__alloc_init(&p->alloc, c.memory, c.device, c.region_bytes, c.budget_bytes, c.flags, &p->stats, &p->meta))) {
     kvp__stats_fini(&p->stats);
@@ -375,7 +375,6 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   *out = p;
   return KVP_OK;
 fail:
-  pthread_mutex_destroy(&p->lock);
   kvp__meta_free(NULL, p, sizeof *p);
   return rc;
 }
@@ -394,7 +393,6 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
   kvp__stats_fini(&pool->stats);
-  pthread_mutex_destroy(&pool->lock);
   kvp__meta_free(NULL, pool, sizeof *pool);
 }
 
@@ -452,22 +450,21 @@ KVP_API int kvp_stats_get(kvp_pool *pool, kvp_stats *out) {
   uint64_t span = atomic_load_explicit(&pool->alloc.ext.hwm_bytes, memory_order_relaxed);
   if (r->ops->usage(r, span, &out->device_used_bytes, &out->device_total_bytes) != KVP_OK)
     out->device_used_bytes = out->device_total_bytes = 0; /* probe failed: reported as unknown (0) */
-  for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) kvp__usage_read(&pool->stats.page_types[i], &out->page_types[i]);
-  for (uint32_t i = 0; i < 2; i++) kvp__usage_read(&pool->stats.kv[i], &out->kv[i]);
+  for (uint32_t i = 0; i < KVP_PAGE_TYPE_COUNT; i++) kvp__stats_slice(&pool->stats, KVP_DIM_PAGE_TYPE, i, &out->page_types[i]);
+  for (uint32_t i = 0; i < 2; i++) kvp__stats_slice(&pool->stats, KVP_DIM_KV, i, &out->kv[i]);
   return KVP_OK;
 }
 
 KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t index, kvp_usage *out) {
   if (!pool || !out) return kvp__err(KVP_EINVAL, "%s is NULL", pool ? "usage out" : "pool");
   const kvp__stats *st = &pool->stats;
-  const kvp__usage *u = NULL;
   uint64_t n = 0;
   switch (dim) {
-  case KVP_DIM_PAGE_TYPE: n = KVP_PAGE_TYPE_COUNT; u = index < n ? &st->page_types[index] : NULL; break;
-  case KVP_DIM_KV: n = 2; u = index < n ? &st->kv[index] : NULL; break;
-  case KVP_DIM_LAYER: n = st->n_layers; u = index < n ? &st->layers[index] : NULL; break;
-  case KVP_DIM_HEAD: n = st->n_heads; u = index < n ? &st->heads[index] : NULL; break;
-  case KVP_DIM_CODEC: n = KVP__MAX_CODECS; u = index < n ? &st->codecs[index] : NULL; break;
+  case KVP_DIM_PAGE_TYPE: n = KVP_PAGE_TYPE_COUNT; break;
+  case KVP_DIM_KV: n = 2; break;
+  case KVP_DIM_LAYER: n = st->n_layers; break;
+  case KVP_DIM_HEAD: n = st->n_heads; break;
+  case KVP_DIM_CODEC: n = KVP__MAX_CODECS; break;
   case KVP_DIM_SEQ: {
     kvp__rcu_read_lock(); /* the per-sequence table may be rebuilt by the writer */
     const kvp__seq_usage *su = kvp__stats_seq(st, index);
@@ -478,9 +475,10 @@ KVP_API int kvp_stats_breakdown(kvp_pool *pool, kvp_stats_dim dim, uint64_t inde
   }
   default: return kvp__err(KVP_EINVAL, "stats dimension %d unknown", (int)dim);
   }
-  if (!u) return kvp__err(KVP_ENOENT, "stats dimension %d: index %llu >= %llu", (int)dim, (unsigned long long)index,
-                          (unsigned long long)n);
-  kvp__usage_read(u, out);
+  if (index >= n)
+    return kvp__err(KVP_ENOENT, "stats dimension %d: index %llu >= %llu", (int)dim, (unsigned long long)index,
+                    (unsigned long long)n);
+  kvp__stats_slice(st, dim, (uint32_t)index, out);
   return KVP_OK;
 }
 

@@ -2,11 +2,12 @@
  * pages/rawpage.c - the experimental raw-page API: tagged pages handed to
  * the caller by id, counted and checked like every other page.
  *
- * An id is (generation << 32) | (slot index + 1): a freed slot bumps its
- * generation, so a stale or doubled id never names a live page.
+ * An id is (generation << 32) | (slot index + 1): a slot bumps its
+ * generation when it takes a page and when it gives it back, so a live
+ * slot's is odd, and a stale or doubled id never names a live page.
  *
- * Invariant: raw.nlive = live slots; every live slot's page is live in the
- * allocator (kvp_check walks them).
+ * Invariant: every live slot's page is live in the allocator (kvp_check
+ * walks them), so a free by an id that matched needs no other validation.
  */
 #define KVP_EXPERIMENTAL_API
 #include "pages.h"
@@ -33,7 +34,7 @@ static kvp__rawslot *lookup(kvp_pool *pool, kvp_page_id id) {
   uint32_t idx = (uint32_t)id, gen = (uint32_t)(id >> 32);
   if (idx == 0 || idx > pool->raw.cap) return NULL;
   kvp__rawslot *s = &pool->raw.slots[idx - 1];
-  return s->live && s->gen == gen ? s : NULL;
+  return s->gen == gen && kvp__rawslot_live(s) ? s : NULL;
 }
 
 static int tag_in(const kvp_pool *pool, const kvp_page_tag *t, kvp__tag *out) {
@@ -59,11 +60,10 @@ KVP_API int kvp_page_alloc(kvp_pool *pool, uint64_t bytes, const kvp_page_tag *t
   if (!pool->raw.free_head && (rc = grow_table(pool))) goto out;
   uint32_t idx = pool->raw.free_head;
   kvp__rawslot *s = &pool->raw.slots[idx - 1];
-  if ((rc = kvp__alloc_page(&pool->alloc, bytes, &t, &s->page))) goto out;
+  if ((rc = kvp__alloc_page_tagged(&pool->alloc, bytes, &t, &s->page))) goto out; /* t: checked by tag_in */
   pool->raw.free_head = s->next;
-  s->live = true;
+  s->gen++; /* odd: live */
   s->next = 0;
-  pool->raw.nlive++;
   *out = ((uint64_t)s->gen << 32) | idx;
 out:
   kvp__unlock(pool);
@@ -74,15 +74,14 @@ KVP_API int kvp_page_free(kvp_pool *pool, kvp_page_id id) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
   kvp__rawslot *s = lookup(pool, id);
-  int rc = s ? kvp__alloc_free(&pool->alloc, &s->page)
+  int rc = s ? KVP_OK
              : kvp__err(KVP_ENOENT, "page id %#llx is not live (freed already, or never allocated)",
                         (unsigned long long)id);
   if (!rc) {
-    s->live = false;
-    s->gen++;
+    kvp__alloc_free_live(&pool->alloc, &s->page); /* the id matched: the page is live */
+    s->gen++; /* even: free */
     s->next = pool->raw.free_head;
     pool->raw.free_head = (uint32_t)id;
-    pool->raw.nlive--;
   }
   kvp__unlock(pool);
   return rc;
@@ -113,7 +112,7 @@ KVP_API int kvp_page_describe(kvp_pool *pool, kvp_page_id id, kvp_page_desc *out
 
 void kvp__rawpages_walk(const kvp__rawpages *r, kvp__page_visit fn, void *ctx) {
   for (uint32_t i = 0; i < r->cap; i++)
-    if (r->slots[i].live) fn(ctx, &r->slots[i].page);
+    if (kvp__rawslot_live(&r->slots[i])) fn(ctx, &r->slots[i].page);
 }
 
 void kvp__rawpages_fini(kvp_pool *pool) {

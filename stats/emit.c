@@ -81,11 +81,11 @@ static void json_usage(out *o, const kvp_usage *u) {
   put(o, "}");
 }
 
-static void json_array(out *o, const char *name, const kvp__usage *arr, uint32_t n) {
+static void json_array(out *o, const char *name, const kvp__stats *st, kvp_stats_dim dim, uint32_t n) {
   put(o, ",\"%s\":[", name);
   for (uint32_t i = 0; i < n; i++) {
     kvp_usage u;
-    kvp__usage_read(&arr[i], &u);
+    kvp__stats_slice(st, dim, i, &u);
     put(o, i ? "," : "");
     json_usage(o, &u);
   }
@@ -121,12 +121,12 @@ static void emit_json(const kvp__emit_src *src, out *o) {
   json_usage(o, &s->kv[1]);
   put(o, "}");
   const kvp__stats *st = src->st;
-  json_array(o, "layers", st->layers, st->n_layers);
-  json_array(o, "heads", st->heads, st->n_heads);
+  json_array(o, "layers", st, KVP_DIM_LAYER, st->n_layers);
+  json_array(o, "heads", st, KVP_DIM_HEAD, st->n_heads);
   put(o, ",\"codecs\":{");
   for (uint32_t i = 0, first = 1; i < KVP__MAX_CODECS; i++) {
     kvp_usage u;
-    kvp__usage_read(&st->codecs[i], &u);
+    kvp__stats_slice(st, KVP_DIM_CODEC, i, &u);
     if (!u.npages) continue;
     const char *name = src->codec_name ? src->codec_name(i) : NULL; /* [a-z0-9_-]+: no escaping */
     put(o, "%s\"%u\":{", first ? "" : ",", i);
@@ -165,11 +165,11 @@ static void prom_usage(out *o, const char *dim, const char *slice, const kvp_usa
   prom_usage_labels(o, dim, slice, "", u);
 }
 
-static void prom_array(out *o, const char *dim, const kvp__usage *arr, uint32_t n, bool skip_empty) {
+static void prom_array(out *o, const char *dim, const kvp__stats *st, kvp_stats_dim d, uint32_t n, bool skip_empty) {
   for (uint32_t i = 0; i < n; i++) {
     kvp_usage u;
     char slice[24];
-    kvp__usage_read(&arr[i], &u);
+    kvp__stats_slice(st, d, i, &u);
     if (skip_empty && !u.npages) continue;
     snprintf(slice, sizeof slice, "%u", i);
     prom_usage(o, dim, slice, &u);
@@ -210,12 +210,12 @@ static void emit_prometheus(const kvp__emit_src *src, out *o) {
   prom_usage(o, "kv", "k", &s->kv[0]);
   prom_usage(o, "kv", "v", &s->kv[1]);
   const kvp__stats *st = src->st;
-  prom_array(o, "layer", st->layers, st->n_layers, false);
-  prom_array(o, "head", st->heads, st->n_heads, false);
+  prom_array(o, "layer", st, KVP_DIM_LAYER, st->n_layers, false);
+  prom_array(o, "head", st, KVP_DIM_HEAD, st->n_heads, false);
   for (uint32_t i = 0; i < KVP__MAX_CODECS; i++) { /* slice = id; the name in a label of its own */
     kvp_usage u;
     char slice[24], extra[96] = "";
-    kvp__usage_read(&st->codecs[i], &u);
+    kvp__stats_slice(st, KVP_DIM_CODEC, i, &u);
     if (!u.npages) continue;
     const char *cname = src->codec_name ? src->codec_name(i) : NULL; /* [a-z0-9_-]+: no escaping */
     snprintf(slice, sizeof slice, "%u", i);

@@ -6,6 +6,12 @@
  * ledger's requested (allocated, pages). kvp_check re-derives every slice
  * from the live pages and compares (kvp__stats_compare).
  *
+ * The five fixed dimensions are two grids of cells (stats.h): kinds by
+ * (codec, K/V, page type), places by (layer, head); a page moves one cell
+ * of each, and a slice is the sum of its row or column:
+ *   page_type[t] = sum over codec c, kv k of kinds[c][k][t]   (and kv, codec alike)
+ *   layer[l]     = sum over head h of places[l][h]            (head alike)
+ *
  * Sequences sit in an open-addressing table (linear probing, power-of-two
  * capacity, load <= 1/2). A sequence's slot stays once created (a
  * tombstone with zero usage) until the table is rebuilt on growth, which
@@ -20,11 +26,7 @@
 
 #include <string.h>
 
-/* Single writer (the pool's writer lock): a relaxed load and store, plain
- * moves on x86-64, instead of a locked read-modify-write; readers still see
- * whole values. */
-#define ADD(field, n) \
-  atomic_store_explicit(&(field), atomic_load_explicit(&(field), memory_order_relaxed) + (n), memory_order_relaxed)
+/* The writer's counting (kvp__stats_count) is inline in stats.h. */
 
 static kvp__seq_table *table_new(kvp__meta *meta, uint32_t cap) {
   kvp__seq_table *t = kvp__meta_calloc(meta, sizeof *t + (size_t)cap * sizeof t->slot[0]);
@@ -50,10 +52,10 @@ int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__me
   st->meta = meta;
   st->n_layers = n_layers;
   st->n_heads = n_heads;
-  st->layers = kvp__meta_calloc(meta, n_layers * sizeof *st->layers);
-  st->heads = kvp__meta_calloc(meta, n_heads * sizeof *st->heads);
+  st->kinds = kvp__meta_calloc(meta, KVP__STATS_KINDS * sizeof *st->kinds);
+  st->places = kvp__meta_calloc(meta, (size_t)n_layers * n_heads * sizeof *st->places);
   st->seqt = table_new(meta, 64);
-  if (!st->layers || !st->heads || !st->seqt) {
+  if (!st->kinds || !st->places || !st->seqt) {
     kvp__stats_fini(st);
     return kvp__err(KVP_ENOMEM, "stats counters for %u layers x %u heads", n_layers, n_heads);
   }
@@ -62,10 +64,10 @@ int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__me
 
 void kvp__stats_fini(kvp__stats *st) {
   if (st->seq_deferred) kvp__rcu_barrier(); /* old tables are charged to st->meta */
-  kvp__meta_free(st->meta, st->layers, st->n_layers * sizeof *st->layers);
-  kvp__meta_free(st->meta, st->heads, st->n_heads * sizeof *st->heads);
+  kvp__meta_free(st->meta, st->kinds, KVP__STATS_KINDS * sizeof *st->kinds);
+  kvp__meta_free(st->meta, st->places, (size_t)st->n_layers * st->n_heads * sizeof *st->places);
   table_free(st->seqt);
-  st->layers = st->heads = NULL;
+  st->kinds = st->places = NULL;
   st->seqt = NULL;
 }
 
@@ -122,11 +124,13 @@ static int seq_rehash(kvp__stats *st, uint32_t cap) {
   return KVP_OK;
 }
 
-int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
-  if (KVP__LIKELY(st->seq_last && slot_seq(st->seq_last) == seq)) return KVP_OK;
+int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
-  if (KVP__LIKELY(found)) return KVP_OK;
+  if (KVP__LIKELY(found)) {
+    st->seq_last = e; /* the page about to be counted finds it without a second probe */
+    return KVP_OK;
+  }
   if ((st->seq_used + 1) * 2 > st->seqt->cap) {
     uint32_t live = 0;
     for (uint32_t i = 0; i < st->seqt->cap; i++)
@@ -139,6 +143,7 @@ int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
   }
   slot_claim(e, seq);
   st->seq_used++;
+  st->seq_last = e;
   return KVP_OK;
 }
 
@@ -219,42 +224,49 @@ int kvp__stats_top_seqs(const kvp__stats *st, uint32_t n, kvp_seq_usage *out, ui
   return KVP_OK;
 }
 
-/* Branch-free (alloc and free alternate on the hot path; a branch on the
- * sign mispredicts): the deltas are added modulo 2^64. */
-static inline __attribute__((always_inline)) void usage_move(kvp__usage *u, uint64_t dreq, uint64_t dalloc,
-                                                             uint64_t dpages) {
-  ADD(u->requested_bytes, dreq);
-  ADD(u->allocated_bytes, dalloc);
-  ADD(u->npages, dpages);
-}
-
-void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_bytes, uint64_t allocated_bytes,
-                      int sign) {
-  uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
-  uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
-  usage_move(&st->page_types[tag->type], dreq, dalloc, dpages);
-  usage_move(&st->kv[tag->kv], dreq, dalloc, dpages);
-  usage_move(&st->codecs[tag->codec], dreq, dalloc, dpages);
-  usage_move(&st->layers[tag->layer], dreq, dalloc, dpages);
-  usage_move(&st->heads[tag->head], dreq, dalloc, dpages);
-  kvp__seq_usage *e = st->seq_last;
-  if (!e || slot_seq(e) != tag->seq) {
-    bool found;
-    e = seq_find(st->seqt, tag->seq, &found);
-    kvp__assert(found); /* reserved before the page was taken */
-    st->seq_last = e;
-  }
-  uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
-  atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
-  atomic_thread_fence(memory_order_release);
-  usage_move(&e->u, dreq, dalloc, dpages);
-  atomic_store_explicit(&e->ver, v + 2, memory_order_release);
+kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq) {
+  bool found;
+  kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
+  kvp__assert(found); /* reserved before the page was taken */
+  st->seq_last = e;
+  return e;
 }
 
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out) {
   out->requested_bytes = load(&u->requested_bytes);
   out->allocated_bytes = load(&u->allocated_bytes);
   out->npages = load(&u->npages);
+}
+
+static void usage_acc(kvp_usage *acc, const kvp__usage *u) {
+  acc->requested_bytes += load(&u->requested_bytes);
+  acc->allocated_bytes += load(&u->allocated_bytes);
+  acc->npages += load(&u->npages);
+}
+
+void kvp__stats_slice(const kvp__stats *st, kvp_stats_dim dim, uint32_t index, kvp_usage *out) {
+  memset(out, 0, sizeof *out);
+  switch (dim) {
+  case KVP_DIM_PAGE_TYPE:
+    for (uint32_t c = 0; c < KVP__MAX_CODECS; c++)
+      for (uint32_t kv = 0; kv < 2; kv++) usage_acc(out, &st->kinds[kvp__stats_kind(c, kv, index)]);
+    break;
+  case KVP_DIM_KV:
+    for (uint32_t c = 0; c < KVP__MAX_CODECS; c++)
+      for (uint32_t t = 0; t < KVP_PAGE_TYPE_COUNT; t++) usage_acc(out, &st->kinds[kvp__stats_kind(c, index, t)]);
+    break;
+  case KVP_DIM_CODEC:
+    for (uint32_t kv = 0; kv < 2; kv++)
+      for (uint32_t t = 0; t < KVP_PAGE_TYPE_COUNT; t++) usage_acc(out, &st->kinds[kvp__stats_kind(index, kv, t)]);
+    break;
+  case KVP_DIM_LAYER:
+    for (uint32_t h = 0; h < st->n_heads; h++) usage_acc(out, &st->places[(size_t)index * st->n_heads + h]);
+    break;
+  case KVP_DIM_HEAD:
+    for (uint32_t l = 0; l < st->n_layers; l++) usage_acc(out, &st->places[(size_t)l * st->n_heads + index]);
+    break;
+  default: kvp__assert(!"a fixed dimension");
+  }
 }
 
 static void sum_add(kvp_usage *u, uint64_t req, uint64_t alloc) {
@@ -296,9 +308,8 @@ void kvp__stats_sum_add(const kvp__stats *st, kvp__stats_sum *s, const kvp__tag 
   sum_add(&s->heads[tag->head], requested_bytes, allocated_bytes);
 }
 
-static int cmp(const char *dim, uint32_t i, const kvp__usage *have, const kvp_usage *want) {
-  kvp_usage h;
-  kvp__usage_read(have, &h);
+static int cmp_read(const char *dim, uint32_t i, const kvp_usage *have, const kvp_usage *want) {
+  kvp_usage h = *have;
   if (h.requested_bytes == want->requested_bytes && h.allocated_bytes == want->allocated_bytes &&
       h.npages == want->npages)
     return KVP_OK;
@@ -309,13 +320,26 @@ static int cmp(const char *dim, uint32_t i, const kvp__usage *have, const kvp_us
                   (unsigned long long)want->npages);
 }
 
+static int cmp(const char *dim, uint32_t i, const kvp__usage *have, const kvp_usage *want) {
+  kvp_usage h;
+  kvp__usage_read(have, &h);
+  return cmp_read(dim, i, &h, want);
+}
+
+static int cmp_slice(const kvp__stats *st, const char *name, kvp_stats_dim dim, uint32_t i, const kvp_usage *want) {
+  kvp_usage h;
+  kvp__stats_slice(st, dim, i, &h);
+  return cmp_read(name, i, &h, want);
+}
+
 int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s) {
   int rc = KVP_OK;
-  for (uint32_t i = 0; !rc && i < KVP_PAGE_TYPE_COUNT; i++) rc = cmp("page type", i, &st->page_types[i], &s->page_types[i]);
-  for (uint32_t i = 0; !rc && i < 2; i++) rc = cmp("kv", i, &st->kv[i], &s->kv[i]);
-  for (uint32_t i = 0; !rc && i < KVP__MAX_CODECS; i++) rc = cmp("codec", i, &st->codecs[i], &s->codecs[i]);
-  for (uint32_t i = 0; !rc && i < st->n_layers; i++) rc = cmp("layer", i, &st->layers[i], &s->layers[i]);
-  for (uint32_t i = 0; !rc && i < st->n_heads; i++) rc = cmp("head", i, &st->heads[i], &s->heads[i]);
+  for (uint32_t i = 0; !rc && i < KVP_PAGE_TYPE_COUNT; i++)
+    rc = cmp_slice(st, "page type", KVP_DIM_PAGE_TYPE, i, &s->page_types[i]);
+  for (uint32_t i = 0; !rc && i < 2; i++) rc = cmp_slice(st, "kv", KVP_DIM_KV, i, &s->kv[i]);
+  for (uint32_t i = 0; !rc && i < KVP__MAX_CODECS; i++) rc = cmp_slice(st, "codec", KVP_DIM_CODEC, i, &s->codecs[i]);
+  for (uint32_t i = 0; !rc && i < st->n_layers; i++) rc = cmp_slice(st, "layer", KVP_DIM_LAYER, i, &s->layers[i]);
+  for (uint32_t i = 0; !rc && i < st->n_heads; i++) rc = cmp_slice(st, "head", KVP_DIM_HEAD, i, &s->heads[i]);
   if (!rc && s->has_unknown_seq)
     return kvp__err(KVP_ECORRUPT, "a page of sequence %llu is not in the per-sequence stats",
                     (unsigned long long)s->unknown_seq);

@@ -3,8 +3,8 @@
  * (JSON, Prometheus, text) generated from KVP_STATS_LIST in kvpool.h.
  *
  * Every page carries a tag; each alloc/free adds/subtracts its requested and
- * allocated bytes in every dimension of the tag, so each breakdown sums to
- * the ledger's totals. Counters are written by the writer only (relaxed
+ * allocated bytes in the cells its tag names (two grids and its sequence's
+ * slot), so each breakdown, a sum of cells, sums to the ledger's totals. Counters are written by the writer only (relaxed
  * atomics) and read from any thread.
  */
 #ifndef KVP_STATS_H
@@ -52,14 +52,21 @@ typedef struct kvp__seq_table {
   kvp__seq_usage slot[]; /* [cap] */
 } kvp__seq_table;
 
+/* The five fixed dimensions are counted in two grids of cells, so that a
+ * page moves two cells (and its sequence's slot) rather than five: kinds
+ * by (codec, K/V, page type), places by (layer, head). A slice of one
+ * dimension (page type 3, layer 7, ...) is the sum of its row or column
+ * (kvp__stats_slice), read off the hot path. */
+#define KVP__STATS_KINDS (KVP__MAX_CODECS * 2u * KVP_PAGE_TYPE_COUNT) /* cells of the kind grid */
+static inline uint32_t kvp__stats_kind(uint32_t codec, uint32_t kv, uint32_t type) {
+  return (codec * 2 + kv) * KVP_PAGE_TYPE_COUNT + type;
+}
+
 typedef struct kvp__stats {
   kvp__meta *meta;                           /* metadata counter */
-  uint32_t n_layers, n_heads;                /* sizes of the arrays below */
-  kvp__usage page_types[KVP_PAGE_TYPE_COUNT];
-  kvp__usage kv[2];
-  kvp__usage codecs[KVP__MAX_CODECS];
-  kvp__usage *layers;                        /* [n_layers] */
-  kvp__usage *heads;                         /* [n_heads] */
+  uint32_t n_layers, n_heads;                /* sizes of the grid of places */
+  kvp__usage *kinds;                         /* [KVP__STATS_KINDS]: by kvp__stats_kind(codec, kv, type) */
+  kvp__usage *places;                        /* [n_layers * n_heads]: by layer * n_heads + head */
   kvp__seq_table *seqt;                      /* per-sequence table (RCU pointer; writer lock to change) */
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
@@ -69,14 +76,58 @@ typedef struct kvp__stats {
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
 void kvp__stats_fini(kvp__stats *st);
 /* Make sure the tag's sequence has a slot, so the counting that follows
- * cannot fail. KVP_ENOMEM. Writer lock. */
-int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq);
+ * cannot fail, and remember it as the last one. KVP_ENOMEM. Writer lock.
+ * Inline: the last sequence counted is one compare. */
+int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq);
+static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
+  if (KVP__LIKELY(st->seq_last && atomic_load_explicit(&st->seq_last->seq, memory_order_relaxed) == seq))
+    return KVP_OK;
+  return kvp__stats_reserve_seq_slow(st, seq);
+}
+/* The slot of a sequence that has one (reserved), remembered as the last
+ * one counted. Writer lock. */
+kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq);
+
+/* Single writer (the pool's writer lock): a relaxed load and store, plain
+ * moves on x86-64, instead of a locked read-modify-write; readers still see
+ * whole values. */
+static inline __attribute__((always_inline)) void kvp__usage_move(kvp__usage *u, uint64_t dreq, uint64_t dalloc,
+                                                                  uint64_t dpages) {
+  atomic_store_explicit(&u->requested_bytes, atomic_load_explicit(&u->requested_bytes, memory_order_relaxed) + dreq,
+                        memory_order_relaxed);
+  atomic_store_explicit(&u->allocated_bytes, atomic_load_explicit(&u->allocated_bytes, memory_order_relaxed) + dalloc,
+                        memory_order_relaxed);
+  atomic_store_explicit(&u->npages, atomic_load_explicit(&u->npages, memory_order_relaxed) + dpages,
+                        memory_order_relaxed);
+}
+
 /* Count a page in (sign +1) or out (-1) in every dimension of its tag.
- * The sequence slot must exist (reserve first). */
-void kvp__stats_count(kvp__stats *st, const kvp__tag *tag, uint64_t requested_bytes,
-                      uint64_t allocated_bytes, int sign);
+ * The sequence slot must exist (reserve first). Inline, so that a constant
+ * sign folds: the deltas are added modulo 2^64. Cost: 6 loads and stores
+ * for the two grid cells, 3 (and 2 of its sequence lock) for the last
+ * sequence's slot (one compare; a probe of the table otherwise). */
+static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
+                                                                   uint64_t requested_bytes, uint64_t allocated_bytes,
+                                                                   int sign) {
+  uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
+  uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
+  kvp__usage_move(&st->kinds[kvp__stats_kind(tag->codec, tag->kv, tag->type)], dreq, dalloc, dpages);
+  kvp__usage_move(&st->places[(uint32_t)tag->layer * st->n_heads + tag->head], dreq, dalloc, dpages);
+  kvp__seq_usage *e = st->seq_last;
+  if (KVP__UNLIKELY(!e || atomic_load_explicit(&e->seq, memory_order_relaxed) != tag->seq))
+    e = kvp__stats_seq_slot(st, tag->seq);
+  uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
+  atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
+  atomic_thread_fence(memory_order_release);
+  kvp__usage_move(&e->u, dreq, dalloc, dpages);
+  atomic_store_explicit(&e->ver, v + 2, memory_order_release);
+}
 /* Read one usage into the public struct. */
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out);
+/* One slice of a fixed dimension (KVP_DIM_PAGE_TYPE, KV, CODEC, LAYER,
+ * HEAD; index in range): the sum of its cells. Lock-free (relaxed loads:
+ * like any lock-free read of the counters, not one instant's). */
+void kvp__stats_slice(const kvp__stats *st, kvp_stats_dim dim, uint32_t index, kvp_usage *out);
 /* The slot of a sequence, or NULL. Writer lock, or inside
  * kvp__rcu_read_lock (the pointer is valid until the unlock). */
 const kvp__seq_usage *kvp__stats_seq(const kvp__stats *st, uint64_t seq);

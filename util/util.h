@@ -49,6 +49,25 @@ void kvp__assert_fail(const char *expr, const char *file, int line) __attribute_
 #define KVP__NOINLINE __attribute__((noinline))
 #define KVP__ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 
+/* ---- the writer lock (util/mutex.c) ------------------------------------
+ * A futex word: lock and unlock inline, one atomic instruction each when
+ * nobody waits. */
+typedef struct kvp__mutex {
+  _Atomic uint32_t state; /* 0 free, 1 held, 2 held with waiters maybe asleep */
+} kvp__mutex;
+void kvp__mutex_lock_slow(kvp__mutex *m);
+void kvp__mutex_wake(kvp__mutex *m);
+static inline void kvp__mutex_init(kvp__mutex *m) { atomic_init(&m->state, 0); }
+static inline void kvp__mutex_lock(kvp__mutex *m) {
+  uint32_t z = 0;
+  if (KVP__UNLIKELY(!atomic_compare_exchange_strong_explicit(&m->state, &z, 1, memory_order_acquire,
+                                                              memory_order_relaxed)))
+    kvp__mutex_lock_slow(m);
+}
+static inline void kvp__mutex_unlock(kvp__mutex *m) {
+  if (KVP__UNLIKELY(atomic_exchange_explicit(&m->state, 0, memory_order_release) == 2)) kvp__mutex_wake(m);
+}
+
 /* ---- host metadata -----------------------------------------------------
  * All host-side metadata of a pool comes from one dedicated jemalloc arena
  * (no thread cache), so it never mixes with the engine's own heap, and each
