@@ -135,8 +135,8 @@ int kvp__kern_attend_preload(void);
 #define KVP__KERN_ATTEND_KINDS 9u
 uint32_t kvp__kern_attend_kind(const kvp__kparams p[4]);
 /* The records of a call's table, by kernel kind: the raw bf16 and the
- * fp8/int8/nvfp4 kernels read compact ones (the fields they use: the table
- * crosses to the device on every call), the others kvp__gjob. */
+ * fp8/int8/nvfp4/kivi kernels read compact ones (the fields they use: the
+ * table crosses the bus on every call), the others kvp__gjob. */
 typedef struct kvp__arec_raw {
   uint32_t page[2];     /* K's and V's row page: offset / 64 */
   uint16_t t0, m1;      /* first row read, rows read - 1 */
