@@ -524,10 +524,14 @@ KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req);
  * head_dim 32, 64, 128 or 256. A head that retains no token gives zeros.
  *
  * The block table is built on the host under the pool's read lock and
- * copied into workspace with one transfer; the kernels are enqueued on
- * stream and the call returns (pages evicted meanwhile are reused only
- * after the device drained). Too small a workspace: KVP_ENOSPC with
- * workspace_needed set, nothing enqueued. */
+ * copied into workspace with one transfer (for raw bf16, fp8, int8, nvfp4
+ * and kivi pages at head_dim 64 and 128, while the table sits in the
+ * pool's pinned stage, only its split index is copied and the kernel reads
+ * the records from the stage as it runs; the stage is reused once the
+ * kernels ended); the kernels are enqueued on stream and the call returns
+ * (pages evicted meanwhile are reused only after the device drained). Too
+ * small a workspace: KVP_ENOSPC with workspace_needed set, nothing
+ * enqueued. */
 typedef struct kvp_attend_req {
   size_t struct_size;         /* sizeof(kvp_attend_req) */
   uint32_t layer;             /* in */
