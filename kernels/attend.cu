@@ -283,13 +283,15 @@ template <int N> KVP_D void cp_async_wait() { asm volatile("cp.async.wait_group 
 /* Tile rows in fp16 (or bf16) per warp and buffer: [kTile][D + 8]. */
 template <uint32_t D> __host__ __device__ constexpr uint32_t tile_elems() { return kTile * (D + 8); }
 
+/* The warps' states of the final merge (cta_merge): [warps][8 heads][m, l, acc[D]] f32 */
+template <uint32_t D> __host__ __device__ constexpr size_t merge_smem() { return (size_t)kAttnWarps * 8 * (D + 2) * 4; }
+
+template <typename T> __host__ __device__ constexpr T cmax(T a, T b) { return a > b ? a : b; }
+
 /* Dynamic shared memory: per warp NB buffers of a K and a V tile; the
- * warps' states of the final merge ([warps][8 heads][m, l, acc[D]] f32)
- * reuse the same bytes once every warp is done. */
+ * merge's states reuse the same bytes once every warp is done. */
 template <uint32_t D, uint32_t NB> constexpr size_t attend_smem() {
-  return (size_t)kAttnWarps * NB * 2 * tile_elems<D>() * 2 > (size_t)kAttnWarps * 8 * (D + 2) * 4
-             ? (size_t)kAttnWarps * NB * 2 * tile_elems<D>() * 2
-             : (size_t)kAttnWarps * 8 * (D + 2) * 4;
+  return cmax((size_t)kAttnWarps * NB * 2 * tile_elems<D>() * 2, merge_smem<D>());
 }
 
 /* Q of query heads gr (< G, else zeros) as the A operand of Q K^T: the
@@ -391,9 +393,6 @@ KVP_D void tile_step(const uint32_t (&qa)[D / 16][2], uint32_t k_addr, uint32_t 
     else mma16816(st.o[i], va, p0, p1);
   }
 }
-
-/* attend_reg_kernel's merge states: [warps][8 heads][m, l, acc[D]] f32 */
-template <uint32_t D> __host__ __device__ constexpr size_t r8_merge_bytes() { return (size_t)kAttnWarps * 8 * (D + 2) * 4; }
 
 /* attend_reg_kernel's O^T rows: channel of accumulator o[i][e] of lane gr */
 template <uint32_t D> KVP_D uint32_t r8_channel(uint32_t gr, uint32_t i, uint32_t e) {
@@ -562,10 +561,7 @@ template <uint32_t C> __host__ __device__ constexpr uint32_t code_row_bytes(uint
 }
 
 template <uint32_t D, uint32_t C> __host__ __device__ constexpr size_t attend_q_smem() {
-  return (size_t)kAttnWarps * (2 * 2 * kTile * code_row_bytes<C>(D) + 2 * tile_elems<D>() * 2) >
-                 (size_t)kAttnWarps * 8 * (D + 2) * 4
-             ? (size_t)kAttnWarps * (2 * 2 * kTile * code_row_bytes<C>(D) + 2 * tile_elems<D>() * 2)
-             : (size_t)kAttnWarps * 8 * (D + 2) * 4;
+  return cmax((size_t)kAttnWarps * (2 * 2 * kTile * code_row_bytes<C>(D) + 2 * tile_elems<D>() * 2), merge_smem<D>());
 }
 
 /* The rows t0 .. t0 + n - 1 of a block, by a codec's row8s reader from
@@ -857,12 +853,6 @@ KVP_D uint32_t kivi_fma_f16(uint32_t c, uint32_t s, uint32_t m) {
   return d;
 }
 
-/* An E4M3 code as fp16 in both halves (exact) */
-KVP_D uint32_t e4m3_f16x2(uint32_t c) {
-  const float f = fp8_to_f32(c & 0xFFu);
-  return f16x2(f, f);
-}
-
 /* {lo, hi} E4M3 codes as fp16x2 (exact) */
 KVP_D uint32_t e4m3x2_f16(uint32_t lo, uint32_t hi) { return f16x2(fp8_to_f32(lo & 0xFFu), fp8_to_f32(hi & 0xFFu)); }
 
@@ -903,7 +893,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
   constexpr uint32_t RB = D * reg_code_bits<C>() / 8, NSC = D / 16; /* code bytes a row; nvfp4 scales a row */
   /* kivi: each warp's two buffers of one K group's records (D x 4 bytes),
    * after the merge's states; the step's group comes by cp.async */
-  uint32_t *kst = (uint32_t *)(smem + r8_merge_bytes<D>()) + (size_t)warp * 2 * D;
+  uint32_t *kst = (uint32_t *)(smem + merge_smem<D>()) + (size_t)warp * 2 * D;
   uint32_t kbuf = 0;
   const uint32_t GK = KIVI ? a.p[0].kivi_group : 1u, GV = KIVI ? a.p[2].kivi_group : 1u;
 
@@ -1050,8 +1040,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
     for (uint32_t j = 0; j < 2; j++) {
       uint32_t sc2[2] = {0u, 0u}; /* nvfp4: the lane's K group scales, fp16 in both halves */
       if constexpr (FP4) {
-        sc2[0] = e4m3_f16x2(c.kg[j]);
-        sc2[1] = D == 128 ? e4m3_f16x2(c.kg[j] >> 8) : sc2[0];
+        sc2[0] = e4m3x2_f16(c.kg[j], c.kg[j]);
+        sc2[1] = D == 128 ? e4m3x2_f16(c.kg[j] >> 8, c.kg[j] >> 8) : sc2[0];
       }
 #pragma unroll
       for (uint32_t k = 0; k < KS; k++) {
@@ -1142,10 +1132,9 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
 
 template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
-/* attend_reg_kernel's shared memory: the warps' states of the final merge
- * (kivi: then two buffers of K group records per warp) */
-template <uint32_t D> constexpr size_t r8_smem() { return r8_merge_bytes<D>(); }
-template <uint32_t D> constexpr size_t kivi_smem() { return r8_merge_bytes<D>() + (size_t)kAttnWarps * 2 * D * 4; }
+/* attend_reg_kernel's shared memory: the merge's states (kivi: then two
+ * buffers of K group records per warp) */
+template <uint32_t D> constexpr size_t kivi_smem() { return merge_smem<D>() + (size_t)kAttnWarps * 2 * D * 4; }
 
 /* The kernel for a layer's bindings, and its shared memory */
 enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny, kPickNvfp4Ksm, kPickKivi2, kPickKivi4, kPickCount };
@@ -1155,7 +1144,7 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
   case kPickBf16: *smem = attend_smem<D, 2>(); return attend_bf16_kernel<D>;
   case kPickFp8:
     if constexpr (D == 64 || D == 128) {
-      *smem = r8_smem<D>();
+      *smem = merge_smem<D>();
       return attend_reg_kernel<D, KVP__K_FP8, false>;
     } else {
       *smem = attend_q_smem<D, KVP__K_FP8>();
@@ -1163,7 +1152,7 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
     }
   case kPickInt8:
     if constexpr (D == 64 || D == 128) {
-      *smem = r8_smem<D>();
+      *smem = merge_smem<D>();
       return attend_reg_kernel<D, KVP__K_INT8, false>;
     } else {
       *smem = attend_q_smem<D, KVP__K_INT8>();
@@ -1171,7 +1160,7 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
     }
   case kPickNvfp4:
     if constexpr (D == 64 || D == 128) {
-      *smem = r8_smem<D>();
+      *smem = merge_smem<D>();
       return attend_reg_kernel<D, KVP__K_NVFP4, false>;
     } else {
       *smem = attend_q_smem<D, KVP__K_NVFP4>();
@@ -1188,7 +1177,7 @@ template <uint32_t D> AttnFn<D> attend_pick(int which, size_t *smem) {
     }
   case kPickNvfp4Ksm: /* attend_kind gives it at head_dim 64 and 128 only */
     if constexpr (D == 64 || D == 128) {
-      *smem = r8_smem<D>();
+      *smem = merge_smem<D>();
       return attend_reg_kernel<D, KVP__K_NVFP4, true>;
     } else {
       *smem = attend_q_smem<D, KVP__K_NVFP4>();
