@@ -20,6 +20,8 @@
 namespace kvpk {
 namespace kvq_ {
 
+static_assert(kTileThreads == kDecodeThreads, "decode CTAs run kvquant_decode_tile");
+
 template <uint32_t N> struct Batch {
   kvp__kvq_kparams p;             /* the binding */
   unsigned long long *status;     /* encode: the status word */
@@ -34,7 +36,7 @@ template <uint32_t N> __global__ void __launch_bounds__(kThreads) enc_kernel(con
 
 template <uint32_t N>
 __global__ void __launch_bounds__(kDecodeThreads) dec_kernel(const __grid_constant__ Batch<N> b) {
-  kvquant_decode(b.p, b.jobs[blockIdx.x], b.out);
+  kvquant_decode_job(b.p, b.jobs[blockIdx.x], b.out);
 }
 
 /* The CTA's job from a device table into shared memory (one 64-bit word a
@@ -57,7 +59,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                    uint32_t out) {
   __shared__ kvp_codec_dev_job j;
   load_job(j, jobs, blockIdx.x);
-  kvquant_decode(p, j, out);
+  kvquant_decode_job(p, j, out);
 }
 
 template <bool Enc, uint32_t N>

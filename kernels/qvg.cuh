@@ -518,33 +518,50 @@ KVP_D void add_cent(float *y, const uint8_t *cr) {
  * 16-byte store for a 2-byte out dtype); a thread takes kDecItems items a
  * round, blockDim.x apart, and loads all their codes, scales and labels
  * before any centroid, so that the round's loads are in flight together.
- * No barrier. */
+ * Items map to (row, octet) and octets to scale groups by multiplies
+ * (FastDiv), not divisions; rows leave through the hardware's paired
+ * conversions (exact: bf16x2_from_f32). No barrier. */
 constexpr uint32_t kDecItems = 4;
+
+/* The octet's residuals: (code - (2^(B-1) - 1)) x sv, codes most
+ * significant first. The integer becomes a float by the 2^23 bias (exact:
+ * |code - qm| < 2^23), an add rather than a conversion. */
+template <uint32_t B> KVP_D void residual_octet(float (&y)[8], uint32_t word, float sv) {
+  constexpr uint32_t qm = (1u << (B - 1)) - 1;
+#pragma unroll
+  for (uint32_t q = 0; q < 8; q++) {
+    uint32_t c = word >> (B * (7 - q)) & ((1u << B) - 1);
+    y[q] = __fmul_rn(__fsub_rn(f32(0x4B000000u | c), 8388608.0f + (float)qm), sv);
+  }
+}
+
 KVP_D void qvg_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uint32_t out, uint32_t part,
                       uint32_t nparts) {
   const uint32_t D = p.head_dim, ng = D / p.group, rb = D * p.bits / 8, cap = j.cap_tokens, kc = kc_of(p, cap);
-  const uint32_t oct = D / 8, mask = (1u << p.bits) - 1, S = p.stages, T = blockDim.x;
-  const int qm = (int)((1u << (p.bits - 1)) - 1);
+  const uint32_t oct = D / 8, S = p.stages, T = blockDim.x;
+  const FastDiv by_oct = fast_div(oct), by_gro = fast_div(p.group / 8); /* octets a scale group */
   const uint8_t *codes = (const uint8_t *)j.pages[kCodes], *scales = (const uint8_t *)j.pages[kScales];
   const uint8_t *cent = (const uint8_t *)j.pages[kCent], *asg = (const uint8_t *)j.pages[kAssign];
   const bool vec = out != kF32 && ((uintptr_t)j.dst & 15) == 0 && (j.stride_bytes & 15) == 0;
-  const uint32_t items = j.m * oct; /* m <= cap tokens, oct <= 32 */
+  const uint32_t items = j.m * oct; /* m <= cap tokens <= 65536, oct <= 32: < 2^24 */
   for (uint32_t base = part * T * kDecItems + threadIdx.x; base < items; base += nparts * T * kDecItems) {
-    uint32_t word[kDecItems], sc[kDecItems], a[kDecItems];
+    uint32_t word[kDecItems], sc[kDecItems], a[kDecItems], rr[kDecItems], oo[kDecItems];
     KVP_QVG_UNROLL(kDecItems)
     for (uint32_t u = 0; u < kDecItems; u++) {
-      uint32_t e = base + u * T < items ? base + u * T : items - 1, t = j.t0 + e / oct, i0 = e % oct * 8;
+      uint32_t e = base + u * T < items ? base + u * T : items - 1, r = div_of(e, by_oct), o = e - r * oct;
+      uint32_t t = j.t0 + r, i0 = o * 8;
+      rr[u] = r, oo[u] = o;
       word[u] = octet_codes(codes + (size_t)t * rb + i0 * p.bits / 8, p.bits);
-      sc[u] = scales[(size_t)t * ng + i0 / p.group]; /* an octet lies in one group (g is a multiple of 8) */
+      sc[u] = scales[(size_t)t * ng + div_of(o, by_gro)]; /* an octet lies in one group (g is a multiple of 8) */
       a[u] = S ? asg[(size_t)(S - 1) * cap + t] : 0;
     }
     KVP_QVG_UNROLL(kDecItems)
     for (uint32_t u = 0; u < kDecItems; u++) {
-      uint32_t e = base + u * T;
-      if (e >= items) continue;
-      uint32_t r = e / oct, i0 = e % oct * 8, t = j.t0 + r;
+      if (base + u * T >= items) continue;
+      uint32_t r = rr[u], i0 = oo[u] * 8, t = j.t0 + r;
       float sv = fp8_to_f32(sc[u]), y[8];
-      for (uint32_t q = 0; q < 8; q++) y[q] = __fmul_rn((float)((int)(word[u] >> (p.bits * (7 - q)) & mask) - qm), sv);
+      if (p.bits == 2) residual_octet<2>(y, word[u], sv);
+      else residual_octet<4>(y, word[u], sv);
       for (uint32_t s = S; s-- > 0;) { /* the host adds the last stage's centroid first */
         uint32_t as = s == S - 1 ? a[u] : asg[(size_t)s * cap + t];
         if (as >= kc) {
@@ -555,10 +572,13 @@ KVP_D void qvg_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uin
       }
       uint8_t *row = (uint8_t *)j.dst + (size_t)r * j.stride_bytes;
       if (vec) {
-        uint32_t h[8];
-        for (uint32_t q = 0; q < 8; q++) h[q] = out == kBF16 ? bf16_from_f32(y[q]) : f16_from_f32(y[q]);
         uint4 v;
-        v.x = h[0] | h[1] << 16, v.y = h[2] | h[3] << 16, v.z = h[4] | h[5] << 16, v.w = h[6] | h[7] << 16;
+        if (out == kBF16)
+          v = make_uint4(bf16x2_from_f32(y[0], y[1]), bf16x2_from_f32(y[2], y[3]), bf16x2_from_f32(y[4], y[5]),
+                         bf16x2_from_f32(y[6], y[7]));
+        else
+          v = make_uint4(f16x2_from_f32(y[0], y[1]), f16x2_from_f32(y[2], y[3]), f16x2_from_f32(y[4], y[5]),
+                         f16x2_from_f32(y[6], y[7]));
         *(uint4 *)(row + (size_t)i0 * 2) = v;
       } else
         for (uint32_t q = 0; q < 8; q++) store_elem(row, out, i0 + q, y[q]);

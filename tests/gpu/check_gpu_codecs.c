@@ -401,14 +401,15 @@ START_TEST(kvquant_bit_exact) {
   const char *only = getenv("KVP_GPU_SPEC");
   if (only && strncmp(spec, only, strlen(only))) return;
   const kvp_codec_vtable *vt = kvq_vt();
-  static const uint32_t dims[] = {64, 80, 128, 256};
+  /* 36: no multiple of 8, so the row-per-warp decode (the others decode by tiles) */
+  static const uint32_t dims[] = {64, 80, 128, 256, 36};
   static const uint32_t ns[] = {1, 16, 33, 64};
   static const int pats[] = {PAT_GAUSS, PAT_ZEROS, PAT_SAT, PAT_SUBNORMAL, PAT_MIXED, PAT_HUGE};
   int quick = getenv("KVP_GPU_QUICK") != NULL; /* a sweep sized for compute-sanitizer */
   long before = kvq_ncases;
   for (int kv = 0; kv < 2; kv++)
     for (int in = 0; in < 3; in++)
-      for (unsigned d = 0; d < 4; d++) {
+      for (unsigned d = 0; d < sizeof dims / sizeof dims[0]; d++) {
         if (quick && (in != KVP_DTYPE_BF16 || (dims[d] != 80 && dims[d] != 128))) continue;
         void *inst = kvq_make(vt, spec, kv, (kvp_dtype)in, dims[d], 2);
         if (!inst) continue;

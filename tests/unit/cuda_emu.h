@@ -32,6 +32,7 @@
 #define __global__
 #define __forceinline__ inline
 #define __shared__ static /* one CTA at a time: a static is the CTA's */
+#define __align__(n) __attribute__((aligned(n)))
 
 struct alignas(16) float4 {
   float x, y, z, w;
@@ -39,6 +40,8 @@ struct alignas(16) float4 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 struct emu_idx {
   unsigned x, y, z;

@@ -49,7 +49,11 @@ struct DecArg {
   const kvp_codec_dev_job *j;
   uint32_t out;
 };
-static void dec_body(void *a) {
+static void dec_body(void *a) { /* the kernels' choice (by tiles where D % 8 == 0) */
+  DecArg *d = (DecArg *)a;
+  kvpk::kvquant_decode_job(*d->p, *d->j, d->out);
+}
+static void dec_body_rows(void *a) { /* a warp a row, whatever D */
   DecArg *d = (DecArg *)a;
   kvpk::kvquant_decode(*d->p, *d->j, d->out);
 }
@@ -60,9 +64,9 @@ static uint64_t emu_encode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j
   emu::run(KVP__KERN_THREADS, 0, enc_body, &a);
   return st;
 }
-static void emu_decode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+static void emu_decode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out, bool rows = false) {
   DecArg a = {&p, &j, out};
-  emu::run(kvpk::kDecodeThreads, 0, dec_body, &a);
+  emu::run(kvpk::kDecodeThreads, 0, rows ? dec_body_rows : dec_body, &a);
 }
 
 /* ---- inputs ---------------------------------------------------------------------- */
@@ -182,12 +186,15 @@ static void one_case(const kvp_codec_vtable *vt, void *inst, const kvp__kvq_kpar
     memcpy(dj.pages, dp.ptr, sizeof dj.pages);
     dj.dst = got.data(), dj.stride_bytes = orow, dj.n = n, dj.cap_tokens = cap, dj.t0 = t0, dj.m = m, dj.head = head;
     dj.pos0 = pos0;
-    emu_decode(p, dj, (uint32_t)out);
-    size_t k = 0;
-    while (k < want.size() && got[k] == want[k]) k++;
-    EXPECT(k == want.size(), "%s %c in=%d D=%u n=%u pattern %d pos0=%u: decode out=%d byte %zu (row %zu): device %02x, "
-           "host %02x", spec, "KV"[kv], (int)in, D, n, pat, pos0, out, k, t0 + k / orow,
-           k < want.size() ? got[k] : 0, k < want.size() ? want[k] : 0);
+    for (int rows = 0; rows < 2; rows++) { /* both decodes: by tiles (D % 8 == 0) and a warp a row */
+      std::fill(got.begin(), got.end(), 0x5A);
+      emu_decode(p, dj, (uint32_t)out, rows);
+      size_t k = 0;
+      while (k < want.size() && got[k] == want[k]) k++;
+      EXPECT(k == want.size(), "%s %c in=%d D=%u n=%u pattern %d pos0=%u: decode (%s) out=%d byte %zu (row %zu): "
+             "device %02x, host %02x", spec, "KV"[kv], (int)in, D, n, pat, pos0, rows ? "rows" : "tiles", out, k,
+             t0 + k / orow, k < want.size() ? got[k] : 0, k < want.size() ? want[k] : 0);
+    }
   }
 }
 
