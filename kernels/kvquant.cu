@@ -34,9 +34,18 @@ template <uint32_t N> __global__ void __launch_bounds__(kThreads) enc_kernel(con
   kvquant_encode(b.p, b.jobs[blockIdx.x], b.job0 + blockIdx.x, b.status);
 }
 
-template <uint32_t N>
-__global__ void __launch_bounds__(kDecodeThreads) dec_kernel(const __grid_constant__ Batch<N> b) {
-  kvquant_decode_job(b.p, b.jobs[blockIdx.x], b.out);
+/* Decode: Tile picks kvquant_decode_tile (the launcher checks
+ * kvquant_tile_ok), else a warp a row; apart, so that neither's registers
+ * and shared memory limit the other's occupancy. */
+constexpr int kTileMinBlocks = 12; /* 42 registers: 12 CTAs an SM, not 9 */
+template <bool Tile> KVP_D void decode_one(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  if (Tile) kvquant_decode_tile(p, j, out);
+  else kvquant_decode(p, j, out);
+}
+
+template <uint32_t N, bool Tile>
+__global__ void __launch_bounds__(kDecodeThreads, Tile ? kTileMinBlocks : 1) dec_kernel(const __grid_constant__ Batch<N> b) {
+  decode_one<Tile>(b.p, b.jobs[blockIdx.x], b.out);
 }
 
 /* The CTA's job from a device table into shared memory (one 64-bit word a
@@ -54,12 +63,13 @@ __global__ void __launch_bounds__(kThreads)
   kvquant_encode(p, j, blockIdx.x, status);
 }
 
-__global__ void __launch_bounds__(kDecodeThreads)
+template <bool Tile>
+__global__ void __launch_bounds__(kDecodeThreads, Tile ? kTileMinBlocks : 1)
     dec_kernel_dev(const __grid_constant__ kvp__kvq_kparams p, const kvp_codec_dev_job *__restrict__ jobs,
                    uint32_t out) {
   __shared__ kvp_codec_dev_job j;
   load_job(j, jobs, blockIdx.x);
-  kvquant_decode_job(p, j, out);
+  decode_one<Tile>(p, j, out);
 }
 
 template <bool Enc, uint32_t N>
@@ -73,7 +83,8 @@ cudaError_t launch_params(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jo
   b.job0 = at;
   memcpy(b.jobs, jobs + at, n * sizeof *jobs);
   if (Enc) enc_kernel<N><<<n, kThreads, 0, s>>>(b);
-  else dec_kernel<N><<<n, kDecodeThreads, 0, s>>>(b);
+  else if (p->head_dim % 8 == 0) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
+  else dec_kernel<N, false><<<n, kDecodeThreads, 0, s>>>(b);
   return cudaGetLastError();
 }
 
@@ -84,7 +95,8 @@ int launch(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_c
   if (!njobs) return 0;
   if (jobs_dev) {
     if (Enc) enc_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, (unsigned long long *)status);
-    else dec_kernel_dev<<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
+    else if (p->head_dim % 8 == 0) dec_kernel_dev<true><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
+    else dec_kernel_dev<false><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     return (int)cudaGetLastError();
   }
   for (uint32_t at = 0; at < njobs; at += KVP__KERN_JOBS_PER_LAUNCH) {

@@ -45,10 +45,10 @@
  * written; decode the same read back (the tables from L1/L2) and D
  * esize(out) written.
  * Measured on the H100 (make bench-gpu, codec section: 4096 16-token
- * blocks, D = 128, 3 bits, 1% outliers, bf16 out): decode 37.5 us against
- * 70.6 us for a warp a row, 0.24 of the copy's bandwidth (target 0.6: the
- * CTA a 16-row job leaves occupancy at a third, register-bound); encode
- * 223 us, 0.04 of the copy.
+ * blocks, D = 128, 3 bits, 1% outliers, bf16 out): decode 34.4 us against
+ * 70.6 us for a warp a row, 0.29 of the copy's bandwidth (target 0.6; the
+ * tile kernel held to 40 registers for 12 CTAs an SM: 38.0 us unbounded);
+ * encode 225 us, 0.04 of the copy.
  */
 #ifndef KVP_KERNELS_KVQUANT_CUH
 #define KVP_KERNELS_KVQUANT_CUH
@@ -509,6 +509,7 @@ KVP_D void kvquant_decode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j,
 constexpr uint32_t kTileThreads = 128;
 constexpr uint32_t kTileElems = kTileThreads * 8; /* P x D */
 
+/* D <= KVP__KVQ_DEV_MAX_DIM < kTileElems: the octets are the condition. */
 KVP_D bool kvquant_tile_ok(const kvp__kvq_kparams &p) { return p.head_dim % 8 == 0 && p.head_dim <= kTileElems; }
 
 /* 8 floats at q (16-byte aligned or not). */

@@ -33,6 +33,7 @@ namespace qvg_ {
 
 constexpr uint32_t kJobsPerLaunch = 128;
 constexpr uint32_t kQvgDecThreads = 256;
+constexpr int kQvgDecMinBlocks = 6; /* 42 registers: 6 CTAs an SM, not 4 */
 
 struct EncBatch {
   kvp__qvg_kparams p;
@@ -56,11 +57,11 @@ __global__ void __launch_bounds__(kQvgThreads) enc_kernel(const __grid_constant_
 }
 
 /* Decode: blockIdx.x the job, blockIdx.y the part of its rows. */
-__global__ void __launch_bounds__(kQvgDecThreads) dec_kernel(const __grid_constant__ DecBatch b) {
+__global__ void __launch_bounds__(kQvgDecThreads, kQvgDecMinBlocks) dec_kernel(const __grid_constant__ DecBatch b) {
   qvg_decode(b.p, b.jobs[blockIdx.x], b.out, blockIdx.y, gridDim.y);
 }
 
-__global__ void __launch_bounds__(kQvgDecThreads)
+__global__ void __launch_bounds__(kQvgDecThreads, kQvgDecMinBlocks)
     dec_kernel_dev(const __grid_constant__ kvp__qvg_kparams p, const kvp_codec_dev_job *__restrict__ jobs,
                    uint32_t out) {
   __shared__ kvp_codec_dev_job j;
