@@ -66,9 +66,18 @@ def main():
     ap.add_argument("--region-mib", type=int, default=1024)
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fused", action="store_true",
+                    help="decode through kvp_attend_decode (attn_implementation \"kvpool\"; CUDA pool)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(a, device)
+    fused_model = None
+    if a.fused:  # the same weights, attention "kvpool"
+        import kvpool.hf
+        kvpool.hf.register()
+        import copy
+        fused_model = copy.deepcopy(model)
+        fused_model.config._attn_implementation = "kvpool"
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator().manual_seed(a.seed + 1)
@@ -82,16 +91,18 @@ def main():
     with kvpool.Pool(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                      k_dtype="bf16", v_dtype="bf16", memory=a.memory, region_bytes=a.region_mib << 20,
                      block_tokens=a.block_tokens, codecs=a.codecs, policy=a.policy) as pool:
-        warm = KvpoolCache(pool, mode="step" if a.policy else "stream")
-        run(model, ids, warm, a.new_tokens)
+        m = fused_model or model
+        warm = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
+        run(m, ids, warm, a.new_tokens)
         warm.close()
-        cache = KvpoolCache(pool, mode="step" if a.policy else "stream")
-        out, tps = run(model, ids, cache, a.new_tokens)
+        cache = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
+        out, tps = run(m, ids, cache, a.new_tokens)
         s = pool.stats()
         same = int((out[:, a.prompt_len:] == ref[:, a.prompt_len:]).all(dim=0).long().cumprod(0).sum())
         print(f"model: {cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads of {head_dim}, "
               f"batch {a.batch}, prompt {a.prompt_len}, {a.new_tokens} new tokens; pool {a.memory}, "
-              f"codecs {a.codecs or 'raw bf16'}, policy {a.policy or 'none'}")
+              f"codecs {a.codecs or 'raw bf16'}, policy {a.policy or 'none'}"
+              + (f", fused decode ({cache.fused_calls} layer steps by kvp_attend_decode)" if a.fused else ""))
         print(f"tokens/s: KvpoolCache {tps:.1f}, DynamicCache {ref_tps:.1f} ({tps / ref_tps:.2f}x); "
               f"first {same} of {a.new_tokens} tokens identical to DynamicCache's")
         print(f"pool: allocated {s['bytes.allocated']['current']:,} B (peak {s['bytes.allocated']['peak']:,}), "

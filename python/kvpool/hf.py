@@ -32,13 +32,25 @@ Batches: row b of the batch is pool sequence ``seq_ids[b]`` (allocated on the fi
 Beam search and ``num_return_sequences`` reorder and repeat rows through ``kvp_seq_fork``
 (sealed blocks are shared, not copied). ``crop`` is not supported (it would need truncation).
 
-Reading back costs one kvp_read per (row, layer, head) and step: fine for tests and the
-example; fast decoding needs the fused paged-attention kernel.
+Reading back costs one kvp_read per (row, layer, head) and step. Decoding fast: load the
+model with ``attn_implementation="kvpool"`` (after :func:`register`, which
+``KvpoolCache(..., fused=True)`` calls) and give the cache ``fused=True``. Then each decode
+step (one query token per row, a CUDA pool, no padding mask) appends the layer's K/V and runs
+kvp_attend_decode: the kernel reads the pages in place, codes dequantized in registers, each
+KV head over the tokens it retains (heatkv's per-head evictions included); nothing is read
+back. Prefill, padded batches and a model whose attention is not "kvpool" take the read-back
+path, so ``fused=True`` is never wrong, at worst not faster::
+
+    kvpool.hf.register()
+    model = LlamaForCausalLM.from_pretrained(path, attn_implementation="kvpool", ...)
+    out = model.generate(ids, past_key_values=KvpoolCache(pool, fused=True), max_new_tokens=256)
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,9 +68,54 @@ try:  # transformers >= 4.54: a Cache is a list of layer objects
 except ImportError:  # older: no layer objects
     _LayerBase = object
 
-__all__ = ["KvpoolCache"]
+__all__ = ["KvpoolCache", "register", "kvpool_attention"]
 
 _seq_counter = itertools.count(1 << 40)  # default sequence ids, unique in the process
+
+# The layer a cache updated last on this thread, for the attention call that follows it in the
+# same layer's forward: (cache, layer_idx, fused) where fused says the update returned
+# placeholders and the attention must read the pool.
+_last = threading.local()
+
+
+def _sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward
+
+
+def kvpool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The "kvpool" attention implementation (see :func:`register`). After a fused
+    ``KvpoolCache.update`` of this layer: kvp_attend_decode over the pool's pages for the
+    step's query ``[batch, q_heads, 1, head_dim]``, returning ``([batch, 1, q_heads, head_dim],
+    None)`` as transformers' sdpa does. Otherwise (prefill, another cache, no cache) it is
+    transformers' sdpa over the given key and value."""
+    ref, layer, fused = getattr(_last, "state", (None, -1, False))
+    _last.state = (None, -1, False)
+    cache = ref() if ref is not None else None
+    idx = getattr(module, "layer_idx", None)
+    if cache is not None and layer == idx:
+        cache._attention_seen = True
+        if fused:
+            if attention_mask is None and query.shape[2] == 1 and dropout == 0.0 and \
+                    query.shape[1] <= 8 * cache.pool.kv_heads and \
+                    not kwargs.get("sliding_window") and not kwargs.get("softcap"):
+                return cache._attend(idx, query, scaling), None
+            key, value = cache._gather(idx, key.dtype, key.device)  # padding or options: read back
+            cache._retained[idx] = key.shape[-2]
+    return _sdpa()(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+def register(name: str = "kvpool") -> None:
+    """Register :func:`kvpool_attention` as transformers attention implementation ``name``
+    (and sdpa's mask for it), so that a model loaded or configured with
+    ``attn_implementation=name`` decodes through KvpoolCache's fused path. Idempotent."""
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, kvpool_attention)
+    try:
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+    except ImportError:  # older transformers: masks do not go by implementation
+        pass
 
 
 class KvpoolLayer(_LayerBase):
@@ -121,12 +178,15 @@ class KvpoolCache(Cache):
         mode, policy, budget_fraction: passed to ``pool.add`` for each row's sequence.
         free_on_close: free the rows' sequences in :meth:`close` (and when the cache is
             garbage collected).
+        fused: decode steps through kvp_attend_decode when the model's attention is "kvpool"
+            (see the module's text); registers that implementation.
     """
 
     is_compileable = False
 
     def __init__(self, pool: Pool, seq_ids: Optional[Sequence[int]] = None, *, mode: str = "stream",
-                 policy: Optional[str] = None, budget_fraction: float = 0.0, free_on_close: bool = True):
+                 policy: Optional[str] = None, budget_fraction: float = 0.0, free_on_close: bool = True,
+                 fused: bool = False):
         layers = [KvpoolLayer(self, i) for i in range(pool.layers)]
         try:
             super().__init__(layers=layers)
@@ -146,6 +206,11 @@ class KvpoolCache(Cache):
         self._in_step = False
         self._host_dtype = _arrays.torch_dtype(pool._cfg.k_dtype)
         self._v_dtype = _arrays.torch_dtype(pool._cfg.v_dtype)
+        self.fused = bool(fused) and pool.memory == "cuda"
+        self.fused_calls = 0  # layer steps attended by kvp_attend_decode
+        self._attention_seen = False  # kvpool_attention ran after one of this cache's updates
+        if self.fused:
+            register()
 
     # ---- rows and sequences ---------------------------------------------------------------------
 
@@ -233,10 +298,30 @@ class KvpoolCache(Cache):
                 pool.step_end(seq)
             self._in_step = False
         self._seen[layer_idx] += S
+        # fused: a decode step whose attention is kvpool_attention (seen in an earlier step:
+        # another implementation would attend over the placeholders) reads the pool itself
+        fused = self.fused and self._attention_seen and S == 1 and direct
+        _last.state = (weakref.ref(self), layer_idx, fused)
+        if fused:
+            self._retained[layer_idx] = self._seen[layer_idx]  # read back if a mask needs it
+            layer.keys = layer.values = None
+            return key_states, value_states
         keys, values = self._gather(layer_idx, key_states.dtype, key_states.device)
         self._retained[layer_idx] = keys.shape[-2]
         layer.keys, layer.values = keys, values
         return keys, values
+
+    def _attend(self, layer_idx: int, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+        """kvp_attend_decode of the step's query ``[batch, q_heads, 1, D]``: ``[batch, 1,
+        q_heads, D]`` in the query's dtype."""
+        self.fused_calls += 1
+        q = query[:, :, 0, :]
+        if q.dtype != torch.bfloat16 or not q.is_contiguous():
+            q = q.to(torch.bfloat16).contiguous()
+        out = self.pool.attend_decode(layer_idx, self.seq_ids, q, scale=scaling)
+        if out.dtype != query.dtype:
+            out = out.to(query.dtype)
+        return out.unsqueeze(1)
 
     def _gather(self, layer_idx: int, dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every row's and head's retained tokens of a layer: one kvp_read per (row, head)."""

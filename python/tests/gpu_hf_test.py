@@ -181,6 +181,74 @@ def test_codec_logit_error():
         assert rel < 0.5, f"{spec}: mean logit error {rel:.3f} of the logit std"
 
 
+def _fused_model():
+    """The same model (same weights) with attn_implementation="kvpool"."""
+    if "fused_model" not in RESULTS:
+        import kvpool.hf
+        kvpool.hf.register()
+        import copy
+        model, cfg, prompt = _model()
+        m2 = copy.deepcopy(model)
+        m2.config._attn_implementation = "kvpool"
+        RESULTS["fused_model"] = m2
+    return RESULTS["fused_model"]
+
+
+def test_fused_decode():
+    """KvpoolCache(fused=True) on a model whose attention is "kvpool": decode steps go through
+    kvp_attend_decode (counted), and their logits match the read-back path's (the same pool
+    contents, attention by SDPA) within the kernel's rounding, per codec and with a policy."""
+    from kvpool.hf import KvpoolCache
+    fm = _fused_model()
+    ref, _ = _reference()
+    tokens = ref.sequences
+    rows = []
+    for spec, policy in [(None, None), ("kv=fp8", None), ("kv=int8", None), ("kv=nvfp4", None),
+                         ("kv=kivi:bits=2:group=32", None), (None, "window:sink=4:recent=64")]:
+        mode = "step" if policy else "stream"
+        with _pool(spec, policy=policy) as pool:
+            slow = KvpoolCache(pool, mode=mode)
+            want = _teacher_forced_logits(fm, tokens, slow)  # fused=False: read back, then SDPA
+            slow.close()
+        with _pool(spec, policy=policy) as pool:
+            cache = KvpoolCache(pool, mode=mode, fused=True)
+            got = _teacher_forced_logits(fm, tokens, cache)
+            steps = len(got) - 1
+            assert cache.fused_calls == steps * LAYERS, f"{cache.fused_calls} fused layer steps, {steps * LAYERS} expected"
+            pool.check()
+            cache.close()
+        scale = torch.stack([x.float() for x in want]).std().item()
+        d = torch.stack([(a.float() - b.float()) for a, b in zip(got, want)])
+        top1 = sum(int(a.argmax() == b.argmax()) for a, b in zip(got, want)) / len(want)
+        rows.append((spec or "raw bf16", policy or "-", d.abs().max().item(), d.abs().mean().item() / scale, top1))
+        assert torch.isfinite(d).all()
+    print(f"  fused decode (kvp_attend_decode) against read-back + SDPA, {len(tokens[0]) - PROMPT} steps:")
+    print(f"  {'codec':26s} {'policy':26s} {'max |diff|':>10s} {'mean/std':>9s} {'top-1 agree':>11s}")
+    for spec, pol, mx, rel, top1 in rows:
+        print(f"  {spec:26s} {pol:26s} {mx:10.4f} {rel:9.5f} {top1:11.1%}")
+    for spec, pol, mx, rel, top1 in rows:
+        assert rel < 0.02 and top1 >= 0.95, f"{spec} {pol}: mean logit diff {rel:.4f} of the std, top-1 {top1:.1%}"
+
+
+def test_fused_generate_matches():
+    """generate() with the fused cache: the tokens follow DynamicCache's (raw bf16) as long as
+    bf16 rounding of the two attention kernels lets them; the fused path must be taken."""
+    from kvpool.hf import KvpoolCache
+    fm = _fused_model()
+    model, cfg, prompt = _model()
+    ref, ref_tps = _reference()
+    with _pool() as pool:
+        cache = KvpoolCache(pool, fused=True)
+        out, tps = _generate(fm, prompt[:1], cache)
+        same = int((out.sequences[0, PROMPT:] == ref.sequences[0, PROMPT:]).long().cumprod(0).sum())
+        print(f"  fused generate: first {same} of {NEW} tokens equal DynamicCache's; {tps:.1f} tok/s vs "
+              f"DynamicCache {ref_tps:.1f}; {cache.fused_calls} fused layer steps")
+        assert cache.fused_calls >= (NEW - 1) * LAYERS
+        assert same >= 16
+        pool.check()
+        cache.close()
+
+
 def test_window_policy_evicts():
     from kvpool.hf import KvpoolCache
     model, cfg, prompt = _model()
