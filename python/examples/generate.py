@@ -14,7 +14,9 @@ Needs torch and transformers (and a GPU for --memory cuda, the default).
 """
 
 import argparse
+import copy
 import os
+import statistics
 import sys
 import time
 
@@ -25,6 +27,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaF
 
 import kvpool  # noqa: E402
 from kvpool.hf import KvpoolCache  # noqa: E402
+from kvpool.hf import register as register_kvpool_attention  # noqa: E402
 
 
 def build_model(a, device):
@@ -66,6 +69,7 @@ def main():
     ap.add_argument("--region-mib", type=int, default=1024)
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat", type=int, default=1, help="timed runs of each cache (the median is printed)")
     ap.add_argument("--fused", action="store_true",
                     help="decode through kvp_attend_decode (attn_implementation \"kvpool\"; CUDA pool)")
     a = ap.parse_args()
@@ -73,9 +77,7 @@ def main():
     model = build_model(a, device)
     fused_model = None
     if a.fused:  # the same weights, attention "kvpool"
-        import kvpool.hf
-        kvpool.hf.register()
-        import copy
+        register_kvpool_attention()
         fused_model = copy.deepcopy(model)
         fused_model.config._attn_implementation = "kvpool"
     cfg = model.config
@@ -87,7 +89,8 @@ def main():
     # for CUDA kernels loaded and the allocator grown (DynamicCache measured 21 tok/s cold,
     # 122 warm on an H200 with the default model)
     run(model, ids, DynamicCache(), a.new_tokens)
-    ref, ref_tps = run(model, ids, DynamicCache(), a.new_tokens)
+    ref_runs = [run(model, ids, DynamicCache(), a.new_tokens) for _ in range(max(1, a.repeat))]
+    ref, ref_tps = ref_runs[0][0], statistics.median(t for _, t in ref_runs)
     with kvpool.Pool(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                      k_dtype="bf16", v_dtype="bf16", memory=a.memory, region_bytes=a.region_mib << 20,
                      block_tokens=a.block_tokens, codecs=a.codecs, policy=a.policy) as pool:
@@ -95,15 +98,22 @@ def main():
         warm = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
         run(m, ids, warm, a.new_tokens)
         warm.close()
-        cache = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
-        out, tps = run(m, ids, cache, a.new_tokens)
+        tpss = []
+        for _ in range(max(1, a.repeat)):
+            cache = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
+            out, t = run(m, ids, cache, a.new_tokens)
+            tpss.append(t)
+            if len(tpss) < max(1, a.repeat):
+                cache.close()
+        tps = statistics.median(tpss)
         s = pool.stats()
         same = int((out[:, a.prompt_len:] == ref[:, a.prompt_len:]).all(dim=0).long().cumprod(0).sum())
         print(f"model: {cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads of {head_dim}, "
               f"batch {a.batch}, prompt {a.prompt_len}, {a.new_tokens} new tokens; pool {a.memory}, "
               f"codecs {a.codecs or 'raw bf16'}, policy {a.policy or 'none'}"
               + (f", fused decode ({cache.fused_calls} layer steps by kvp_attend_decode)" if a.fused else ""))
-        print(f"tokens/s: KvpoolCache {tps:.1f}, DynamicCache {ref_tps:.1f} ({tps / ref_tps:.2f}x); "
+        print(f"tokens/s{' (medians of %d runs)' % a.repeat if a.repeat > 1 else ''}: KvpoolCache {tps:.1f}, "
+              f"DynamicCache {ref_tps:.1f} ({tps / ref_tps:.2f}x); "
               f"first {same} of {a.new_tokens} tokens identical to DynamicCache's")
         print(f"pool: allocated {s['bytes.allocated']['current']:,} B (peak {s['bytes.allocated']['peak']:,}), "
               f"requested {s['bytes.requested']['current']:,} B, bf16-equivalent "

@@ -25,8 +25,9 @@ Lengths and masks: ``get_seq_length`` is the number of positions seen (what RoPE
 ``cache_position`` need, as for a sliding-window cache), and ``get_mask_sizes`` gives the
 retained length plus the query, with the offset of the evicted tokens, so a policy that
 evicts (``window:sink=4:recent=1024``) frees memory for real and attention reads the kept
-tokens only. Every head of a layer must retain the same number of tokens (a per-head
-policy such as heatkv needs the paged decode kernel: NotImplementedError until then).
+tokens only. On the read-back path every head of a layer must retain the same number of
+tokens (NotImplementedError otherwise); the fused path below takes per-head policies such as
+heatkv, each KV head attending over its own tokens.
 
 Batches: row b of the batch is pool sequence ``seq_ids[b]`` (allocated on the first update).
 Beam search and ``num_return_sequences`` reorder and repeat rows through ``kvp_seq_fork``
@@ -180,13 +181,15 @@ class KvpoolCache(Cache):
             garbage collected).
         fused: decode steps through kvp_attend_decode when the model's attention is "kvpool"
             (see the module's text); registers that implementation.
+        step_tokens: each row's planned step sizes (``pool.add``'s), for policies that plan
+            over a schedule (heatkv): e.g. ``[prompt_len] + [1] * (new_tokens - 1)``.
     """
 
     is_compileable = False
 
     def __init__(self, pool: Pool, seq_ids: Optional[Sequence[int]] = None, *, mode: str = "stream",
                  policy: Optional[str] = None, budget_fraction: float = 0.0, free_on_close: bool = True,
-                 fused: bool = False):
+                 fused: bool = False, step_tokens: Optional[Sequence[int]] = None):
         layers = [KvpoolLayer(self, i) for i in range(pool.layers)]
         try:
             super().__init__(layers=layers)
@@ -195,7 +198,8 @@ class KvpoolCache(Cache):
         self.layers = layers
         self.pool = pool
         self._given_ids = list(seq_ids) if seq_ids is not None else None
-        self._add_kw = dict(mode=mode, policy=policy, budget_fraction=budget_fraction)
+        self._add_kw = dict(mode=mode, policy=policy, budget_fraction=budget_fraction,
+                            step_tokens=list(step_tokens) if step_tokens is not None else None)
         self.seq_ids: List[int] = []
         self._owned: List[int] = []  # sequences this cache added (freed on close)
         self._free_on_close = free_on_close
@@ -354,7 +358,8 @@ class KvpoolCache(Cache):
         if len(counts) != 1:
             raise NotImplementedError(
                 f"KvpoolCache: the heads of layer {layer_idx} retain different token counts {sorted(counts)} "
-                "(a per-head policy): attention over ragged heads needs the paged decode kernel")
+                "(a per-head policy): attention over ragged heads needs KvpoolCache(fused=True) and "
+                "attn_implementation=\"kvpool\"")
         n = counts.pop()
         keys, values = kb[:, :, :n], vb[:, :, :n]
         if keys.device != device or keys.dtype != dtype:

@@ -249,6 +249,28 @@ def test_fused_generate_matches():
         cache.close()
 
 
+def test_fused_heatkv_per_head():
+    """HeatKV (synthetic orders) evicts per (layer, head) during generation; the fused decode
+    attends each head over its own tokens (the read-back path cannot: ragged heads)."""
+    from kvpool.hf import KvpoolCache
+    fm = _fused_model()
+    model, cfg, prompt = _model()
+    with _pool(policy="heatkv:b=0.5:s=3:orders=synthetic") as pool:
+        cache = KvpoolCache(pool, mode="step", fused=True, step_tokens=[PROMPT] + [1] * (NEW - 1))
+        out, tps = _generate(fm, prompt[:1], cache)
+        _ledger(pool, "heatkv b=0.5 synthetic, fused")
+        info = pool.seq_info(cache.seq_ids[0], per_stream=True)
+        kept = [n for row in info["retained_tokens"] for n in row]
+        print(f"  heatkv fused: retained per (layer, head) {kept} of {info['n_positions']} positions, "
+              f"{cache.fused_calls} fused layer steps, {tps:.1f} tok/s")
+        assert out.sequences.shape[1] == PROMPT + NEW
+        assert all(torch.isfinite(x.float()).all() for x in out.logits)
+        assert cache.fused_calls >= (NEW - 1) * LAYERS
+        assert pool.stats()["tokens.evicted"] > 0 and len(set(kept)) > 1, "no per-head eviction happened"
+        pool.check()
+        cache.close()
+
+
 def test_window_policy_evicts():
     from kvpool.hf import KvpoolCache
     model, cfg, prompt = _model()
