@@ -367,6 +367,7 @@ void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; n
 void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
 /* The last run of the layer ends at step and retains exactly mask's heads. */
 bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask);
+bool kvp__run_extends_all(const kvp_pool *pool, const kvp__layer *L, uint32_t step); /* mask: every head */
 /* Allocated bytes of one block at position pos0, K + V. */
 uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);
 /* Drop one owner reference of a block (writer): to the limbo at zero refs,
