@@ -448,6 +448,14 @@ static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kv
   return KVP_OK;
 }
 
+/* Whether the sequence's policy has a say in an append (a hook there). When
+ * not, policy_plan would leave the skip mask zero and both plans empty, and
+ * the append needs no transaction (kvp__append_layer takes NULL for both). */
+static bool policy_acts(const kvp__seq *s) {
+  const kvp__policy_vt *vt = s->pol ? s->pol->vt : NULL;
+  return vt && (vt->before_append || vt->after_append);
+}
+
 /* The policy's plans for one append: its evictions before and after the
  * layer is stored, and the heads to skip; their runs taken ahead. */
 static int policy_plan(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip, kvp__append_tx *tx) {
@@ -478,12 +486,16 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
   else if (layer > s->next_layer)
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
-  else if (!(rc = kv_check(pool, seq, layer, kv))) { /* one transaction: the layer and its policy's evictions */
-    kvp__append_tx tx;
-    kvp__append_tx_init(&tx);
-    if (!(rc = policy_plan(pool, s, layer, skip, &tx)) && !(rc = kvp__append_layer(pool, s, layer, kv, skip, &tx)))
-      s->next_layer++;
-    kvp__append_tx_fini(pool, &tx);
+  else if (!(rc = kv_check(pool, seq, layer, kv))) {
+    if (!policy_acts(s)) { /* nothing to plan: no skip mask, no evictions, no transaction */
+      rc = kvp__append_layer(pool, s, layer, kv, NULL, NULL);
+    } else { /* one transaction: the layer and its policy's evictions */
+      kvp__append_tx tx;
+      kvp__append_tx_init(&tx);
+      if (!(rc = policy_plan(pool, s, layer, skip, &tx))) rc = kvp__append_layer(pool, s, layer, kv, skip, &tx);
+      kvp__append_tx_fini(pool, &tx);
+    }
+    if (!rc) s->next_layer++;
   }
   kvp__unlock(pool);
   return rc;
