@@ -172,6 +172,8 @@ typedef struct kvp__ptable {
   uint64_t n;           /* entries */
 } kvp__ptable;
 
+enum { KVP__SEQ_CACHE = 64 }; /* slots of kvp_pool.seq_cache (a power of two) */
+
 struct kvp_pool {
   kvp_config cfg;        /* copy of the configuration (strings not kept) */
   kvp__mutex lock;       /* the writer lock: one mutator at a time */
@@ -180,6 +182,8 @@ struct kvp_pool {
   kvp__alloc alloc;      /* region, extents, slabs, ledger */
   kvp__rawpages raw;     /* pages handed out through kvp_page_* */
   struct cds_lfht *seqs; /* live sequences by id */
+  struct kvp__seq *seq_cache[KVP__SEQ_CACHE]; /* the writer's last lookup per hash slot, or NULL: live sequences
+                                                 only (writer only; pages/seq.c) */
   kvp__binding *bind;    /* [2 * L]: codec of (layer, K|V) at 2 * layer + kv */
   kvp__binding tail[2];  /* raw in the appended dtype: OPEN blocks of K and V */
   uint32_t *bt;          /* [2 * L]: tokens per block of layer l, stream mode at 2l, step mode at 2l + 1 */

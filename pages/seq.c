@@ -40,11 +40,22 @@ kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id) {
   return n ? caa_container_of(n, kvp__seq, node) : NULL;
 }
 
-/* The writer's lookup (under the writer lock; RCU read side for the table). */
+/* The writer's lookup (under the writer lock). A mutation finds its
+ * sequence in pool->seq_cache first: one slot per hash value mod
+ * KVP__SEQ_CACHE, holding the last sequence found there, cleared when that
+ * sequence leaves the table (seq_release). A hit costs a load and a compare
+ * instead of an RCU read-side section and the table's probe (a decode step
+ * looks its sequence up once per layer); a miss goes to the table. */
+static kvp__seq **cache_slot(kvp_pool *pool, uint64_t id) {
+  return &pool->seq_cache[seq_hash(id) & (KVP__SEQ_CACHE - 1)];
+}
 static kvp__seq *find_w(kvp_pool *pool, uint64_t id) {
+  kvp__seq **slot = cache_slot(pool, id);
+  if (*slot && (*slot)->id == id) return *slot;
   kvp__rcu_read_lock();
   kvp__seq *s = kvp__seq_find(pool, id);
   kvp__rcu_read_unlock();
+  if (s) *slot = s;
   return s;
 }
 
@@ -91,6 +102,8 @@ static void seq_free_cb(kvp__rcu_head *h) {
  * drop its block ownerships. */
 static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  kvp__seq **slot = cache_slot(pool, s->id);
+  if (*slot == s) *slot = NULL; /* out of the table: out of the writer's cache */
   policy_detach(pool, s); /* the writer's alone */
   kvp__prefix_release(pool, s, readers_may_hold);
   int64_t retained = 0;
