@@ -421,6 +421,92 @@ size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n) {
   return n;
 }
 
+/* ---- the screen on the copy ----------------------------------------------
+ * kvp__rows_scatter_finite copies an append's rows to their heads' pages
+ * and screens them in the same pass: each 32-byte vector is loaded once,
+ * stored, and its exponent fields compared with all ones (NaN or +-Inf has
+ * every exponent bit set, no finite value has), the compares OR-ed into one
+ * mask. Per 32 bytes: load, store, and, compare, or; the vectors are GCC
+ * vector types, two SSE2 registers each on the base ISA, one under AVX2. A
+ * row's bytes past its last whole vector (head_dim not a multiple of 16
+ * 16-bit or 8 32-bit elements) go one element at a time. */
+typedef uint16_t scatter_v16 __attribute__((vector_size(32)));
+typedef uint32_t scatter_v32 __attribute__((vector_size(32)));
+
+KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t src_stride, size_t w, uint32_t ex,
+                             size_t n, size_t nh, size_t row_bytes, int *bad),
+            (dst, src, src_stride, w, ex, n, nh, row_bytes, bad)) {
+  size_t nv = row_bytes / 32;
+  scatter_v16 acc16 = {0}, e16 = {0};
+  scatter_v32 acc32 = {0}, e32 = {0};
+  e16 += (uint16_t)ex, e32 += ex;
+  uint32_t tail_bad = 0;
+  for (size_t t = 0; t < n; t++)
+    for (size_t h = 0; h < nh; h++) {
+      unsigned char *d = (unsigned char *)dst[h] + t * row_bytes;
+      const unsigned char *s = src + t * src_stride + h * row_bytes;
+      size_t i = 0;
+      if (w == 2) { /* two vectors a turn (half the loop's own instructions), then the odd one */
+        for (; i + 2 <= nv; i += 2) {
+          scatter_v16 x, y;
+          memcpy(&x, s + 32 * i, 32);
+          memcpy(&y, s + 32 * i + 32, 32);
+          memcpy(d + 32 * i, &x, 32);
+          memcpy(d + 32 * i + 32, &y, 32);
+          acc16 |= (scatter_v16)((x & e16) == e16) | (scatter_v16)((y & e16) == e16);
+        }
+        for (; i < nv; i++) {
+          scatter_v16 x;
+          memcpy(&x, s + 32 * i, 32);
+          memcpy(d + 32 * i, &x, 32);
+          acc16 |= (scatter_v16)((x & e16) == e16);
+        }
+      } else {
+        for (; i + 2 <= nv; i += 2) {
+          scatter_v32 x, y;
+          memcpy(&x, s + 32 * i, 32);
+          memcpy(&y, s + 32 * i + 32, 32);
+          memcpy(d + 32 * i, &x, 32);
+          memcpy(d + 32 * i + 32, &y, 32);
+          acc32 |= (scatter_v32)((x & e32) == e32) | (scatter_v32)((y & e32) == e32);
+        }
+        for (; i < nv; i++) {
+          scatter_v32 x;
+          memcpy(&x, s + 32 * i, 32);
+          memcpy(d + 32 * i, &x, 32);
+          acc32 |= (scatter_v32)((x & e32) == e32);
+        }
+      }
+      for (size_t b = nv * 32; b < row_bytes; b += w) {
+        uint32_t u;
+        if (w == 2) {
+          uint16_t x;
+          memcpy(&x, s + b, 2);
+          memcpy(d + b, &x, 2);
+          u = x;
+        } else {
+          memcpy(&u, s + b, 4);
+          memcpy(d + b, &u, 4);
+        }
+        tail_bad |= (u & ex) == ex;
+      }
+    }
+  uint32_t any = tail_bad;
+  for (int j = 0; j < 16; j++) any |= acc16[j];
+  for (int j = 0; j < 8; j++) any |= acc32[j];
+  *bad = any != 0;
+  return 0;
+}
+
+bool kvp__rows_scatter_finite(void *const *dst, const void *src, size_t src_stride, kvp_dtype dt, size_t n, size_t nh,
+                              size_t e) {
+  size_t w = kvp__dtype_bytes(dt);
+  uint32_t ex = dt == KVP_DTYPE_F32 ? 0x7F800000u : dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+  int bad = 0;
+  (void)scatter_screen(dst, src, src_stride, w, ex, n, nh, e * w, &bad);
+  return !bad;
+}
+
 void kvp__row_sanitize(void *dst, const void *src, kvp_dtype dt, size_t n) {
   unsigned char *d = dst;
   const unsigned char *s = src;

@@ -70,6 +70,7 @@
 #ifndef KVP_CODECS_NUMERIC_H
 #define KVP_CODECS_NUMERIC_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -338,6 +339,12 @@ void kvp__row_from_f32(void *dst, kvp_dtype dt, const float *src, size_t n);
 size_t kvp__row_find_nan(const void *src, kvp_dtype dt, size_t n);
 /* Index of the first NaN or +-Inf in n elements, or n. */
 size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n);
+/* Copy the rows of an [n][nh][e] tensor of dt, row (t, h) (e elements at
+ * src + t * src_stride bytes + h * e elements), to dst[h] + t * e elements,
+ * screening them in the same pass: true when every value copied is finite
+ * (no exponent field all ones). Every row is copied either way. */
+bool kvp__rows_scatter_finite(void *const *dst, const void *src, size_t src_stride, kvp_dtype dt, size_t n, size_t nh,
+                              size_t e);
 /* Copy n elements, NaN -> +0 and +-Inf -> +-largest finite of the dtype. */
 void kvp__row_sanitize(void *dst, const void *src, kvp_dtype dt, size_t n);
 

@@ -104,6 +104,15 @@ bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, 
   if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
   return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
 }
+/* The same for mask = every head: no mask to build (a decode token's check). */
+bool kvp__run_extends_all(const kvp_pool *pool, const kvp__layer *L, uint32_t step) {
+  const kvp__run *r = L->last;
+  uint32_t H = pool->cfg.n_kv_heads, nw = (H + 63) / 64;
+  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step || r->nwords != nw) return false;
+  for (uint32_t w = 0; w + 1 < nw; w++)
+    if (r->mask[w] != ~0ull) return false;
+  return r->mask[nw - 1] == (H % 64 ? (1ull << H % 64) - 1 : ~0ull);
+}
 
 /* ---- blocks ------------------------------------------------------------ */
 

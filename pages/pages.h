@@ -172,6 +172,8 @@ typedef struct kvp__ptable {
   uint64_t n;           /* entries */
 } kvp__ptable;
 
+enum { KVP__SEQ_CACHE = 64 }; /* slots of kvp_pool.seq_cache (a power of two) */
+
 struct kvp_pool {
   kvp_config cfg;        /* copy of the configuration (strings not kept) */
   kvp__mutex lock;       /* the writer lock: one mutator at a time */
@@ -180,6 +182,8 @@ struct kvp_pool {
   kvp__alloc alloc;      /* region, extents, slabs, ledger */
   kvp__rawpages raw;     /* pages handed out through kvp_page_* */
   struct cds_lfht *seqs; /* live sequences by id */
+  struct kvp__seq *seq_cache[KVP__SEQ_CACHE]; /* the writer's last lookup per hash slot, or NULL: live sequences
+                                                 only (writer only; pages/seq.c) */
   kvp__binding *bind;    /* [2 * L]: codec of (layer, K|V) at 2 * layer + kv */
   kvp__binding tail[2];  /* raw in the appended dtype: OPEN blocks of K and V */
   uint32_t *bt;          /* [2 * L]: tokens per block of layer l, stream mode at 2l, step mode at 2l + 1 */
@@ -367,6 +371,7 @@ void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; n
 void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay);
 /* The last run of the layer ends at step and retains exactly mask's heads. */
 bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask);
+bool kvp__run_extends_all(const kvp_pool *pool, const kvp__layer *L, uint32_t step); /* mask: every head */
 /* Allocated bytes of one block at position pos0, K + V. */
 uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap);
 /* Drop one owner reference of a block (writer): to the limbo at zero refs,

@@ -40,11 +40,22 @@ kvp__seq *kvp__seq_find(kvp_pool *pool, uint64_t id) {
   return n ? caa_container_of(n, kvp__seq, node) : NULL;
 }
 
-/* The writer's lookup (under the writer lock; RCU read side for the table). */
+/* The writer's lookup (under the writer lock). A mutation finds its
+ * sequence in pool->seq_cache first: one slot per hash value mod
+ * KVP__SEQ_CACHE, holding the last sequence found there, cleared when that
+ * sequence leaves the table (seq_release). A hit costs a load and a compare
+ * instead of an RCU read-side section and the table's probe (a decode step
+ * looks its sequence up once per layer); a miss goes to the table. */
+static kvp__seq **cache_slot(kvp_pool *pool, uint64_t id) {
+  return &pool->seq_cache[seq_hash(id) & (KVP__SEQ_CACHE - 1)];
+}
 static kvp__seq *find_w(kvp_pool *pool, uint64_t id) {
+  kvp__seq **slot = cache_slot(pool, id);
+  if (*slot && (*slot)->id == id) return *slot;
   kvp__rcu_read_lock();
   kvp__seq *s = kvp__seq_find(pool, id);
   kvp__rcu_read_unlock();
+  if (s) *slot = s;
   return s;
 }
 
@@ -91,6 +102,8 @@ static void seq_free_cb(kvp__rcu_head *h) {
  * drop its block ownerships. */
 static void seq_release(kvp_pool *pool, kvp__seq *s, bool readers_may_hold) {
   uint32_t L = pool->cfg.n_layers, H = pool->cfg.n_kv_heads;
+  kvp__seq **slot = cache_slot(pool, s->id);
+  if (*slot == s) *slot = NULL; /* out of the table: out of the writer's cache */
   policy_detach(pool, s); /* the writer's alone */
   kvp__prefix_release(pool, s, readers_may_hold);
   int64_t retained = 0;
@@ -448,6 +461,14 @@ static int kv_check(const kvp_pool *pool, uint64_t seq, uint32_t layer, const kv
   return KVP_OK;
 }
 
+/* Whether the sequence's policy has a say in an append (a hook there). When
+ * not, policy_plan would leave the skip mask zero and both plans empty, and
+ * the append needs no transaction (kvp__append_layer takes NULL for both). */
+static bool policy_acts(const kvp__seq *s) {
+  const kvp__policy_vt *vt = s->pol ? s->pol->vt : NULL;
+  return vt && (vt->before_append || vt->after_append);
+}
+
 /* The policy's plans for one append: its evictions before and after the
  * layer is stored, and the heads to skip; their runs taken ahead. */
 static int policy_plan(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint64_t *skip, kvp__append_tx *tx) {
@@ -478,12 +499,16 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
   else if (layer > s->next_layer)
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
-  else if (!(rc = kv_check(pool, seq, layer, kv))) { /* one transaction: the layer and its policy's evictions */
-    kvp__append_tx tx;
-    kvp__append_tx_init(&tx);
-    if (!(rc = policy_plan(pool, s, layer, skip, &tx)) && !(rc = kvp__append_layer(pool, s, layer, kv, skip, &tx)))
-      s->next_layer++;
-    kvp__append_tx_fini(pool, &tx);
+  else if (!(rc = kv_check(pool, seq, layer, kv))) {
+    if (!policy_acts(s)) { /* nothing to plan: no skip mask, no evictions, no transaction */
+      rc = kvp__append_layer(pool, s, layer, kv, NULL, NULL);
+    } else { /* one transaction: the layer and its policy's evictions */
+      kvp__append_tx tx;
+      kvp__append_tx_init(&tx);
+      if (!(rc = policy_plan(pool, s, layer, skip, &tx))) rc = kvp__append_layer(pool, s, layer, kv, skip, &tx);
+      kvp__append_tx_fini(pool, &tx);
+    }
+    if (!rc) s->next_layer++;
   }
   kvp__unlock(pool);
   return rc;

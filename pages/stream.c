@@ -24,7 +24,9 @@
  * OPEN blocks (stream mode) get pages for their full capacity, as paged
  * engines do: a decode token is a row copy, with no ledger traffic until a
  * block fills. The bytes of unfilled slots show as requested bytes above
- * the bf16-equivalent figure.
+ * the bf16-equivalent figure. Such a token takes the fill-only fast path
+ * (append_fill): no plan, the NaN/Inf screen done by the copy itself, the
+ * heads' tail pages looked up once, a publication of a few stores.
  */
 #include "../codecs/numeric.h"
 #include "pages.h"
@@ -385,9 +387,12 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                         kvp__append_tx *tx);
 
+static bool append_fill(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, kvp__append_tx *tx);
+
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                       kvp__append_tx *tx) {
   if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv, skip, tx); /* device input: not screened */
+  if (append_fill(pool, s, layer, kv, tx)) return KVP_OK;
   kvp_kv use;
   void *scratch[2] = {NULL, NULL};
   size_t scratch_bytes[2] = {0, 0};
@@ -413,22 +418,116 @@ static void give_pages(kvp_pool *pool, void *vctx) {
     if (c->pl->blocks[i]) kvp__block_give_pages(pool, c->pl->blocks[i]);
 }
 
+/* Whether the OPEN tail b takes n more tokens with no block of its own
+ * kind: room is left after them, or they fill it exactly and the layer's
+ * codec keeps the appended dtype as is (passthrough), so the full tail
+ * seals as it stands (no encoded copy). */
+static bool tail_takes(const kvp__block *b, uint32_t n, bool pass) {
+  uint32_t room = b->cap_tokens - b->n_tokens;
+  return !b->sealed && b->raw && (room > n || (room == n && pass));
+}
+
 /* A step whose tokens only fill the OPEN tails (a decode token on a host
  * pool in stream mode, no eviction with it, the last run extending) needs
  * no block, page, run or metadata: its plan is {fill = n} and nothing
  * else, so plan_shape, plan_take and the transaction's take are skipped
  * and the plan goes straight to fill_data and publish. The tails stay
- * OPEN: the fill leaves room (room > n). */
+ * OPEN (room > n), or fill up and seal as they are (tail_takes). */
 static bool fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t step, const kvp__append_tx *tx) {
   if (s->mode != KVP_SEQ_STREAM || pool->cfg.memory != KVP_MEM_HOST || (pool->cfg.flags & KVP_POOL_DRY)) return false;
   if (tx && (tx->before.n || tx->after.n)) return false;
   const kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
-  if (!tail || tail->blk->sealed || !tail->blk->raw || tail->blk->cap_tokens - tail->blk->n_tokens <= s->cur_tokens)
+  bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough;
+  if (!tail || !tail_takes(tail->blk, s->cur_tokens, pass)) return false;
+  return kvp__run_extends_all(pool, &s->layers[layer], step); /* no skip: every head */
+}
+
+/* ---- the fill-only fast path ------------------------------------------------
+ * The common decode token: fill_only holds, and every head's tail takes the
+ * step (tail_takes: room left after it, or filled exactly under a
+ * passthrough codec). Then the append is the rows' copy and a few stores:
+ *   write    per side, one kernel call per FILL_HEADS heads
+ *            (kvp__rows_scatter_finite): each value is read once, copied to
+ *            its head's tail page at row n_tokens and screened in the same
+ *            pass, the heads' page addresses gathered first;
+ *   publish  per head n_tokens and retained_tokens, then the run's end (the
+ *            release store readers wait on), then the token gauges: what
+ *            publish does with the plan {fill = n} (a tail that fills up
+ *            seals), without the plan's arrays, skip mask and run settle.
+ * No plan, metadata, page or ledger bytes: the ledger moves when a block
+ * fills (the general path). A non-finite value, or a head whose tail is not
+ * so, sends the append on to the screened general path, which fails with
+ * its message (or sanitizes, KVP_POOL_SANITIZE) and writes the rows again:
+ * the rows this path copied lie past the tails' counts, where no reader
+ * looks, so nothing visible changed. After the publication the next
+ * token's rows are prefetched (prefetch_next_rows). */
+enum { FILL_HEADS = 64 }; /* heads per kernel call (their destinations on the stack) */
+
+/* The next row of the K and V pages of each OPEN tail of heads [h0, h0 +
+ * nh), or false if one of them cannot take the n tokens (tail_takes). */
+static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh, uint32_t n, bool pass, void **dk,
+                      void **dv) {
+  size_t rk = stride_row(pool, 0), rv = stride_row(pool, 1);
+  for (uint32_t j = 0; j < nh; j++) {
+    const kvp__bref *t = st[h0 + j].tail;
+    const kvp__block *b = t ? t->blk : NULL;
+    if (!b || !tail_takes(b, n, pass)) return false;
+    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[0][0]) + (size_t)b->n_tokens * rk;
+    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[1][0]) + (size_t)b->n_tokens * rv;
+  }
+  return true;
+}
+
+/* Ask for the lines of the rows the tail's next token goes to, for writing:
+ * that token comes one step later and finds them in the cache instead of
+ * memory. A decode token writes 2 x H rows into as many pages, every line
+ * of them cold (written once, and only now): what the copy waits on is
+ * those lines' fetch, which this moves off the next append's path.
+ * Within the pages only (a full tail asks for nothing). */
+enum { FILL_LINE = 64 }; /* bytes per prefetch: a cache line */
+/* Inlined into its caller: a function whose only effect is a prefetch is
+ * side-effect free to gcc's IPA (pure-const), and a call to it dead. */
+KVP__INLINE void prefetch_next_rows(const kvp_pool *pool, const kvp__block *b, size_t rk, size_t rv) {
+  if (b->n_tokens >= b->cap_tokens) return;
+  const unsigned char *k = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[0][0]) + b->n_tokens * rk;
+  const unsigned char *v = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[1][0]) + b->n_tokens * rv;
+  for (size_t o = 0; o < rk; o += FILL_LINE) __builtin_prefetch(k + o, 1, 3);
+  for (size_t o = 0; o < rv; o += FILL_LINE) __builtin_prefetch(v + o, 1, 3);
+}
+
+/* The fast path: true when it stored the layer (published), false when the
+ * general path must (nothing visible changed). */
+static bool append_fill(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, kvp__append_tx *tx) {
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
+  if (kvp__layer_rowwise(pool, layer) || !pool->tail[0].passthrough || !pool->tail[1].passthrough ||
+      !fill_only(pool, s, layer, step, tx))
     return false;
-  uint64_t mask[KVP_MAX_KV_HEADS / 64];
-  append_plan all = {0}; /* no skip: every head */
-  stored_mask(pool, &all, mask);
-  return kvp__run_extends(pool, &s->layers[layer], step, mask);
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, n = s->cur_tokens;
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, 0);
+  size_t rk = stride_row(pool, 0), rv = stride_row(pool, 1);
+  bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough, finite = true;
+  for (uint32_t h0 = 0; h0 < H; h0 += FILL_HEADS) {
+    uint32_t nh = H - h0 < FILL_HEADS ? H - h0 : FILL_HEADS;
+    void *dk[FILL_HEADS], *dv[FILL_HEADS];
+    if (!fill_dsts(pool, st, h0, nh, n, pass, dk, dv)) return false;
+    finite &= kvp__rows_scatter_finite(dk, (const unsigned char *)kv->k + h0 * rk, H * rk, pool->cfg.k_dtype, n, nh, D);
+    finite &= kvp__rows_scatter_finite(dv, (const unsigned char *)kv->v + h0 * rv, H * rv, pool->cfg.v_dtype, n, nh, D);
+  }
+  if (!finite) return false;
+  uint32_t pos = s->step_pos[step];
+  kvp__append_tx_before_publish(pool, s, tx); /* an empty plan (fill_only): marks it applied */
+  for (uint32_t h = 0; h < H; h++) {
+    kvp__block *b = st[h].tail->blk;
+    kvp__block_set_n(b, b->n_tokens + n);
+    b->sealed = b->n_tokens == b->cap_tokens; /* full: sealed as it stands (pass) */
+    prefetch_next_rows(pool, b, rk, rv);
+    atomic_store_explicit(&st[h].retained_tokens,
+                          atomic_load_explicit(&st[h].retained_tokens, memory_order_relaxed) + n, memory_order_relaxed);
+  }
+  kvp__run_publish(s, layer, pos + n, NULL, false); /* the last run extends (fill_only) */
+  kvp__count_tokens(pool, (int64_t)n * H, 0);
+  kvp__append_tx_after_publish(pool, s, tx);
+  return true;
 }
 
 static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,

@@ -324,6 +324,60 @@ START_TEST(fork_refused_by_budget_changes_nothing) {
 }
 END_TEST
 
+/* Every retained token of seq, every (layer, head): positions 0..npos-1
+ * with their kvgen values (lineage included). */
+static void reads_back(kvp_pool *p, uint64_t seq, uint32_t npos) {
+  uint16_t k[64 * D], v[64 * D];
+  uint32_t pos[64];
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < H; h++) {
+      kvp_read_req q = {sizeof q, h, KVP_DTYPE_BF16, k, v, pos, 64, 0, NULL};
+      ck_ok(kvp_read(p, seq, l, &q));
+      ck_assert_uint_eq(q.n_tokens, npos);
+      for (uint32_t i = 0; i < npos; i++)
+        for (uint32_t d = 0; d < D; d++)
+          if (pos[i] != i || k[i * D + d] != kvgen_value(&G, seq, l, h, i, d, 0) ||
+              v[i * D + d] != kvgen_value(&G, seq, l, h, i, d, 1))
+            ck_abort_msg("seq %llu layer %u head %u row %u", (unsigned long long)seq, l, h, i);
+    }
+}
+
+/* Mutations find their sequence through the writer's cache of its last
+ * lookups (a slot per hash value mod 64): 150 ids share the slots, steps
+ * alternate between them, a third are freed and their ids come back as
+ * new sequences or as forks; every step lands in its own sequence. */
+START_TEST(seq_ids_share_and_reuse_lookups) {
+  enum { NS = 150 };
+  kvp_pool *p = mkpool(0);
+  for (uint64_t s = 0; s < NS; s++) ck_ok(kvp_seq_add(p, s, NULL));
+  for (uint32_t r = 0; r < 3; r++)
+    for (uint64_t s = 0; s < NS; s++) step(p, s, r, 1);
+  for (uint64_t s = 0; s < NS; s += 3) {
+    ck_ok(kvp_seq_free(p, s));
+    ck_status(kvp_step_begin(p, s, 1, 0), KVP_ENOENT);
+  }
+  ck_ok(kvp_check(p));
+  for (uint64_t s = 0; s < NS; s += 3) {
+    if (s % 2 == 0) { /* a new sequence under the old id */
+      ck_ok(kvp_seq_add(p, s, NULL));
+      step(p, s, 0, 4);
+    } else { /* a fork of its neighbour into the old id */
+      ck_ok(kvp_seq_fork(p, s + 1, s));
+      kvgen_fork(&G, s + 1, s, 3);
+      step(p, s, 3, 1);
+    }
+  }
+  for (uint64_t s = 0; s < NS; s++)
+    if (s % 3) step(p, s, 3, 1);
+  for (uint64_t s = 0; s < NS; s++) reads_back(p, s, 4);
+  kvp_stats st = {.struct_size = sizeof st};
+  ck_ok(kvp_stats_get(p, &st));
+  ck_assert_uint_eq(st.sequences.current, NS);
+  ck_assert_uint_eq(st.tokens_retained.current, (uint64_t)NS * 4 * L * H);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("seq");
   TCase *tc = tcase_create("seq");
@@ -333,6 +387,7 @@ int main(void) {
   tcase_add_test(tc, views_survive_eviction);
   tcase_add_test(tc, fork_shares_sealed_copies_open);
   tcase_add_test(tc, fork_refused_by_budget_changes_nothing);
+  tcase_add_test(tc, seq_ids_share_and_reuse_lookups);
   suite_add_tcase(s, tc);
   return it_run(s);
 }

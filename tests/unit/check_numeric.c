@@ -433,6 +433,69 @@ START_TEST(find_nonfinite_every_isa) {
 }
 END_TEST
 
+/* The decode append's copy with its screen, on every ISA and dtype: rows of
+ * e elements (whole 32-byte vector pairs, an odd vector, a scalar tail, a
+ * row shorter than a vector), n tokens of nh heads scattered to their
+ * destinations, every row copied bit for bit whatever the verdict, and the
+ * verdict false exactly when a NaN or +-Inf was in the rows: one planted in
+ * turn at the first and the last element of every row (the last row of the
+ * last head included), with the largest finite values around it. Bytes
+ * past each destination row stay as they were. */
+START_TEST(scatter_finite_every_isa) {
+  enum { MAXE = 128, MAXN = 3, MAXH = 5, PAD = 8 };
+  static const size_t es[] = {128, 80, 48, 24, 13, 7, 1};
+  static const kvp_dtype dts[] = {KVP_DTYPE_F32, KVP_DTYPE_BF16, KVP_DTYPE_F16};
+  static unsigned char src[MAXN * (MAXH + 1) * MAXE * 4], dst[MAXH][MAXN * MAXE * 4 + PAD];
+  int was = kvp__codec_isa();
+  for (int isa = KVP__ISA_BASE; isa <= KVP__ISA_AVX2; isa++) {
+    if (kvp__codec_isa_set(isa) != isa) continue; /* no AVX2 on this CPU */
+    for (size_t di = 0; di < 3; di++)
+      for (size_t ei = 0; ei < sizeof es / sizeof *es; ei++)
+        for (size_t n = 1; n <= MAXN; n++)
+          for (size_t nh = 1; nh <= MAXH; nh += 2) {
+            kvp_dtype dt = dts[di];
+            size_t e = es[ei], w = kvp__dtype_bytes(dt), row = e * w, hs = nh + 1;
+            size_t stride = hs * row; /* a token's rows: nh copied, one more head not (the batch's neighbour) */
+            uint32_t big = dt == KVP_DTYPE_F32 ? 0x7F7FFFFFu : dt == KVP_DTYPE_BF16 ? 0x7F7Fu : 0x7BFFu;
+            uint32_t bad[3] = {dt == KVP_DTYPE_F32 ? 0x7FC00001u : dt == KVP_DTYPE_BF16 ? 0x7FC1u : 0x7E01u,
+                               dt == KVP_DTYPE_F32 ? 0x7F800000u : dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u,
+                               dt == KVP_DTYPE_F32 ? 0xFF800000u : dt == KVP_DTYPE_BF16 ? 0xFF80u : 0xFC00u};
+            uint32_t sign = w == 4 ? 0x80000000u : 0x8000u, low = w == 4 ? 0x3FFFFFFFu : 0x3FFFu;
+            for (size_t i = 0; i < n * hs * e; i++) { /* finite: the largest magnitudes, -0, small values */
+              uint32_t u = i % 5 == 0 ? big : i % 5 == 1 ? big | sign : i % 5 == 2 ? sign : (uint32_t)(i * 7919u) & low;
+              memcpy(src + i * w, &u, w);
+            }
+            void *d[MAXH];
+            for (size_t h = 0; h < nh; h++) d[h] = dst[h];
+            /* plant: -1 none, else the element's index within the nh x n rows: first and last of each */
+            for (long plant = -1; plant < (long)(n * nh * 2); plant++) {
+              size_t t = 0, h = 0, at = 0;
+              uint32_t keep = 0;
+              if (plant >= 0) {
+                size_t r = (size_t)plant / 2;
+                t = r / nh, h = r % nh;
+                at = t * stride + h * row + ((size_t)plant % 2 ? row - w : 0);
+                memcpy(&keep, src + at, w);
+                memcpy(src + at, &bad[(size_t)plant % 3], w);
+              }
+              memset(dst, 0xA5, sizeof dst);
+              bool fin = kvp__rows_scatter_finite(d, src, stride, dt, n, nh, e);
+              ck_assert_msg(fin == (plant < 0), "isa %d dtype %d e %zu n %zu nh %zu plant %ld: finite %d", isa,
+                            (int)dt, e, n, nh, plant, (int)fin);
+              for (size_t tt = 0; tt < n; tt++)
+                for (size_t hh = 0; hh < nh; hh++)
+                  ck_assert_msg(memcmp(dst[hh] + tt * row, src + tt * stride + hh * row, row) == 0,
+                                "isa %d dtype %d e %zu: row (%zu, %zu) not copied", isa, (int)dt, e, tt, hh);
+              for (size_t hh = 0; hh < nh; hh++)
+                for (size_t b = n * row; b < n * row + PAD; b++) ck_assert_uint_eq(dst[hh][b], 0xA5);
+              if (plant >= 0) memcpy(src + at, &keep, w);
+            }
+          }
+  }
+  kvp__codec_isa_set(was);
+}
+END_TEST
+
 /* ---- packed codes ------------------------------------------------------------ */
 
 enum { L_LSB32, L_MSB8, L_NIB };
@@ -766,6 +829,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, rows_by_dtype);
   tcase_add_test(tc, find_nan_per_dtype);
   tcase_add_test(tc, find_nonfinite_every_isa);
+  tcase_add_test(tc, scatter_finite_every_isa);
   suite_add_tcase(s, tc);
   tc = tcase_create("branch-free");
   tcase_set_timeout(tc, getenv("KVP_NUMERIC_EXHAUSTIVE") ? 7200 : 300);
