@@ -158,6 +158,13 @@ typedef struct kvp_config {
                                        a codec with KVP_EINVAL naming it, both sizes per token and the block size
                                        from which it compresses (e.g. qvg's k-means centroids at 16 tokens).
                                        Raw codecs store the dtype they name and are never refused. */
+#define KVP_POOL_DEVICE_ASYNC 16u /* CUDA pool: kvp_append enqueues its copies and encodes on kv->stream and
+                                     returns without waiting for them, so the caller's stream keeps its queue.
+                                     The price: non-finite K/V is not refused (the device does not report it;
+                                     raw pages store it as given, quantizers as their encode rounds it). Only
+                                     layers whose codecs fail on nothing else take it (raw, fp8, int8, nvfp4); an
+                                     append that encodes kivi, kvquant, qvg or a user's codec still waits to read
+                                     back their status, as without the flag. Host and dry pools ignore it. */
 
 /* Fill cfg with defaults: 1 layer, 1 head, head_dim 128, bf16 K and V, host
  * memory, 64 MiB region, budget = region. */

@@ -13,7 +13,11 @@
  *   cudaMemcpyAsync(status words -> pinned host); cudaStreamSynchronize
  *
  * all on the caller's stream; the one wait tells a bad input before the
- * append is published (pages/stream.c frees the pages then). No device
+ * append is published (pages/stream.c frees the pages then). With
+ * KVP_POOL_DEVICE_ASYNC an append whose codecs fail on non-finite input
+ * only (raw, fp8, int8, nvfp4) skips the status and the wait: its kernels
+ * report into 4 other words nobody reads, and the job stage is rewritten
+ * only once the event after its last copy passed. No device
  * memory is allocated per call: the jobs ride in kernel parameters
  * (kernels/codec.cu) and the status words are the pool's (4 x 8 bytes,
  * cudaMalloc'd at create), as are the bindings' device tables (kvquant's
@@ -47,10 +51,12 @@ struct kvp__dev {
   uint64_t pinned_bytes;          /* pinned host bytes held (atomic: stats read it beside a growing call) */
   cudaEvent_t gstage_done;        /* recorded after the last copy from the stage (after the kernels
                                      where they read it in place: kvp__dev_attend_run) */
-  uint64_t *status;              /* device: 4 status words, one per group of an append */
+  uint64_t *status;              /* device: 8 status words: one per group of an append, then 4 that
+                                    asynchronous appends write and nobody reads (KVP_POOL_DEVICE_ASYNC) */
   uint64_t *host_status;         /* pinned host: their copy */
   kvp_codec_dev_job *stage_dev;  /* device: staged job tables of an append */
   kvp_codec_dev_job *stage_host; /* pinned host: what is copied there */
+  cudaEvent_t stage_done;        /* recorded after the last copy from stage_host */
   uint32_t sms;                  /* streaming multiprocessors of the device */
   uint32_t attend_occ[KVP__KERN_ATTEND_KINDS]; /* attention thread blocks per SM, per kernel kind */
   void *qvg_ws;                  /* device: qvg's k-means scratch and staged stream states, or NULL */
@@ -125,7 +131,8 @@ int kvp__dev_init(kvp_pool *pool) {
     return kvp__err(KVP_ENOMEM, "device control block");
   }
   const char *what = "the pool's device status words and job stage";
-  cudaError_t e = cudaMalloc((void **)&d->status, 4 * sizeof(uint64_t));
+  cudaError_t e = cudaMalloc((void **)&d->status, 8 * sizeof(uint64_t));
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->stage_done, cudaEventDisableTiming);
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->host_status, 4 * sizeof(uint64_t));
   if (e == cudaSuccess) e = cudaMalloc((void **)&d->stage_dev, STAGE_JOBS * sizeof(kvp_codec_dev_job));
   if (e == cudaSuccess) e = cudaMallocHost((void **)&d->stage_host, STAGE_JOBS * sizeof(kvp_codec_dev_job));
@@ -140,6 +147,7 @@ int kvp__dev_init(kvp_pool *pool) {
   dev_leave(pool, prev);
   if (e != cudaSuccess || grc) {
     gstage_fini(d);
+    if (d->stage_done) cudaEventDestroy(d->stage_done);
     cudaFree(d->status);
     cudaFreeHost(d->host_status);
     cudaFree(d->stage_dev);
@@ -157,6 +165,7 @@ void kvp__dev_fini(kvp_pool *pool) {
   if (!d) return;
   int prev;
   dev_enter(pool, &prev);
+  if (d->stage_done) cudaEventDestroy(d->stage_done);
   cudaFree(d->status);
   cudaFreeHost(d->host_status);
   cudaFree(d->stage_dev);
@@ -238,20 +247,43 @@ static int bad_input(kvp_pool *pool, const kvp__dev_group *g, uint64_t st, uint3
                   elem % D, at);
 }
 
+/* Whether an append of db may skip reading its status back
+ * (KVP_POOL_DEVICE_ASYNC): every group's codec fails on non-finite input
+ * only, and none carries host-side stream states (qvg). */
+static bool batch_async(const kvp_pool *pool, const kvp__dev_batch *db) {
+  static const char *const ok[] = {"raw", "fp8", "int8", "nvfp4"};
+  if (!(pool->cfg.flags & KVP_POOL_DEVICE_ASYNC)) return false;
+  for (int i = 0; i < 4; i++) {
+    const kvp__dev_group *g = &db->g[i];
+    if (!g->n) continue;
+    if (g->hstates) return false;
+    bool known = false;
+    for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) known = known || !strcmp(g->bd->vt->name, ok[k]);
+    if (!known) return false;
+  }
+  return true;
+}
+
 int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint32_t pos, void *stream) {
   struct kvp__dev *d = pool->dev;
   int prev, rc = dev_enter(pool, &prev);
   if (rc) return rc;
   cudaStream_t s = (cudaStream_t)stream;
-  cudaError_t e = cudaMemsetAsync(d->status, 0xFF, 4 * sizeof(uint64_t), s);
+  bool async = batch_async(pool, db);
+  uint64_t *status = async ? d->status + 4 : d->status; /* async: written, never read */
+  cudaError_t e = async ? cudaSuccess : cudaMemsetAsync(d->status, 0xFF, 4 * sizeof(uint64_t), s);
   if (e != cudaSuccess) rc = cuda_fail(e, "cudaMemsetAsync (append status)");
-  /* large groups: their jobs staged in one copy (the previous append's
-   * copy is done: it waited for its stream) */
+  /* large groups: their jobs staged in one copy, once the previous
+   * append's copy from the stage is done (an asynchronous append does not
+   * wait for its stream) */
   const kvp_codec_dev_job *staged[4] = {NULL, NULL, NULL, NULL};
   uint32_t used = 0;
   for (int i = 0; i < 4; i++) {
     kvp__dev_group *g = &db->g[i];
     if (g->hstates || g->n < STAGE_MIN_JOBS || used + g->n > STAGE_JOBS) continue; /* qvg reads its jobs from parameters */
+    if (!rc && !used && (e = cudaEventSynchronize(d->stage_done)) != cudaSuccess)
+      rc = cuda_fail(e, "cudaEventSynchronize (append job stage)");
+    if (rc) break;
     memcpy(d->stage_host + used, g->jobs, g->n * sizeof *g->jobs);
     staged[i] = d->stage_dev + used;
     used += g->n;
@@ -259,6 +291,8 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
   if (!rc && used && (e = cudaMemcpyAsync(d->stage_dev, d->stage_host, used * sizeof *d->stage_host,
                                           cudaMemcpyHostToDevice, s)) != cudaSuccess)
     rc = cuda_fail(e, "cudaMemcpyAsync (append jobs)");
+  if (!rc && used && (e = cudaEventRecord(d->stage_done, s)) != cudaSuccess)
+    rc = cuda_fail(e, "cudaEventRecord (append job stage)");
   for (int i = 0; !rc && i < 4; i++) {
     kvp__dev_group *g = &db->g[i];
     if (!g->n) continue;
@@ -266,7 +300,11 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
       rc = kvp__qvg_encode_pool(g->bd->inst, g->jobs, g->hstates, g->n, d->qvg_ws, d->qvg_ws_bytes, d->status + i,
                                 stream);
     else
-      rc = g->bd->vt->encode_dev(g->bd->inst, g->jobs, staged[i], g->n, d->status + i, stream);
+      rc = g->bd->vt->encode_dev(g->bd->inst, g->jobs, staged[i], g->n, status + i, stream);
+  }
+  if (async && !rc) { /* enqueued (the launches checked): nothing to read back */
+    dev_leave(pool, prev);
+    return KVP_OK;
   }
   if (!rc && (e = cudaMemcpyAsync(d->host_status, d->status, 4 * sizeof(uint64_t), cudaMemcpyDeviceToHost, s)))
     rc = cuda_fail(e, "cudaMemcpyAsync (append status)");
@@ -489,7 +527,7 @@ int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
 
 void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes) {
   const struct kvp__dev *d = pool->dev;
-  *device_bytes = d ? 4 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job) : 0;
+  *device_bytes = d ? 8 * sizeof(uint64_t) + STAGE_JOBS * sizeof(kvp_codec_dev_job) : 0;
   for (uint32_t i = 0; d && i < 2 * pool->cfg.n_layers; i++) /* the bindings' tables */
     *device_bytes += kvp__codec_dev_static_bytes(pool->bind[i].vt, pool->bind[i].inst);
   *device_bytes += d ? d->qvg_ws_bytes : 0;

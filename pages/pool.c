@@ -59,7 +59,8 @@ static int validate(const kvp_config *in, kvp_config *c) {
   if (c->block_tokens > KVP__MAX_BLOCK_TOKENS)
     return kvp__err(KVP_EINVAL, "config.block_tokens = %u: must be 0 (chosen per layer by its codecs) or 1..%u",
                     c->block_tokens, KVP__MAX_BLOCK_TOKENS);
-  if (c->flags & ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE | KVP_POOL_DRY | KVP_POOL_ALLOW_EXPANSION))
+  if (c->flags &
+      ~(KVP_POOL_PREFAULT | KVP_POOL_SANITIZE | KVP_POOL_DRY | KVP_POOL_ALLOW_EXPANSION | KVP_POOL_DEVICE_ASYNC))
     return kvp__err(KVP_EINVAL, "config.flags = %#x has unknown bits", c->flags);
   if ((c->flags & KVP_POOL_PREFAULT) && (c->flags & KVP_POOL_DRY))
     return kvp__err(KVP_EINVAL, "config.flags: KVP_POOL_PREFAULT and KVP_POOL_DRY exclude each other (a dry "

@@ -70,6 +70,8 @@ def main():
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeat", type=int, default=1, help="timed runs of each cache (the median is printed)")
+    ap.add_argument("--device-async", action="store_true",
+                    help="appends that do not wait for their stream (KVP_POOL_DEVICE_ASYNC; raw, fp8, int8, nvfp4)")
     ap.add_argument("--fused", action="store_true",
                     help="decode through kvp_attend_decode (attn_implementation \"kvpool\"; CUDA pool)")
     a = ap.parse_args()
@@ -93,7 +95,8 @@ def main():
     ref, ref_tps = ref_runs[0][0], statistics.median(t for _, t in ref_runs)
     with kvpool.Pool(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                      k_dtype="bf16", v_dtype="bf16", memory=a.memory, region_bytes=a.region_mib << 20,
-                     block_tokens=a.block_tokens, codecs=a.codecs, policy=a.policy) as pool:
+                     block_tokens=a.block_tokens, codecs=a.codecs, policy=a.policy,
+                     device_async=a.device_async and a.memory == "cuda") as pool:
         m = fused_model or model
         warm = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
         run(m, ids, warm, a.new_tokens)

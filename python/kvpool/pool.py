@@ -172,6 +172,8 @@ class Pool:
         policy: eviction policy spec, e.g. "window:sink=4:recent=1024"; None = none.
         prefault, sanitize, dry, allow_expansion: the KVP_POOL_PREFAULT / SANITIZE / DRY / ALLOW_EXPANSION
             flags (allow_expansion: accept a codec that stores more than the appended dtype).
+        device_async: KVP_POOL_DEVICE_ASYNC: a CUDA pool's appends of raw, fp8, int8 and nvfp4 layers
+            return without waiting for their stream (non-finite K/V is then not refused).
 
     Arrays: K and V of a step are ``[n_tokens, kv_heads, head_dim]``, C-contiguous, in the pool's
     dtypes: numpy arrays on a host pool (bf16 as ``uint16`` bit patterns, or ``ml_dtypes.bfloat16``),
@@ -192,7 +194,8 @@ class Pool:
                  v_dtype: Any = "bf16", memory: str = "host", device: int = 0, region_bytes: int = 64 << 20,
                  budget_bytes: int = 0, block_tokens: int = 0, codecs: Optional[str] = None,
                  policy: Optional[str] = None, *, budget: Optional[int] = None, prefault: bool = False,
-                 sanitize: bool = False, dry: bool = False, allow_expansion: bool = False):
+                 sanitize: bool = False, dry: bool = False, allow_expansion: bool = False,
+                 device_async: bool = False):
         self._h: Optional[int] = None
         call = "kvpool.Pool"
         if budget is not None:
@@ -220,7 +223,8 @@ class Pool:
         c.codecs = self._codecs
         c.policy = self._policy
         c.flags = ((_lib.POOL_PREFAULT if prefault else 0) | (_lib.POOL_SANITIZE if sanitize else 0)
-                   | (_lib.POOL_DRY if dry else 0) | (_lib.POOL_ALLOW_EXPANSION if allow_expansion else 0))
+                   | (_lib.POOL_DRY if dry else 0) | (_lib.POOL_ALLOW_EXPANSION if allow_expansion else 0)
+                   | (_lib.POOL_DEVICE_ASYNC if device_async else 0))
         h = c_void_p()
         rc = lib.kvp_pool_create(byref(c), byref(h))
         if rc:

@@ -203,6 +203,74 @@ START_TEST(nonfinite_append_refused) {
 }
 END_TEST
 
+/* KVP_POOL_DEVICE_ASYNC: appends that return before their stream ran
+ * leave the same pages as a host pool (raw, fp8, int8, nvfp4 layers skip
+ * the wait; a kivi layer beside them and kvquant still take it). A NaN goes
+ * into a raw or fp8 layer of such a pool unrefused; a kivi layer's append
+ * still reads its status back and refuses it, changing nothing. */
+static const char *const async_specs[] = {"kv=bf16", "kv=fp8", "kv=int8", "kv=nvfp4",
+                                          "k=kivi:bits=2:group=16,v=fp8", "kv=kvquant"};
+#define NASYNC (sizeof async_specs / sizeof async_specs[0])
+
+START_TEST(async_appends_match_host) {
+  const char *spec = async_specs[_i];
+  if (gpu_spec_off(spec)) return;
+  pair p;
+  gpu_pair_open_flags(&p, spec, 16, 64ull << 20, 11, KVP_POOL_DEVICE_ASYNC);
+  ck_ok(kvp_seq_add(p.host, 1, NULL));
+  ck_ok(kvp_seq_add(p.dev, 1, NULL));
+  step(&p, 1, 77);
+  for (int t = 0; t < 40; t++) step(&p, 1, 1); /* decode tokens: fill, seal, encode */
+  step(&p, 1, 45);
+  same_reads(&p, 1);
+  ck_ok(kvp_seq_fork(p.host, 1, 2));
+  ck_ok(kvp_seq_fork(p.dev, 1, 2));
+  step(&p, 2, 3);
+  same_reads(&p, 2);
+  /* a NaN in V of layer 0: taken where the layer's appends do not wait */
+  int waits = strstr(spec, "kivi") || strstr(spec, "kvquant");
+  uint32_t n = 2;
+  for (size_t i = 0; i < (size_t)n * H * D; i++) p.hk[i] = p.hv[i] = gpu_bf16_of(rnd(&p));
+  p.hk[(size_t)1 * H * D + 5] = 0xFFC1; /* K of token 1, head 0, channel 5 */
+  ck_cuda(cudaMemcpy(p.dk, p.hk, (size_t)n * H * D * 2, cudaMemcpyHostToDevice));
+  ck_cuda(cudaMemcpy(p.dv, p.hv, (size_t)n * H * D * 2, cudaMemcpyHostToDevice));
+  kvp_stats before = gpu_stats_of(p.dev);
+  ck_ok(kvp_step_begin(p.dev, 1, n, 0));
+  int rc = kvp_append(p.dev, 1, 0, &(kvp_kv){p.dk, p.dv, p.stream});
+  if (waits) {
+    ck_assert_int_eq(rc, KVP_EINVAL);
+    ck_assert_msg(strstr(kvp_last_error(), "K of layer 0"), "message: %s", kvp_last_error());
+    kvp_stats after = gpu_stats_of(p.dev);
+    ck_assert_uint_eq(before.bytes_allocated.current, after.bytes_allocated.current);
+    ck_assert_uint_eq(before.tokens_retained.current, after.tokens_retained.current);
+  } else {
+    ck_ok(rc);
+    for (uint32_t l = 1; l < L; l++) ck_ok(kvp_append(p.dev, 1, l, &(kvp_kv){p.dk, p.dv, p.stream}));
+    ck_ok(kvp_step_end(p.dev, 1));
+    if (!strcmp(spec, "kv=bf16")) { /* raw pages keep the NaN as given */
+      uint16_t *k = malloc((size_t)4096 * D * 2), *dk;
+      uint32_t *pos = malloc(4096 * 4);
+      ck_cuda(cudaMalloc((void **)&dk, (size_t)4096 * D * 2));
+      kvp_read_req r = {.struct_size = sizeof r, .head = 0, .out_dtype = KVP_DTYPE_BF16, .k_out = dk,
+                        .positions_out = pos, .capacity_tokens = 4096, .stream = p.stream};
+      ck_ok(kvp_read(p.dev, 1, 0, &r));
+      ck_cuda(cudaStreamSynchronize(p.stream));
+      ck_cuda(cudaMemcpy(k, dk, (size_t)r.n_tokens * D * 2, cudaMemcpyDeviceToHost));
+      ck_assert_uint_eq(pos[r.n_tokens - 1], 77 + 40 + 45 + 1);
+      ck_assert_uint_eq(k[(size_t)(r.n_tokens - 1) * D + 5], 0xFFC1);
+      free(k), free(pos), cudaFree(dk);
+    }
+  }
+  ck_ok(kvp_check(p.dev));
+  kvp_pool_destroy(p.host);
+  p.host = NULL;
+  kvp_pool_destroy(p.dev);
+  p.dev = NULL;
+  cudaStreamDestroy(p.stream);
+  free(p.hk), free(p.hv), cudaFree(p.dk), cudaFree(p.dv);
+}
+END_TEST
+
 /* kvp_gather == kvp_read (bf16) per item and head, positions, zero padding. */
 START_TEST(gather_matches_read) {
   if (gpu_spec_off(specs[_i])) return;
@@ -461,6 +529,7 @@ int main(void) {
   tcase_set_timeout(tc, 600);
   tcase_add_loop_test(tc, pool_matches_host, 0, NSPECS);
   tcase_add_loop_test(tc, nonfinite_append_refused, 0, NSPECS);
+  tcase_add_loop_test(tc, async_appends_match_host, 0, NASYNC);
   tcase_add_loop_test(tc, gather_matches_read, 0, NSPECS);
   tcase_add_test(tc, host_only_codec_refused);
   tcase_add_test(tc, third_party_device_codec);

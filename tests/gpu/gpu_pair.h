@@ -19,8 +19,9 @@ typedef struct gpu_pair {
   uint64_t seed;
 } gpu_pair;
 
-static inline void gpu_pair_open(gpu_pair *p, const char *spec, uint32_t block_tokens, uint64_t region_bytes,
-                                 uint64_t seed) {
+/* dev_flags: the device pool's kvp_config.flags (the host pool's are 0). */
+static inline void gpu_pair_open_flags(gpu_pair *p, const char *spec, uint32_t block_tokens, uint64_t region_bytes,
+                                       uint64_t seed, uint32_t dev_flags) {
   memset(p, 0, sizeof *p);
   p->seed = seed;
   kvp_config c;
@@ -34,6 +35,7 @@ static inline void gpu_pair_open(gpu_pair *p, const char *spec, uint32_t block_t
   c.codecs = spec;
   ck_ok(kvp_pool_create(&c, &p->host));
   c.memory = KVP_MEM_CUDA;
+  c.flags = dev_flags;
   ck_ok(kvp_pool_create(&c, &p->dev));
   ck_cuda(cudaStreamCreate(&p->stream));
   size_t bytes = (size_t)MAXTOK * H * D * 2;
@@ -41,6 +43,11 @@ static inline void gpu_pair_open(gpu_pair *p, const char *spec, uint32_t block_t
   p->hv = malloc(bytes);
   ck_cuda(cudaMalloc(&p->dk, bytes));
   ck_cuda(cudaMalloc(&p->dv, bytes));
+}
+
+static inline void gpu_pair_open(gpu_pair *p, const char *spec, uint32_t block_tokens, uint64_t region_bytes,
+                                 uint64_t seed) {
+  gpu_pair_open_flags(p, spec, block_tokens, region_bytes, seed, 0);
 }
 
 /* Both pools pass their checks, then go. */

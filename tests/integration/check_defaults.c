@@ -274,6 +274,27 @@ static union {
   unsigned char bytes[sizeof(kvp_codec_vtable)];
 } v1;
 
+/* KVP_POOL_DEVICE_ASYNC is a CUDA pool's: a host pool takes the flag and
+ * still screens its input (a NaN refused, nothing changed); an unknown bit
+ * next to it is refused. */
+START_TEST(device_async_on_host) {
+  kvp_pool *p = mk(1, 2, "kv=fp8", 16, KVP_POOL_DEVICE_ASYNC);
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  uint16_t k[2 * D], v[2 * D];
+  for (int i = 0; i < 2 * D; i++) k[i] = v[i] = 0x3F80; /* bf16 1.0 */
+  k[D + 3] = 0x7FC0;                                   /* NaN: head 1 */
+  ck_ok(kvp_step_begin(p, 1, 1, 0));
+  kvp_kv kv = {k, v, NULL};
+  ck_assert_int_eq(kvp_append(p, 1, 0, &kv), KVP_EINVAL);
+  k[D + 3] = 0x3F80;
+  ck_ok(kvp_append(p, 1, 0, &kv));
+  ck_ok(kvp_step_end(p, 1));
+  ck_ok(kvp_check(p));
+  kvp_pool_destroy(p);
+  ck_assert_int_eq(create_rc(1, NULL, 16, KVP_POOL_DEVICE_ASYNC | 0x100u), KVP_EINVAL);
+}
+END_TEST
+
 START_TEST(abi_versions) {
   kvp_codec_vtable full = {.abi_version = 1, .name = "test-abi1", .create = tc_create, .destroy = tc_destroy,
                            .group_tokens = tc_group, .layout = tc_layout, .encode = tc_encode, .decode = tc_decode};
@@ -321,6 +342,7 @@ int main(void) {
   tcase_add_test(tc, qvg_stream_default);
   tcase_add_test(tc, per_layer_choice);
   tcase_add_test(tc, expansion_refused);
+  tcase_add_test(tc, device_async_on_host);
   tcase_add_test(tc, abi_versions);
   suite_add_tcase(s, tc);
   return it_run(s);
