@@ -247,18 +247,20 @@ static int bad_input(kvp_pool *pool, const kvp__dev_group *g, uint64_t st, uint3
                   elem % D, at);
 }
 
-/* Whether an append of db may skip reading its status back
- * (KVP_POOL_DEVICE_ASYNC): every group's codec fails on non-finite input
- * only, and none carries host-side stream states (qvg). */
-static bool batch_async(const kvp_pool *pool, const kvp__dev_batch *db) {
+/* Whether an append of layer may skip reading its status back
+ * (KVP_POOL_DEVICE_ASYNC): the layer's codecs, K and V, fail on non-finite
+ * input only and keep no host-side stream state. The layer's, not only the
+ * groups' of this append: rows that go to a RAW tail now are encoded by the
+ * layer's codec later, which would then refuse what this append took. */
+static bool batch_async(const kvp_pool *pool, const kvp__dev_batch *db, uint32_t layer) {
   static const char *const ok[] = {"raw", "fp8", "int8", "nvfp4"};
   if (!(pool->cfg.flags & KVP_POOL_DEVICE_ASYNC)) return false;
-  for (int i = 0; i < 4; i++) {
-    const kvp__dev_group *g = &db->g[i];
-    if (!g->n) continue;
-    if (g->hstates) return false;
+  for (int i = 0; i < 4; i++)
+    if (db->g[i].n && db->g[i].hstates) return false;
+  for (uint32_t kv = 0; kv < 2; kv++) {
+    const char *name = pool->bind[2 * layer + kv].vt->name;
     bool known = false;
-    for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) known = known || !strcmp(g->bd->vt->name, ok[k]);
+    for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) known = known || !strcmp(name, ok[k]);
     if (!known) return false;
   }
   return true;
@@ -269,7 +271,7 @@ int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint3
   int prev, rc = dev_enter(pool, &prev);
   if (rc) return rc;
   cudaStream_t s = (cudaStream_t)stream;
-  bool async = batch_async(pool, db);
+  bool async = batch_async(pool, db, layer);
   uint64_t *status = async ? d->status + 4 : d->status; /* async: written, never read */
   cudaError_t e = async ? cudaSuccess : cudaMemsetAsync(d->status, 0xFF, 4 * sizeof(uint64_t), s);
   if (e != cudaSuccess) rc = cuda_fail(e, "cudaMemsetAsync (append status)");
