@@ -2,10 +2,10 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]
+ *   kvpool-bench [--quick] [--json] [--codecs] [--calib] [--heatkv] [--alloc]
  *
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
- * kvquant_calib_s).
+ * kvquant_calib_s); --calib only kvquant_calib_s.
  *
  * Figures
  *   alloc_free_pair_ns  median cost of one alloc + one free over a page-size
@@ -795,10 +795,12 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --seqs | --store | --prefix]\n"                     \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --calib | --heatkv | --alloc | --seqs | --store |\n"   \
+  "                     --prefix]\n"                                                                    \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
   "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
-  "  figures alone; --prefix: the prefix attach figure alone (--store prints it too)\n"
+  "  figures alone; --calib: the kvquant calibration figure alone (--codecs prints it too);\n"          \
+  "  --prefix: the prefix attach figure alone (--store prints it too)\n"
 
 /* ---- the store tier: offload / restore through a private local Redis ----------------------- */
 
@@ -1017,11 +1019,12 @@ static void print_seqs(int rounds, int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, calib_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
     else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
+    else if (!strcmp(argv[i], "--calib")) calib_only = 1;
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
@@ -1035,14 +1038,18 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc, --seqs, --store and --prefix each select one part: give one (or "
-                    "none: all)\n"
+  if (codecs_only + calib_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --calib, --heatkv, --alloc, --seqs, --store and --prefix each select one part: "
+                    "give one (or none: all)\n"
                     BENCH_USAGE);
     return 2;
   }
   if (codecs_only) {
     print_codecs(quick, json_only);
+    print_kvquant_calib(quick, json_only);
+    return 0;
+  }
+  if (calib_only) {
     print_kvquant_calib(quick, json_only);
     return 0;
   }
