@@ -1,0 +1,172 @@
+/*
+ * tests/unit/check_kvquant_calib.c - the kvquant calibration fitter
+ * (codecs/kvquant_fit.c, codecs/kvquant_calib.c) pinned: the crc32 every
+ * calibration file ends with, for kvp_kvquant_calib_add (weighted and not;
+ * smooth, nasty, quantized and periodic samples) and
+ * kvp_kvquant_calib_synthetic, from the fitter as it stands (per-channel
+ * heaps over every row, scalar code, one row at a time). Any faster path
+ * must write the same bytes.
+ */
+#include "../../codecs/kvquant.h"
+#include "kvpool_codec.h"
+#include "testutil.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---- samples for kvp_kvquant_calib_add ------------------------------------------ */
+static float tunit(uint64_t *st) { return (float)(t_rand(st) >> 40) * (1.0f / 16777216.0f); }
+
+/* Value of row t, channel c. Pattern 0: smooth, a scale per channel; 1:
+ * zeros of both signs, ties at +-0.5, +-1e38, a channel of subnormals; 2:
+ * steps of 0.25 (ties), and every 4th channel zeros of both signs but for
+ * a few values (both thresholds zeros, the sign theirs); 3: every 16th row
+ * far above the rest (a sample of every 16th row sees only those). */
+static float tval(uint64_t *st, int pattern, uint32_t t, uint32_t c) {
+  float g = (tunit(st) + tunit(st) + tunit(st) + tunit(st) - 2.0f) * 1.7f;
+  uint32_t r = (uint32_t)(t_rand(st) % 64);
+  switch (pattern) {
+  case 0: return g * (float)(1 + c % 5);
+  case 1:
+    if (r == 0) return 0.0f;
+    if (r == 1) return -0.0f;
+    if (r == 2) return t_rand(st) & 1 ? 1e38f : -1e38f;
+    if (r < 12) return 0.5f;
+    if (r < 16) return -0.5f;
+    if (c == 3) return 1e-39f * g;
+    return g;
+  case 2:
+    if (c % 4 == 0) return t_rand(st) % 512 < 2 ? g : r % 2 ? 0.0f : -0.0f;
+    return (float)(int)(g * 2) * 0.25f;
+  default: return t % 16 == 0 ? 100.0f + g : g;
+  }
+}
+
+typedef struct add_case {
+  uint32_t L, H, D, bits;
+  double frac;
+  uint32_t T;     /* samples per (layer, head, side) */
+  int pattern;
+  uint64_t seed;
+  uint32_t crc;   /* of the file, from the plain fitter */
+} add_case;
+
+/* Every (layer, head, side) of c from case a, rows stride floats apart;
+ * odd heads weighted (weights in {0, 0.75, 1.5, 2.25}). */
+static int add_all(kvp_kvquant_calib *c, const add_case *a) {
+  size_t stride = a->D + 3;
+  float *x = malloc(a->T * stride * sizeof *x), *w = malloc(a->T * stride * sizeof *w);
+  uint64_t st = a->seed;
+  int rc = x && w ? KVP_OK : KVP_ENOMEM;
+  for (uint32_t l = 0; !rc && l < a->L; l++)
+    for (uint32_t kv = 0; !rc && kv < 2; kv++)
+      for (uint32_t h = 0; !rc && h < a->H; h++) {
+        for (uint32_t t = 0; t < a->T; t++)
+          for (uint32_t ch = 0; ch < stride; ch++) {
+            x[t * stride + ch] = tval(&st, a->pattern, t, ch);
+            w[t * stride + ch] = (float)(t_rand(&st) % 4) * 0.75f;
+          }
+        rc = kvp_kvquant_calib_add(c, l, h, kv, x, h % 2 ? w : NULL, stride, a->T);
+      }
+  free(x);
+  free(w);
+  return rc;
+}
+
+/* The crc32 a file ends with (after checking its size and the crc). */
+static uint32_t file_crc(const char *path, uint64_t want_bytes) {
+  FILE *f = fopen(path, "rb");
+  ck_assert_ptr_nonnull(f);
+  uint8_t *b = malloc(want_bytes + 1);
+  size_t n = fread(b, 1, want_bytes + 1, f);
+  fclose(f);
+  ck_assert_uint_eq(n, want_bytes);
+  uint32_t crc = (uint32_t)b[n - 4] | (uint32_t)b[n - 3] << 8 | (uint32_t)b[n - 2] << 16 | (uint32_t)b[n - 1] << 24;
+  ck_assert_uint_eq(kvp__crc32(0, b, n - 4), crc);
+  free(b);
+  return crc;
+}
+
+static uint64_t file_bytes(uint32_t L, uint32_t H, uint32_t D, uint32_t bits) {
+  return 40 + (uint64_t)L * 2 * (2ull * H * D + (1u << bits)) * 4 + 4;
+}
+
+/* A file name of our own, for one test. */
+static void tmp_name(char *path, size_t cap) {
+  snprintf(path, cap, "/tmp/kvq_calibXXXXXX");
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+}
+
+/* Pinned from the fitter as it stands. */
+static const add_case ADD[] = {
+    {1, 2, 20, 3, 0.02, 2000, 0, 11, 0xfc6ec67au},  /* smooth, a channel tail */
+    {1, 2, 20, 3, 0.02, 2000, 1, 12, 0xfafaf3d8u},  /* zeros, ties, 1e38, subnormal ranges */
+    {1, 2, 20, 2, 0.02, 2000, 2, 13, 0xa514fa4du},  /* both thresholds zeros */
+    {1, 2, 20, 3, 0.02, 2000, 3, 14, 0x214a83ceu},  /* every 16th row far out */
+    {2, 3, 9, 2, 0.10, 300, 1, 15, 0xf66462e4u},    /* few rows */
+    {1, 2, 64, 4, 0.01, 1500, 0, 16, 0x8e7955a2u},  /* no tail */
+    {1, 1, 1, 3, 0.00, 1200, 0, 17, 0x1b7021b0u},   /* one channel, no outlier */
+};
+#define NADD (sizeof ADD / sizeof *ADD)
+
+START_TEST(add_matches_golden) {
+  const add_case *a = &ADD[_i];
+  char path[64];
+  tmp_name(path, sizeof path);
+  kvp_kvquant_calib *c;
+  ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+  ck_ok(add_all(c, a));
+  ck_ok(kvp_kvquant_calib_write(c, path));
+  kvp_kvquant_calib_destroy(c);
+  uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+  ck_assert_msg(crc == a->crc, "case %d: crc %08x, pinned %08x", _i, crc, a->crc);
+  unlink(path);
+}
+END_TEST
+
+typedef struct synth_case {
+  uint32_t L, H, D, bits;
+  double frac;
+  uint32_t seqs, tokens;
+  uint64_t seed;
+  uint32_t crc;
+} synth_case;
+
+static const synth_case SYN[] = {
+    {2, 3, 44, 3, 0.02, 2, 640, 5, 0xa221cc05u},   /* a channel tail, drift across seeds */
+    {1, 2, 128, 3, 0.01, 4, 512, 0, 0x03d83247u},  /* the benchmark's shape, smaller */
+    {1, 1, 7, 2, 0.00, 1, 200, 3, 0xafaabd87u},    /* few rows, no outlier */
+};
+#define NSYN (sizeof SYN / sizeof *SYN)
+
+START_TEST(synthetic_matches_golden) {
+  const synth_case *a = &SYN[_i];
+  char path[64];
+  tmp_name(path, sizeof path);
+  kvp_kvquant_calib *c;
+  ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+  ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
+  ck_ok(kvp_kvquant_calib_write(c, path));
+  kvp_kvquant_calib_destroy(c);
+  uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+  ck_assert_msg(crc == a->crc, "case %d: crc %08x, pinned %08x", _i, crc, a->crc);
+  unlink(path);
+}
+END_TEST
+
+static Suite *suite(void) {
+  Suite *s = suite_create("kvquant_calib");
+  TCase *tc = tcase_create("golden");
+  tcase_set_timeout(tc, 120);
+  tcase_add_loop_test(tc, add_matches_golden, 0, (int)NADD);
+  tcase_add_loop_test(tc, synthetic_matches_golden, 0, (int)NSYN);
+  suite_add_tcase(s, tc);
+  return s;
+}
+
+int main(void) { return t_run(suite()); }
