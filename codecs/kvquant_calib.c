@@ -31,6 +31,7 @@
  * file and the field.
  */
 #include "builtin.h"
+#include "kernels.h"
 #include "kvquant.h"
 
 #include <errno.h>
@@ -38,6 +39,10 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <unistd.h>
+
+#if KVP__HAVE_AVX2
+#include <immintrin.h>
+#endif
 
 /* ---- the synthetic generator ------------------------------------------------ */
 
@@ -57,29 +62,149 @@ static inline float gauss4(uint64_t u) {
   return (s - 2.0f) * 1.7320508f;
 }
 
-void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
-                    uint32_t head_dim, float *dst, size_t dst_stride) {
+/* One (seed, layer, head, kv) stream's per-channel constants. */
+typedef struct synth_gen {
+  uint32_t D;                       /* head_dim */
+  uint64_t ch[KVP_MAX_HEAD_DIM];    /* the channel's key */
+  float bias[KVP_MAX_HEAD_DIM];     /* value = bias + scale z */
+  float scale[KVP_MAX_HEAD_DIM];
+} synth_gen;
+
+static void gen_init(synth_gen *g, uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t head_dim) {
   uint64_t base = mix64(mix64(mix64(seed) ^ layer) ^ ((uint64_t)head << 1 | kv));
   uint32_t phase = (uint32_t)(base >> 59); /* K's outlier channels: c = phase mod 32 */
-  uint64_t ch[KVP_MAX_HEAD_DIM];
-  float bias[KVP_MAX_HEAD_DIM], scale[KVP_MAX_HEAD_DIM];
+  g->D = head_dim;
   for (uint32_t c = 0; c < head_dim; c++) {
-    ch[c] = mix64(base ^ (0xC0FFEEull << 32 | c));
-    bias[c] = kv ? 0.1f * gauss4(ch[c]) : 0.5f * gauss4(ch[c]);
-    scale[c] = kv ? 0.5f + unit24(ch[c] >> 40) : 0.6f + 0.8f * unit24(ch[c] >> 40);
-    if (!kv && c % 32 == phase) scale[c] *= 10.0f; /* an outlier channel */
+    g->ch[c] = mix64(base ^ (0xC0FFEEull << 32 | c));
+    g->bias[c] = kv ? 0.1f * gauss4(g->ch[c]) : 0.5f * gauss4(g->ch[c]);
+    g->scale[c] = kv ? 0.5f + unit24(g->ch[c] >> 40) : 0.6f + 0.8f * unit24(g->ch[c] >> 40);
+    if (!kv && c % 32 == phase) g->scale[c] *= 10.0f; /* an outlier channel */
   }
+}
+
+/* Channels [c0, D) of the row of token key tk. */
+static void gen_row_base(const synth_gen *g, uint64_t tk, uint32_t c0, float *row) {
+  for (uint32_t c = c0; c < g->D; c++) {
+    uint64_t r = mix64(g->ch[c] ^ tk);
+    float z = gauss4(r);
+    uint64_t tail = mix64(r);
+    if ((tail & 127) == 0) z *= 2.0f + 3.0f * unit24(tail >> 8); /* heavy tail */
+    row[c] = g->bias[c] + g->scale[c] * z;
+  }
+}
+
+/* The vector generators compute gen_row_base's bits: the four 16-bit
+ * uniforms are summed as integers (every partial sum below 2^18 is exact
+ * in f32, so the sum is the one the scalar adds make), then scaled, and
+ * every float operation is the scalar one (no FMA). */
+#if KVP__HAVE_AVX2
+/* a * c mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products */
+__attribute__((target("avx2"))) static inline __m256i mul64c_avx2(__m256i a, uint64_t c) {
+  const __m256i cl = _mm256_set1_epi64x((int64_t)(uint32_t)c), ch = _mm256_set1_epi64x((int64_t)(c >> 32));
+  __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), cl), _mm256_mul_epu32(a, ch));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, cl), _mm256_slli_epi64(cross, 32));
+}
+
+__attribute__((target("avx2"))) static inline __m256i mix64_avx2(__m256i z) {
+  z = _mm256_add_epi64(z, _mm256_set1_epi64x((int64_t)0x9E3779B97F4A7C15ull));
+  z = mul64c_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), 0xBF58476D1CE4E5B9ull);
+  z = mul64c_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), 0x94D049BB133111EBull);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+/* the low 32 bits of the 64-bit lanes of a, then of b */
+__attribute__((target("avx2"))) static inline __m256i lo32_avx2(__m256i a, __m256i b) {
+  __m256 s = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), _MM_SHUFFLE(2, 0, 2, 0));
+  return _mm256_castpd_si256(_mm256_permute4x64_pd(_mm256_castps_pd(s), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* the four 16-bit fields' sum, in the low 32 bits of each 64-bit lane */
+__attribute__((target("avx2"))) static inline __m256i sum16_avx2(__m256i r) {
+  __m256i v = _mm256_add_epi32(_mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(r, 16));
+  return _mm256_add_epi64(v, _mm256_srli_epi64(v, 32));
+}
+
+/* z, the tail's low 32 bits -> the 8 values */
+__attribute__((target("avx2"))) static inline __m256 finish8_avx2(const synth_gen *g, uint32_t c, __m256i sum,
+                                                                  __m256i t32) {
+  __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(1.0f / 65536.0f));
+  z = _mm256_mul_ps(_mm256_sub_ps(z, _mm256_set1_ps(2.0f)), _mm256_set1_ps(1.7320508f));
+  __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(t32, _mm256_set1_epi32(127)), _mm256_setzero_si256());
+  if (!_mm256_testz_si256(hit, hit)) {
+    __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t32, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
+    __m256 zt = _mm256_mul_ps(z, _mm256_add_ps(_mm256_set1_ps(2.0f), _mm256_mul_ps(_mm256_set1_ps(3.0f), u)));
+    z = _mm256_blendv_ps(z, zt, _mm256_castsi256_ps(hit));
+  }
+  return _mm256_add_ps(_mm256_loadu_ps(g->bias + c), _mm256_mul_ps(_mm256_loadu_ps(g->scale + c), z));
+}
+
+__attribute__((target("avx2"))) static void gen_rows_avx2(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst,
+                                                          size_t stride) {
+  const uint32_t Dv = g->D & ~7u;
   for (uint32_t t = 0; t < n; t++) {
     uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
-    float *row = dst + (size_t)t * dst_stride;
-    for (uint32_t c = 0; c < head_dim; c++) {
-      uint64_t r = mix64(ch[c] ^ tk);
-      float z = gauss4(r);
-      uint64_t tail = mix64(r);
-      if ((tail & 127) == 0) z *= 2.0f + 3.0f * unit24(tail >> 8); /* heavy tail */
-      row[c] = bias[c] + scale[c] * z;
+    __m256i vtk = _mm256_set1_epi64x((int64_t)tk);
+    float *row = dst + (size_t)t * stride;
+    for (uint32_t c = 0; c < Dv; c += 8) {
+      __m256i r0 = mix64_avx2(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(g->ch + c)), vtk));
+      __m256i r1 = mix64_avx2(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(g->ch + c + 4)), vtk));
+      __m256i t32 = lo32_avx2(mix64_avx2(r0), mix64_avx2(r1));
+      _mm256_storeu_ps(row + c, finish8_avx2(g, c, lo32_avx2(sum16_avx2(r0), sum16_avx2(r1)), t32));
     }
+    gen_row_base(g, tk, Dv, row);
   }
+}
+
+/* AVX-512: eight 64-bit lanes, native 64-bit multiplies */
+#define KVP__T512 __attribute__((target("avx2,avx512f,avx512dq,avx512vl")))
+KVP__T512 static inline __m512i mix64_avx512(__m512i z) {
+  z = _mm512_add_epi64(z, _mm512_set1_epi64((int64_t)0x9E3779B97F4A7C15ull));
+  const __m512i m1 = _mm512_set1_epi64((int64_t)0xBF58476D1CE4E5B9ull);
+  const __m512i m2 = _mm512_set1_epi64((int64_t)0x94D049BB133111EBull);
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), m1);
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), m2);
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
+KVP__T512 static void gen_rows_avx512(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst, size_t stride) {
+  const uint32_t Dv = g->D & ~7u;
+  for (uint32_t t = 0; t < n; t++) {
+    uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
+    __m512i vtk = _mm512_set1_epi64((int64_t)tk);
+    float *row = dst + (size_t)t * stride;
+    for (uint32_t c = 0; c < Dv; c += 8) {
+      __m512i r = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c), vtk));
+      __m512i v = _mm512_add_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(r, 16));
+      __m256i sum = _mm512_cvtepi64_epi32(_mm512_add_epi64(v, _mm512_srli_epi64(v, 32)));
+      _mm256_storeu_ps(row + c, finish8_avx2(g, c, sum, _mm512_cvtepi64_epi32(mix64_avx512(r))));
+    }
+    gen_row_base(g, tk, Dv, row);
+  }
+}
+#endif
+
+/* Rows pos0 .. pos0 + n - 1, stride floats apart. */
+static void gen_rows(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst, size_t stride) {
+#if KVP__HAVE_AVX2
+  int isa = kvp__codec_isa();
+  if (isa >= KVP__ISA_AVX512) {
+    gen_rows_avx512(g, pos0, n, dst, stride);
+    return;
+  }
+  if (isa >= KVP__ISA_AVX2) {
+    gen_rows_avx2(g, pos0, n, dst, stride);
+    return;
+  }
+#endif
+  for (uint32_t t = 0; t < n; t++)
+    gen_row_base(g, (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull, 0, dst + (size_t)t * stride);
+}
+
+void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
+                    uint32_t head_dim, float *dst, size_t dst_stride) {
+  synth_gen g;
+  gen_init(&g, seed, layer, head, kv, head_dim);
+  gen_rows(&g, pos0, n, dst, dst_stride);
 }
 
 int kvp__kvq_fit_synthetic(uint64_t seed, uint32_t layer, uint32_t kv, uint32_t n_heads, uint32_t head_dim,

@@ -5,8 +5,10 @@
  * smooth, nasty, quantized and periodic samples) and
  * kvp_kvquant_calib_synthetic, from the fitter as it stands (per-channel
  * heaps over every row, scalar code, one row at a time). Any faster path
- * must write the same bytes.
+ * must write the same bytes, on every ISA the CPU runs (base, AVX2,
+ * AVX-512).
  */
+#include "../../codecs/kernels.h"
 #include "../../codecs/kvquant.h"
 #include "kvpool_codec.h"
 #include "testutil.h"
@@ -102,6 +104,13 @@ static void tmp_name(char *path, size_t cap) {
   close(fd);
 }
 
+/* The ISAs this CPU runs: levels 0 .. n_isas() - 1. */
+static int n_isas(void) {
+  int n = 1;
+  while (n <= KVP__ISA_AVX512 && kvp__codec_isa_set(n) == n) n++;
+  return n;
+}
+
 /* Pinned from the fitter as it stands. */
 static const add_case ADD[] = {
     {1, 2, 20, 3, 0.02, 2000, 0, 11, 0xfc6ec67au},  /* smooth, a channel tail */
@@ -118,13 +127,18 @@ START_TEST(add_matches_golden) {
   const add_case *a = &ADD[_i];
   char path[64];
   tmp_name(path, sizeof path);
-  kvp_kvquant_calib *c;
-  ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
-  ck_ok(add_all(c, a));
-  ck_ok(kvp_kvquant_calib_write(c, path));
-  kvp_kvquant_calib_destroy(c);
-  uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
-  ck_assert_msg(crc == a->crc, "case %d: crc %08x, pinned %08x", _i, crc, a->crc);
+  int was = kvp__codec_isa(), nisa = n_isas();
+  for (int isa = 0; isa < nisa; isa++) {
+    ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
+    kvp_kvquant_calib *c;
+    ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+    ck_ok(add_all(c, a));
+    ck_ok(kvp_kvquant_calib_write(c, path));
+    kvp_kvquant_calib_destroy(c);
+    uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+    ck_assert_msg(crc == a->crc, "case %d, ISA %d: crc %08x, pinned %08x", _i, isa, crc, a->crc);
+  }
+  kvp__codec_isa_set(was);
   unlink(path);
 }
 END_TEST
@@ -148,13 +162,18 @@ START_TEST(synthetic_matches_golden) {
   const synth_case *a = &SYN[_i];
   char path[64];
   tmp_name(path, sizeof path);
-  kvp_kvquant_calib *c;
-  ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
-  ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
-  ck_ok(kvp_kvquant_calib_write(c, path));
-  kvp_kvquant_calib_destroy(c);
-  uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
-  ck_assert_msg(crc == a->crc, "case %d: crc %08x, pinned %08x", _i, crc, a->crc);
+  int was = kvp__codec_isa(), nisa = n_isas();
+  for (int isa = 0; isa < nisa; isa++) {
+    ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
+    kvp_kvquant_calib *c;
+    ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+    ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
+    ck_ok(kvp_kvquant_calib_write(c, path));
+    kvp_kvquant_calib_destroy(c);
+    uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+    ck_assert_msg(crc == a->crc, "case %d, ISA %d: crc %08x, pinned %08x", _i, isa, crc, a->crc);
+  }
+  kvp__codec_isa_set(was);
   unlink(path);
 }
 END_TEST
