@@ -22,7 +22,10 @@
  *   size = 40 + L * 2 * (2 H D + 2^b) * 4 + 4
  *
  * kvp_kvquant_calib_synthetic fits the (layer, side) pairs in parallel, one
- * worker per online CPU; the result does not depend on the worker count.
+ * worker per online CPU; a pair is one worker's from start to end, so the
+ * histogram's sums are rounded in one order and the file does not depend
+ * on the worker count. The generator runs in chunks of SYNTH_CHUNK rows,
+ * each screened by the fitter's first pass while it is in cache.
  *
  * A reader checks, in order: magic, version, the size the header implies
  * (truncated or grown), the crc32 (corrupt), the geometry and bits against
@@ -207,18 +210,87 @@ void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, u
   gen_rows(&g, pos0, n, dst, dst_stride);
 }
 
+/* ---- the synthetic fit ------------------------------------------------------- */
+
+#define SYNTH_CHUNK 128u /* rows generated and screened at a time: 64 KiB at D = 128 */
+
+/* A worker's buffers for synth_side. */
+typedef struct synth_scratch {
+  float *x;                /* [n_seqs seq_tokens][D]: the head's samples */
+  float *smp;              /* [ceil(n / KVP__KVQ_SAMPLE_EVERY)][D]: its sample rows, gathered */
+  synth_gen *g;            /* the generator's per-channel constants */
+} synth_scratch;
+
+static void scratch_free(synth_scratch *sc) {
+  free(sc->x);
+  free(sc->smp);
+  free(sc->g);
+}
+
+static int scratch_alloc(synth_scratch *sc, uint64_t n, uint32_t D) {
+  sc->x = malloc(n * D * sizeof(float));
+  sc->smp = malloc((n + KVP__KVQ_SAMPLE_EVERY - 1) / KVP__KVQ_SAMPLE_EVERY * D * sizeof(float));
+  sc->g = malloc(sizeof *sc->g);
+  if (sc->x && sc->smp && sc->g) return KVP_OK;
+  scratch_free(sc);
+  return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu synthetic tokens", (unsigned long long)n);
+}
+
+/* Every head of side f from n_seqs x seq_tokens synthetic tokens (seeds
+ * seed .. seed + n_seqs - 1, positions 0..). The sample rows come first,
+ * gathered (or in place, for a sampling stride under the default), then
+ * the rows in chunks, each screened while in cache. On failure f is as it
+ * was. */
+static int synth_side(kvp__kvq_fit *f, uint32_t layer, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens,
+                      synth_scratch *sc) {
+  uint32_t D = f->head_dim, n = n_seqs * seq_tokens;
+  float *x = sc->x;
+  synth_gen *g = sc->g;
+  for (uint32_t h = 0; h < f->n_heads; h++) {
+    kvp__kvq_head hs;
+    int rc = kvp__kvq_head_begin(f, h, n, &hs);
+    hs.trusted = 1; /* bias + scale z, |z| < 18: finite */
+    if (!rc && hs.every) {
+      uint32_t every = hs.every;
+      int gather = every >= KVP__KVQ_SAMPLE_EVERY;
+      for (uint32_t s = 0; s < n_seqs; s++) {
+        uint64_t q = ((uint64_t)s * seq_tokens + every - 1) / every; /* s's first sample row: q every */
+        gen_init(g, seed + s, layer, h, f->kv, D);
+        for (; q * every < (uint64_t)(s + 1) * seq_tokens; q++)
+          gen_rows(g, (uint32_t)(q * every - (uint64_t)s * seq_tokens), 1,
+                   gather ? sc->smp + q * D : x + q * every * D, D);
+      }
+      kvp__kvq_head_sample(&hs, gather ? sc->smp : x, gather ? D : (size_t)every * D);
+    }
+    for (uint32_t s = 0; !rc && s < n_seqs; s++) {
+      gen_init(g, seed + s, layer, h, f->kv, D);
+      for (uint32_t p = 0; !rc && p < seq_tokens; p += SYNTH_CHUNK) {
+        uint32_t rows = seq_tokens - p < SYNTH_CHUNK ? seq_tokens - p : SYNTH_CHUNK;
+        float *at = x + ((size_t)s * seq_tokens + p) * D;
+        gen_rows(g, p, rows, at, D);
+        rc = kvp__kvq_head_rows(&hs, at, NULL, D, rows);
+      }
+    }
+    if (rc) { /* the heads before h are in f: back to none */
+      kvp__kvq_fit_reset(f);
+      return rc;
+    }
+    kvp__kvq_head_end(&hs, x, NULL, D);
+  }
+  return KVP_OK;
+}
+
 int kvp__kvq_fit_synthetic(uint64_t seed, uint32_t layer, uint32_t kv, uint32_t n_heads, uint32_t head_dim,
                            uint32_t bits, double fraction, uint32_t calib_tokens, kvp__kvq_side *out) {
   kvp__kvq_fit f;
   int rc = kvp__kvq_fit_init(&f, n_heads, head_dim, bits, kv, fraction);
   if (rc) return rc;
-  float *x = malloc((size_t)calib_tokens * head_dim * sizeof *x);
-  if (!x) rc = kvp__err(KVP_ENOMEM, "kvquant: synthetic calibration samples");
-  for (uint32_t h = 0; !rc && h < n_heads; h++) {
-    kvp__kvq_synth(seed, layer, h, kv, 0, calib_tokens, head_dim, x, head_dim);
-    rc = kvp__kvq_fit_head(&f, h, x, NULL, head_dim, calib_tokens);
+  synth_scratch sc;
+  rc = scratch_alloc(&sc, calib_tokens, head_dim);
+  if (!rc) {
+    rc = synth_side(&f, layer, seed, 1, calib_tokens, &sc);
+    scratch_free(&sc);
   }
-  free(x);
   float lut[KVP__KVQ_LUT_MAX];
   if (!rc) rc = kvp__kvq_fit_lut(&f, lut);
   if (!rc) {
@@ -482,17 +554,10 @@ typedef struct synth_job {
 static void *synth_worker(void *arg) {
   synth_job *j = arg;
   kvp_kvquant_calib *c = j->c;
-  size_t n = (size_t)j->n_seqs * j->seq_tokens;
-  float *x = malloc(n * c->head_dim * sizeof *x);
+  synth_scratch sc;
+  int arc = scratch_alloc(&sc, (uint64_t)j->n_seqs * j->seq_tokens, c->head_dim);
   for (uint32_t i; (i = atomic_fetch_add(&j->next, 1)) < 2 * c->n_layers;) {
-    uint32_t l = i / 2, kv = i % 2;
-    int rc = x ? KVP_OK : kvp__err(KVP_ENOMEM, "kvquant calibration: %zu synthetic tokens", n);
-    for (uint32_t h = 0; !rc && h < c->n_heads; h++) {
-      for (uint32_t s = 0; s < j->n_seqs; s++)
-        kvp__kvq_synth(j->seed + s, l, h, kv, 0, j->seq_tokens, c->head_dim,
-                       x + (size_t)s * j->seq_tokens * c->head_dim, c->head_dim);
-      rc = kvp__kvq_fit_head(&c->fit[i], h, x, NULL, c->head_dim, (uint32_t)n);
-    }
+    int rc = arc ? arc : synth_side(&c->fit[i], i / 2, j->seed, j->n_seqs, j->seq_tokens, &sc);
     if (rc) {
       pthread_mutex_lock(&j->lock);
       if (i < j->fail_at) {
@@ -503,7 +568,7 @@ static void *synth_worker(void *arg) {
       atomic_store(&j->next, 2 * c->n_layers); /* stop handing out work */
     }
   }
-  free(x);
+  if (!arc) scratch_free(&sc);
   return NULL;
 }
 

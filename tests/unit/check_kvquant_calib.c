@@ -1,12 +1,17 @@
 /*
- * tests/unit/check_kvquant_calib.c - the kvquant calibration fitter
- * (codecs/kvquant_fit.c, codecs/kvquant_calib.c) pinned: the crc32 every
- * calibration file ends with, for kvp_kvquant_calib_add (weighted and not;
- * smooth, nasty, quantized and periodic samples) and
- * kvp_kvquant_calib_synthetic, from the fitter as it stands (per-channel
- * heaps over every row, scalar code, one row at a time). Any faster path
- * must write the same bytes, on every ISA the CPU runs (base, AVX2,
- * AVX-512).
+ * tests/unit/check_kvquant_calib.c - the kvquant calibration fitter's fast
+ * paths (codecs/kvquant_fit.c, codecs/kvquant_calib.c) against the plain
+ * algorithm they replace.
+ *
+ *   - golden files: the crc32 every calibration file ends with, for
+ *     kvp_kvquant_calib_add (weighted and not; smooth, nasty, quantized and
+ *     periodic samples) and kvp_kvquant_calib_synthetic, pinned from the
+ *     fitter before the fast paths (per-channel heaps over every row,
+ *     scalar code, one row at a time): every path must write those bytes;
+ *   - the same bytes on every ISA (base, AVX2, AVX-512), with the sampled
+ *     thresholds and with the heaps over every row;
+ *   - the sampled thresholds' fallbacks (a sample that misplaces them, an
+ *     answer of zero) are taken, and give the heaps' bits.
  */
 #include "../../codecs/kernels.h"
 #include "../../codecs/kvquant.h"
@@ -111,13 +116,16 @@ static int n_isas(void) {
   return n;
 }
 
-/* Pinned from the fitter as it stands. */
+/* The sampling strides: the default, then the heaps over every row. */
+static const uint32_t SAMPLING[] = {KVP__KVQ_SAMPLE_EVERY, 0};
+
+/* Pinned from the plain fitter (the commit before the fast paths). */
 static const add_case ADD[] = {
-    {1, 2, 20, 3, 0.02, 2000, 0, 11, 0xfc6ec67au},  /* smooth, a channel tail */
+    {1, 2, 20, 3, 0.02, 2000, 0, 11, 0xfc6ec67au},  /* sampled thresholds, a channel tail */
     {1, 2, 20, 3, 0.02, 2000, 1, 12, 0xfafaf3d8u},  /* zeros, ties, 1e38, subnormal ranges */
-    {1, 2, 20, 2, 0.02, 2000, 2, 13, 0xa514fa4du},  /* both thresholds zeros */
-    {1, 2, 20, 3, 0.02, 2000, 3, 14, 0x214a83ceu},  /* every 16th row far out */
-    {2, 3, 9, 2, 0.10, 300, 1, 15, 0xf66462e4u},    /* few rows */
+    {1, 2, 20, 2, 0.02, 2000, 2, 13, 0xa514fa4du},  /* zero thresholds: the replay */
+    {1, 2, 20, 3, 0.02, 2000, 3, 14, 0x214a83ceu},  /* a misleading sample: the replay */
+    {2, 3, 9, 2, 0.10, 300, 1, 15, 0xf66462e4u},    /* few rows: the heaps */
     {1, 2, 64, 4, 0.01, 1500, 0, 16, 0x8e7955a2u},  /* no tail */
     {1, 1, 1, 3, 0.00, 1200, 0, 17, 0x1b7021b0u},   /* one channel, no outlier */
 };
@@ -128,16 +136,20 @@ START_TEST(add_matches_golden) {
   char path[64];
   tmp_name(path, sizeof path);
   int was = kvp__codec_isa(), nisa = n_isas();
-  for (int isa = 0; isa < nisa; isa++) {
-    ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
-    kvp_kvquant_calib *c;
-    ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
-    ck_ok(add_all(c, a));
-    ck_ok(kvp_kvquant_calib_write(c, path));
-    kvp_kvquant_calib_destroy(c);
-    uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
-    ck_assert_msg(crc == a->crc, "case %d, ISA %d: crc %08x, pinned %08x", _i, isa, crc, a->crc);
-  }
+  for (int isa = 0; isa < nisa; isa++)
+    for (size_t s = 0; s < sizeof SAMPLING / sizeof *SAMPLING; s++) {
+      ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
+      kvp__kvq_fit_set_sampling(SAMPLING[s]);
+      kvp_kvquant_calib *c;
+      ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+      ck_ok(add_all(c, a));
+      ck_ok(kvp_kvquant_calib_write(c, path));
+      kvp_kvquant_calib_destroy(c);
+      uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+      ck_assert_msg(crc == a->crc, "case %d, ISA %d, sampling %u: crc %08x, pinned %08x", _i, isa, SAMPLING[s], crc,
+                    a->crc);
+    }
+  kvp__kvq_fit_set_sampling(KVP__KVQ_SAMPLE_EVERY);
   kvp__codec_isa_set(was);
   unlink(path);
 }
@@ -152,9 +164,9 @@ typedef struct synth_case {
 } synth_case;
 
 static const synth_case SYN[] = {
-    {2, 3, 44, 3, 0.02, 2, 640, 5, 0xa221cc05u},   /* a channel tail, drift across seeds */
+    {2, 3, 44, 3, 0.02, 2, 640, 5, 0xa221cc05u},   /* sampled thresholds, a channel tail, drift across seeds */
     {1, 2, 128, 3, 0.01, 4, 512, 0, 0x03d83247u},  /* the benchmark's shape, smaller */
-    {1, 1, 7, 2, 0.00, 1, 200, 3, 0xafaabd87u},    /* few rows, no outlier */
+    {1, 1, 7, 2, 0.00, 1, 200, 3, 0xafaabd87u},    /* few rows: the heaps; no outlier */
 };
 #define NSYN (sizeof SYN / sizeof *SYN)
 
@@ -163,18 +175,40 @@ START_TEST(synthetic_matches_golden) {
   char path[64];
   tmp_name(path, sizeof path);
   int was = kvp__codec_isa(), nisa = n_isas();
-  for (int isa = 0; isa < nisa; isa++) {
-    ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
-    kvp_kvquant_calib *c;
-    ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
-    ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
-    ck_ok(kvp_kvquant_calib_write(c, path));
-    kvp_kvquant_calib_destroy(c);
-    uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
-    ck_assert_msg(crc == a->crc, "case %d, ISA %d: crc %08x, pinned %08x", _i, isa, crc, a->crc);
-  }
+  for (int isa = 0; isa < nisa; isa++)
+    for (size_t s = 0; s < sizeof SAMPLING / sizeof *SAMPLING; s++) {
+      ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
+      kvp__kvq_fit_set_sampling(SAMPLING[s]);
+      kvp_kvquant_calib *c;
+      ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+      ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
+      ck_ok(kvp_kvquant_calib_write(c, path));
+      kvp_kvquant_calib_destroy(c);
+      uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+      ck_assert_msg(crc == a->crc, "case %d, ISA %d, sampling %u: crc %08x, pinned %08x", _i, isa, SAMPLING[s], crc,
+                    a->crc);
+    }
+  kvp__kvq_fit_set_sampling(KVP__KVQ_SAMPLE_EVERY);
   kvp__codec_isa_set(was);
   unlink(path);
+}
+END_TEST
+
+/* The sampled thresholds' fallbacks run where the pinned cases say they
+ * must: a quantized or periodic sample replays channels, a smooth one
+ * none. */
+START_TEST(fallbacks_taken) {
+  const int want[] = {0, -1, 1, 1}; /* cases 0..3: none, any, some, some */
+  for (int i = 0; i < 4; i++) {
+    uint64_t before = kvp__kvq_fit_replays();
+    kvp_kvquant_calib *c;
+    ck_ok(kvp_kvquant_calib_create(ADD[i].L, ADD[i].H, ADD[i].D, ADD[i].bits, ADD[i].frac, &c));
+    ck_ok(add_all(c, &ADD[i]));
+    kvp_kvquant_calib_destroy(c);
+    uint64_t n = kvp__kvq_fit_replays() - before;
+    if (want[i] == 0) ck_assert_msg(n == 0, "case %d: %llu replays", i, (unsigned long long)n);
+    if (want[i] == 1) ck_assert_msg(n > 0, "case %d: no replay", i);
+  }
 }
 END_TEST
 
@@ -184,6 +218,7 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, add_matches_golden, 0, (int)NADD);
   tcase_add_loop_test(tc, synthetic_matches_golden, 0, (int)NSYN);
+  tcase_add_test(tc, fallbacks_taken);
   suite_add_tcase(s, tc);
   return s;
 }
