@@ -22,10 +22,11 @@
  *   size = 40 + L * 2 * (2 H D + 2^b) * 4 + 4
  *
  * kvp_kvquant_calib_synthetic fits the (layer, side) pairs in parallel, one
- * worker per online CPU; a pair is one worker's from start to end, so the
- * histogram's sums are rounded in one order and the file does not depend
- * on the worker count. The generator runs in chunks of SYNTH_CHUNK rows,
- * each screened by the fitter's first pass while it is in cache.
+ * worker per online CPU (or kvp_kvquant_calib_set_threads); a pair is one
+ * worker's from start to end, so the histogram's sums are rounded in one
+ * order and the file does not depend on the worker count. The generator
+ * runs in chunks of SYNTH_CHUNK rows, each taken by the fitter's first
+ * pass while it is in cache.
  *
  * A reader checks, in order: magic, version, the size the header implies
  * (truncated or grown), the crc32 (corrupt), the geometry and bits against
@@ -490,13 +491,18 @@ out:
 struct kvp_kvquant_calib {
   uint32_t n_layers, n_heads, head_dim, bits; /* L, H, D, b */
   double fraction;                            /* outlier fraction */
+  uint32_t n_threads;                         /* synthetic's workers; 0 = one per online CPU */
   kvp__kvq_fit *fit;                          /* [2 L]: (layer, K|V) at 2 l + kv */
+  float (*lut)[KVP__KVQ_LUT_MAX];             /* [2 L]: codebooks synthetic fitted, where lut_ok */
+  uint8_t *lut_ok;                            /* [2 L] */
 };
 
 KVP_API void kvp_kvquant_calib_destroy(kvp_kvquant_calib *c) {
   if (!c) return;
   for (uint32_t i = 0; c->fit && i < 2 * c->n_layers; i++) kvp__kvq_fit_free(&c->fit[i]);
   free(c->fit);
+  free(c->lut);
+  free(c->lut_ok);
   free(c);
 }
 
@@ -512,19 +518,28 @@ KVP_API int kvp_kvquant_calib_create(uint32_t n_layers, uint32_t n_kv_heads, uin
   if (!(outlier_fraction >= 0 && outlier_fraction < 0.5))
     return kvp__err(KVP_EINVAL, "kvquant calibration: outlier fraction %g not in [0, 0.5)", outlier_fraction);
   kvp_kvquant_calib *c = calloc(1, sizeof *c);
-  if (!c || !(c->fit = calloc(2 * (size_t)n_layers, sizeof *c->fit))) {
-    free(c);
-    return kvp__err(KVP_ENOMEM, "kvquant calibration");
-  }
-  *c = (kvp_kvquant_calib){n_layers, n_kv_heads, head_dim, bits, outlier_fraction, c->fit};
-  for (uint32_t i = 0; i < 2 * n_layers; i++) {
-    int rc = kvp__kvq_fit_init(&c->fit[i], n_kv_heads, head_dim, bits, i % 2, outlier_fraction);
-    if (rc) {
-      kvp_kvquant_calib_destroy(c);
-      return rc;
-    }
+  if (!c) return kvp__err(KVP_ENOMEM, "kvquant calibration");
+  *c = (kvp_kvquant_calib){n_layers, n_kv_heads, head_dim, bits, outlier_fraction, 0, NULL, NULL, NULL};
+  c->fit = calloc(2 * (size_t)n_layers, sizeof *c->fit);
+  c->lut = calloc(2 * (size_t)n_layers, sizeof *c->lut);
+  c->lut_ok = calloc(2 * (size_t)n_layers, 1);
+  int rc = c->fit && c->lut && c->lut_ok ? KVP_OK : kvp__err(KVP_ENOMEM, "kvquant calibration");
+  for (uint32_t i = 0; !rc && i < 2 * n_layers; i++)
+    rc = kvp__kvq_fit_init(&c->fit[i], n_kv_heads, head_dim, bits, i % 2, outlier_fraction);
+  if (rc) {
+    kvp_kvquant_calib_destroy(c);
+    return rc;
   }
   *out = c;
+  return KVP_OK;
+}
+
+KVP_API int kvp_kvquant_calib_set_threads(kvp_kvquant_calib *c, uint32_t n_threads) {
+  if (!c) return kvp__err(KVP_EINVAL, "kvquant calibration is NULL");
+  if (n_threads > KVP_KVQUANT_CALIB_MAX_THREADS)
+    return kvp__err(KVP_EINVAL, "kvquant calibration: n_threads = %u: at most %u", n_threads,
+                    KVP_KVQUANT_CALIB_MAX_THREADS);
+  c->n_threads = n_threads;
   return KVP_OK;
 }
 
@@ -534,12 +549,16 @@ KVP_API int kvp_kvquant_calib_add(kvp_kvquant_calib *c, uint32_t layer, uint32_t
   if (layer >= c->n_layers || kv > 1)
     return kvp__err(KVP_EINVAL, "kvquant calibration: layer %u (of %u) side %u", layer, c->n_layers, kv);
   if (stride < c->head_dim) return kvp__err(KVP_EINVAL, "kvquant calibration: stride %zu < head_dim %u", stride, c->head_dim);
-  return kvp__kvq_fit_head(&c->fit[2 * layer + kv], head, x, w, stride, n_tokens);
+  int rc = kvp__kvq_fit_head(&c->fit[2 * layer + kv], head, x, w, stride, n_tokens);
+  if (!rc) c->lut_ok[2 * layer + kv] = 0;
+  return rc;
 }
 
-/* Synthetic fitting, one (layer, side) at a time per worker: each side of
- * a layer is its own kvp__kvq_fit, so workers share nothing but the next
- * index to take. The first failure (lowest index) is the one reported. */
+/* Synthetic fitting, one (layer, side) at a time per worker, its codebook
+ * too: each side of a layer is its own kvp__kvq_fit, so workers share
+ * nothing but the next index to take. The first failure (lowest index) is
+ * the one reported, and then every side goes back to no head fitted (as
+ * synthetic found them). */
 typedef struct synth_job {
   kvp_kvquant_calib *c;
   uint64_t seed;
@@ -551,46 +570,75 @@ typedef struct synth_job {
   char fail_msg[256];      /* its message */
 } synth_job;
 
+typedef struct synth_worker_ctx {
+  synth_job *j;
+  synth_scratch sc;        /* its buffers */
+} synth_worker_ctx;
+
 static void *synth_worker(void *arg) {
-  synth_job *j = arg;
+  synth_worker_ctx *w = arg;
+  synth_job *j = w->j;
   kvp_kvquant_calib *c = j->c;
-  synth_scratch sc;
-  int arc = scratch_alloc(&sc, (uint64_t)j->n_seqs * j->seq_tokens, c->head_dim);
   for (uint32_t i; (i = atomic_fetch_add(&j->next, 1)) < 2 * c->n_layers;) {
-    int rc = arc ? arc : synth_side(&c->fit[i], i / 2, j->seed, j->n_seqs, j->seq_tokens, &sc);
-    if (rc) {
-      pthread_mutex_lock(&j->lock);
-      if (i < j->fail_at) {
-        j->fail_at = i, j->fail_rc = rc;
-        snprintf(j->fail_msg, sizeof j->fail_msg, "%s", kvp_last_error());
-      }
-      pthread_mutex_unlock(&j->lock);
-      atomic_store(&j->next, 2 * c->n_layers); /* stop handing out work */
+    int rc = synth_side(&c->fit[i], i / 2, j->seed, j->n_seqs, j->seq_tokens, &w->sc);
+    if (!rc) rc = kvp__kvq_fit_lut(&c->fit[i], c->lut[i]);
+    if (!rc) {
+      c->lut_ok[i] = 1;
+      continue;
     }
+    pthread_mutex_lock(&j->lock);
+    if (i < j->fail_at) {
+      j->fail_at = i, j->fail_rc = rc;
+      snprintf(j->fail_msg, sizeof j->fail_msg, "layer %u %c: %s", i / 2, "KV"[i % 2], kvp_last_error());
+    }
+    pthread_mutex_unlock(&j->lock);
+    atomic_store(&j->next, 2 * c->n_layers); /* stop handing out work */
   }
-  if (!arc) scratch_free(&sc);
   return NULL;
+}
+
+static uint32_t synth_threads(const kvp_kvquant_calib *c) {
+  long n = c->n_threads;
+  if (!n) n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (n < 1) n = 1;
+  if (n > KVP_KVQUANT_CALIB_MAX_THREADS) n = KVP_KVQUANT_CALIB_MAX_THREADS;
+  return (uint32_t)n < 2 * c->n_layers ? (uint32_t)n : 2 * c->n_layers;
 }
 
 KVP_API int kvp_kvquant_calib_synthetic(kvp_kvquant_calib *c, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens) {
   if (!c) return kvp__err(KVP_EINVAL, "kvquant calibration is NULL");
   uint64_t n = (uint64_t)n_seqs * seq_tokens;
   if (n == 0 || n > UINT32_MAX) return kvp__err(KVP_EINVAL, "kvquant calibration: %u x %u synthetic tokens", n_seqs, seq_tokens);
+  for (uint32_t i = 0; i < 2 * c->n_layers; i++)
+    for (uint32_t h = 0; h < c->n_heads; h++)
+      if (c->fit[i].done[h])
+        return kvp__err(KVP_EINVAL, "kvquant calibration: layer %u %c head %u already has samples: synthetic fits "
+                                    "every head", i / 2, "KV"[i % 2], h);
+  /* every worker's buffers first: the caller's must come, the others' may not (fewer workers) */
+  uint32_t nt = synth_threads(c);
   synth_job j = {.c = c, .seed = seed, .n_seqs = n_seqs, .seq_tokens = seq_tokens, .fail_at = UINT32_MAX};
+  synth_worker_ctx w[KVP_KVQUANT_CALIB_MAX_THREADS];
+  uint32_t nw = 0;
+  for (; nw < nt; nw++) {
+    w[nw].j = &j;
+    if (scratch_alloc(&w[nw].sc, n, c->head_dim)) {
+      if (nw == 0) return KVP_ENOMEM; /* message set */
+      break;
+    }
+  }
   atomic_init(&j.next, 0);
   pthread_mutex_init(&j.lock, NULL);
-  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  uint32_t nt = cpus < 1 ? 1 : cpus > 64 ? 64 : (uint32_t)cpus;
-  if (nt > 2 * c->n_layers) nt = 2 * c->n_layers;
-  pthread_t tid[64];
-  uint32_t started = 0;
-  for (; started + 1 < nt; started++) /* the caller is the last worker */
-    if (pthread_create(&tid[started], NULL, synth_worker, &j)) break;
-  synth_worker(&j);
+  pthread_t tid[KVP_KVQUANT_CALIB_MAX_THREADS];
+  uint32_t started = 0; /* workers 1 .. started run on threads; the caller is worker 0 */
+  while (started + 1 < nw && !KVP__FAULT() && pthread_create(&tid[started], NULL, synth_worker, &w[started + 1]) == 0)
+    started++;
+  synth_worker(&w[0]);
   for (uint32_t t = 0; t < started; t++) pthread_join(tid[t], NULL);
   pthread_mutex_destroy(&j.lock);
-  if (j.fail_at != UINT32_MAX) return kvp__err(j.fail_rc, "%s", j.fail_msg);
-  return KVP_OK;
+  for (uint32_t t = 0; t < nw; t++) scratch_free(&w[t].sc);
+  if (j.fail_at == UINT32_MAX) return KVP_OK;
+  for (uint32_t i = 0; i < 2 * c->n_layers; i++) kvp__kvq_fit_reset(&c->fit[i]), c->lut_ok[i] = 0;
+  return kvp__err(j.fail_rc, "%s", j.fail_msg);
 }
 
 KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path) {
@@ -610,7 +658,8 @@ KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path) {
   int rc = KVP_OK;
   for (uint32_t i = 0; !rc && i < 2 * c->n_layers; i++) {
     float lut[KVP__KVQ_LUT_MAX];
-    if ((rc = kvp__kvq_fit_lut(&c->fit[i], lut))) {
+    if (c->lut_ok[i]) memcpy(lut, c->lut[i], sizeof lut);
+    else if ((rc = kvp__kvq_fit_lut(&c->fit[i], lut))) {
       char why[256];
       snprintf(why, sizeof why, "%s", kvp_last_error());
       rc = kvp__err(rc, "layer %u %c: %s", i / 2, "KV"[i % 2], why);

@@ -9,9 +9,13 @@
  *     fitter before the fast paths (per-channel heaps over every row,
  *     scalar code, one row at a time): every path must write those bytes;
  *   - the same bytes on every ISA (base, AVX2, AVX-512), with the sampled
- *     thresholds and with the heaps over every row;
+ *     thresholds and with the heaps over every row, and for every worker
+ *     count of synthetic;
  *   - the sampled thresholds' fallbacks (a sample that misplaces them, an
- *     answer of zero) are taken, and give the heaps' bits.
+ *     answer of zero) are taken, and give the heaps' bits;
+ *   - synthetic is all or nothing: a head added before is refused, naming
+ *     it, with nothing fitted; set_threads checks its argument.
+ * (Allocation and thread-start failures: tests/unit/check_fault.c.)
  */
 #include "../../codecs/kernels.h"
 #include "../../codecs/kvquant.h"
@@ -174,20 +178,24 @@ START_TEST(synthetic_matches_golden) {
   const synth_case *a = &SYN[_i];
   char path[64];
   tmp_name(path, sizeof path);
+  const uint32_t threads[] = {1, 2, 3, 0};
   int was = kvp__codec_isa(), nisa = n_isas();
   for (int isa = 0; isa < nisa; isa++)
-    for (size_t s = 0; s < sizeof SAMPLING / sizeof *SAMPLING; s++) {
-      ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
-      kvp__kvq_fit_set_sampling(SAMPLING[s]);
-      kvp_kvquant_calib *c;
-      ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
-      ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
-      ck_ok(kvp_kvquant_calib_write(c, path));
-      kvp_kvquant_calib_destroy(c);
-      uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
-      ck_assert_msg(crc == a->crc, "case %d, ISA %d, sampling %u: crc %08x, pinned %08x", _i, isa, SAMPLING[s], crc,
-                    a->crc);
-    }
+    for (size_t s = 0; s < sizeof SAMPLING / sizeof *SAMPLING; s++)
+      for (size_t t = 0; t < sizeof threads / sizeof *threads; t++) {
+        if (t > 0 && (isa != nisa - 1 || s > 0)) continue; /* worker counts on the default path */
+        ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
+        kvp__kvq_fit_set_sampling(SAMPLING[s]);
+        kvp_kvquant_calib *c;
+        ck_ok(kvp_kvquant_calib_create(a->L, a->H, a->D, a->bits, a->frac, &c));
+        ck_ok(kvp_kvquant_calib_set_threads(c, threads[t]));
+        ck_ok(kvp_kvquant_calib_synthetic(c, a->seed, a->seqs, a->tokens));
+        ck_ok(kvp_kvquant_calib_write(c, path));
+        kvp_kvquant_calib_destroy(c);
+        uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
+        ck_assert_msg(crc == a->crc, "case %d, ISA %d, sampling %u, %u threads: crc %08x, pinned %08x", _i, isa,
+                      SAMPLING[s], threads[t], crc, a->crc);
+      }
   kvp__kvq_fit_set_sampling(KVP__KVQ_SAMPLE_EVERY);
   kvp__codec_isa_set(was);
   unlink(path);
@@ -212,6 +220,29 @@ START_TEST(fallbacks_taken) {
 }
 END_TEST
 
+START_TEST(synthetic_all_or_nothing) {
+  kvp_kvquant_calib *c;
+  ck_ok(kvp_kvquant_calib_create(3, 2, 16, 3, 0.01, &c));
+  float x[8 * 16];
+  for (int i = 0; i < 8 * 16; i++) x[i] = (float)(i % 13) - 6.0f;
+  ck_ok(kvp_kvquant_calib_add(c, 2, 1, 1, x, NULL, 16, 8));
+  ck_status(kvp_kvquant_calib_synthetic(c, 1, 1, 64), KVP_EINVAL);
+  ck_assert_msg(strstr(kvp_last_error(), "layer 2 V head 1"), "%s", kvp_last_error());
+  /* nothing fitted: every other head still takes samples, the one added is refused */
+  ck_ok(kvp_kvquant_calib_add(c, 0, 0, 0, x, NULL, 16, 8));
+  ck_status(kvp_kvquant_calib_add(c, 2, 1, 1, x, NULL, 16, 8), KVP_EINVAL);
+  kvp_kvquant_calib_destroy(c);
+  ck_ok(kvp_kvquant_calib_create(1, 1, 16, 3, 0.01, &c));
+  ck_status(kvp_kvquant_calib_set_threads(c, KVP_KVQUANT_CALIB_MAX_THREADS + 1), KVP_EINVAL);
+  ck_assert_msg(strstr(kvp_last_error(), "n_threads"), "%s", kvp_last_error());
+  ck_status(kvp_kvquant_calib_set_threads(NULL, 1), KVP_EINVAL);
+  ck_ok(kvp_kvquant_calib_set_threads(c, KVP_KVQUANT_CALIB_MAX_THREADS));
+  ck_ok(kvp_kvquant_calib_synthetic(c, 1, 1, 64)); /* more workers than sides: one per side */
+  ck_status(kvp_kvquant_calib_synthetic(c, 1, 1, 64), KVP_EINVAL); /* twice */
+  kvp_kvquant_calib_destroy(c);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("kvquant_calib");
   TCase *tc = tcase_create("golden");
@@ -219,6 +250,9 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, add_matches_golden, 0, (int)NADD);
   tcase_add_loop_test(tc, synthetic_matches_golden, 0, (int)NSYN);
   tcase_add_test(tc, fallbacks_taken);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("api");
+  tcase_add_test(tc, synthetic_all_or_nothing);
   suite_add_tcase(s, tc);
   return s;
 }
