@@ -159,7 +159,8 @@ __attribute__((target("avx2"))) static void gen_rows_avx2(const synth_gen *g, ui
   }
 }
 
-/* AVX-512: eight 64-bit lanes, native 64-bit multiplies */
+/* AVX-512: 64-bit lanes with native 64-bit multiplies, 16 channels a step
+ * (the floats in one vector) */
 #define KVP__T512 __attribute__((target("avx2,avx512f,avx512dq,avx512vl")))
 KVP__T512 static inline __m512i mix64_avx512(__m512i z) {
   z = _mm512_add_epi64(z, _mm512_set1_epi64((int64_t)0x9E3779B97F4A7C15ull));
@@ -170,17 +171,39 @@ KVP__T512 static inline __m512i mix64_avx512(__m512i z) {
   return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 
+/* The four 16-bit fields' sum of each 64-bit lane of r, as 8 x 32 */
+KVP__T512 static inline __m256i sum16_avx512(__m512i r) {
+  __m512i v = _mm512_add_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(r, 16));
+  return _mm512_cvtepi64_epi32(_mm512_add_epi64(v, _mm512_srli_epi64(v, 32)));
+}
+
+/* 16 channels at a time (two vectors of 64-bit lanes, the floats in one) */
 KVP__T512 static void gen_rows_avx512(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst, size_t stride) {
-  const uint32_t Dv = g->D & ~7u;
+  const uint32_t D16 = g->D & ~15u, Dv = g->D & ~7u;
+  const __m512 k16 = _mm512_set1_ps(1.0f / 65536.0f), two = _mm512_set1_ps(2.0f), sq3 = _mm512_set1_ps(1.7320508f);
   for (uint32_t t = 0; t < n; t++) {
     uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
     __m512i vtk = _mm512_set1_epi64((int64_t)tk);
     float *row = dst + (size_t)t * stride;
-    for (uint32_t c = 0; c < Dv; c += 8) {
+    for (uint32_t c = 0; c < D16; c += 16) {
+      __m512i r0 = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c), vtk));
+      __m512i r1 = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c + 8), vtk));
+      __m512i sum = _mm512_inserti64x4(_mm512_castsi256_si512(sum16_avx512(r0)), sum16_avx512(r1), 1);
+      __m512i t32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(mix64_avx512(r0))),
+                                       _mm512_cvtepi64_epi32(mix64_avx512(r1)), 1);
+      __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), k16), two), sq3);
+      __mmask16 hit = _mm512_testn_epi32_mask(t32, _mm512_set1_epi32(127));
+      if (hit) {
+        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(t32, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
+        __m512 zt = _mm512_mul_ps(z, _mm512_add_ps(two, _mm512_mul_ps(_mm512_set1_ps(3.0f), u)));
+        z = _mm512_mask_blend_ps(hit, z, zt);
+      }
+      z = _mm512_mul_ps(_mm512_loadu_ps(g->scale + c), z);
+      _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(g->bias + c), z));
+    }
+    for (uint32_t c = D16; c < Dv; c += 8) {
       __m512i r = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c), vtk));
-      __m512i v = _mm512_add_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(r, 16));
-      __m256i sum = _mm512_cvtepi64_epi32(_mm512_add_epi64(v, _mm512_srli_epi64(v, 32)));
-      _mm256_storeu_ps(row + c, finish8_avx2(g, c, sum, _mm512_cvtepi64_epi32(mix64_avx512(r))));
+      _mm256_storeu_ps(row + c, finish8_avx2(g, c, sum16_avx512(r), _mm512_cvtepi64_epi32(mix64_avx512(r))));
     }
     gen_row_base(g, tk, Dv, row);
   }

@@ -26,11 +26,12 @@
  *   - thresholds by a sample (kvp__kvq_head in kvquant.h): every 16th row,
  *     in a scattered order, gives each channel screen thresholds about 2 m
  *     values in; the rows keep only the values past them (one compare per
- *     8 values), and the m-th extreme is selected among those. Equal
- *     nonzero floats have equal bits, so any exact selection gives the
- *     heaps' answer; where the sample cannot vouch for it (too few or too
- *     many candidates, an answer of zero, whose sign the heaps' order
- *     fixes) the heaps run over the channel's column as before.
+ *     8 values), and the m-th extreme is selected among those (a radix
+ *     select on the floats' bits). Equal nonzero floats have equal bits,
+ *     so any exact selection gives the heaps' answer; where the sample
+ *     cannot vouch for it (too few or too many candidates, an answer of
+ *     zero, whose sign the heaps' order fixes) the heaps run over the
+ *     channel's column as before.
  *   - the histogram by a row kernel that keeps the scores in registers and
  *     stores per value only its bin and clipped value, then adds them in
  *     the base code's order (the adds are the cost: about one random store
@@ -436,35 +437,48 @@ int kvp__kvq_head_rows(kvp__kvq_head *hs, const float *x, const float *w, size_t
   return rc;
 }
 
-/* The k-th smallest (0-based) of a[0..n), a reordered: quickselect,
- * median-of-three pivots and Hoare's partition (equal keys split evenly). */
-static float select_kth(float *a, uint32_t n, uint32_t k) {
-  int64_t lo = 0, hi = (int64_t)n - 1;
-  while (hi - lo > 16) {
-    int64_t mid = lo + (hi - lo) / 2;
-    float x = a[lo], y = a[mid], z = a[hi];
-    float p = x < y ? (y < z ? y : x < z ? z : x) : (x < z ? x : y < z ? z : y);
-    int64_t i = lo, j = hi;
-    while (i <= j) {
-      while (a[i] < p) i++;
-      while (a[j] > p) j--;
-      if (i <= j) {
-        float t = a[i];
-        a[i++] = a[j];
-        a[j--] = t;
-      }
-    }
-    if (k <= j) hi = j;
-    else if (k >= i) lo = i;
-    else return a[k]; /* between the two scans: equal to p */
+/* A float's key in an order of unsigned integers that is the float order,
+ * with -0 just below +0; and back. */
+static inline uint32_t fkey(float v) {
+  uint32_t u;
+  memcpy(&u, &v, sizeof u);
+  return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+}
+
+static inline float fkey_float(uint32_t k) {
+  uint32_t u = k ^ (k >> 31 ? 0x80000000u : 0xFFFFFFFFu);
+  float v;
+  memcpy(&v, &u, sizeof v);
+  return v;
+}
+
+/* The k-th smallest (0-based) of a[0..n), in the key order (a zero's sign
+ * aside, the float order): a radix select, 8 bits of key a round, each
+ * round over the keys that share the bits found (kept in keys[n]). No
+ * compare decides a branch but the counting's. */
+static float select_kth(const float *a, uint32_t n, uint32_t k, uint32_t *keys) {
+  uint32_t cnt[256], prefix = 0;
+  memset(cnt, 0, sizeof cnt);
+  for (uint32_t i = 0; i < n; i++) {
+    keys[i] = fkey(a[i]);
+    cnt[keys[i] >> 24]++;
   }
-  for (int64_t i = lo + 1; i <= hi; i++) /* insertion sort of the rest */
-    for (int64_t j = i; j > lo && a[j - 1] > a[j]; j--) {
-      float t = a[j];
-      a[j] = a[j - 1];
-      a[j - 1] = t;
+  for (int shift = 24;; shift -= 8) {
+    uint32_t b = 0;
+    while (k >= cnt[b]) k -= cnt[b++];
+    prefix |= b << shift;
+    if (shift == 0) return fkey_float(prefix);
+    uint32_t keep = 0, hi_mask = ~0u << shift;
+    memset(cnt, 0, sizeof cnt);
+    for (uint32_t i = 0; i < n; i++) { /* the keys in the digit found: compacted, counted by the next digit */
+      uint32_t u = keys[i];
+      keys[keep] = u;
+      int in = (u & hi_mask) == prefix;
+      cnt[(u >> (shift - 8)) & 255] += (uint32_t)in;
+      keep += (uint32_t)in;
     }
-  return a[k];
+    n = keep;
+  }
 }
 
 /* Channel c's extremes by the heaps over every row, in order: what they
@@ -506,7 +520,7 @@ static void select_side(kvp__kvq_head *hs, uint32_t side, float *out) {
   for (uint32_t c = 0, at = 0; c < D; at = cnt[c++]) { /* cnt[c]: the end of channel c's run now */
     uint32_t nc = cnt[c] - at;
     if (nc < m) continue;
-    float v = select_kth(hs->sorted + at, nc, side ? nc - m : m - 1);
+    float v = select_kth(hs->sorted + at, nc, side ? nc - m : m - 1, (uint32_t *)hs->cand_c[side]);
     if (v != 0) out[c] = v;
   }
 }
@@ -599,7 +613,7 @@ __attribute__((target("avx2"))) static uint32_t argmax_finish(__m256 va, __m256i
   return best;
 }
 
-/* 1 in the lanes of channels ci that are among top[0 .. k) */
+/* All ones in the lanes of channels ci that are among top[0 .. k) */
 __attribute__((target("avx2"))) static inline __m256 picked8(__m256i ci, const uint16_t *top, uint32_t k) {
   __m256i hit = _mm256_setzero_si256();
   for (uint32_t j = 0; j < k; j++) hit = _mm256_or_si256(hit, _mm256_cmpeq_epi32(ci, _mm256_set1_epi32(top[j])));
