@@ -107,10 +107,10 @@ typedef struct kvp__kvq_head {
   uint32_t hm, hlen;         /* heap size (m, or j for the sample); values in each heap */
   float *lo, *hi;            /* [D][hm]: max-heap of the hm smallest, min-heap of the hm largest */
   float *lo_root, *hi_root;  /* [D]: lo[c][0], hi[c][0]; after the sample, the screen's thresholds */
-  uint32_t cap;              /* candidates each side can hold (8 spare entries past it) */
+  uint32_t cap;              /* candidates each side can hold (16 spare entries past it) */
   uint32_t ncand[2];         /* candidates taken per side (cap + 1: more than cap) */
-  float *cand_v[2];          /* [cap + 8]: values below lo_root (side 0), above hi_root (1), in row order */
-  int32_t *cand_c[2];        /* [cap + 8]: their channels */
+  float *cand_v[2];          /* [cap + 16]: values below lo_root (side 0), above hi_root (1), in row order */
+  int32_t *cand_c[2];        /* [cap + 16]: their channels */
   float *sorted;             /* [cap]: one side's candidates by channel */
   uint32_t *cnt;             /* [D + 1]: the counting sort's */
   float *replay;             /* [2 m]: one channel's heaps, for a replay */

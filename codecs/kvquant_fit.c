@@ -52,10 +52,10 @@
  *                        the sample's j)
  *   lo_root[D] hi_root[D]  their roots; after the sample, the thresholds
  *   score[D] nrm[D]      a row's outlier scores and clipped normalized values
- *   cand_v[2][cap + 8]   candidates below lo_root, above hi_root (row order)
+ *   cand_v[2][cap + 16]  candidates below lo_root, above hi_root (row order)
  *   sorted[cap]          one side's candidates by channel
  *   replay[2 m]          one channel's heaps, for a replay
- *   cand_c[2][cap + 8]   the candidates' channels (i32)
+ *   cand_c[2][cap + 16]  the candidates' channels (i32)
  *   cnt[D + 1]           the counting sort's (u32)
  *   bin[D]               a row's bins, byte offsets into the histogram (i32)
  *   top[D]               a row's outlier channels (u16)
@@ -263,14 +263,17 @@ static void compress_init(void) {
     }
 }
 
-/* screen_row 8 channels at a time: the passing lanes, packed, are stored
- * whole (8 values, 8 channels) at the side's count, which then grows by
- * their number; the 8 spare entries past cap take the tail of a store. */
-__attribute__((target("avx2"))) static inline void screen_avx2(kvp__kvq_head *hs, const float *xr, uint32_t Dv) {
-  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1], cap = hs->cap;
-  __m256i ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+/* screen_row 8 channels at a time from channel c0 (a multiple of 8): the
+ * passing lanes, packed, are stored whole (8 values, 8 channels) at the
+ * side's count, which then grows by their number; the spare entries past
+ * cap take the tail of a store. Branch-free: a store costs less than the
+ * mispredicted branch that would skip it. */
+__attribute__((target("avx2"))) static void screen_avx2(kvp__kvq_head *hs, const float *xr, uint32_t c0) {
+  const uint32_t D = hs->f->head_dim, Dv = D & ~7u, cap = hs->cap;
+  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1];
+  __m256i ci = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)c0));
   const __m256i step = _mm256_set1_epi32(8);
-  for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
+  for (uint32_t c = c0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
     __m256 v = _mm256_loadu_ps(xr + c);
     unsigned m0 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hs->lo_root + c), _CMP_LT_OQ));
     unsigned m1 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hs->hi_root + c), _CMP_GT_OQ));
@@ -284,7 +287,7 @@ __attribute__((target("avx2"))) static inline void screen_avx2(kvp__kvq_head *hs
     k0 += (uint32_t)__builtin_popcount(m0);
     k1 += (uint32_t)__builtin_popcount(m1);
   }
-  for (uint32_t c = Dv; c < hs->f->head_dim; c++) {
+  for (uint32_t c = Dv; c < D; c++) {
     if (xr[c] < hs->lo_root[c]) {
       if (k0 < cap) hs->cand_v[0][k0] = xr[c], hs->cand_c[0][k0] = (int32_t)c;
       k0++;
@@ -298,10 +301,35 @@ __attribute__((target("avx2"))) static inline void screen_avx2(kvp__kvq_head *hs
   hs->ncand[1] = k1 < cap ? k1 : cap + 1;
 }
 
+/* screen_avx2 16 channels at a time, packed by AVX-512's compress (half
+ * the stores), then the rest by screen_avx2. */
+__attribute__((target("avx2,avx512f,avx512dq,avx512vl"))) static void screen_avx512(kvp__kvq_head *hs, const float *xr) {
+  const uint32_t D16 = hs->f->head_dim & ~15u, cap = hs->cap;
+  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1];
+  __m512i ci = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i step = _mm512_set1_epi32(16);
+  for (uint32_t c = 0; c < D16; c += 16, ci = _mm512_add_epi32(ci, step)) {
+    __m512 v = _mm512_loadu_ps(xr + c);
+    __mmask16 m0 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hs->lo_root + c), _CMP_LT_OQ);
+    __mmask16 m1 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hs->hi_root + c), _CMP_GT_OQ);
+    uint32_t a0 = k0 < cap ? k0 : cap, a1 = k1 < cap ? k1 : cap;
+    _mm512_storeu_ps(hs->cand_v[0] + a0, _mm512_maskz_compress_ps(m0, v));
+    _mm512_storeu_si512(hs->cand_c[0] + a0, _mm512_maskz_compress_epi32(m0, ci));
+    _mm512_storeu_ps(hs->cand_v[1] + a1, _mm512_maskz_compress_ps(m1, v));
+    _mm512_storeu_si512(hs->cand_c[1] + a1, _mm512_maskz_compress_epi32(m1, ci));
+    k0 += (uint32_t)__builtin_popcount(m0);
+    k1 += (uint32_t)__builtin_popcount(m1);
+  }
+  hs->ncand[0] = k0 < cap ? k0 : cap + 1;
+  hs->ncand[1] = k1 < cap ? k1 : cap + 1;
+  screen_avx2(hs, xr, D16);
+}
+
 /* rows_base with the check and the screen 8 channels at a time. */
 __attribute__((target("avx2"))) static int rows_avx2(kvp__kvq_head *hs, const float *x, const float *w, size_t stride,
                                                      uint32_t nrows) {
   const uint32_t D = hs->f->head_dim, Dv = D & ~7u;
+  const int avx512 = kvp__codec_isa() >= KVP__ISA_AVX512;
   const __m256 inf = _mm256_set1_ps(INFINITY), zero = _mm256_setzero_ps();
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (uint32_t t = 0; t < nrows; t++, hs->seen++) {
@@ -320,7 +348,8 @@ __attribute__((target("avx2"))) static int rows_avx2(kvp__kvq_head *hs, const fl
       if (bad) return row_check(hs, xr, wr);
     }
     if (hs->every) {
-      screen_avx2(hs, xr, Dv);
+      if (avx512) screen_avx512(hs, xr);
+      else screen_avx2(hs, xr, 0);
       continue;
     }
     if (hs->hlen < hs->hm) {
@@ -378,7 +407,7 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   if (!every || n < 64 * every || 8 * j > ns) every = j = 0;   /* little to screen out: the heaps over every row */
   size_t hm = every ? j : m, cap = every ? D * (2 * j * every + 64) : 0; /* about twice the candidates expected */
   /* f32, i32, u32, u16: each aligned; the sizes cannot overflow (m <= n / 4 + 1 < 2^30, D <= 2^12) */
-  size_t spare = every ? 8 : 0, nf = 2 * D * hm + 4 * D + 2 * (cap + spare) + cap + (every ? 2 * m : 0);
+  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 4 * D + 2 * (cap + spare) + cap + (every ? 2 * m : 0);
   size_t bytes = nf * 4 + 2 * (cap + spare) * 4 + (D + 1) * 4 + D * 4 + D * 2;
   void *mem = malloc(bytes);
   if (!mem) return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
