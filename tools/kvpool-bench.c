@@ -44,8 +44,10 @@
  *                       width 2, 3, 4.
  *   kvquant_calib_s     seconds to fit and write a kvquant calibration for
  *                       L = 32, H = 32, D = 128 from 16 x 2048 synthetic
- *                       tokens (--quick: L = 2), one round; baseline:
- *                       memcpy of the samples' f32 bytes.
+ *                       tokens (--quick: L = 2), one round, on one worker
+ *                       per online CPU (the figure counts the generator:
+ *                       2^33 samples made and fitted); baseline: memcpy of
+ *                       the samples' f32 bytes.
  * Each figure is the median of R rounds; rounds alternate kvpool and the
  * baseline so drift hits both alike. Public header only.
  */
@@ -758,9 +760,10 @@ static void print_codecs(int quick, int json_only) {
 
 /* kvquant calibration: fitting per-channel thresholds and nuq3 codebooks
  * for L x H heads of D channels, K and V, from S synthetic sequences of T
- * tokens, and writing the file; baseline: memcpy of the samples' f32
- * bytes (what the fit reads), through a 64 MiB buffer. One round (the fit
- * is long); --quick fits 2 layers. */
+ * tokens, and writing the file, on kvp_kvquant_calib_synthetic's default
+ * workers (one per online CPU); baseline: memcpy of the samples' f32 bytes
+ * (what the fit reads), through a 64 MiB buffer. One round (the fit is
+ * long); --quick fits 2 layers. */
 static void print_kvquant_calib(int quick, int json_only) {
   const uint32_t L = quick ? 2 : 32, H = 32, D = 128, S = 16, T = 2048;
   char path[] = "/tmp/kvpool-bench-kvqXXXXXX";
