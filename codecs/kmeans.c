@@ -149,7 +149,7 @@ uint32_t kvp__km_assign(kvp__km *km, const float *x, int fresh) {
   for (uint32_t t0 = 0; t0 < km->n; t0 += KM_TILE) {
     uint32_t rows = km->n - t0 < KM_TILE ? km->n - t0 : KM_TILE;
 #if KVP__HAVE_AVX2
-    if (kvp__codec_isa() == KVP__ISA_AVX2) km_score_avx2(km, x + (size_t)t0 * d, rows, score);
+    if (kvp__codec_isa() >= KVP__ISA_AVX2) km_score_avx2(km, x + (size_t)t0 * d, rows, score);
     else
 #endif
       km_score(km, x + (size_t)t0 * d, rows, score);
@@ -252,7 +252,7 @@ __attribute__((target("avx2"))) static size_t km_near_avx2(kvp__km *km, uint32_t
 static void km_near(kvp__km *km, uint32_t j, int init) {
   size_t n = km->n, d = km->d, t0 = 0; /* rows [0, t0) done with AVX2 */
 #if KVP__HAVE_AVX2
-  if (kvp__codec_isa() == KVP__ISA_AVX2) t0 = km_near_avx2(km, j);
+  if (kvp__codec_isa() >= KVP__ISA_AVX2) t0 = km_near_avx2(km, j);
 #endif
   size_t n16 = t0 + (n - t0) / KVP__KM_LANES * KVP__KM_LANES;
   const float *c = km->cent + j * d;

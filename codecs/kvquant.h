@@ -49,7 +49,7 @@ void kvp__kvq_top(const float *score, uint32_t D, uint32_t k, uint16_t *top);
 void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
                     uint32_t head_dim, float *dst, size_t dst_stride);
 
-/* The fitter of one side of one layer. */
+/* The fitter of one side of one layer (codecs/kvquant_fit.c). */
 typedef struct kvp__kvq_fit {
   uint32_t n_heads, head_dim, bits; /* H, D, b */
   uint32_t kv;                      /* 0 = K (per channel), 1 = V (per token) */
@@ -57,7 +57,8 @@ typedef struct kvp__kvq_fit {
   float *off, *rng;                 /* [H * D], filled by fit_head */
   float *inv;                       /* [H * D]: 1 / rng */
   uint8_t *done;                    /* [H]: head fitted */
-  double *hw, *hwx;                 /* [KVP__KVQ_BINS]: weight and weighted sum per bin of [-1, 1] */
+  double *hist;                     /* [KVP__KVQ_BINS + 1][2]: weight and weighted sum per bin of [-1, 1]; the
+                                       last one a spare the vector path sends outliers to, never read */
 } kvp__kvq_fit;
 
 #define KVP__KVQ_BINS 8192u
@@ -67,15 +68,73 @@ uint32_t kvp__kvq_outliers_k(double fraction, uint32_t head_dim);
 
 int kvp__kvq_fit_init(kvp__kvq_fit *f, uint32_t n_heads, uint32_t head_dim, uint32_t bits, uint32_t kv, double fraction);
 void kvp__kvq_fit_free(kvp__kvq_fit *f);
+/* Back to no head fitted (what fit_init leaves). */
+void kvp__kvq_fit_reset(kvp__kvq_fit *f);
 /* Fit head h from n samples (rows of D floats, x_stride floats apart) with
  * optional weights w (same shape and stride, >= 0; NULL = 1): the
  * per-channel figures, and the normalized dense values into the layer's
  * histogram. KVP_EINVAL (message set) for n = 0, a head fitted twice, a
- * non-finite sample or weight; KVP_ENOMEM. */
+ * non-finite sample or weight; KVP_ENOMEM. On failure f is unchanged. */
 int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, size_t x_stride, uint32_t n);
+
+/* kvp__kvq_fit_head in stages, for samples made in row chunks (the
+ * synthetic fitter takes each chunk while it is in cache):
+ *   begin   head h of f will get n rows: the checks of fit_head, the scratch
+ *   sample  (when every > 0) the sample: rows 0, every, 2 every, ... of
+ *           the n, as rows s_stride floats apart from s: the screen's
+ *           thresholds
+ *   rows    the next nrows of the n, in order: checked, screened
+ *           (KVP_EINVAL names the token)
+ *   end     all n rows again, together: the thresholds, then the histogram
+ * f changes only at end, which cannot fail. A failed begin or rows leaves
+ * nothing to free; abort drops a head begun.
+ *
+ * The thresholds are the m-th smallest and largest of each channel's n
+ * values, m = floor(f/2 (n - 1)) + 1. With few rows (or every = 0), heaps
+ * of m over every row find them. Otherwise a sample of every-th rows gives
+ * each channel a threshold expected past about 2 m values (the j-th
+ * extreme of the sample), the rows keep the values past it, and the answer
+ * is selected among those; a channel where that cannot be trusted (fewer
+ * than m past the threshold, more than cap, or an answer of zero, whose
+ * sign only the heaps' order fixes) runs the heaps over its column. */
+#define KVP__KVQ_SAMPLE_EVERY 16u
+typedef struct kvp__kvq_head {
+  kvp__kvq_fit *f;           /* the side */
+  uint32_t h, n, seen;       /* head; rows in all; rows taken so far */
+  int trusted;               /* set by the caller: every sample is finite (the synthetic generator's), no check */
+  uint32_t m;                /* extremes that set a threshold: floor(f/2 (n - 1)) + 1 */
+  uint32_t every;            /* sample every-th row; 0: the heaps over every row */
+  uint32_t hm, hlen;         /* heap size (m, or j for the sample); values in each heap */
+  float *lo, *hi;            /* [D][hm]: max-heap of the hm smallest, min-heap of the hm largest */
+  float *lo_root, *hi_root;  /* [D]: lo[c][0], hi[c][0]; after the sample, the screen's thresholds */
+  uint32_t cap;              /* candidates each side can hold (16 spare entries past it) */
+  uint32_t ncand[2];         /* candidates taken per side (cap + 1: more than cap) */
+  float *cand_v[2];          /* [cap + 16]: values below lo_root (side 0), above hi_root (1), in row order */
+  int32_t *cand_c[2];        /* [cap + 16]: their channels */
+  float *sorted;             /* [cap]: one side's candidates by channel */
+  uint32_t *cnt;             /* [D + 1]: the counting sort's */
+  float *replay;             /* [2 m]: one channel's heaps, for a replay */
+  float *score, *nrm;        /* [D]: a row's outlier scores, clipped normalized values */
+  void *mem;                 /* the scratch's one allocation */
+  int32_t *bin;              /* [D]: their bins, as byte offsets into hist */
+  uint16_t *top;             /* [D]: the row's outlier channels */
+} kvp__kvq_head;
+int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *hs);
+void kvp__kvq_head_sample(kvp__kvq_head *hs, const float *s, size_t s_stride);
+int kvp__kvq_head_rows(kvp__kvq_head *hs, const float *x, const float *w, size_t x_stride, uint32_t nrows);
+void kvp__kvq_head_end(kvp__kvq_head *hs, const float *x, const float *w, size_t x_stride);
+void kvp__kvq_head_abort(kvp__kvq_head *hs);
+/* Tests: the sampling stride of heads begun from now on (0: the heaps over
+ * every row; default KVP__KVQ_SAMPLE_EVERY). */
+void kvp__kvq_fit_set_sampling(uint32_t every);
+/* Tests: channels whose thresholds the heaps over every row gave after a
+ * sample could not (see above), since the start. */
+uint64_t kvp__kvq_fit_replays(void);
+
 /* The codebook: weighted Lloyd (k-means) in one dimension over the
  * histogram, 2^b centroids seeded at the weighted quantiles (i + 1/2) / 2^b;
- * an empty histogram gives the uniform codebook. Every head must be fitted. */
+ * an empty histogram gives the uniform codebook. Every head must be fitted.
+ * KVP_EINVAL, KVP_ENOMEM. */
 int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut);
 
 /* The uniform codebook of 2^b entries: -1 + 2 i / (2^b - 1). */

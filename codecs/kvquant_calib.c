@@ -1,23 +1,8 @@
 /*
  * codecs/kvquant_calib.c - KVQuant's offline calibration: the synthetic K/V
- * generator, the fitter (per-channel thresholds, Fisher-weighted k-means
- * codebooks), and the calibration file (writer in the public
- * kvp_kvquant_calib_* API, reader for the codec).
- *
- * Fitting one side of one layer (kvp__kvq_fit):
- *   per (head, channel), over the n samples, sorted: lo = s[i], hi =
- *   s[n - 1 - i], i = floor(f/2 (n - 1)) (f = outlier fraction; found in
- *   one pass with heaps of the i + 1 extremes); off = (hi + lo)/2,
- *   rng = (hi - lo)/2, or 2^-24 when that is not positive.
- *   dense values of every sample token, as the encoder picks them: the
- *   k = ceil(f D) values of largest |x - off| / rng are outliers and left
- *   out; K: n = (x - off) / rng; V: n = (x - m) / r with m, r the middle and
- *   half-width of the token's dense values. n clipped to [-1, 1] goes into
- *   a histogram of KVP__KVQ_BINS bins (weight w, weighted sum w n).
- *   codebook: Lloyd in one dimension over the histogram (each bin a point at
- *   its weighted mean), 2^b centroids seeded at the weighted quantiles
- *   (i + 1/2) / 2^b, at most 100 rounds, until no bin changes centroid; an
- *   empty centroid keeps its place; sorted at the end.
+ * generator, the synthetic fit, and the calibration file (writer in the
+ * public kvp_kvquant_calib_* API, reader for the codec). The fitter itself
+ * (thresholds, histogram, codebook) is codecs/kvquant_fit.c.
  *
  * Calibration file, version 1 (little-endian; f32 = IEEE binary32):
  *
@@ -37,7 +22,11 @@
  *   size = 40 + L * 2 * (2 H D + 2^b) * 4 + 4
  *
  * kvp_kvquant_calib_synthetic fits the (layer, side) pairs in parallel, one
- * worker per online CPU; the result does not depend on the worker count.
+ * worker per online CPU (or kvp_kvquant_calib_set_threads); a pair is one
+ * worker's from start to end, so the histogram's sums are rounded in one
+ * order and the file does not depend on the worker count. The generator
+ * runs in chunks of SYNTH_CHUNK rows, each taken by the fitter's first
+ * pass while it is in cache.
  *
  * A reader checks, in order: magic, version, the size the header implies
  * (truncated or grown), the crc32 (corrupt), the geometry and bits against
@@ -46,6 +35,7 @@
  * file and the field.
  */
 #include "builtin.h"
+#include "kernels.h"
 #include "kvquant.h"
 
 #include <errno.h>
@@ -53,6 +43,10 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <unistd.h>
+
+#if KVP__HAVE_AVX2
+#include <immintrin.h>
+#endif
 
 /* ---- the synthetic generator ------------------------------------------------ */
 
@@ -72,253 +66,241 @@ static inline float gauss4(uint64_t u) {
   return (s - 2.0f) * 1.7320508f;
 }
 
-void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
-                    uint32_t head_dim, float *dst, size_t dst_stride) {
+/* One (seed, layer, head, kv) stream's per-channel constants. */
+typedef struct synth_gen {
+  uint32_t D;                       /* head_dim */
+  uint64_t ch[KVP_MAX_HEAD_DIM];    /* the channel's key */
+  float bias[KVP_MAX_HEAD_DIM];     /* value = bias + scale z */
+  float scale[KVP_MAX_HEAD_DIM];
+} synth_gen;
+
+static void gen_init(synth_gen *g, uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t head_dim) {
   uint64_t base = mix64(mix64(mix64(seed) ^ layer) ^ ((uint64_t)head << 1 | kv));
   uint32_t phase = (uint32_t)(base >> 59); /* K's outlier channels: c = phase mod 32 */
-  uint64_t ch[KVP_MAX_HEAD_DIM];
-  float bias[KVP_MAX_HEAD_DIM], scale[KVP_MAX_HEAD_DIM];
+  g->D = head_dim;
   for (uint32_t c = 0; c < head_dim; c++) {
-    ch[c] = mix64(base ^ (0xC0FFEEull << 32 | c));
-    bias[c] = kv ? 0.1f * gauss4(ch[c]) : 0.5f * gauss4(ch[c]);
-    scale[c] = kv ? 0.5f + unit24(ch[c] >> 40) : 0.6f + 0.8f * unit24(ch[c] >> 40);
-    if (!kv && c % 32 == phase) scale[c] *= 10.0f; /* an outlier channel */
+    g->ch[c] = mix64(base ^ (0xC0FFEEull << 32 | c));
+    g->bias[c] = kv ? 0.1f * gauss4(g->ch[c]) : 0.5f * gauss4(g->ch[c]);
+    g->scale[c] = kv ? 0.5f + unit24(g->ch[c] >> 40) : 0.6f + 0.8f * unit24(g->ch[c] >> 40);
+    if (!kv && c % 32 == phase) g->scale[c] *= 10.0f; /* an outlier channel */
   }
+}
+
+/* Channels [c0, D) of the row of token key tk. */
+static void gen_row_base(const synth_gen *g, uint64_t tk, uint32_t c0, float *row) {
+  for (uint32_t c = c0; c < g->D; c++) {
+    uint64_t r = mix64(g->ch[c] ^ tk);
+    float z = gauss4(r);
+    uint64_t tail = mix64(r);
+    if ((tail & 127) == 0) z *= 2.0f + 3.0f * unit24(tail >> 8); /* heavy tail */
+    row[c] = g->bias[c] + g->scale[c] * z;
+  }
+}
+
+/* The vector generators compute gen_row_base's bits: the four 16-bit
+ * uniforms are summed as integers (every partial sum below 2^18 is exact
+ * in f32, so the sum is the one the scalar adds make), then scaled, and
+ * every float operation is the scalar one (no FMA). */
+#if KVP__HAVE_AVX2
+/* a * c mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products */
+__attribute__((target("avx2"))) static inline __m256i mul64c_avx2(__m256i a, uint64_t c) {
+  const __m256i cl = _mm256_set1_epi64x((int64_t)(uint32_t)c), ch = _mm256_set1_epi64x((int64_t)(c >> 32));
+  __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), cl), _mm256_mul_epu32(a, ch));
+  return _mm256_add_epi64(_mm256_mul_epu32(a, cl), _mm256_slli_epi64(cross, 32));
+}
+
+__attribute__((target("avx2"))) static inline __m256i mix64_avx2(__m256i z) {
+  z = _mm256_add_epi64(z, _mm256_set1_epi64x((int64_t)0x9E3779B97F4A7C15ull));
+  z = mul64c_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), 0xBF58476D1CE4E5B9ull);
+  z = mul64c_avx2(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), 0x94D049BB133111EBull);
+  return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+/* the low 32 bits of the 64-bit lanes of a, then of b */
+__attribute__((target("avx2"))) static inline __m256i lo32_avx2(__m256i a, __m256i b) {
+  __m256 s = _mm256_shuffle_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(b), _MM_SHUFFLE(2, 0, 2, 0));
+  return _mm256_castpd_si256(_mm256_permute4x64_pd(_mm256_castps_pd(s), _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+/* the four 16-bit fields' sum, in the low 32 bits of each 64-bit lane */
+__attribute__((target("avx2"))) static inline __m256i sum16_avx2(__m256i r) {
+  __m256i v = _mm256_add_epi32(_mm256_and_si256(r, _mm256_set1_epi32(0xFFFF)), _mm256_srli_epi32(r, 16));
+  return _mm256_add_epi64(v, _mm256_srli_epi64(v, 32));
+}
+
+/* z, the tail's low 32 bits -> the 8 values */
+__attribute__((target("avx2"))) static inline __m256 finish8_avx2(const synth_gen *g, uint32_t c, __m256i sum,
+                                                                  __m256i t32) {
+  __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(1.0f / 65536.0f));
+  z = _mm256_mul_ps(_mm256_sub_ps(z, _mm256_set1_ps(2.0f)), _mm256_set1_ps(1.7320508f));
+  __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(t32, _mm256_set1_epi32(127)), _mm256_setzero_si256());
+  if (!_mm256_testz_si256(hit, hit)) {
+    __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t32, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
+    __m256 zt = _mm256_mul_ps(z, _mm256_add_ps(_mm256_set1_ps(2.0f), _mm256_mul_ps(_mm256_set1_ps(3.0f), u)));
+    z = _mm256_blendv_ps(z, zt, _mm256_castsi256_ps(hit));
+  }
+  return _mm256_add_ps(_mm256_loadu_ps(g->bias + c), _mm256_mul_ps(_mm256_loadu_ps(g->scale + c), z));
+}
+
+__attribute__((target("avx2"))) static void gen_rows_avx2(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst,
+                                                          size_t stride) {
+  const uint32_t Dv = g->D & ~7u;
   for (uint32_t t = 0; t < n; t++) {
     uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
-    float *row = dst + (size_t)t * dst_stride;
-    for (uint32_t c = 0; c < head_dim; c++) {
-      uint64_t r = mix64(ch[c] ^ tk);
-      float z = gauss4(r);
-      uint64_t tail = mix64(r);
-      if ((tail & 127) == 0) z *= 2.0f + 3.0f * unit24(tail >> 8); /* heavy tail */
-      row[c] = bias[c] + scale[c] * z;
+    __m256i vtk = _mm256_set1_epi64x((int64_t)tk);
+    float *row = dst + (size_t)t * stride;
+    for (uint32_t c = 0; c < Dv; c += 8) {
+      __m256i r0 = mix64_avx2(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(g->ch + c)), vtk));
+      __m256i r1 = mix64_avx2(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(g->ch + c + 4)), vtk));
+      __m256i t32 = lo32_avx2(mix64_avx2(r0), mix64_avx2(r1));
+      _mm256_storeu_ps(row + c, finish8_avx2(g, c, lo32_avx2(sum16_avx2(r0), sum16_avx2(r1)), t32));
     }
+    gen_row_base(g, tk, Dv, row);
   }
 }
 
-/* ---- fitting ------------------------------------------------------------------ */
-
-uint32_t kvp__kvq_outliers_k(double fraction, uint32_t head_dim) {
-  double k = ceil(fraction * head_dim - 1e-9);
-  return k <= 0 ? 0 : (uint32_t)k;
+/* AVX-512: 64-bit lanes with native 64-bit multiplies, 16 channels a step
+ * (the floats in one vector) */
+#define KVP__T512 __attribute__((target("avx2,avx512f,avx512dq,avx512vl")))
+KVP__T512 static inline __m512i mix64_avx512(__m512i z) {
+  z = _mm512_add_epi64(z, _mm512_set1_epi64((int64_t)0x9E3779B97F4A7C15ull));
+  const __m512i m1 = _mm512_set1_epi64((int64_t)0xBF58476D1CE4E5B9ull);
+  const __m512i m2 = _mm512_set1_epi64((int64_t)0x94D049BB133111EBull);
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), m1);
+  z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), m2);
+  return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 
-void kvp__kvq_uniform_lut(uint32_t bits, float *lut) {
-  uint32_t n = 1u << bits;
-  for (uint32_t i = 0; i < n; i++) lut[i] = -1.0f + 2.0f * (float)i / (float)(n - 1);
+/* The four 16-bit fields' sum of each 64-bit lane of r, as 8 x 32 */
+KVP__T512 static inline __m256i sum16_avx512(__m512i r) {
+  __m512i v = _mm512_add_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(r, 16));
+  return _mm512_cvtepi64_epi32(_mm512_add_epi64(v, _mm512_srli_epi64(v, 32)));
 }
 
-void kvp__kvq_side_free(kvp__kvq_side *s) {
-  free(s->off);
-  free(s->rng);
-  s->off = s->rng = NULL;
-}
-
-int kvp__kvq_fit_init(kvp__kvq_fit *f, uint32_t n_heads, uint32_t head_dim, uint32_t bits, uint32_t kv,
-                      double fraction) {
-  memset(f, 0, sizeof *f);
-  f->n_heads = n_heads;
-  f->head_dim = head_dim;
-  f->bits = bits;
-  f->kv = kv;
-  f->fraction = fraction;
-  size_t hd = (size_t)n_heads * head_dim;
-  f->off = malloc(hd * sizeof *f->off);
-  f->rng = malloc(hd * sizeof *f->rng);
-  f->inv = malloc(hd * sizeof *f->inv);
-  f->done = calloc(n_heads, 1);
-  f->hw = calloc(KVP__KVQ_BINS, sizeof *f->hw);
-  f->hwx = calloc(KVP__KVQ_BINS, sizeof *f->hwx);
-  if (!f->off || !f->rng || !f->inv || !f->done || !f->hw || !f->hwx) {
-    kvp__kvq_fit_free(f);
-    return kvp__err(KVP_ENOMEM, "kvquant: calibration of %u heads x %u channels", n_heads, head_dim);
-  }
-  return KVP_OK;
-}
-
-void kvp__kvq_fit_free(kvp__kvq_fit *f) {
-  free(f->off);
-  free(f->rng);
-  free(f->inv);
-  free(f->done);
-  free(f->hw);
-  free(f->hwx);
-  memset(f, 0, sizeof *f);
-}
-
-/* Per channel, the m smallest and the m largest samples seen, as heaps:
- * lo[c] a max-heap (root: the m-th smallest so far), hi[c] a min-heap
- * (root: the m-th largest). One pass over row-major samples; a value that
- * cannot enter costs one compare. */
-typedef struct ext_heaps {
-  uint32_t m, D;  /* heap size (>= 1), channels */
-  uint32_t *len;  /* [D]: entries in each channel's heaps (both alike) */
-  float *lo, *hi; /* [D][m] */
-} ext_heaps;
-
-static void heap_push(float *h, uint32_t len, float v, int max) { /* sift up */
-  uint32_t i = len;
-  while (i > 0) {
-    uint32_t p = (i - 1) / 2;
-    if (max ? !(v > h[p]) : !(v < h[p])) break;
-    h[i] = h[p];
-    i = p;
-  }
-  h[i] = v;
-}
-
-static void heap_replace_root(float *h, uint32_t len, float v, int max) { /* sift down */
-  uint32_t i = 0;
-  for (;;) {
-    uint32_t l = 2 * i + 1, r = l + 1, b = i;
-    float bv = v;
-    if (l < len && (max ? h[l] > bv : h[l] < bv)) b = l, bv = h[l];
-    if (r < len && (max ? h[r] > bv : h[r] < bv)) b = r;
-    if (b == i) break;
-    h[i] = h[b];
-    i = b;
-  }
-  h[i] = v;
-}
-
-static void heaps_add(ext_heaps *e, const float *row) {
-  for (uint32_t c = 0; c < e->D; c++) {
-    float v = row[c], *lo = e->lo + (size_t)c * e->m, *hi = e->hi + (size_t)c * e->m;
-    uint32_t len = e->len[c];
-    if (len < e->m) {
-      heap_push(lo, len, v, 1);
-      heap_push(hi, len, v, 0);
-      e->len[c] = len + 1;
-      continue;
+/* 16 channels at a time (two vectors of 64-bit lanes, the floats in one) */
+KVP__T512 static void gen_rows_avx512(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst, size_t stride) {
+  const uint32_t D16 = g->D & ~15u, Dv = g->D & ~7u;
+  const __m512 k16 = _mm512_set1_ps(1.0f / 65536.0f), two = _mm512_set1_ps(2.0f), sq3 = _mm512_set1_ps(1.7320508f);
+  for (uint32_t t = 0; t < n; t++) {
+    uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
+    __m512i vtk = _mm512_set1_epi64((int64_t)tk);
+    float *row = dst + (size_t)t * stride;
+    for (uint32_t c = 0; c < D16; c += 16) {
+      __m512i r0 = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c), vtk));
+      __m512i r1 = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c + 8), vtk));
+      __m512i sum = _mm512_inserti64x4(_mm512_castsi256_si512(sum16_avx512(r0)), sum16_avx512(r1), 1);
+      __m512i t32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(mix64_avx512(r0))),
+                                       _mm512_cvtepi64_epi32(mix64_avx512(r1)), 1);
+      __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), k16), two), sq3);
+      __mmask16 hit = _mm512_testn_epi32_mask(t32, _mm512_set1_epi32(127));
+      if (hit) {
+        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(t32, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
+        __m512 zt = _mm512_mul_ps(z, _mm512_add_ps(two, _mm512_mul_ps(_mm512_set1_ps(3.0f), u)));
+        z = _mm512_mask_blend_ps(hit, z, zt);
+      }
+      z = _mm512_mul_ps(_mm512_loadu_ps(g->scale + c), z);
+      _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(g->bias + c), z));
     }
-    if (v < lo[0]) heap_replace_root(lo, len, v, 1);
-    if (v > hi[0]) heap_replace_root(hi, len, v, 0);
-  }
-}
-
-static void hist_add(kvp__kvq_fit *f, float n, float w) {
-  if (n < -1.0f) n = -1.0f;
-  if (n > 1.0f) n = 1.0f;
-  uint32_t b = (uint32_t)((n + 1.0f) * 0.5f * KVP__KVQ_BINS);
-  if (b >= KVP__KVQ_BINS) b = KVP__KVQ_BINS - 1;
-  f->hw[b] += w;
-  f->hwx[b] += (double)w * n;
-}
-
-/* The normalized dense values of one token into the histogram. */
-static void fit_token(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, uint32_t k, float *score,
-                      uint16_t *top) {
-  uint32_t D = f->head_dim;
-  const float *off = f->off + (size_t)h * D, *inv = f->inv + (size_t)h * D;
-  for (uint32_t c = 0; c < D; c++) score[c] = fabsf(x[c] - off[c]) * inv[c];
-  if (k) kvp__kvq_top(score, D, k, top); /* as the encoder picks */
-  uint32_t j = 0;
-  float lo = INFINITY, hi = -INFINITY;
-  for (uint32_t c = 0; c < D; c++) { /* mark outliers with a negative score */
-    if (j < k && top[j] == c) {
-      score[c] = -1.0f;
-      j++;
-    } else if (f->kv) {
-      lo = x[c] < lo ? x[c] : lo;
-      hi = x[c] > hi ? x[c] : hi;
+    for (uint32_t c = D16; c < Dv; c += 8) {
+      __m512i r = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c), vtk));
+      _mm256_storeu_ps(row + c, finish8_avx2(g, c, sum16_avx512(r), _mm512_cvtepi64_epi32(mix64_avx512(r))));
     }
-  }
-  float m = (hi + lo) * 0.5f, r = (hi - lo) * 0.5f, ir = r > 0 ? 1.0f / r : 0.0f;
-  for (uint32_t c = 0; c < D; c++) {
-    if (score[c] < 0) continue;
-    float n = f->kv ? (x[c] - m) * ir : (x[c] - off[c]) * inv[c];
-    hist_add(f, n, w ? w[c] : 1.0f);
+    gen_row_base(g, tk, Dv, row);
   }
 }
+#endif
 
-int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *w, size_t x_stride, uint32_t n) {
-  uint32_t D = f->head_dim;
-  if (h >= f->n_heads) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u >= %u", h, f->n_heads);
-  if (f->done[h]) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u fitted twice", h);
-  if (n == 0) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u has no samples", h);
+/* Rows pos0 .. pos0 + n - 1, stride floats apart. */
+static void gen_rows(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst, size_t stride) {
+#if KVP__HAVE_AVX2
+  int isa = kvp__codec_isa();
+  if (isa >= KVP__ISA_AVX512) {
+    gen_rows_avx512(g, pos0, n, dst, stride);
+    return;
+  }
+  if (isa >= KVP__ISA_AVX2) {
+    gen_rows_avx2(g, pos0, n, dst, stride);
+    return;
+  }
+#endif
   for (uint32_t t = 0; t < n; t++)
-    for (uint32_t c = 0; c < D; c++) {
-      float a = x[(size_t)t * x_stride + c], b = w ? w[(size_t)t * x_stride + c] : 1.0f;
-      if (!isfinite(a)) return kvp__err(KVP_EINVAL, "kvquant calibration: sample token %u channel %u of head %u is not finite", t, c, h);
-      if (!isfinite(b) || b < 0)
-        return kvp__err(KVP_EINVAL, "kvquant calibration: weight of token %u channel %u of head %u is not a finite "
-                                    "non-negative number", t, c, h);
-    }
-  float score[KVP_MAX_HEAD_DIM];
-  uint16_t top[KVP_MAX_HEAD_DIM];
-  double f2 = f->fraction / 2;
-  size_t ilo = (size_t)floor(f2 * (n - 1)); /* s[ilo] and s[n - 1 - ilo]: roots of the ilo + 1 extremes */
-  ext_heaps e = {.m = (uint32_t)ilo + 1, .D = D};
-  e.len = calloc(D, sizeof *e.len);
-  e.lo = malloc((size_t)D * e.m * sizeof *e.lo);
-  e.hi = malloc((size_t)D * e.m * sizeof *e.hi);
-  if (!e.len || !e.lo || !e.hi) {
-    free(e.len), free(e.lo), free(e.hi);
-    return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
-  }
-  for (uint32_t t = 0; t < n; t++) heaps_add(&e, x + (size_t)t * x_stride);
-  for (uint32_t c = 0; c < D; c++) {
-    float lo = e.lo[(size_t)c * e.m], hi = e.hi[(size_t)c * e.m];
-    float off = (hi + lo) * 0.5f, rng = (hi - lo) * 0.5f;
-    f->off[(size_t)h * D + c] = off;
-    f->rng[(size_t)h * D + c] = rng > 0 && isfinite(rng) ? rng : 0x1p-24f;
-    f->inv[(size_t)h * D + c] = 1.0f / f->rng[(size_t)h * D + c];
-  }
-  free(e.len), free(e.lo), free(e.hi);
-  uint32_t k = kvp__kvq_outliers_k(f->fraction, D);
-  for (uint32_t t = 0; t < n; t++)
-    fit_token(f, h, x + (size_t)t * x_stride, w ? w + (size_t)t * x_stride : NULL, k, score, top);
-  f->done[h] = 1;
-  return KVP_OK;
+    gen_row_base(g, (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull, 0, dst + (size_t)t * stride);
 }
 
-int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
-  for (uint32_t h = 0; h < f->n_heads; h++)
-    if (!f->done[h]) return kvp__err(KVP_EINVAL, "kvquant calibration: head %u has no samples", h);
-  uint32_t K = 1u << f->bits, B = KVP__KVQ_BINS;
-  double total = 0, c[KVP__KVQ_LUT_MAX];
-  for (uint32_t b = 0; b < B; b++) total += f->hw[b];
-  if (!(total > 0)) {
-    kvp__kvq_uniform_lut(f->bits, lut);
-    return KVP_OK;
-  }
-  /* seeds: weighted quantiles */
-  double acc = 0;
-  uint32_t i = 0;
-  for (uint32_t b = 0; b < B && i < K; b++) {
-    acc += f->hw[b];
-    while (i < K && acc >= (i + 0.5) / K * total) c[i++] = f->hw[b] > 0 ? f->hwx[b] / f->hw[b] : -1.0 + (b + 0.5) * 2.0 / B;
-  }
-  while (i < K) c[i] = c[i - 1], i++;
-  uint8_t *label = calloc(B, 1);
-  if (!label) return kvp__err(KVP_ENOMEM, "kvquant calibration: k-means labels");
-  for (int round = 0; round < 100; round++) {
-    int changed = 0;
-    double sw[KVP__KVQ_LUT_MAX] = {0}, swx[KVP__KVQ_LUT_MAX] = {0};
-    for (uint32_t b = 0; b < B; b++) {
-      if (f->hw[b] <= 0) continue;
-      double x = f->hwx[b] / f->hw[b], bd = INFINITY;
-      uint8_t bl = 0;
-      for (uint32_t j = 0; j < K; j++)
-        if (fabs(x - c[j]) < bd) bd = fabs(x - c[j]), bl = (uint8_t)j;
-      changed += round == 0 || bl != label[b];
-      label[b] = bl;
-      sw[bl] += f->hw[b];
-      swx[bl] += f->hwx[b];
+void kvp__kvq_synth(uint64_t seed, uint32_t layer, uint32_t head, uint32_t kv, uint32_t pos0, uint32_t n,
+                    uint32_t head_dim, float *dst, size_t dst_stride) {
+  synth_gen g;
+  gen_init(&g, seed, layer, head, kv, head_dim);
+  gen_rows(&g, pos0, n, dst, dst_stride);
+}
+
+/* ---- the synthetic fit ------------------------------------------------------- */
+
+#define SYNTH_CHUNK 128u /* rows generated and screened at a time: 64 KiB at D = 128 */
+
+/* A worker's buffers for synth_side. */
+typedef struct synth_scratch {
+  float *x;                /* [n_seqs seq_tokens][D]: the head's samples */
+  float *smp;              /* [ceil(n / KVP__KVQ_SAMPLE_EVERY)][D]: its sample rows, gathered */
+  synth_gen *g;            /* the generator's per-channel constants */
+} synth_scratch;
+
+static void scratch_free(synth_scratch *sc) {
+  free(sc->x);
+  free(sc->smp);
+  free(sc->g);
+}
+
+static int scratch_alloc(synth_scratch *sc, uint64_t n, uint32_t D) {
+  sc->x = malloc(n * D * sizeof(float));
+  sc->smp = malloc((n + KVP__KVQ_SAMPLE_EVERY - 1) / KVP__KVQ_SAMPLE_EVERY * D * sizeof(float));
+  sc->g = malloc(sizeof *sc->g);
+  if (sc->x && sc->smp && sc->g) return KVP_OK;
+  scratch_free(sc);
+  return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu synthetic tokens", (unsigned long long)n);
+}
+
+/* Every head of side f from n_seqs x seq_tokens synthetic tokens (seeds
+ * seed .. seed + n_seqs - 1, positions 0..). The sample rows come first,
+ * gathered (or in place, for a sampling stride under the default), then
+ * the rows in chunks, each screened while in cache. On failure f is as it
+ * was. */
+static int synth_side(kvp__kvq_fit *f, uint32_t layer, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens,
+                      synth_scratch *sc) {
+  uint32_t D = f->head_dim, n = n_seqs * seq_tokens;
+  float *x = sc->x;
+  synth_gen *g = sc->g;
+  for (uint32_t h = 0; h < f->n_heads; h++) {
+    kvp__kvq_head hs;
+    int rc = kvp__kvq_head_begin(f, h, n, &hs);
+    hs.trusted = 1; /* bias + scale z, |z| < 18: finite */
+    if (!rc && hs.every) {
+      uint32_t every = hs.every;
+      int gather = every >= KVP__KVQ_SAMPLE_EVERY;
+      for (uint32_t s = 0; s < n_seqs; s++) {
+        uint64_t q = ((uint64_t)s * seq_tokens + every - 1) / every; /* s's first sample row: q every */
+        gen_init(g, seed + s, layer, h, f->kv, D);
+        for (; q * every < (uint64_t)(s + 1) * seq_tokens; q++)
+          gen_rows(g, (uint32_t)(q * every - (uint64_t)s * seq_tokens), 1,
+                   gather ? sc->smp + q * D : x + q * every * D, D);
+      }
+      kvp__kvq_head_sample(&hs, gather ? sc->smp : x, gather ? D : (size_t)every * D);
     }
-    for (uint32_t j = 0; j < K; j++)
-      if (sw[j] > 0) c[j] = swx[j] / sw[j];
-    if (!changed) break;
-  }
-  free(label);
-  for (uint32_t a = 1; a < K; a++) /* sort */
-    for (uint32_t j = a; j > 0 && c[j - 1] > c[j]; j--) {
-      double t = c[j];
-      c[j] = c[j - 1];
-      c[j - 1] = t;
+    for (uint32_t s = 0; !rc && s < n_seqs; s++) {
+      gen_init(g, seed + s, layer, h, f->kv, D);
+      for (uint32_t p = 0; !rc && p < seq_tokens; p += SYNTH_CHUNK) {
+        uint32_t rows = seq_tokens - p < SYNTH_CHUNK ? seq_tokens - p : SYNTH_CHUNK;
+        float *at = x + ((size_t)s * seq_tokens + p) * D;
+        gen_rows(g, p, rows, at, D);
+        rc = kvp__kvq_head_rows(&hs, at, NULL, D, rows);
+      }
     }
-  for (uint32_t j = 0; j < K; j++) lut[j] = (float)fmin(1.0, fmax(-1.0, c[j]));
+    if (rc) { /* the heads before h are in f: back to none */
+      kvp__kvq_fit_reset(f);
+      return rc;
+    }
+    kvp__kvq_head_end(&hs, x, NULL, D);
+  }
   return KVP_OK;
 }
 
@@ -327,13 +309,12 @@ int kvp__kvq_fit_synthetic(uint64_t seed, uint32_t layer, uint32_t kv, uint32_t 
   kvp__kvq_fit f;
   int rc = kvp__kvq_fit_init(&f, n_heads, head_dim, bits, kv, fraction);
   if (rc) return rc;
-  float *x = malloc((size_t)calib_tokens * head_dim * sizeof *x);
-  if (!x) rc = kvp__err(KVP_ENOMEM, "kvquant: synthetic calibration samples");
-  for (uint32_t h = 0; !rc && h < n_heads; h++) {
-    kvp__kvq_synth(seed, layer, h, kv, 0, calib_tokens, head_dim, x, head_dim);
-    rc = kvp__kvq_fit_head(&f, h, x, NULL, head_dim, calib_tokens);
+  synth_scratch sc;
+  rc = scratch_alloc(&sc, calib_tokens, head_dim);
+  if (!rc) {
+    rc = synth_side(&f, layer, seed, 1, calib_tokens, &sc);
+    scratch_free(&sc);
   }
-  free(x);
   float lut[KVP__KVQ_LUT_MAX];
   if (!rc) rc = kvp__kvq_fit_lut(&f, lut);
   if (!rc) {
@@ -533,13 +514,18 @@ out:
 struct kvp_kvquant_calib {
   uint32_t n_layers, n_heads, head_dim, bits; /* L, H, D, b */
   double fraction;                            /* outlier fraction */
+  uint32_t n_threads;                         /* synthetic's workers; 0 = one per online CPU */
   kvp__kvq_fit *fit;                          /* [2 L]: (layer, K|V) at 2 l + kv */
+  float (*lut)[KVP__KVQ_LUT_MAX];             /* [2 L]: codebooks synthetic fitted, where lut_ok */
+  uint8_t *lut_ok;                            /* [2 L] */
 };
 
 KVP_API void kvp_kvquant_calib_destroy(kvp_kvquant_calib *c) {
   if (!c) return;
   for (uint32_t i = 0; c->fit && i < 2 * c->n_layers; i++) kvp__kvq_fit_free(&c->fit[i]);
   free(c->fit);
+  free(c->lut);
+  free(c->lut_ok);
   free(c);
 }
 
@@ -555,19 +541,28 @@ KVP_API int kvp_kvquant_calib_create(uint32_t n_layers, uint32_t n_kv_heads, uin
   if (!(outlier_fraction >= 0 && outlier_fraction < 0.5))
     return kvp__err(KVP_EINVAL, "kvquant calibration: outlier fraction %g not in [0, 0.5)", outlier_fraction);
   kvp_kvquant_calib *c = calloc(1, sizeof *c);
-  if (!c || !(c->fit = calloc(2 * (size_t)n_layers, sizeof *c->fit))) {
-    free(c);
-    return kvp__err(KVP_ENOMEM, "kvquant calibration");
-  }
-  *c = (kvp_kvquant_calib){n_layers, n_kv_heads, head_dim, bits, outlier_fraction, c->fit};
-  for (uint32_t i = 0; i < 2 * n_layers; i++) {
-    int rc = kvp__kvq_fit_init(&c->fit[i], n_kv_heads, head_dim, bits, i % 2, outlier_fraction);
-    if (rc) {
-      kvp_kvquant_calib_destroy(c);
-      return rc;
-    }
+  if (!c) return kvp__err(KVP_ENOMEM, "kvquant calibration");
+  *c = (kvp_kvquant_calib){n_layers, n_kv_heads, head_dim, bits, outlier_fraction, 0, NULL, NULL, NULL};
+  c->fit = calloc(2 * (size_t)n_layers, sizeof *c->fit);
+  c->lut = calloc(2 * (size_t)n_layers, sizeof *c->lut);
+  c->lut_ok = calloc(2 * (size_t)n_layers, 1);
+  int rc = c->fit && c->lut && c->lut_ok ? KVP_OK : kvp__err(KVP_ENOMEM, "kvquant calibration");
+  for (uint32_t i = 0; !rc && i < 2 * n_layers; i++)
+    rc = kvp__kvq_fit_init(&c->fit[i], n_kv_heads, head_dim, bits, i % 2, outlier_fraction);
+  if (rc) {
+    kvp_kvquant_calib_destroy(c);
+    return rc;
   }
   *out = c;
+  return KVP_OK;
+}
+
+KVP_API int kvp_kvquant_calib_set_threads(kvp_kvquant_calib *c, uint32_t n_threads) {
+  if (!c) return kvp__err(KVP_EINVAL, "kvquant calibration is NULL");
+  if (n_threads > KVP_KVQUANT_CALIB_MAX_THREADS)
+    return kvp__err(KVP_EINVAL, "kvquant calibration: n_threads = %u: at most %u", n_threads,
+                    KVP_KVQUANT_CALIB_MAX_THREADS);
+  c->n_threads = n_threads;
   return KVP_OK;
 }
 
@@ -577,12 +572,16 @@ KVP_API int kvp_kvquant_calib_add(kvp_kvquant_calib *c, uint32_t layer, uint32_t
   if (layer >= c->n_layers || kv > 1)
     return kvp__err(KVP_EINVAL, "kvquant calibration: layer %u (of %u) side %u", layer, c->n_layers, kv);
   if (stride < c->head_dim) return kvp__err(KVP_EINVAL, "kvquant calibration: stride %zu < head_dim %u", stride, c->head_dim);
-  return kvp__kvq_fit_head(&c->fit[2 * layer + kv], head, x, w, stride, n_tokens);
+  int rc = kvp__kvq_fit_head(&c->fit[2 * layer + kv], head, x, w, stride, n_tokens);
+  if (!rc) c->lut_ok[2 * layer + kv] = 0;
+  return rc;
 }
 
-/* Synthetic fitting, one (layer, side) at a time per worker: each side of
- * a layer is its own kvp__kvq_fit, so workers share nothing but the next
- * index to take. The first failure (lowest index) is the one reported. */
+/* Synthetic fitting, one (layer, side) at a time per worker, its codebook
+ * too: each side of a layer is its own kvp__kvq_fit, so workers share
+ * nothing but the next index to take. The first failure (lowest index) is
+ * the one reported, and then every side goes back to no head fitted (as
+ * synthetic found them). */
 typedef struct synth_job {
   kvp_kvquant_calib *c;
   uint64_t seed;
@@ -594,53 +593,75 @@ typedef struct synth_job {
   char fail_msg[256];      /* its message */
 } synth_job;
 
+typedef struct synth_worker_ctx {
+  synth_job *j;
+  synth_scratch sc;        /* its buffers */
+} synth_worker_ctx;
+
 static void *synth_worker(void *arg) {
-  synth_job *j = arg;
+  synth_worker_ctx *w = arg;
+  synth_job *j = w->j;
   kvp_kvquant_calib *c = j->c;
-  size_t n = (size_t)j->n_seqs * j->seq_tokens;
-  float *x = malloc(n * c->head_dim * sizeof *x);
   for (uint32_t i; (i = atomic_fetch_add(&j->next, 1)) < 2 * c->n_layers;) {
-    uint32_t l = i / 2, kv = i % 2;
-    int rc = x ? KVP_OK : kvp__err(KVP_ENOMEM, "kvquant calibration: %zu synthetic tokens", n);
-    for (uint32_t h = 0; !rc && h < c->n_heads; h++) {
-      for (uint32_t s = 0; s < j->n_seqs; s++)
-        kvp__kvq_synth(j->seed + s, l, h, kv, 0, j->seq_tokens, c->head_dim,
-                       x + (size_t)s * j->seq_tokens * c->head_dim, c->head_dim);
-      rc = kvp__kvq_fit_head(&c->fit[i], h, x, NULL, c->head_dim, (uint32_t)n);
+    int rc = synth_side(&c->fit[i], i / 2, j->seed, j->n_seqs, j->seq_tokens, &w->sc);
+    if (!rc) rc = kvp__kvq_fit_lut(&c->fit[i], c->lut[i]);
+    if (!rc) {
+      c->lut_ok[i] = 1;
+      continue;
     }
-    if (rc) {
-      pthread_mutex_lock(&j->lock);
-      if (i < j->fail_at) {
-        j->fail_at = i, j->fail_rc = rc;
-        snprintf(j->fail_msg, sizeof j->fail_msg, "%s", kvp_last_error());
-      }
-      pthread_mutex_unlock(&j->lock);
-      atomic_store(&j->next, 2 * c->n_layers); /* stop handing out work */
+    pthread_mutex_lock(&j->lock);
+    if (i < j->fail_at) {
+      j->fail_at = i, j->fail_rc = rc;
+      snprintf(j->fail_msg, sizeof j->fail_msg, "layer %u %c: %s", i / 2, "KV"[i % 2], kvp_last_error());
     }
+    pthread_mutex_unlock(&j->lock);
+    atomic_store(&j->next, 2 * c->n_layers); /* stop handing out work */
   }
-  free(x);
   return NULL;
+}
+
+static uint32_t synth_threads(const kvp_kvquant_calib *c) {
+  long n = c->n_threads;
+  if (!n) n = sysconf(_SC_NPROCESSORS_ONLN);
+  if (n < 1) n = 1;
+  if (n > KVP_KVQUANT_CALIB_MAX_THREADS) n = KVP_KVQUANT_CALIB_MAX_THREADS;
+  return (uint32_t)n < 2 * c->n_layers ? (uint32_t)n : 2 * c->n_layers;
 }
 
 KVP_API int kvp_kvquant_calib_synthetic(kvp_kvquant_calib *c, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens) {
   if (!c) return kvp__err(KVP_EINVAL, "kvquant calibration is NULL");
   uint64_t n = (uint64_t)n_seqs * seq_tokens;
   if (n == 0 || n > UINT32_MAX) return kvp__err(KVP_EINVAL, "kvquant calibration: %u x %u synthetic tokens", n_seqs, seq_tokens);
+  for (uint32_t i = 0; i < 2 * c->n_layers; i++)
+    for (uint32_t h = 0; h < c->n_heads; h++)
+      if (c->fit[i].done[h])
+        return kvp__err(KVP_EINVAL, "kvquant calibration: layer %u %c head %u already has samples: synthetic fits "
+                                    "every head", i / 2, "KV"[i % 2], h);
+  /* every worker's buffers first: the caller's must come, the others' may not (fewer workers) */
+  uint32_t nt = synth_threads(c);
   synth_job j = {.c = c, .seed = seed, .n_seqs = n_seqs, .seq_tokens = seq_tokens, .fail_at = UINT32_MAX};
+  synth_worker_ctx w[KVP_KVQUANT_CALIB_MAX_THREADS];
+  uint32_t nw = 0;
+  for (; nw < nt; nw++) {
+    w[nw].j = &j;
+    if (scratch_alloc(&w[nw].sc, n, c->head_dim)) {
+      if (nw == 0) return KVP_ENOMEM; /* message set */
+      break;
+    }
+  }
   atomic_init(&j.next, 0);
   pthread_mutex_init(&j.lock, NULL);
-  long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-  uint32_t nt = cpus < 1 ? 1 : cpus > 64 ? 64 : (uint32_t)cpus;
-  if (nt > 2 * c->n_layers) nt = 2 * c->n_layers;
-  pthread_t tid[64];
-  uint32_t started = 0;
-  for (; started + 1 < nt; started++) /* the caller is the last worker */
-    if (pthread_create(&tid[started], NULL, synth_worker, &j)) break;
-  synth_worker(&j);
+  pthread_t tid[KVP_KVQUANT_CALIB_MAX_THREADS];
+  uint32_t started = 0; /* workers 1 .. started run on threads; the caller is worker 0 */
+  while (started + 1 < nw && !KVP__FAULT() && pthread_create(&tid[started], NULL, synth_worker, &w[started + 1]) == 0)
+    started++;
+  synth_worker(&w[0]);
   for (uint32_t t = 0; t < started; t++) pthread_join(tid[t], NULL);
   pthread_mutex_destroy(&j.lock);
-  if (j.fail_at != UINT32_MAX) return kvp__err(j.fail_rc, "%s", j.fail_msg);
-  return KVP_OK;
+  for (uint32_t t = 0; t < nw; t++) scratch_free(&w[t].sc);
+  if (j.fail_at == UINT32_MAX) return KVP_OK;
+  for (uint32_t i = 0; i < 2 * c->n_layers; i++) kvp__kvq_fit_reset(&c->fit[i]), c->lut_ok[i] = 0;
+  return kvp__err(j.fail_rc, "%s", j.fail_msg);
 }
 
 KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path) {
@@ -660,7 +681,8 @@ KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path) {
   int rc = KVP_OK;
   for (uint32_t i = 0; !rc && i < 2 * c->n_layers; i++) {
     float lut[KVP__KVQ_LUT_MAX];
-    if ((rc = kvp__kvq_fit_lut(&c->fit[i], lut))) {
+    if (c->lut_ok[i]) memcpy(lut, c->lut[i], sizeof lut);
+    else if ((rc = kvp__kvq_fit_lut(&c->fit[i], lut))) {
       char why[256];
       snprintf(why, sizeof why, "%s", kvp_last_error());
       rc = kvp__err(rc, "layer %u %c: %s", i / 2, "KV"[i % 2], why);

@@ -301,19 +301,29 @@ KVP_API const kvp_codec_vtable *kvp_codec_get(uint32_t id);
  *              >= 0: Fisher information) weighs the codebook fit, NULL = 1.
  *              Each (layer, head, side) exactly once.
  *   synthetic  add every (layer, head, side) from the built-in generator:
- *              n_seqs sequences of seq_tokens tokens (seeds seed..seed+n-1)
+ *              n_seqs sequences of seq_tokens tokens (seeds seed..seed+n-1),
+ *              on worker threads (set_threads), with the codebooks; no head
+ *              may have been added before. All or nothing: on failure no
+ *              head is added.
+ *   set_threads  synthetic's workers: 0 (the default) = one per online CPU,
+ *              else 1 .. KVP_KVQUANT_CALIB_MAX_THREADS. The file is the same
+ *              for every count. A worker thread that cannot start leaves
+ *              its share to the others (the calling thread is one). Since
+ *              0.2.0.
  *   write      fit the codebooks and write the file (every head added)
  *
  * Errors: KVP_EINVAL (argument, non-finite sample, head added twice or
- * missing, file not writable; named in kvp_last_error), KVP_ENOMEM. Not
- * thread-safe on one object.
+ * missing, file not writable; named in kvp_last_error), KVP_ENOMEM. A failed
+ * add or synthetic adds nothing. Not thread-safe on one object.
  * ---------------------------------------------------------------------- */
+#define KVP_KVQUANT_CALIB_MAX_THREADS 64u
 typedef struct kvp_kvquant_calib kvp_kvquant_calib; /* opaque */
 KVP_API int kvp_kvquant_calib_create(uint32_t n_layers, uint32_t n_kv_heads, uint32_t head_dim, uint32_t bits,
                                      double outlier_fraction, kvp_kvquant_calib **out);
 KVP_API int kvp_kvquant_calib_add(kvp_kvquant_calib *c, uint32_t layer, uint32_t head, uint32_t kv, const float *x,
                                   const float *w, size_t stride, uint32_t n_tokens);
 KVP_API int kvp_kvquant_calib_synthetic(kvp_kvquant_calib *c, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens);
+KVP_API int kvp_kvquant_calib_set_threads(kvp_kvquant_calib *c, uint32_t n_threads);
 KVP_API int kvp_kvquant_calib_write(kvp_kvquant_calib *c, const char *path);
 KVP_API void kvp_kvquant_calib_destroy(kvp_kvquant_calib *c); /* NULL is fine */
 

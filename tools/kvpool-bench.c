@@ -2,10 +2,10 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json] [--codecs] [--heatkv] [--alloc]
+ *   kvpool-bench [--quick] [--json] [--codecs] [--calib] [--heatkv] [--alloc]
  *
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
- * kvquant_calib_s).
+ * kvquant_calib_s); --calib only kvquant_calib_s.
  *
  * Figures
  *   alloc_free_pair_ns  median cost of one alloc + one free over a page-size
@@ -44,8 +44,10 @@
  *                       width 2, 3, 4.
  *   kvquant_calib_s     seconds to fit and write a kvquant calibration for
  *                       L = 32, H = 32, D = 128 from 16 x 2048 synthetic
- *                       tokens (--quick: L = 2), one round; baseline:
- *                       memcpy of the samples' f32 bytes.
+ *                       tokens (--quick: L = 2), one round, on one worker
+ *                       per online CPU (the figure counts the generator:
+ *                       2^33 samples made and fitted); baseline: memcpy of
+ *                       the samples' f32 bytes.
  * Each figure is the median of R rounds; rounds alternate kvpool and the
  * baseline so drift hits both alike. Public header only.
  */
@@ -758,9 +760,10 @@ static void print_codecs(int quick, int json_only) {
 
 /* kvquant calibration: fitting per-channel thresholds and nuq3 codebooks
  * for L x H heads of D channels, K and V, from S synthetic sequences of T
- * tokens, and writing the file; baseline: memcpy of the samples' f32
- * bytes (what the fit reads), through a 64 MiB buffer. One round (the fit
- * is long); --quick fits 2 layers. */
+ * tokens, and writing the file, on kvp_kvquant_calib_synthetic's default
+ * workers (one per online CPU); baseline: memcpy of the samples' f32 bytes
+ * (what the fit reads), through a 64 MiB buffer. One round (the fit is
+ * long); --quick fits 2 layers. */
 static void print_kvquant_calib(int quick, int json_only) {
   const uint32_t L = quick ? 2 : 32, H = 32, D = 128, S = 16, T = 2048;
   char path[] = "/tmp/kvpool-bench-kvqXXXXXX";
@@ -795,10 +798,12 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --heatkv | --alloc | --seqs | --store | --prefix]\n"                     \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --calib | --heatkv | --alloc | --seqs | --store |\n"   \
+  "                     --prefix]\n"                                                                    \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
   "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
-  "  figures alone; --prefix: the prefix attach figure alone (--store prints it too)\n"
+  "  figures alone; --calib: the kvquant calibration figure alone (--codecs prints it too);\n"          \
+  "  --prefix: the prefix attach figure alone (--store prints it too)\n"
 
 /* ---- the store tier: offload / restore through a private local Redis ----------------------- */
 
@@ -1017,11 +1022,12 @@ static void print_seqs(int rounds, int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, calib_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
     else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
+    else if (!strcmp(argv[i], "--calib")) calib_only = 1;
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
@@ -1035,14 +1041,18 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --heatkv, --alloc, --seqs, --store and --prefix each select one part: give one (or "
-                    "none: all)\n"
+  if (codecs_only + calib_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --calib, --heatkv, --alloc, --seqs, --store and --prefix each select one part: "
+                    "give one (or none: all)\n"
                     BENCH_USAGE);
     return 2;
   }
   if (codecs_only) {
     print_codecs(quick, json_only);
+    print_kvquant_calib(quick, json_only);
+    return 0;
+  }
+  if (calib_only) {
     print_kvquant_calib(quick, json_only);
     return 0;
   }

@@ -14,6 +14,8 @@
  * After each run the pool is destroyed and every allocation the library
  * made is gone (its own tracking; ASan's leak checker too in `make asan`).
  * A summary line per scenario gives allocations swept and calls failed.
+ * The calibration cases sweep kvp_kvquant_calib_* (add, and synthetic on
+ * worker threads), with the written file compared.
  * The 'room' cases sweep one append whose policy's evictions must make
  * room first (under the budget, or in a full region where its new pages
  * lie over the evicted ones), with what a read gives back compared too.
@@ -21,6 +23,7 @@
 #define KVP_EXPERIMENTAL_API /* raw pages fill the region beside a sequence */
 #include "../../util/fault.h"
 #include "../../util/util.h"
+#include "kvpool_codec.h"
 #include "testutil.h"
 
 #include <check.h>
@@ -570,12 +573,111 @@ START_TEST(append_over_evicted_pages_fails_whole) {
 }
 END_TEST
 
+/* ---- kvquant calibration -------------------------------------------------
+ * kvp_kvquant_calib_*: create, add every head (some weighted) or synthetic
+ * on 3 workers (where a worker thread that cannot start counts as an
+ * allocation: its share goes to the others), then write; every allocation
+ * fails in turn. A failed call returns KVP_ENOMEM and changes nothing: made
+ * again without the fault it succeeds, and the file is the one a run
+ * without any fault writes; nothing is left after destroy. */
+enum { CL = 2, CH = 2, CD = 24, CT = 1400 }; /* CT rows: the sampled thresholds, not only the heaps */
+
+static int calib_call(int rc, tally *t) { /* a failed call: out of memory, injected; then again */
+  if (rc == KVP_OK) return 0;
+  ck_assert_msg(rc == KVP_ENOMEM && fault_failed_total() > 0, "%s: %s", kvp_err_name(rc), kvp_last_error());
+  t->failed_calls++;
+  return 1;
+}
+
+static uint64_t run_calib(int synthetic, uint64_t k, const char *path, tally *t) {
+  armed_k = k;
+  seen = 0;
+  failed_so_far = 0;
+  kvp_kvquant_calib *c = NULL;
+  resume();
+  int rc = kvp_kvquant_calib_create(CL, CH, CD, 3, 0.02, &c);
+  hold();
+  if (calib_call(rc, t)) {
+    ck_assert_ptr_null(c);
+    t->create_failures++;
+    return seen;
+  }
+  if (synthetic) {
+    ck_ok(kvp_kvquant_calib_set_threads(c, 3));
+    resume();
+    rc = kvp_kvquant_calib_synthetic(c, 9, 2, CT / 2);
+    hold();
+    if (calib_call(rc, t)) ck_ok(kvp_kvquant_calib_synthetic(c, 9, 2, CT / 2)); /* nothing was fitted */
+  } else {
+    static float x[CT * CD], w[CT * CD];
+    for (uint32_t l = 0; l < CL; l++)
+      for (uint32_t h = 0; h < CH; h++)
+        for (uint32_t kv = 0; kv < 2; kv++) {
+          for (uint32_t i = 0; i < CT * CD; i++) {
+            x[i] = (float)((i * 2654435761u + l * 97 + h * 31 + kv * 7) % 1000) * 0.01f - 5.0f;
+            w[i] = (float)(i % 3);
+          }
+          const float *wp = h ? w : NULL;
+          resume();
+          rc = kvp_kvquant_calib_add(c, l, h, kv, x, wp, CD, CT);
+          hold();
+          if (calib_call(rc, t)) ck_ok(kvp_kvquant_calib_add(c, l, h, kv, x, wp, CD, CT));
+        }
+  }
+  resume();
+  rc = kvp_kvquant_calib_write(c, path);
+  hold();
+  if (calib_call(rc, t)) ck_ok(kvp_kvquant_calib_write(c, path));
+  kvp_kvquant_calib_destroy(c);
+  return seen;
+}
+
+static size_t slurp(const char *path, uint8_t *buf, size_t cap) {
+  FILE *f = fopen(path, "rb");
+  ck_assert_ptr_nonnull(f);
+  size_t n = fread(buf, 1, cap, f);
+  fclose(f);
+  return n;
+}
+
+START_TEST(calib_every_allocation_fails_in_turn) {
+  char path[] = "/tmp/kvq_faultXXXXXX";
+  int fd = mkstemp(path);
+  ck_assert_int_ge(fd, 0);
+  close(fd);
+  static uint8_t want[1 << 16], got[1 << 16];
+  uint64_t live0 = kvp__fault_live(NULL), live_b;
+  tally t = {0, 0, 0, 0};
+  uint64_t total = run_calib(_i, 0, path, &t);
+  size_t n = slurp(path, want, sizeof want);
+  ck_assert_uint_gt(total, 0);
+  for (uint64_t k = 1; k <= total; k++) {
+    uint64_t nk = run_calib(_i, k, path, &t);
+    t.runs++;
+    uint64_t live = kvp__fault_live(&live_b);
+    ck_assert_msg(live == live0, "calibration k=%llu: %llu allocations (%llu bytes) left after destroy",
+                  (unsigned long long)k, (unsigned long long)(live - live0), (unsigned long long)live_b);
+    if (t.create_failures == 0) { /* the file of a run that got through: the same bytes */
+      ck_assert_uint_eq(slurp(path, got, sizeof got), n);
+      ck_assert_mem_eq(got, want, n);
+    }
+    t.create_failures = 0;
+    if (nk < k) break;
+  }
+  printf("fault calibration %-10s %5llu allocations swept, %5llu calls failed\n", _i ? "synthetic" : "add",
+         (unsigned long long)t.runs, (unsigned long long)t.failed_calls);
+  ck_assert_uint_gt(t.failed_calls, 0);
+  unlink(path);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("fault");
   TCase *tc = tcase_create("sweep");
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, every_allocation_fails_in_turn, 0, NSCEN);
   tcase_add_loop_test(tc, prefix_every_allocation_fails_in_turn, 0, 2);
+  tcase_add_loop_test(tc, calib_every_allocation_fails_in_turn, 0, 2);
   suite_add_tcase(s, tc);
   TCase *room = tcase_create("room");
   tcase_set_timeout(room, 60);
