@@ -600,11 +600,47 @@ kvp__gjob *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g);
 void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n);
 int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g);
 void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
+/* Room in g's table for need_bytes, its first used_bytes kept (bytes, for
+ * tables of other records than kvp__gjob: the attention's); ENOMEM. */
+int kvp__dev_gather_reserve(kvp_pool *pool, kvp__dev_gather *g, uint64_t used_bytes, uint64_t need_bytes);
 /* Decode attention (pages/attend.c builds, this runs): the first
  * table_bytes of g's records (records, splits, split index) copied to
  * a->recs in one transfer, then kernels/attend.cu's launches. */
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
                         void *stream);
+/* pages/attend_table.c: the attention's block table, built on the host
+ * (any pool with 64-byte aligned pages: a CUDA region, or a dry one). */
+typedef struct kvp__abuf {
+  unsigned char *p;   /* the table's bytes */
+  uint64_t cap_bytes; /* their size */
+  /* make room for need bytes, the first used kept (p and cap_bytes
+   * updated); KVP_OK or KVP_ENOMEM; NULL: the buffer cannot grow */
+  int (*grow)(struct kvp__abuf *buf, uint64_t used, uint64_t need);
+  void *ctx;          /* grow's */
+} kvp__abuf;
+typedef struct kvp__atable {
+  /* in */
+  uint32_t layer;        /* the layer attended */
+  const uint64_t *seqs;  /* [batch] sequence ids */
+  uint32_t batch;        /* sequences */
+  uint32_t kind;         /* the kernel kind (kvp__kern_attend_kind): its records */
+  uint32_t split_tokens; /* tokens per split; 0: the smallest size whose splits fit in slots */
+  uint32_t slots;        /* thread blocks the device runs at once (split_tokens 0) */
+  /* out */
+  uint32_t nrec, nsplit, nslot; /* records, splits, partial-result slots */
+  uint64_t off_splits, off_bh;  /* bytes: where the splits and the split index begin */
+  uint64_t table_bytes;         /* bytes of the whole table */
+  uint64_t token_heads;         /* (token, KV head) pairs recorded */
+  uint64_t bytes_read;          /* page bytes the kernel reads */
+} kvp__atable;
+/* The kernels' parameters of layer's four bindings (K codec, K tail, V
+ * codec, V tail); KVP_ENOTSUP names a codec the kernel cannot read. */
+int kvp__attend_bindings(kvp_pool *pool, uint32_t layer, kvp__kparams kp[4]);
+/* Build t's table at buf->p (grown through buf->grow); under
+ * kvp__rcu_read_lock, which must be held while the table is used (its
+ * pages stay valid until then). KVP_ENOENT names a sequence that does not
+ * exist, KVP_EINVAL a batch or table too large, KVP_ENOMEM. */
+int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf);
 /* Device and pinned host bytes the control block holds (stats). */
 void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes);
 /* Streaming multiprocessors of the pool's device (for splitting work). */
