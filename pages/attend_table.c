@@ -58,39 +58,244 @@ static int reserve(kvp__abuf *buf, uint64_t used, uint64_t need) {
 }
 
 /* ---- the walk ---------------------------------------------------------------
- * Each (sequence, KV head) through kvp__walk_ranges: one kvp__gjob per
- * retained range of a block (kvp__gjob_fill), its tokens and the page bytes
- * the kernel reads counted; the splits over them; then the records
- * rewritten in the kernel's form in place and the splits moved behind them. */
+ * One pass over each (sequence, KV head)'s runs and blocks writes the
+ * records in the kernel's form (no kvp__gjob first, no compaction after),
+ * counts their tokens and the bytes the kernel reads. The walk is
+ * instantiated per record form (FORM_* constants through always_inline), so
+ * a record is straight-line code: a few loads from the block (its position,
+ * capacity and page counts, the first pages of K and of V), one store. Its
+ * state stays in registers (a local cursor: the stores into the table,
+ * through unsigned char, could otherwise alias it), and the blocks a few
+ * brefs ahead are prefetched (a stream's blocks lie apart in memory once
+ * other streams appended between them). A sequence that holds shared prefix
+ * chunks walks its blocks through kvp__bwalk (pages.h); the others follow
+ * their brefs directly. Both visit what kvp__walk_ranges visits, in its
+ * order. */
+enum { FORM_RAW, FORM_Q, FORM_GJOB };
+#define FORM_BYTES(form) \
+  ((form) == FORM_RAW ? sizeof(kvp__arec_raw) : (form) == FORM_Q ? sizeof(kvp__arec_q) : sizeof(kvp__gjob))
+#define PREFETCH_AHEAD 8 /* brefs; 4..32 measure alike (kvpool-prof-attend) */
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
-typedef struct walk_ctx {
-  kvp__abuf *buf;
-  uint64_t n;       /* kvp__gjob records written */
-  uint32_t head;
-  uint64_t tokens;  /* token-heads recorded */
-  double bytes;     /* page bytes the kernel reads */
-  int rc;
-} walk_ctx;
+typedef struct cursor {
+  unsigned char *dst;   /* the next record */
+  unsigned char *lim;   /* the end of the records that fit */
+  uint64_t whole_bytes; /* page bytes of records that read their whole block */
+  double part_bytes;    /* the share of the others' */
+} cursor;
 
-static int walk_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
-  walk_ctx *c = vctx;
-  uint32_t m = e - a;
-  if ((c->rc = reserve(c->buf, c->n * sizeof(kvp__gjob), (c->n + 1) * sizeof(kvp__gjob)))) return 1;
-  kvp__gjob *r = (kvp__gjob *)c->buf->p + c->n++;
-  kvp__gjob_fill(r, b, c->head, a, e, 0, b->raw ? 1 : 0);
-  for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) c->bytes += (double)b->pages[kv][i].requested_bytes * m / b->cap_tokens;
-  c->tokens += m;
-  return 0;
+/* Room for more records (buf grows, those written kept); *rc. */
+static cursor __attribute__((noinline)) cursor_grow(kvp__abuf *buf, cursor c, uint32_t rb, int *rc) {
+  uint64_t used = (uint64_t)(c.dst - buf->p);
+  if ((*rc = reserve(buf, used, used + rb + used / 2))) return c;
+  kvp__assert((uintptr_t)buf->p % 16 == 0);
+  c.dst = buf->p + used;
+  c.lim = buf->p + buf->cap_bytes / rb * rb;
+  return c;
+}
+
+/* 8 bytes of the table. (Streaming stores, which skip reading the lines
+ * first, measured no faster: the walk is bound by its reads.) */
+static ALWAYS_INLINE void store8(unsigned char *dst, uint64_t v) { memcpy(dst, &v, sizeof v); }
+static ALWAYS_INLINE void store16(unsigned char *dst, uint64_t lo, uint64_t hi) {
+  store8(dst, lo);
+  store8(dst + 8, hi);
+}
+
+/* Page i of side kv in 64-byte units, or KVP__GJOB_NO_PAGE. */
+static ALWAYS_INLINE uint32_t page64(const kvp__block *b, int kv, unsigned i) {
+  return i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
+}
+
+/* Requested bytes of a side's np pages (branches, not a loop: np is the
+ * same block after block, and pages past np lie in lines not read). */
+static ALWAYS_INLINE uint64_t side_bytes(const kvp__page *pg, unsigned np) {
+  uint64_t n = 0;
+  if (np > 0) {
+    n = pg[0].requested_bytes;
+    if (KVP__UNLIKELY(np > 1)) {
+      n += pg[1].requested_bytes;
+      for (unsigned i = 2; i < np; i++) n += pg[i].requested_bytes;
+    }
+  }
+  return n;
+}
+
+_Static_assert(sizeof(kvp__arec_raw) == 16 && offsetof(kvp__arec_raw, t0) == 8 && offsetof(kvp__arec_raw, m1) == 10,
+               "kvp__arec_raw as put() writes it");
+_Static_assert(sizeof(kvp__arec_q) == 32 && offsetof(kvp__arec_q, t0) == 24 && offsetof(kvp__arec_q, m1) == 26 &&
+                   offsetof(kvp__arec_q, cap1) == 28 && offsetof(kvp__arec_q, tag) == 30,
+               "kvp__arec_q as put() writes it");
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "records are written as little-endian words");
+
+/* The record of tokens [a, e) of b at c->dst (room checked). The compact
+ * records go out as 8-byte words (kvp__arec_raw, kvp__arec_q: little-endian
+ * fields, no padding but arec_raw's zero pad). */
+static ALWAYS_INLINE void put(cursor *c, const kvp__block *b, uint32_t head, uint32_t a, uint32_t e, const int form) {
+  uint32_t p0 = b->pos0, cap = b->cap_tokens, m = e - a; /* cap <= KVP__MAX_BLOCK_TOKENS: 16-bit fields */
+  uint64_t t0 = a - p0, m1 = m - 1;
+  uint64_t req = side_bytes(b->pages[0], b->npages[0]) + side_bytes(b->pages[1], b->npages[1]);
+  if (KVP__LIKELY(m == cap)) c->whole_bytes += req;
+  else c->part_bytes += (double)req * m / cap;
+  if (form == FORM_RAW) { /* page[2]; t0, m1; pad */
+    store16(c->dst, page64(b, 0, 0) | (uint64_t)page64(b, 1, 0) << 32, t0 | m1 << 16);
+  } else if (form == FORM_Q) { /* page[2][3]; t0, m1, cap1, tag */
+    store16(c->dst, page64(b, 0, 0) | (uint64_t)page64(b, 0, 1) << 32,
+            page64(b, 0, 2) | (uint64_t)page64(b, 1, 0) << 32);
+    store16(c->dst + 16, page64(b, 1, 1) | (uint64_t)page64(b, 1, 2) << 32,
+            t0 | m1 << 16 | (uint64_t)(cap - 1) << 32 | (uint64_t)b->raw << 48);
+  } else {
+    kvp__gjob r;
+    for (int kv = 0; kv < 2; kv++)
+      for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++) r.page[kv][i] = page64(b, kv, i);
+    r.row = 0, r.pos0 = p0, r.head = (uint16_t)head, r.tag = (uint16_t)(b->raw ? 1 : 0);
+    r.t0 = (uint16_t)t0, r.m1 = (uint16_t)m1, r.n1 = (uint16_t)(kvp__block_n(b) - 1), r.cap1 = (uint16_t)(cap - 1);
+    memcpy(c->dst, &r, sizeof r);
+  }
+  c->dst += FORM_BYTES(form);
+}
+
+static uint32_t run_end(const kvp__run *r) { return atomic_load_explicit(&r->p1, memory_order_acquire); }
+
+/* The lines of b the walk reads (for 1 or 2 pages a side). */
+static ALWAYS_INLINE void prefetch_block(const kvp__block *b) {
+  __builtin_prefetch(b);
+  __builtin_prefetch(&b->pages[0][0]);
+  __builtin_prefetch(&b->pages[1][0]);
+}
+
+/* Head's records of layer L of s, a sequence without shared chunks: the
+ * runs that retain it, merged with the stream's brefs (both in position
+ * order). *tok: their tokens. WALK_SHARED when s holds shared chunks by the
+ * time a run's end is loaded (an attach publishes the holds before the
+ * positions they cover, and holds stay once set): its records so far are
+ * dropped and the head walked again through kvp__bwalk. */
+#define WALK_SHARED 1
+static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const kvp__seq *s, const kvp__layer *L,
+                                    const kvp__stream *st, uint32_t head, uint64_t *tok, const int form) {
+  cursor c = *cp;
+  const unsigned char *base = buf->p; /* (a grow may move it) */
+  const kvp__bref *r = kvp__rcu_deref(st->blocks), *pf = r;
+  for (int i = 0; pf && i < PREFETCH_AHEAD; i++) pf = kvp__rcu_deref(pf->next);
+  uint64_t t = 0;
+  for (const kvp__run *run = kvp__rcu_deref(L->runs); run && r; run = kvp__rcu_deref(run->next)) {
+    if (!kvp__run_has(run, head)) continue;
+    uint32_t ra = run->p0, re = run_end(run);
+    if (KVP__UNLIKELY(kvp__rcu_deref(s->holds) != NULL)) { /* *cp as it was, in buf as it is */
+      cp->dst = buf->p + (cp->dst - base);
+      cp->lim = c.lim;
+      return WALK_SHARED;
+    }
+    for (; r; r = kvp__rcu_deref(r->next)) {
+      if (pf) {
+        prefetch_block(kvp__rcu_deref(pf->blk));
+        pf = kvp__rcu_deref(pf->next);
+      }
+      const kvp__block *b = kvp__rcu_deref(r->blk);
+      uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
+      if (p0 >= re) break; /* the next run's */
+      if (be <= ra) continue;
+      uint32_t a = ra > p0 ? ra : p0, e = re < be ? re : be;
+      if (KVP__UNLIKELY(c.dst == c.lim)) {
+        int rc;
+        c = cursor_grow(buf, c, FORM_BYTES(form), &rc);
+        if (rc) return rc;
+      }
+      put(&c, b, head, a, e, form);
+      t += e - a;
+      if (be > re) break; /* the next run may begin inside it */
+    }
+  }
+  *cp = c;
+  *tok = t;
+  return KVP_OK;
+}
+
+/* The same through kvp__bwalk, for a sequence that holds shared chunks
+ * (kvp__walk_ranges's loop). */
+static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool *pool, const kvp__seq *s,
+                                     const kvp__layer *L, uint32_t layer, uint32_t head, uint64_t *tok,
+                                     const int form) {
+  cursor c = *cp;
+  kvp__bwalk bw;
+  kvp__bwalk_init(&bw, pool, s, layer * pool->cfg.n_kv_heads + head);
+  uint64_t t = 0;
+  for (const kvp__run *run = kvp__rcu_deref(L->runs); run; run = kvp__rcu_deref(run->next)) {
+    if (!kvp__run_has(run, head)) continue;
+    uint32_t ra = run->p0, re = run_end(run);
+    for (kvp__block *b; (b = kvp__bwalk_peek(&bw)) && b->pos0 < re;) {
+      uint32_t be = b->pos0 + b->cap_tokens;
+      if (be > ra) {
+        uint32_t a = ra > b->pos0 ? ra : b->pos0, e = re < be ? re : be;
+        if (KVP__UNLIKELY(c.dst == c.lim)) {
+          int rc;
+          c = cursor_grow(buf, c, FORM_BYTES(form), &rc);
+          if (rc) return rc;
+        }
+        put(&c, b, head, a, e, form);
+        t += e - a;
+        if (be > re) break;
+      }
+      kvp__bwalk_pass(&bw, b);
+    }
+  }
+  *cp = c;
+  *tok = t;
+  return KVP_OK;
+}
+
+/* Every (sequence, head) of the batch: recs_at[bh] (bh's first record) and
+ * tok_of[bh]; *c after the last record. */
+static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, kvp_pool *pool, const kvp__atable *t,
+                                    uint32_t *recs_at, uint64_t *tok_of, const int form) {
+  uint32_t H = pool->cfg.n_kv_heads;
+  for (uint32_t b = 0; b < t->batch; b++) {
+    kvp__seq *s = kvp__seq_find(pool, t->seqs[b]);
+    if (!s)
+      return kvp__err(KVP_ENOENT, "attend: seqs[%u]: sequence %llu does not exist", b, (unsigned long long)t->seqs[b]);
+    const kvp__layer *L = &s->layers[t->layer];
+    for (uint32_t h = 0; h < H; h++) {
+      uint64_t n = (uint64_t)(c->dst - buf->p) / FORM_BYTES(form);
+      if (n >= UINT32_MAX / 2) return kvp__err(KVP_EINVAL, "attend: the batch's block table passes 2^31 records");
+      recs_at[b * H + h] = (uint32_t)n;
+      int rc = WALK_SHARED;
+      if (!kvp__rcu_deref(s->holds))
+        rc = walk_brefs(buf, c, s, L, kvp__seq_stream(pool, s, t->layer, h), h, &tok_of[b * H + h], form);
+      if (rc == WALK_SHARED) /* from the head's first record again */
+        rc = walk_shared(buf, c, pool, s, L, t->layer, h, &tok_of[b * H + h], form);
+      if (rc) return rc;
+    }
+  }
+  return KVP_OK;
+}
+
+static int walk_raw(kvp__abuf *buf, cursor *c, kvp_pool *p, const kvp__atable *t, uint32_t *at, uint64_t *tok) {
+  return walk_batch(buf, c, p, t, at, tok, FORM_RAW);
+}
+static int walk_q(kvp__abuf *buf, cursor *c, kvp_pool *p, const kvp__atable *t, uint32_t *at, uint64_t *tok) {
+  return walk_batch(buf, c, p, t, at, tok, FORM_Q);
+}
+static int walk_gjob(kvp__abuf *buf, cursor *c, kvp_pool *p, const kvp__atable *t, uint32_t *at, uint64_t *tok) {
+  return walk_batch(buf, c, p, t, at, tok, FORM_GJOB);
 }
 
 /* ---- splits ----------------------------------------------------------------- */
 
+/* Tokens of record r (its m1 + 1; m1 at byte m1_at of rb-byte records). */
+static inline uint32_t rec_tokens(const unsigned char *recs, uint32_t rb, uint32_t m1_at, uint32_t r) {
+  uint16_t m1;
+  memcpy(&m1, recs + (size_t)r * rb + m1_at, sizeof m1);
+  return m1 + 1u;
+}
+
 /* Splits of the table: recs_at[bh] .. recs_at[bh + 1] are bh's records,
- * tok_of[bh] their tokens. Writes them (NULL: counts) and returns their
- * number; *slots: the partial-result slots used. */
-static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, const uint64_t *tok_of, uint32_t nbh,
-                            uint32_t chunk, kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
+ * tok_of[bh] their tokens. Writes them at out, bh's first at bh_split0[bh],
+ * and returns their number (at most splits_bound's); *slots: the
+ * partial-result slots used. A bh of one split (most: those of at most
+ * chunk tokens) takes all its records unread; the others' are read once. */
+static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_at, const uint32_t *recs_at,
+                            const uint64_t *tok_of, uint32_t nbh, uint32_t chunk, kvp__asplit *out,
+                            uint32_t *bh_split0, uint32_t *slots) {
   uint32_t n = 0, nslot = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
     uint32_t first = n, r = recs_at[bh], end = recs_at[bh + 1];
@@ -100,21 +305,37 @@ static uint32_t make_splits(const kvp__gjob *recs, const uint32_t *recs_at, cons
      * of the tokens, so the count is what wave_chunk planned for (one
      * split more than the device holds at once would cost a second wave) */
     uint64_t parts = total ? (total + chunk - 1) / chunk : 1, cum = 0;
-    if (bh_split0) bh_split0[bh] = n;
-    do { /* at least one split per bh: a head with no tokens writes zeros */
+    bh_split0[bh] = n;
+    if (parts == 1) { /* the target is the total: every record */
+      out[n++] = (kvp__asplit){r, end - r, bh, KVP__ASPLIT_ONLY};
+      continue;
+    }
+    do {
       uint32_t r0 = r;
       uint64_t target = total * (n - first + 1) / parts;
-      while (r < end && (r == r0 || 2 * (cum + recs[r].m1 + 1u) <= 2 * target + recs[r].m1 + 1u))
-        cum += recs[r++].m1 + 1u;
-      if (out) out[n] = (kvp__asplit){r0, r - r0, bh, 0};
-      n++;
+      for (; r < end; r++) {
+        uint64_t m = rec_tokens(recs, rb, m1_at, r);
+        if (r != r0 && 2 * (cum + m) > 2 * target + m) break;
+        cum += m;
+      }
+      out[n++] = (kvp__asplit){r0, r - r0, bh, 0};
     } while (r < end);
-    if (out)
-      for (uint32_t s = first; s < n; s++) out[s].slot = n - first > 1 ? nslot + (s - first) : KVP__ASPLIT_ONLY;
+    for (uint32_t s = first; s < n; s++) out[s].slot = n - first > 1 ? nslot + (s - first) : KVP__ASPLIT_ONLY;
     if (n - first > 1) nslot += n - first;
   }
-  if (bh_split0) bh_split0[nbh] = n;
+  bh_split0[nbh] = n;
   *slots = nslot;
+  return n;
+}
+
+/* Splits make_splits can write: per bh at most one per part and one per
+ * record, one at least. */
+static uint64_t splits_bound(const uint32_t *recs_at, const uint64_t *tok_of, uint32_t nbh, uint32_t chunk) {
+  uint64_t n = 0;
+  for (uint32_t bh = 0; bh < nbh; bh++) {
+    uint64_t parts = tok_of[bh] ? (tok_of[bh] + chunk - 1) / chunk : 1, nr = recs_at[bh + 1] - recs_at[bh];
+    n += parts < nr ? parts : nr ? nr : 1;
+  }
   return n;
 }
 
@@ -138,23 +359,6 @@ static uint64_t wave_chunk(const uint64_t *tok_of, uint32_t nbh, uint64_t tokens
   return ch;
 }
 
-/* Rewrite n kvp__gjob records at recs as rb-byte records, in place (from the
- * front: each record lands at or before where it was read). */
-static void compact(uint32_t rb, void *recs, uint32_t n) {
-  const kvp__gjob *in = (const kvp__gjob *)recs;
-  for (uint32_t i = 0; i < n; i++) {
-    const kvp__gjob g = in[i]; /* read whole before the write that may overlap it */
-    if (rb == sizeof(kvp__arec_raw)) {
-      const kvp__arec_raw r = {{g.page[0][0], g.page[1][0]}, g.t0, g.m1, 0};
-      memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
-    } else {
-      const kvp__arec_q r = {{{g.page[0][0], g.page[0][1], g.page[0][2]}, {g.page[1][0], g.page[1][1], g.page[1][2]}},
-                             g.t0, g.m1, g.cap1, g.tag};
-      memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
-    }
-  }
-}
-
 int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   uint32_t H = pool->cfg.n_kv_heads, nbh = t->batch * H, rb = kvp__kern_attend_rec_bytes(t->kind);
   t->nrec = t->nsplit = t->nslot = 0;
@@ -169,56 +373,41 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
     return kvp__err(KVP_EINVAL, "attend: layer %u >= n_layers %u", t->layer, pool->cfg.n_layers);
   if ((uint64_t)t->batch * H >= UINT32_MAX)
     return kvp__err(KVP_EINVAL, "attend: batch %u x %u KV heads is too many", t->batch, H);
-  /* scratch: each bh's first record (and the end), each bh's tokens */
-  size_t scratch = (size_t)(nbh + 1) * sizeof(uint32_t) + (size_t)nbh * sizeof(uint64_t);
+  int form = rb == sizeof(kvp__arec_raw) ? FORM_RAW : rb == sizeof(kvp__arec_q) ? FORM_Q : FORM_GJOB;
+  uint32_t m1_at = form == FORM_RAW ? offsetof(kvp__arec_raw, m1)
+                   : form == FORM_Q ? offsetof(kvp__arec_q, m1)
+                                    : offsetof(kvp__gjob, m1);
+  kvp__assert(form != FORM_GJOB || rb == sizeof(kvp__gjob));
+  /* scratch: each bh's first record (and the end), each bh's tokens, each bh's first split (and the end) */
+  size_t scratch = (size_t)(nbh + 1) * 2 * sizeof(uint32_t) + (size_t)nbh * sizeof(uint64_t);
   uint64_t *tok_of = kvp__meta_alloc(NULL, scratch);
   if (!tok_of) return kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", t->batch);
-  uint32_t *recs_at = (uint32_t *)(tok_of + nbh);
-  walk_ctx c = {.buf = buf};
-  int rc = KVP_OK;
-  for (uint32_t b = 0; !rc && b < t->batch; b++) {
-    kvp__seq *s = kvp__seq_find(pool, t->seqs[b]);
-    if (!s) {
-      rc = kvp__err(KVP_ENOENT, "attend: seqs[%u]: sequence %llu does not exist", b, (unsigned long long)t->seqs[b]);
-      break;
-    }
-    for (uint32_t h = 0; !rc && h < H; h++) {
-      if (c.n >= UINT32_MAX / 2) {
-        rc = kvp__err(KVP_EINVAL, "attend: the batch's block table passes 2^31 records");
-        break;
-      }
-      recs_at[b * H + h] = (uint32_t)c.n;
-      c.head = h;
-      uint64_t tok0 = c.tokens;
-      kvp__walk_ranges(s, pool, t->layer, h, UINT64_MAX, walk_range, &c);
-      tok_of[b * H + h] = c.tokens - tok0;
-      rc = c.rc;
-    }
-  }
+  uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
+  kvp__assert((uintptr_t)buf->p % 16 == 0);
+  cursor c = {buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0};
+  int rc = form == FORM_RAW ? walk_raw(buf, &c, pool, t, recs_at, tok_of)
+           : form == FORM_Q ? walk_q(buf, &c, pool, t, recs_at, tok_of)
+                            : walk_gjob(buf, &c, pool, t, recs_at, tok_of);
   if (!rc) {
-    uint32_t nrec = recs_at[nbh] = (uint32_t)c.n, nslot;
+    uint32_t nrec = recs_at[nbh] = (uint32_t)((uint64_t)(c.dst - buf->p) / rb), nslot;
+    uint64_t tokens = 0;
+    for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
     uint64_t ch = t->split_tokens;
-    if (!ch) ch = wave_chunk(tok_of, nbh, c.tokens, t->slots);
+    if (!ch) ch = wave_chunk(tok_of, nbh, tokens, t->slots);
     uint32_t chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
-    uint32_t nsplit = make_splits((const kvp__gjob *)buf->p, recs_at, tok_of, nbh, chunk, NULL, NULL, &nslot);
-    uint64_t sp_bytes = (uint64_t)nsplit * sizeof(kvp__asplit) + (uint64_t)(nbh + 1) * 4;
-    t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
-    t->off_splits = align_up((uint64_t)nrec * rb, 16);
-    t->off_bh = t->off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
-    t->table_bytes = t->off_splits + sp_bytes;
-    t->token_heads = c.tokens, t->bytes_read = (uint64_t)c.bytes;
-    /* built in place: the splits after the kvp__gjob records, then the
-     * records rewritten in the kernel's form and the splits moved behind them */
-    uint64_t gj_bytes = align_up((uint64_t)nrec * sizeof(kvp__gjob), 16);
-    if (!(rc = reserve(buf, (uint64_t)nrec * sizeof(kvp__gjob), gj_bytes + sp_bytes))) {
+    uint64_t rec_bytes = (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16), idx_bytes = (nbh + 1) * 4ull;
+    uint64_t most = off_splits + splits_bound(recs_at, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
+    if (!(rc = reserve(buf, rec_bytes, most))) {
       unsigned char *p = buf->p;
-      make_splits((const kvp__gjob *)p, recs_at, tok_of, nbh, chunk, (kvp__asplit *)(p + gj_bytes),
-                  (uint32_t *)(p + gj_bytes + (uint64_t)nsplit * sizeof(kvp__asplit)), &nslot);
-      if (rb != sizeof(kvp__gjob)) {
-        compact(rb, p, nrec);
-        memmove(p + t->off_splits, p + gj_bytes, sp_bytes);
-      }
-      memset(p + (uint64_t)nrec * rb, 0, t->off_splits - (uint64_t)nrec * rb);
+      memset(p + rec_bytes, 0, off_splits - rec_bytes);
+      uint32_t nsplit = make_splits(p, rb, m1_at, recs_at, tok_of, nbh, chunk, (kvp__asplit *)(p + off_splits),
+                                    bh_split0, &nslot);
+      t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
+      t->off_splits = off_splits;
+      t->off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
+      t->table_bytes = t->off_bh + idx_bytes;
+      t->token_heads = tokens, t->bytes_read = c.whole_bytes + (uint64_t)c.part_bytes;
+      memcpy(p + t->off_bh, bh_split0, idx_bytes);
     }
   }
   kvp__meta_free(NULL, tok_of, scratch);

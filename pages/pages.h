@@ -611,7 +611,7 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
 /* pages/attend_table.c: the attention's block table, built on the host
  * (any pool with 64-byte aligned pages: a CUDA region, or a dry one). */
 typedef struct kvp__abuf {
-  unsigned char *p;   /* the table's bytes */
+  unsigned char *p;   /* the table's bytes, 16-byte aligned */
   uint64_t cap_bytes; /* their size */
   /* make room for need bytes, the first used kept (p and cap_bytes
    * updated); KVP_OK or KVP_ENOMEM; NULL: the buffer cannot grow */
