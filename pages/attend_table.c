@@ -62,15 +62,15 @@ static int reserve(kvp__abuf *buf, uint64_t used, uint64_t need) {
  * records in the kernel's form (no kvp__gjob first, no compaction after),
  * counts their tokens and the bytes the kernel reads. The walk is
  * instantiated per record form (FORM_* constants through always_inline), so
- * a record is straight-line code: a few loads from the block (its position,
- * capacity and page counts, the first pages of K and of V), one store. Its
- * state stays in registers (a local cursor: the stores into the table,
- * through unsigned char, could otherwise alias it), and the blocks a few
- * brefs ahead are prefetched (a stream's blocks lie apart in memory once
- * other streams appended between them). A sequence that holds shared prefix
- * chunks walks its blocks through kvp__bwalk (pages.h); the others follow
- * their brefs directly. Both visit what kvp__walk_ranges visits, in its
- * order. */
+ * a record is straight-line code: a few loads from the block's first line
+ * (position, capacity, page counts, the first pages of K and of V; the next
+ * line for second pages: pages.h), its words stored. Its state stays in
+ * registers (a local cursor: the stores into the table, through unsigned
+ * char, could otherwise alias it), and the blocks a few brefs ahead are
+ * prefetched (a stream's blocks lie apart in memory once other streams
+ * appended between them). A sequence that holds shared prefix chunks walks
+ * its blocks through kvp__bwalk (pages.h); the others follow their brefs
+ * directly. Both visit what kvp__walk_ranges visits, in its order. */
 enum { FORM_RAW, FORM_Q, FORM_GJOB };
 #define FORM_BYTES(form) \
   ((form) == FORM_RAW ? sizeof(kvp__arec_raw) : (form) == FORM_Q ? sizeof(kvp__arec_q) : sizeof(kvp__gjob))
@@ -104,18 +104,19 @@ static ALWAYS_INLINE void store16(unsigned char *dst, uint64_t lo, uint64_t hi) 
 
 /* Page i of side kv in 64-byte units, or KVP__GJOB_NO_PAGE. */
 static ALWAYS_INLINE uint32_t page64(const kvp__block *b, int kv, unsigned i) {
-  return i < b->npages[kv] ? (uint32_t)(b->pages[kv][i].off / 64) : KVP__GJOB_NO_PAGE;
+  return i < b->npages[kv] ? (uint32_t)(b->pg[i][kv].off / 64) : KVP__GJOB_NO_PAGE;
 }
 
-/* Requested bytes of a side's np pages (branches, not a loop: np is the
- * same block after block, and pages past np lie in lines not read). */
-static ALWAYS_INLINE uint64_t side_bytes(const kvp__page *pg, unsigned np) {
+/* Requested bytes of a side's pages (branches, not a loop: the counts are
+ * the same block after block, and pages past them lie in lines not read). */
+static ALWAYS_INLINE uint64_t side_bytes(const kvp__block *b, int kv) {
+  unsigned np = b->npages[kv];
   uint64_t n = 0;
   if (np > 0) {
-    n = pg[0].requested_bytes;
+    n = b->pg[0][kv].requested_bytes;
     if (KVP__UNLIKELY(np > 1)) {
-      n += pg[1].requested_bytes;
-      for (unsigned i = 2; i < np; i++) n += pg[i].requested_bytes;
+      n += b->pg[1][kv].requested_bytes;
+      for (unsigned i = 2; i < np; i++) n += b->pg[i][kv].requested_bytes;
     }
   }
   return n;
@@ -127,6 +128,9 @@ _Static_assert(sizeof(kvp__arec_q) == 32 && offsetof(kvp__arec_q, t0) == 24 && o
                    offsetof(kvp__arec_q, cap1) == 28 && offsetof(kvp__arec_q, tag) == 30,
                "kvp__arec_q as put() writes it");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "records are written as little-endian words");
+_Static_assert(offsetof(kvp__block, pg[0][1].requested_bytes) + 4 <= 64 &&
+                   offsetof(kvp__block, pg[1][1].requested_bytes) + 4 <= 128,
+               "a block's first pages in its first line, its second ones in the next (pages.h)");
 
 /* The record of tokens [a, e) of b at c->dst (room checked). The compact
  * records go out as 8-byte words (kvp__arec_raw, kvp__arec_q: little-endian
@@ -134,7 +138,7 @@ _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "records are written a
 static ALWAYS_INLINE void put(cursor *c, const kvp__block *b, uint32_t head, uint32_t a, uint32_t e, const int form) {
   uint32_t p0 = b->pos0, cap = b->cap_tokens, m = e - a; /* cap <= KVP__MAX_BLOCK_TOKENS: 16-bit fields */
   uint64_t t0 = a - p0, m1 = m - 1;
-  uint64_t req = side_bytes(b->pages[0], b->npages[0]) + side_bytes(b->pages[1], b->npages[1]);
+  uint64_t req = side_bytes(b, 0) + side_bytes(b, 1);
   if (KVP__LIKELY(m == cap)) c->whole_bytes += req;
   else c->part_bytes += (double)req * m / cap;
   if (form == FORM_RAW) { /* page[2]; t0, m1; pad */
@@ -157,11 +161,12 @@ static ALWAYS_INLINE void put(cursor *c, const kvp__block *b, uint32_t head, uin
 
 static uint32_t run_end(const kvp__run *r) { return atomic_load_explicit(&r->p1, memory_order_acquire); }
 
-/* The lines of b the walk reads (for 1 or 2 pages a side). */
-static ALWAYS_INLINE void prefetch_block(const kvp__block *b) {
+/* The lines of b a record of form reads: the first (position, capacity,
+ * page counts, the first page of K and of V: pages.h), and for a
+ * quantized codec's the next (the second pages, its scales). */
+static ALWAYS_INLINE void prefetch_block(const kvp__block *b, const int form) {
   __builtin_prefetch(b);
-  __builtin_prefetch(&b->pages[0][0]);
-  __builtin_prefetch(&b->pages[1][0]);
+  if (form != FORM_RAW) __builtin_prefetch(&b->pg[1][0]);
 }
 
 /* Head's records of layer L of s, a sequence without shared chunks: the
@@ -188,7 +193,7 @@ static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const kvp__seq *
     }
     for (; r; r = kvp__rcu_deref(r->next)) {
       if (pf) {
-        prefetch_block(kvp__rcu_deref(pf->blk));
+        prefetch_block(kvp__rcu_deref(pf->blk), form);
         pf = kvp__rcu_deref(pf->next);
       }
       const kvp__block *b = kvp__rcu_deref(r->blk);

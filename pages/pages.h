@@ -5,7 +5,7 @@
  *
  *   pool --lfht--> seq --layers[L]--> runs: [s0,s1) x [p0,p1), head mask
  *                     \--streams[L*H]--> brefs --> block (shared on fork)
- *                                                   pages[K|V][codec page]
+ *                                                   pg[codec page][K|V]
  *
  * A run says which heads of a layer retain the steps [s0, s1) (positions
  * [p0, p1)); a decode step extends the layer's last run, an eviction splits
@@ -57,13 +57,24 @@ typedef struct kvp__binding {
 /* Up to cap_tokens tokens of one stream at positions [pos0, pos0 + cap).
  * raw: the pages are the side's RAW tail (appended dtype), as in an OPEN
  * block of a stream; else they are the layer's codec's. raw, pos0,
- * cap_tokens and, once published sealed, n_tokens never change. */
+ * cap_tokens and, once published sealed, n_tokens never change.
+ * Layout (a 64-byte aligned block, as the metadata arena's 320-byte class
+ * gives): what a walk over many blocks reads first, K's and V's pages of
+ * one index side by side, the writer's bookkeeping last:
+ *   0    pos0 cap_tokens n_tokens raw npages
+ *   16   pg[0][K]   48 pg[0][V] (its off and requested_bytes in line 0)
+ *   80   pg[1][K]  112 pg[1][V] (off, requested_bytes in line 1) ... pg[3][V]
+ *   272  owners refs sealed orphan check_epoch owners_seen oprev onext chunk
+ * so kvp_attend_decode's table (pages/attend_table.c) reads one line of a
+ * block of one page a side (raw) and two of one of two (a codec's codes
+ * and scales). */
 typedef struct kvp__block {
   uint32_t pos0;          /* position of token 0 */
   uint32_t cap_tokens;    /* capacity: the pages hold this many tokens */
   uint32_t n_tokens;      /* tokens written (writer only while OPEN) */
   bool raw;               /* pages of the RAW tail binding */
   uint8_t npages[2];      /* pages per side */
+  kvp__page pg[KVP_CODEC_MAX_PAGES][2]; /* [codec page][K, V] */
   uint32_t owners;        /* streams referencing it (writer only) */
   _Atomic uint32_t refs;  /* owners + view pins; freed when 0 */
   bool sealed;            /* full or closed: takes no more tokens */
@@ -72,7 +83,6 @@ typedef struct kvp__block {
   uint32_t owners_seen;   /* kvp_check: brefs found this check */
   struct kvp__block *oprev, *onext; /* pool->orphans list, or limbo chain (onext) */
   struct kvp__chunk *chunk; /* the prefix-table entry that lists it, or NULL (writer only) */
-  kvp__page pages[2][KVP_CODEC_MAX_PAGES]; /* [K, V][codec page] */
 } kvp__block;
 
 /* A stream's reference to a block (blocks are shared across forks). */
