@@ -58,23 +58,26 @@ static int reserve(kvp__abuf *buf, uint64_t used, uint64_t need) {
 }
 
 /* ---- the walk ---------------------------------------------------------------
- * One pass over each (sequence, KV head)'s runs and blocks writes the
+ * One walk over each (sequence, KV head)'s runs and blocks writes the
  * records in the kernel's form (no kvp__gjob first, no compaction after),
- * counts their tokens and the bytes the kernel reads. The walk is
- * instantiated per record form (FORM_* constants through always_inline), so
- * a record is straight-line code: a few loads from the block's first line
- * (position, capacity, page counts, the first pages of K and of V; the next
- * line for second pages: pages.h), its words stored. Its state stays in
+ * counts their tokens and the bytes the kernel reads. It is instantiated
+ * per record form (FORM_* constants through always_inline), so a record is
+ * straight-line code: a few loads from the block's first line (position,
+ * capacity, page counts, the first pages of K and of V; the next line for
+ * second pages: pages.h), its words stored; the walk's state stays in
  * registers (a local cursor: the stores into the table, through unsigned
- * char, could otherwise alias it), and the blocks a few brefs ahead are
- * prefetched (a stream's blocks lie apart in memory once other streams
- * appended between them). A sequence that holds shared prefix chunks walks
- * its blocks through kvp__bwalk (pages.h); the others follow their brefs
- * directly. Both visit what kvp__walk_ranges visits, in its order. */
+ * char, could otherwise alias it). Memory, not instructions, bounds it:
+ * a sequence's heads are walked in passes that keep many loads in flight
+ * (below). A sequence that holds shared prefix chunks walks its blocks
+ * through kvp__bwalk (pages.h) instead. Both visit what kvp__walk_ranges
+ * visits, in its order. */
 enum { FORM_RAW, FORM_Q, FORM_GJOB };
 #define FORM_BYTES(form) \
   ((form) == FORM_RAW ? sizeof(kvp__arec_raw) : (form) == FORM_Q ? sizeof(kvp__arec_q) : sizeof(kvp__gjob))
-#define PREFETCH_AHEAD 8 /* brefs; 4..32 measure alike (kvpool-prof-attend) */
+/* Blocks read ahead: about 16 lines in flight (one line a raw block, two
+ * a quantized one: kvpool-prof-attend measures 16 and 8 best). */
+#define PREFETCH_AHEAD(form) ((form) == FORM_RAW ? 16 : 8)
+#define PREFETCH_MOST 16
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 typedef struct cursor {
@@ -169,28 +172,154 @@ static ALWAYS_INLINE void prefetch_block(const kvp__block *b, const int form) {
   if (form != FORM_RAW) __builtin_prefetch(&b->pg[1][0]);
 }
 
-/* Head's records of layer L of s, a sequence without shared chunks: the
- * runs that retain it, merged with the stream's brefs (both in position
- * order). *tok: their tokens. WALK_SHARED when s holds shared chunks by the
- * time a run's end is loaded (an attach publishes the holds before the
- * positions they cover, and holds stay once set): its records so far are
- * dropped and the head walked again through kvp__bwalk. */
-#define WALK_SHARED 1
-static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const kvp__seq *s, const kvp__layer *L,
+/* A sequence without shared chunks: its runs' ends are loaded first, once
+ * (with acquire: every block a run covers is linked by then, and an attach
+ * that published holds before them shows), then each head's blocks are
+ * merged with its runs into records, in one of two ways that keep many
+ * loads in flight:
+ *  - where a stream's brefs lie close together, as a step's appends
+ *    allocate them (sequence_is_close), they are followed as they come, the
+ *    blocks PREFETCH_AHEAD brefs ahead prefetched (walk_brefs): the
+ *    hardware runs ahead on the brefs;
+ *  - where they lie apart (other streams appended between them, as decode
+ *    steps do), one list allows one load at a time (each next waits for the
+ *    last): every head's list is followed at once, round-robin, its blocks
+ *    noted per head (collect), then each head's blocks are read from that
+ *    array, PREFETCH_AHEAD ahead prefetched (independent loads:
+ *    walk_blocks). */
+typedef struct srun {
+  const kvp__run *r; /* the run (its head mask) */
+  uint32_t p0, p1;   /* its positions, the end loaded once */
+} srun;
+typedef struct seq_scratch {
+  srun *runs;                 /* [runs_cap] */
+  uint32_t runs_cap;
+  const kvp__block **blk;     /* [H * per]: head h's k-th block at h * per + k */
+  uint64_t per;
+  const kvp__bref **cur;      /* [H]: each head's next bref */
+  uint32_t *nblk;             /* [H]: each head's blocks */
+  uint32_t H;
+} seq_scratch;
+
+static int scratch_init(seq_scratch *x, uint32_t H) {
+  memset(x, 0, sizeof *x);
+  x->H = H;
+  x->cur = kvp__meta_alloc(NULL, H * (sizeof *x->cur + sizeof *x->nblk));
+  if (!x->cur) return kvp__err(KVP_ENOMEM, "attend scratch for %u heads", H);
+  x->nblk = (uint32_t *)(x->cur + H);
+  return KVP_OK;
+}
+
+static void scratch_fini(seq_scratch *x) {
+  kvp__meta_free(NULL, x->cur, x->H * (sizeof *x->cur + sizeof *x->nblk));
+  kvp__meta_free(NULL, x->runs, x->runs_cap * sizeof *x->runs);
+  kvp__meta_free(NULL, x->blk, x->per * x->H * sizeof *x->blk);
+}
+
+/* The runs of L and their ends; *n. */
+static int snap_runs(seq_scratch *x, const kvp__layer *L, uint32_t *n) {
+  uint32_t k = 0;
+  for (const kvp__run *run = kvp__rcu_deref(L->runs); run; run = kvp__rcu_deref(run->next), k++) {
+    if (k == x->runs_cap) {
+      uint32_t cap = x->runs_cap ? 2 * x->runs_cap : 16;
+      srun *na = kvp__meta_realloc(NULL, x->runs, x->runs_cap * sizeof *na, cap * sizeof *na);
+      if (!na) return kvp__err(KVP_ENOMEM, "attend scratch: %u runs", cap);
+      x->runs = na, x->runs_cap = cap;
+    }
+    x->runs[k] = (srun){run, run->p0, run_end(run)};
+  }
+  *n = k;
+  return KVP_OK;
+}
+
+/* Room for k + 1 blocks a head and PREFETCH_MOST more (the first k of
+ * each kept). */
+static int blk_grow(seq_scratch *x, uint64_t k) {
+  uint64_t per = x->per ? 2 * x->per : 1024, H = x->H;
+  const kvp__block **na = kvp__meta_realloc(NULL, x->blk, x->per * H * sizeof *na, per * H * sizeof *na);
+  if (!na) return kvp__err(KVP_ENOMEM, "attend scratch: %llu block pointers", (unsigned long long)(per * H));
+  for (uint64_t h = H; h-- > 1;) memmove(na + h * per, na + h * x->per, k * sizeof *na);
+  x->blk = na, x->per = per;
+  return KVP_OK;
+}
+
+/* Every head's blocks of layer l of s, their bref lists followed together;
+ * each head's last block repeated PREFETCH_MOST times after it (what
+ * walk_blocks prefetches past the end). */
+static int collect(seq_scratch *x, const kvp_pool *pool, kvp__seq *s, uint32_t l) {
+  uint32_t H = x->H, live = 0;
+  const kvp__bref **cur = x->cur;
+  for (uint32_t h = 0; h < H; h++) {
+    cur[h] = kvp__rcu_deref(kvp__seq_stream(pool, s, l, h)->blocks);
+    x->nblk[h] = 0;
+    live += cur[h] != NULL;
+  }
+  uint64_t k = 0;
+  for (; live; k++) {
+    int rc;
+    if (k + PREFETCH_MOST >= x->per && (rc = blk_grow(x, k))) return rc;
+    const kvp__block **col = x->blk + k;
+    uint64_t per = x->per;
+    for (uint32_t h = 0; h < H; h++) {
+      const kvp__bref *r = cur[h];
+      if (!r) continue;
+      col[h * per] = kvp__rcu_deref(r->blk);
+      cur[h] = r = kvp__rcu_deref(r->next);
+      if (!r) x->nblk[h] = (uint32_t)k + 1, live--;
+    }
+  }
+  for (uint32_t h = 0; h < H; h++) {
+    const kvp__block **v = x->blk + h * x->per;
+    for (uint32_t i = 0, n = x->nblk[h]; n && i < PREFETCH_MOST; i++) v[n + i] = v[n - 1];
+  }
+  return KVP_OK;
+}
+
+/* Head's records: its blocks (collect's) merged with the runs that retain
+ * it (both in position order). *tok: their tokens. */
+static ALWAYS_INLINE int walk_blocks(kvp__abuf *buf, cursor *cp, const seq_scratch *x, uint32_t nruns, uint32_t head,
+                                     uint64_t *tok, const int form) {
+  cursor c = *cp;
+  uint32_t n = x->nblk[head], i = 0;
+  const kvp__block *const *v = x->blk + head * x->per;
+  for (uint32_t k = 0; k < PREFETCH_AHEAD(form) && n; k++) prefetch_block(v[k], form);
+  uint64_t t = 0;
+  for (uint32_t k = 0; k < nruns && i < n; k++) {
+    if (!kvp__run_has(x->runs[k].r, head)) continue;
+    uint32_t ra = x->runs[k].p0, re = x->runs[k].p1;
+    for (; i < n; i++) {
+      prefetch_block(v[i + PREFETCH_AHEAD(form)], form); /* (collect pads past n) */
+      const kvp__block *b = v[i];
+      uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
+      if (p0 >= re) break; /* the next run's */
+      if (be <= ra) continue;
+      uint32_t a = ra > p0 ? ra : p0, e = re < be ? re : be;
+      if (KVP__UNLIKELY(c.dst == c.lim)) {
+        int rc;
+        c = cursor_grow(buf, c, FORM_BYTES(form), &rc);
+        if (rc) return rc;
+      }
+      put(&c, b, head, a, e, form);
+      t += e - a;
+      if (be > re) break; /* the next run may begin inside it */
+    }
+  }
+  *cp = c;
+  *tok = t;
+  return KVP_OK;
+}
+
+/* Head's records from its stream's brefs as they come (one pass: cheaper
+ * than collect and walk_blocks where the hardware follows the brefs). */
+static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const seq_scratch *x, uint32_t nruns,
                                     const kvp__stream *st, uint32_t head, uint64_t *tok, const int form) {
   cursor c = *cp;
-  const unsigned char *base = buf->p; /* (a grow may move it) */
   const kvp__bref *r = kvp__rcu_deref(st->blocks), *pf = r;
-  for (int i = 0; pf && i < PREFETCH_AHEAD; i++) pf = kvp__rcu_deref(pf->next);
+  for (int i = 0; pf && i < PREFETCH_AHEAD(form); i++) pf = kvp__rcu_deref(pf->next);
   uint64_t t = 0;
-  for (const kvp__run *run = kvp__rcu_deref(L->runs); run && r; run = kvp__rcu_deref(run->next)) {
-    if (!kvp__run_has(run, head)) continue;
-    uint32_t ra = run->p0, re = run_end(run);
-    if (KVP__UNLIKELY(kvp__rcu_deref(s->holds) != NULL)) { /* *cp as it was, in buf as it is */
-      cp->dst = buf->p + (cp->dst - base);
-      cp->lim = c.lim;
-      return WALK_SHARED;
-    }
+  for (uint32_t k = 0; k < nruns && r; k++) {
+    if (!kvp__run_has(x->runs[k].r, head)) continue;
+    uint32_t ra = x->runs[k].p0, re = x->runs[k].p1;
     for (; r; r = kvp__rcu_deref(r->next)) {
       if (pf) {
         prefetch_block(kvp__rcu_deref(pf->blk), form);
@@ -216,8 +345,19 @@ static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const kvp__seq *
   return KVP_OK;
 }
 
-/* The same through kvp__bwalk, for a sequence that holds shared chunks
- * (kvp__walk_ranges's loop). */
+/* Do the brefs of s's first stream of layer l lie close together (most of
+ * the first 16 within 512 bytes after the one before, as a step's appends
+ * allocate them)? Then walk_brefs, else collect and walk_blocks. */
+static bool sequence_is_close(const kvp_pool *pool, kvp__seq *s, uint32_t l) {
+  const kvp__bref *r = kvp__rcu_deref(kvp__seq_stream(pool, s, l, 0)->blocks);
+  int n = 0, close = 0;
+  for (const kvp__bref *nx; r && n < 16 && (nx = kvp__rcu_deref(r->next)); r = nx, n++)
+    close += (uintptr_t)nx - (uintptr_t)r <= 512;
+  return 2 * close >= n;
+}
+
+/* Head's records through kvp__bwalk, for a sequence that holds shared
+ * chunks (kvp__walk_ranges's loop, which loads the runs as it goes). */
 static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool *pool, const kvp__seq *s,
                                      const kvp__layer *L, uint32_t layer, uint32_t head, uint64_t *tok,
                                      const int form) {
@@ -251,7 +391,7 @@ static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool 
 
 /* Every (sequence, head) of the batch: recs_at[bh] (bh's first record) and
  * tok_of[bh]; *c after the last record. */
-static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, kvp_pool *pool, const kvp__atable *t,
+static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *pool, const kvp__atable *t,
                                     uint32_t *recs_at, uint64_t *tok_of, const int form) {
   uint32_t H = pool->cfg.n_kv_heads;
   for (uint32_t b = 0; b < t->batch; b++) {
@@ -259,29 +399,36 @@ static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, kvp_pool *pool, c
     if (!s)
       return kvp__err(KVP_ENOENT, "attend: seqs[%u]: sequence %llu does not exist", b, (unsigned long long)t->seqs[b]);
     const kvp__layer *L = &s->layers[t->layer];
-    for (uint32_t h = 0; h < H; h++) {
+    uint32_t nruns;
+    int rc = snap_runs(x, L, &nruns);
+    /* holds are published before the positions they cover (an attach), and stay once set */
+    bool shared = kvp__rcu_deref(s->holds) != NULL, close = !shared && sequence_is_close(pool, s, t->layer);
+    if (!rc && !shared && !close) rc = collect(x, pool, s, t->layer);
+    for (uint32_t h = 0; !rc && h < H; h++) {
       uint64_t n = (uint64_t)(c->dst - buf->p) / FORM_BYTES(form);
       if (n >= UINT32_MAX / 2) return kvp__err(KVP_EINVAL, "attend: the batch's block table passes 2^31 records");
       recs_at[b * H + h] = (uint32_t)n;
-      int rc = WALK_SHARED;
-      if (!kvp__rcu_deref(s->holds))
-        rc = walk_brefs(buf, c, s, L, kvp__seq_stream(pool, s, t->layer, h), h, &tok_of[b * H + h], form);
-      if (rc == WALK_SHARED) /* from the head's first record again */
-        rc = walk_shared(buf, c, pool, s, L, t->layer, h, &tok_of[b * H + h], form);
-      if (rc) return rc;
+      uint64_t *tok = &tok_of[b * H + h];
+      rc = shared  ? walk_shared(buf, c, pool, s, L, t->layer, h, tok, form)
+           : close ? walk_brefs(buf, c, x, nruns, kvp__seq_stream(pool, s, t->layer, h), h, tok, form)
+                   : walk_blocks(buf, c, x, nruns, h, tok, form);
     }
+    if (rc) return rc;
   }
   return KVP_OK;
 }
 
-static int walk_raw(kvp__abuf *buf, cursor *c, kvp_pool *p, const kvp__atable *t, uint32_t *at, uint64_t *tok) {
-  return walk_batch(buf, c, p, t, at, tok, FORM_RAW);
+static int walk_raw(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
+                    uint64_t *tok) {
+  return walk_batch(buf, c, x, p, t, at, tok, FORM_RAW);
 }
-static int walk_q(kvp__abuf *buf, cursor *c, kvp_pool *p, const kvp__atable *t, uint32_t *at, uint64_t *tok) {
-  return walk_batch(buf, c, p, t, at, tok, FORM_Q);
+static int walk_q(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
+                  uint64_t *tok) {
+  return walk_batch(buf, c, x, p, t, at, tok, FORM_Q);
 }
-static int walk_gjob(kvp__abuf *buf, cursor *c, kvp_pool *p, const kvp__atable *t, uint32_t *at, uint64_t *tok) {
-  return walk_batch(buf, c, p, t, at, tok, FORM_GJOB);
+static int walk_gjob(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
+                     uint64_t *tok) {
+  return walk_batch(buf, c, x, p, t, at, tok, FORM_GJOB);
 }
 
 /* ---- splits ----------------------------------------------------------------- */
@@ -390,9 +537,13 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
   kvp__assert((uintptr_t)buf->p % 16 == 0);
   cursor c = {buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0};
-  int rc = form == FORM_RAW ? walk_raw(buf, &c, pool, t, recs_at, tok_of)
-           : form == FORM_Q ? walk_q(buf, &c, pool, t, recs_at, tok_of)
-                            : walk_gjob(buf, &c, pool, t, recs_at, tok_of);
+  seq_scratch x;
+  int rc = scratch_init(&x, H);
+  if (!rc)
+    rc = form == FORM_RAW ? walk_raw(buf, &c, &x, pool, t, recs_at, tok_of)
+         : form == FORM_Q ? walk_q(buf, &c, &x, pool, t, recs_at, tok_of)
+                          : walk_gjob(buf, &c, &x, pool, t, recs_at, tok_of);
+  scratch_fini(&x);
   if (!rc) {
     uint32_t nrec = recs_at[nbh] = (uint32_t)((uint64_t)(c.dst - buf->p) / rb), nslot;
     uint64_t tokens = 0;

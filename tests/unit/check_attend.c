@@ -27,7 +27,7 @@
 
 #ifdef KVP_HAVE_CUDA
 
-enum { L = 2, H = 4, D = 64, BT = 16, MAXSEQ = 16 };
+enum { L = 2, H = 4, D = 64, BT = 16, MAXSEQ = 20 };
 
 /* ---- the reference ----------------------------------------------------------- */
 
@@ -254,6 +254,24 @@ static scene build(const char *codecs, kvp_dtype dt, int dry) {
   ck_ok(kvp_seq_fork(p, 4, 7)); /* shares 4's sealed blocks, copies its OPEN ones */
   sc.seqs[sc.n++] = 7;
   step(p, 7, 3, dt, dry);
+  /* three sequences appended in turn, as an engine's decode steps: a stream's
+   * brefs and blocks lie apart in memory (the table collects them first) */
+  add(&sc, 11, NULL);
+  add(&sc, 12, &stepm);
+  add(&sc, 13, NULL);
+  for (uint32_t i = 0; i < 24; i++)
+    for (uint64_t id = 11; id <= 13; id++) step(p, id, id == 13 && i % 3 ? 5 : BT, dt, dry);
+  for (uint32_t h = 0; h < H; h += 2) ck_ok(kvp_evict(p, 12, 0, h, 3 + h));
+  int close = 0, apart = 0; /* both of attend_table.c's walks (its sequence_is_close) */
+  kvp__rcu_read_lock();
+  for (uint32_t i = 0; i < sc.n; i++) {
+    const kvp__bref *r = kvp__seq_find(p, sc.seqs[i])->streams[0].blocks, *nx;
+    int n = 0, near = 0;
+    for (; r && n < 16 && (nx = r->next); r = nx, n++) near += (uintptr_t)nx - (uintptr_t)r <= 512;
+    close += 2 * near >= n, apart += 2 * near < n;
+  }
+  kvp__rcu_read_unlock();
+  ck_assert_msg(close && apart, "%s: %d sequences with their brefs close, %d apart", codecs, close, apart);
   if (!dry) { /* shared prefix chunks: 9 and 10 attach 8's first three */
     uint32_t tok[80];
     for (uint32_t i = 0; i < 80; i++) tok[i] = 1000 + i;
