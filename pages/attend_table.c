@@ -74,10 +74,10 @@ static int reserve(kvp__abuf *buf, uint64_t used, uint64_t need) {
 enum { FORM_RAW, FORM_Q, FORM_GJOB };
 #define FORM_BYTES(form) \
   ((form) == FORM_RAW ? sizeof(kvp__arec_raw) : (form) == FORM_Q ? sizeof(kvp__arec_q) : sizeof(kvp__gjob))
-/* Blocks read ahead: about 16 lines in flight (one line a raw block, two
- * a quantized one: kvpool-prof-attend measures 16 and 8 best). */
-#define PREFETCH_AHEAD(form) ((form) == FORM_RAW ? 16 : 8)
-#define PREFETCH_MOST 16
+/* Blocks read ahead: about 16 lines in flight (kvpool-prof-attend measures
+ * 16 raw blocks, one line each, and 8 of two lines best). */
+#define PREFETCH_LINES 16
+#define PREFETCH_MOST PREFETCH_LINES
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 typedef struct cursor {
@@ -164,12 +164,13 @@ static ALWAYS_INLINE void put(cursor *c, const kvp__block *b, uint32_t head, uin
 
 static uint32_t run_end(const kvp__run *r) { return atomic_load_explicit(&r->p1, memory_order_acquire); }
 
-/* The lines of b a record of form reads: the first (position, capacity,
- * page counts, the first page of K and of V: pages.h), and for a
- * quantized codec's the next (the second pages, its scales). */
-static ALWAYS_INLINE void prefetch_block(const kvp__block *b, const int form) {
+/* The lines of b a record reads: the first (position, capacity, page
+ * counts, the first page of K and of V: pages.h), and one for each further
+ * page index the layer's codecs use (lines: 1 for raw records). */
+static ALWAYS_INLINE void prefetch_block(const kvp__block *b, uint32_t lines, const int form) {
   __builtin_prefetch(b);
-  if (form != FORM_RAW) __builtin_prefetch(&b->pg[1][0]);
+  if (form == FORM_RAW) return;
+  for (uint32_t i = 1; i < lines; i++) __builtin_prefetch(&b->pg[i][0]);
 }
 
 /* A sequence without shared chunks: its runs' ends are loaded first, once
@@ -179,13 +180,13 @@ static ALWAYS_INLINE void prefetch_block(const kvp__block *b, const int form) {
  * loads in flight:
  *  - where a stream's brefs lie close together, as a step's appends
  *    allocate them (sequence_is_close), they are followed as they come, the
- *    blocks PREFETCH_AHEAD brefs ahead prefetched (walk_brefs): the
+ *    blocks some brefs ahead prefetched (walk_brefs): the
  *    hardware runs ahead on the brefs;
  *  - where they lie apart (other streams appended between them, as decode
  *    steps do), one list allows one load at a time (each next waits for the
  *    last): every head's list is followed at once, round-robin, its blocks
  *    noted per head (collect), then each head's blocks are read from that
- *    array, PREFETCH_AHEAD ahead prefetched (independent loads:
+ *    array, prefetched some blocks ahead (independent loads:
  *    walk_blocks). */
 typedef struct srun {
   const kvp__run *r; /* the run (its head mask) */
@@ -199,11 +200,15 @@ typedef struct seq_scratch {
   const kvp__bref **cur;      /* [H]: each head's next bref */
   uint32_t *nblk;             /* [H]: each head's blocks */
   uint32_t H;
+  uint32_t lines;             /* a block's lines a record reads (prefetch_block) */
+  uint32_t ahead;             /* blocks prefetched ahead: PREFETCH_LINES / lines */
 } seq_scratch;
 
-static int scratch_init(seq_scratch *x, uint32_t H) {
+static int scratch_init(seq_scratch *x, uint32_t H, uint32_t lines) {
   memset(x, 0, sizeof *x);
   x->H = H;
+  x->lines = lines;
+  x->ahead = PREFETCH_LINES / lines;
   x->cur = kvp__meta_alloc(NULL, H * (sizeof *x->cur + sizeof *x->nblk));
   if (!x->cur) return kvp__err(KVP_ENOMEM, "attend scratch for %u heads", H);
   x->nblk = (uint32_t *)(x->cur + H);
@@ -282,13 +287,14 @@ static ALWAYS_INLINE int walk_blocks(kvp__abuf *buf, cursor *cp, const seq_scrat
   cursor c = *cp;
   uint32_t n = x->nblk[head], i = 0;
   const kvp__block *const *v = x->blk + head * x->per;
-  for (uint32_t k = 0; k < PREFETCH_AHEAD(form) && n; k++) prefetch_block(v[k], form);
+  uint32_t lines = form == FORM_RAW ? 1 : x->lines, ahead = form == FORM_RAW ? PREFETCH_LINES : x->ahead;
+  for (uint32_t k = 0; k < ahead && n; k++) prefetch_block(v[k], lines, form);
   uint64_t t = 0;
   for (uint32_t k = 0; k < nruns && i < n; k++) {
     if (!kvp__run_has(x->runs[k].r, head)) continue;
     uint32_t ra = x->runs[k].p0, re = x->runs[k].p1;
     for (; i < n; i++) {
-      prefetch_block(v[i + PREFETCH_AHEAD(form)], form); /* (collect pads past n) */
+      prefetch_block(v[i + ahead], lines, form); /* (collect pads past n) */
       const kvp__block *b = v[i];
       uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
       if (p0 >= re) break; /* the next run's */
@@ -315,14 +321,15 @@ static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const seq_scratc
                                     const kvp__stream *st, uint32_t head, uint64_t *tok, const int form) {
   cursor c = *cp;
   const kvp__bref *r = kvp__rcu_deref(st->blocks), *pf = r;
-  for (int i = 0; pf && i < PREFETCH_AHEAD(form); i++) pf = kvp__rcu_deref(pf->next);
+  uint32_t lines = form == FORM_RAW ? 1 : x->lines, ahead = form == FORM_RAW ? PREFETCH_LINES : x->ahead;
+  for (uint32_t i = 0; pf && i < ahead; i++) pf = kvp__rcu_deref(pf->next);
   uint64_t t = 0;
   for (uint32_t k = 0; k < nruns && r; k++) {
     if (!kvp__run_has(x->runs[k].r, head)) continue;
     uint32_t ra = x->runs[k].p0, re = x->runs[k].p1;
     for (; r; r = kvp__rcu_deref(r->next)) {
       if (pf) {
-        prefetch_block(kvp__rcu_deref(pf->blk), form);
+        prefetch_block(kvp__rcu_deref(pf->blk), lines, form);
         pf = kvp__rcu_deref(pf->next);
       }
       const kvp__block *b = kvp__rcu_deref(r->blk);
@@ -537,8 +544,16 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
   kvp__assert((uintptr_t)buf->p % 16 == 0);
   cursor c = {buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0};
+  /* the lines a record reads: one per page index of the layer's codecs (a RAW tail has one page a side) */
+  uint32_t lines = 1;
+  for (int kv = 0; kv < 2; kv++) {
+    const kvp__binding *bd = &pool->bind[2 * t->layer + kv];
+    kvp_codec_layout lay;
+    kvp__bind_layout(bd, 0, kvp__layer_bt(pool, t->layer, KVP_SEQ_STREAM), &lay);
+    if (lay.npages > lines) lines = lay.npages;
+  }
   seq_scratch x;
-  int rc = scratch_init(&x, H);
+  int rc = scratch_init(&x, H, lines > KVP_CODEC_MAX_PAGES ? KVP_CODEC_MAX_PAGES : lines);
   if (!rc)
     rc = form == FORM_RAW ? walk_raw(buf, &c, &x, pool, t, recs_at, tok_of)
          : form == FORM_Q ? walk_q(buf, &c, &x, pool, t, recs_at, tok_of)
