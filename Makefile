@@ -118,7 +118,7 @@ INTEG_BIN := $(INTEG_SRC:tests/integration/%.c=$(B)/tests/%)
 STRESS_BIN := $(STRESS_SRC:tests/stress/%.c=$(B)/tests/%)
 GPU_BIN := $(GPU_SRC:tests/gpu/%.c=$(B)/tests/%)
 TOOLS := $(B)/kvpool-demo $(B)/kvpool-bench $(B)/kvpool-calib $(B)/kvpool-stat $(B)/kvpool-sim $(B)/kvpool-prof-append $(B)/kvpool-prof-alloc \
-  $(if $(filter 1,$(HAVE_CUDA)),$(B)/kvpool-bench-gpu)
+  $(B)/kvpool-prof-attend $(if $(filter 1,$(HAVE_CUDA)),$(B)/kvpool-bench-gpu)
 SIM_SRC := tools/kvpool-sim.c tools/sim_common.c tools/sim_llm.c tools/sim_var.c tools/sim_video.c tools/traces.c
 SIM_HDRS := tools/sim.h tools/traces.h
 CHECK_LIBS := $(shell pkg-config --libs check 2>/dev/null || echo -lcheck -lsubunit -lrt -lm)
@@ -273,6 +273,11 @@ $(B)/kvpool-prof-append: tools/kvpool-prof-append.c $(SO) $(PUB_HDRS)
 # The bench's page-mix alloc+free pairs in a loop, for callgrind (jemalloc linked for its baseline).
 $(B)/kvpool-prof-alloc: tools/kvpool-prof-alloc.c tools/pagemix.h $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $< -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) $(LDFLAGS)
+
+# kvp_attend_decode's host part (the block table build, an internal call) in a loop, for callgrind:
+# it links the static library like the unit tests.
+$(B)/kvpool-prof-attend: tools/kvpool-prof-attend.c $(A)
+	$(CC) $(CFLAGS) -fvisibility=default -o $@ $< $(A) $(LIBS) $(JEMALLOC_LIBS) $(LDFLAGS)
 
 $(B)/kvpool-sim: $(SIM_SRC) $(SIM_HDRS) $(SO) $(PUB_HDRS)
 	$(CC) $(PUB_CFLAGS) -o $@ $(SIM_SRC) -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -ljansson -lm $(LDFLAGS)

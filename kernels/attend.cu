@@ -1266,23 +1266,6 @@ extern "C" uint32_t kvp__kern_attend_rec_bytes(uint32_t kind) {
   return (uint32_t)sizeof(kvp__gjob);
 }
 
-extern "C" void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n) {
-  const uint32_t rb = kvp__kern_attend_rec_bytes(kind);
-  if (rb == sizeof(kvp__gjob)) return;
-  const kvp__gjob *in = (const kvp__gjob *)recs;
-  for (uint32_t i = 0; i < n; i++) {
-    const kvp__gjob g = in[i]; /* read whole before the write that may overlap it */
-    if (rb == sizeof(kvp__arec_raw)) {
-      const kvp__arec_raw r = {{g.page[0][0], g.page[1][0]}, g.t0, g.m1, 0};
-      memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
-    } else {
-      const kvp__arec_q r = {{{g.page[0][0], g.page[0][1], g.page[0][2]}, {g.page[1][0], g.page[1][1], g.page[1][2]}},
-                             g.t0, g.m1, g.cap1, g.tag};
-      memcpy((char *)recs + (size_t)i * rb, &r, sizeof r);
-    }
-  }
-}
-
 extern "C" int kvp__kern_attend_zero_copy(uint32_t kind, uint32_t head_dim) {
   return kind == kvpk::kPickBf16 ||
          ((kind == kvpk::kPickFp8 || kind == kvpk::kPickInt8 || kind == kvpk::kPickNvfp4 ||

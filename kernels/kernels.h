@@ -146,10 +146,8 @@ typedef struct kvp__arec_q {
   uint32_t page[2][3];  /* K's and V's first three pages (kvp__gjob's) */
   uint16_t t0, m1, cap1, tag;
 } kvp__arec_q;
+/* Bytes of kind's records (pages/attend_table.c writes them). */
 uint32_t kvp__kern_attend_rec_bytes(uint32_t kind);
-/* Rewrite n kvp__gjob records at recs as kind's records, in place (from
- * the front: each record lands at or before where it was read). */
-void kvp__kern_attend_compact(uint32_t kind, void *recs, uint32_t n);
 int kvp__kern_attend_occupancy(uint32_t head_dim, uint32_t *occ);
 /* Whether kind's kernel at head_dim reads its records in coalesced batches
  * (RecStream), so the table may stay in pinned host memory, read over the

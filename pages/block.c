@@ -130,7 +130,7 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
 static void free_pages(kvp_pool *pool, kvp__block *b) {
   for (int kv = 0; kv < 2; kv++)
     for (unsigned i = 0; i < b->npages[kv]; i++) {
-      int rc = kvp__alloc_free(&pool->alloc, &b->pages[kv][i]);
+      int rc = kvp__alloc_free(&pool->alloc, &b->pg[i][kv]);
       kvp__assert(rc == KVP_OK);
       (void)rc;
     }
@@ -149,8 +149,8 @@ void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay) {
     memset(&lay[kv], 0, sizeof lay[kv]);
     lay[kv].npages = b->npages[kv];
     for (unsigned i = 0; i < b->npages[kv]; i++) {
-      lay[kv].types[i] = (kvp_page_type)b->pages[kv][i].tag.type;
-      lay[kv].bytes[i] = b->pages[kv][i].requested_bytes;
+      lay[kv].types[i] = (kvp_page_type)b->pg[i][kv].tag.type;
+      lay[kv].bytes[i] = b->pg[i][kv].requested_bytes;
     }
   }
 }
@@ -168,7 +168,7 @@ int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t 
     const kvp_codec_layout lay = lays[kv];
     for (unsigned i = 0; i < lay.npages; i++) {
       kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
-      int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pages[kv][i]);
+      int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pg[i][kv]);
       if (rc) { /* give back the pages taken so far */
         kvp__block_give_pages(pool, b);
         return rc;
@@ -207,7 +207,7 @@ void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
 static uint64_t block_bytes(const kvp__block *b) {
   uint64_t n = 0;
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pages[kv][i]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pg[i][kv]);
   return n;
 }
 

@@ -466,6 +466,13 @@ static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
   return KVP_OK;
 }
 
+int kvp__dev_gather_reserve(kvp_pool *pool, kvp__dev_gather *g, uint64_t used_bytes, uint64_t need_bytes) {
+  g->n = (used_bytes + sizeof *g->recs - 1) / sizeof *g->recs; /* what a move keeps */
+  while (g->cap * sizeof *g->recs < need_bytes)
+    if (gather_grow(pool, g)) return KVP_ENOMEM;
+  return KVP_OK;
+}
+
 kvp__gjob *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g) {
   if (g->n == g->cap && gather_grow(pool, g)) return NULL;
   return &g->recs[g->n++];

@@ -5,7 +5,7 @@
  *
  *   pool --lfht--> seq --layers[L]--> runs: [s0,s1) x [p0,p1), head mask
  *                     \--streams[L*H]--> brefs --> block (shared on fork)
- *                                                   pages[K|V][codec page]
+ *                                                   pg[codec page][K|V]
  *
  * A run says which heads of a layer retain the steps [s0, s1) (positions
  * [p0, p1)); a decode step extends the layer's last run, an eviction splits
@@ -57,13 +57,24 @@ typedef struct kvp__binding {
 /* Up to cap_tokens tokens of one stream at positions [pos0, pos0 + cap).
  * raw: the pages are the side's RAW tail (appended dtype), as in an OPEN
  * block of a stream; else they are the layer's codec's. raw, pos0,
- * cap_tokens and, once published sealed, n_tokens never change. */
+ * cap_tokens and, once published sealed, n_tokens never change.
+ * Layout (a 64-byte aligned block, as the metadata arena's 320-byte class
+ * gives): what a walk over many blocks reads first, K's and V's pages of
+ * one index side by side, the writer's bookkeeping last:
+ *   0    pos0 cap_tokens n_tokens raw npages
+ *   16   pg[0][K]   48 pg[0][V] (its off and requested_bytes in line 0)
+ *   80   pg[1][K]  112 pg[1][V] (off, requested_bytes in line 1) ... pg[3][V]
+ *   272  owners refs sealed orphan check_epoch owners_seen oprev onext chunk
+ * so kvp_attend_decode's table (pages/attend_table.c) reads one line of a
+ * block of one page a side (raw) and two of one of two (a codec's codes
+ * and scales). */
 typedef struct kvp__block {
   uint32_t pos0;          /* position of token 0 */
   uint32_t cap_tokens;    /* capacity: the pages hold this many tokens */
   uint32_t n_tokens;      /* tokens written (writer only while OPEN) */
   bool raw;               /* pages of the RAW tail binding */
   uint8_t npages[2];      /* pages per side */
+  kvp__page pg[KVP_CODEC_MAX_PAGES][2]; /* [codec page][K, V] */
   uint32_t owners;        /* streams referencing it (writer only) */
   _Atomic uint32_t refs;  /* owners + view pins; freed when 0 */
   bool sealed;            /* full or closed: takes no more tokens */
@@ -72,7 +83,6 @@ typedef struct kvp__block {
   uint32_t owners_seen;   /* kvp_check: brefs found this check */
   struct kvp__block *oprev, *onext; /* pool->orphans list, or limbo chain (onext) */
   struct kvp__chunk *chunk; /* the prefix-table entry that lists it, or NULL (writer only) */
-  kvp__page pages[2][KVP_CODEC_MAX_PAGES]; /* [K, V][codec page] */
 } kvp__block;
 
 /* A stream's reference to a block (blocks are shared across forks). */
@@ -605,11 +615,47 @@ kvp__gjob *kvp__dev_gather_slot(kvp_pool *pool, kvp__dev_gather *g);
 void kvp__dev_gather_ragged(kvp__dev_gather *g, uint32_t row0, uint32_t n);
 int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g);
 void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
+/* Room in g's table for need_bytes, its first used_bytes kept (bytes, for
+ * tables of other records than kvp__gjob: the attention's); ENOMEM. */
+int kvp__dev_gather_reserve(kvp_pool *pool, kvp__dev_gather *g, uint64_t used_bytes, uint64_t need_bytes);
 /* Decode attention (pages/attend.c builds, this runs): the first
  * table_bytes of g's records (records, splits, split index) copied to
  * a->recs in one transfer, then kernels/attend.cu's launches. */
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
                         void *stream);
+/* pages/attend_table.c: the attention's block table, built on the host
+ * (any pool with 64-byte aligned pages: a CUDA region, or a dry one). */
+typedef struct kvp__abuf {
+  unsigned char *p;   /* the table's bytes, 16-byte aligned */
+  uint64_t cap_bytes; /* their size */
+  /* make room for need bytes, the first used kept (p and cap_bytes
+   * updated); KVP_OK or KVP_ENOMEM; NULL: the buffer cannot grow */
+  int (*grow)(struct kvp__abuf *buf, uint64_t used, uint64_t need);
+  void *ctx;          /* grow's */
+} kvp__abuf;
+typedef struct kvp__atable {
+  /* in */
+  uint32_t layer;        /* the layer attended */
+  const uint64_t *seqs;  /* [batch] sequence ids */
+  uint32_t batch;        /* sequences */
+  uint32_t kind;         /* the kernel kind (kvp__kern_attend_kind): its records */
+  uint32_t split_tokens; /* tokens per split; 0: the smallest size whose splits fit in slots */
+  uint32_t slots;        /* thread blocks the device runs at once (split_tokens 0) */
+  /* out */
+  uint32_t nrec, nsplit, nslot; /* records, splits, partial-result slots */
+  uint64_t off_splits, off_bh;  /* bytes: where the splits and the split index begin */
+  uint64_t table_bytes;         /* bytes of the whole table */
+  uint64_t token_heads;         /* (token, KV head) pairs recorded */
+  uint64_t bytes_read;          /* page bytes the kernel reads */
+} kvp__atable;
+/* The kernels' parameters of layer's four bindings (K codec, K tail, V
+ * codec, V tail); KVP_ENOTSUP names a codec the kernel cannot read. */
+int kvp__attend_bindings(kvp_pool *pool, uint32_t layer, kvp__kparams kp[4]);
+/* Build t's table at buf->p (grown through buf->grow); under
+ * kvp__rcu_read_lock, which must be held while the table is used (its
+ * pages stay valid until then). KVP_ENOENT names a sequence that does not
+ * exist, KVP_EINVAL a batch or table too large, KVP_ENOMEM. */
+int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf);
 /* Device and pinned host bytes the control block holds (stats). */
 void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes);
 /* Streaming multiprocessors of the pool's device (for splitting work). */

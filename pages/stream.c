@@ -194,7 +194,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
 }
 
 static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
-  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pages[kv][i]);
+  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
 }
 
 /* Bytes of one appended row of side kv (head_dim elements). */
@@ -212,7 +212,7 @@ static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block 
   if (!db && b->raw && bd->passthrough) { /* an OPEN block's rows as appended: the copy raw's encode would do,
                                               without the page table, the dispatch and the dtype lookups */
     size_t row = stride_row(pool, kv);
-    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[kv][0]) + (size_t)t0 * row;
+    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + (size_t)t0 * row;
     if (stride == row) memcpy(dst, src, (size_t)n * row);
     else
       for (uint32_t t = 0; t < n; t++) memcpy(dst + (size_t)t * row, src + (size_t)t * stride, row);
@@ -292,7 +292,7 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
                                 stream order) */
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
       size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
-      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pages[side][0]), row,
+      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pg[0][side]), row,
                       tail->cap_tokens, state, db);
     }
   }
