@@ -472,8 +472,8 @@ static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh,
     const kvp__bref *t = st[h0 + j].tail;
     const kvp__block *b = t ? t->blk : NULL;
     if (!b || !tail_takes(b, n, pass)) return false;
-    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[0][0]) + (size_t)b->n_tokens * rk;
-    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[1][0]) + (size_t)b->n_tokens * rv;
+    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + (size_t)b->n_tokens * rk;
+    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + (size_t)b->n_tokens * rv;
   }
   return true;
 }
@@ -489,8 +489,8 @@ enum { FILL_LINE = 64 }; /* bytes per prefetch: a cache line */
  * side-effect free to gcc's IPA (pure-const), and a call to it dead. */
 KVP__INLINE void prefetch_next_rows(const kvp_pool *pool, const kvp__block *b, size_t rk, size_t rv) {
   if (b->n_tokens >= b->cap_tokens) return;
-  const unsigned char *k = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[0][0]) + b->n_tokens * rk;
-  const unsigned char *v = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pages[1][0]) + b->n_tokens * rv;
+  const unsigned char *k = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + b->n_tokens * rk;
+  const unsigned char *v = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + b->n_tokens * rv;
   for (size_t o = 0; o < rk; o += FILL_LINE) __builtin_prefetch(k + o, 1, 3);
   for (size_t o = 0; o < rv; o += FILL_LINE) __builtin_prefetch(v + o, 1, 3);
 }
