@@ -54,6 +54,22 @@ KVP_D void store_elem(void *row, uint32_t dt, uint32_t i, float x) {
   else ((uint16_t *)row)[i] = (uint16_t)(dt == kBF16 ? bf16_from_f32(x) : f16_from_f32(x));
 }
 
+/* Channels [c0, c0 + 8) of a row of out dtype: one 16-byte store (2-byte
+ * dtypes) or two (f32) where vec (row and c0 16-byte aligned), else
+ * element by element; rounded as store_elem rounds. */
+KVP_D void store_octet(void *row, uint32_t out, uint32_t c0, const float (&y)[8], bool vec) {
+  if (vec && out != kF32) {
+    bool b = out == kBF16;
+    *(uint4 *)((char *)row + 2 * (size_t)c0) = make_uint4(half2_from_f32(b, y[0], y[1]), half2_from_f32(b, y[2], y[3]),
+                                                          half2_from_f32(b, y[4], y[5]), half2_from_f32(b, y[6], y[7]));
+  } else if (vec) {
+    float4 *d4 = (float4 *)((char *)row + 4 * (size_t)c0);
+    d4[0] = make_float4(y[0], y[1], y[2], y[3]), d4[1] = make_float4(y[4], y[5], y[6], y[7]);
+  } else {
+    for (uint32_t i = 0; i < 8; i++) store_elem(row, out, c0 + i, y[i]);
+  }
+}
+
 KVP_D void report(unsigned long long *status, uint32_t kind, uint32_t job, uint32_t elem) {
   atomicMin(status, (unsigned long long)kind << 60 | (unsigned long long)job << 32 | elem);
 }

@@ -83,7 +83,7 @@ cudaError_t launch_params(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jo
   b.job0 = at;
   memcpy(b.jobs, jobs + at, n * sizeof *jobs);
   if (Enc) enc_kernel<N><<<n, kThreads, 0, s>>>(b);
-  else if (p->head_dim % 8 == 0) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
+  else if (kvquant_tile_ok(*p)) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
   else dec_kernel<N, false><<<n, kDecodeThreads, 0, s>>>(b);
   return cudaGetLastError();
 }
@@ -95,7 +95,7 @@ int launch(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_c
   if (!njobs) return 0;
   if (jobs_dev) {
     if (Enc) enc_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, (unsigned long long *)status);
-    else if (p->head_dim % 8 == 0) dec_kernel_dev<true><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
+    else if (kvquant_tile_ok(*p)) dec_kernel_dev<true><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     else dec_kernel_dev<false><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     return (int)cudaGetLastError();
   }

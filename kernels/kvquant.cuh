@@ -509,8 +509,11 @@ KVP_D void kvquant_decode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j,
 constexpr uint32_t kTileThreads = 128;
 constexpr uint32_t kTileElems = kTileThreads * 8; /* P x D */
 
-/* D <= KVP__KVQ_DEV_MAX_DIM < kTileElems: the octets are the condition. */
-KVP_D bool kvquant_tile_ok(const kvp__kvq_kparams &p) { return p.head_dim % 8 == 0 && p.head_dim <= kTileElems; }
+/* The tiles take D in octets (D <= KVP__KVQ_DEV_MAX_DIM < kTileElems);
+ * the launchers ask on the host, kvquant_decode_job on the device. */
+__host__ __device__ inline bool kvquant_tile_ok(const kvp__kvq_kparams &p) {
+  return p.head_dim % 8 == 0 && p.head_dim <= kTileElems;
+}
 
 /* 8 floats at q (16-byte aligned or not). */
 KVP_D void ld_f32x8(float (&v)[8], const float *q) {
@@ -540,7 +543,7 @@ KVP_D void kvquant_decode_tile(const kvp__kvq_kparams &p, const kvp_codec_dev_jo
   const uint32_t half = p.prerope ? p.rope_dims / 2 : 0u;
   Pages g = pages_of(p, j);
   const bool waligned = (uintptr_t)g.codes % 4 == 0 && p.row_bytes % 4 == 0;
-  const size_t esz = dtype_bytes(p.in_dtype), osz = dtype_bytes(out);
+  const size_t esz = dtype_bytes(p.in_dtype);
   const bool vst = ((uintptr_t)j.dst | j.stride_bytes) % 16 == 0;
   const uint32_t words = p.row_bytes / 4, bit = b * c0, wi = bit >> 5, sh = bit & 31u;
   float rg[8], of[8];
@@ -613,23 +616,7 @@ KVP_D void kvquant_decode_tile(const kvp__kvq_kparams &p, const kvp_codec_dev_jo
       __syncthreads(); /* the pass's shared values are read */
     }
     if (!act) continue;
-    char *drow = (char *)j.dst + (size_t)r * j.stride_bytes;
-    if (vst && osz == 2) {
-      uint4 h;
-      if (out == kBF16)
-        h = make_uint4(bf16x2_from_f32(y[0], y[1]), bf16x2_from_f32(y[2], y[3]), bf16x2_from_f32(y[4], y[5]),
-                       bf16x2_from_f32(y[6], y[7]));
-      else
-        h = make_uint4(f16x2_from_f32(y[0], y[1]), f16x2_from_f32(y[2], y[3]), f16x2_from_f32(y[4], y[5]),
-                       f16x2_from_f32(y[6], y[7]));
-      *(uint4 *)(drow + 2 * (size_t)c0) = h;
-    } else if (vst) {
-      float4 *d4 = (float4 *)(drow + 4 * (size_t)c0);
-      d4[0] = make_float4(y[0], y[1], y[2], y[3]), d4[1] = make_float4(y[4], y[5], y[6], y[7]);
-    } else {
-#pragma unroll
-      for (uint32_t i = 0; i < 8; i++) store_elem(drow, out, c0 + i, y[i]);
-    }
+    store_octet((char *)j.dst + (size_t)r * j.stride_bytes, out, c0, y, vst);
   }
 }
 

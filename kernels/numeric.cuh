@@ -100,35 +100,23 @@ KVP_D float e2m1_to_f32(uint32_t c) {
   return f32(sel(mask(lt(em, 2u)), sub, nrm) | s);
 }
 
-/* Two floats rounded to bf16 / fp16 and packed (a in the low half): the
- * hardware's RNE conversion (cvt.rn.*x2.f32: subnormals kept, overflow to
- * infinity, as the forms above), and the forms above when either is NaN,
- * whose payload the hardware would not keep. */
-KVP_D uint32_t bf16x2_from_f32(float a, float b) {
+/* Two floats rounded to bf16 (bf16 true) or fp16 and packed, a in the low
+ * half: the hardware's RNE conversion (cvt.rn.*x2.f32: subnormals kept,
+ * overflow to infinity, as the forms above), and the forms above when
+ * either is NaN, whose payload the hardware would not keep. */
+KVP_D uint32_t half2_from_f32(bool bf16, float a, float b) {
   uint32_t ua = bits(a) & 0x7FFFFFFFu, ub = bits(b) & 0x7FFFFFFFu;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if (!lt(0x7F800000u, ua) && !lt(0x7F800000u, ub)) {
     uint32_t r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    if (bf16) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
     return r;
   }
 #else
   (void)ua, (void)ub; /* host builds of the kernels (tests/unit's emulator): the forms above */
 #endif
-  return bf16_from_f32(a) | bf16_from_f32(b) << 16;
-}
-KVP_D uint32_t f16x2_from_f32(float a, float b) {
-  uint32_t ua = bits(a) & 0x7FFFFFFFu, ub = bits(b) & 0x7FFFFFFFu;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if (!lt(0x7F800000u, ua) && !lt(0x7F800000u, ub)) {
-    uint32_t r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-  }
-#else
-  (void)ua, (void)ub; /* host builds of the kernels (tests/unit's emulator): the forms above */
-#endif
-  return f16_from_f32(a) | f16_from_f32(b) << 16;
+  return bf16 ? bf16_from_f32(a) | bf16_from_f32(b) << 16 : f16_from_f32(a) | f16_from_f32(b) << 16;
 }
 
 /* x / d for x < 2^24 and 1 <= d <= 256 by a multiply: m = ceil(2^32 / d),

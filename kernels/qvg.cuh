@@ -520,7 +520,7 @@ KVP_D void add_cent(float *y, const uint8_t *cr) {
  * before any centroid, so that the round's loads are in flight together.
  * Items map to (row, octet) and octets to scale groups by multiplies
  * (FastDiv), not divisions; rows leave through the hardware's paired
- * conversions (exact: bf16x2_from_f32). No barrier. */
+ * conversions (exact: half2_from_f32). No barrier. */
 constexpr uint32_t kDecItems = 4;
 
 /* The octet's residuals: (code - (2^(B-1) - 1)) x sv, codes most
@@ -542,7 +542,7 @@ KVP_D void qvg_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uin
   const FastDiv by_oct = fast_div(oct), by_gro = fast_div(p.group / 8); /* octets a scale group */
   const uint8_t *codes = (const uint8_t *)j.pages[kCodes], *scales = (const uint8_t *)j.pages[kScales];
   const uint8_t *cent = (const uint8_t *)j.pages[kCent], *asg = (const uint8_t *)j.pages[kAssign];
-  const bool vec = out != kF32 && ((uintptr_t)j.dst & 15) == 0 && (j.stride_bytes & 15) == 0;
+  const bool vec = out != kF32 && ((uintptr_t)j.dst & 15) == 0 && (j.stride_bytes & 15) == 0; /* f32: by elements, as before */
   const uint32_t items = j.m * oct; /* m <= cap tokens <= 65536, oct <= 32: < 2^24 */
   for (uint32_t base = part * T * kDecItems + threadIdx.x; base < items; base += nparts * T * kDecItems) {
     uint32_t word[kDecItems], sc[kDecItems], a[kDecItems], rr[kDecItems], oo[kDecItems];
@@ -570,18 +570,7 @@ KVP_D void qvg_decode(const kvp__qvg_kparams &p, const kvp_codec_dev_job &j, uin
         }
         add_cent(y, cent + 2 * (((size_t)s * kc + as) * D + i0));
       }
-      uint8_t *row = (uint8_t *)j.dst + (size_t)r * j.stride_bytes;
-      if (vec) {
-        uint4 v;
-        if (out == kBF16)
-          v = make_uint4(bf16x2_from_f32(y[0], y[1]), bf16x2_from_f32(y[2], y[3]), bf16x2_from_f32(y[4], y[5]),
-                         bf16x2_from_f32(y[6], y[7]));
-        else
-          v = make_uint4(f16x2_from_f32(y[0], y[1]), f16x2_from_f32(y[2], y[3]), f16x2_from_f32(y[4], y[5]),
-                         f16x2_from_f32(y[6], y[7]));
-        *(uint4 *)(row + (size_t)i0 * 2) = v;
-      } else
-        for (uint32_t q = 0; q < 8; q++) store_elem(row, out, i0 + q, y[q]);
+      store_octet((uint8_t *)j.dst + (size_t)r * j.stride_bytes, out, i0, y, vec);
     }
   }
 }
