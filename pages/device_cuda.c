@@ -41,16 +41,26 @@
 #define STAGE_MIN_JOBS 64u
 #define STAGE_JOBS 8192u /* jobs the staging table holds (640 KiB) */
 
-struct kvp__dev {
-  pthread_mutex_t gstage_lock;    /* held by the gather that builds in the stage */
-  kvp__gjob *gstage;              /* pinned host: gstage_cap gather records */
-  uint64_t gstage_cap;            /* records it holds (grows by doubling, up to GSTAGE_MAX_BYTES) */
-  void *gstage_old[24];           /* outgrown stages, freed at pool destroy (cudaFreeHost may
+/* A pinned stage for gather and attention tables. Two, taken in turn, so
+ * that a call builds its table while the kernels of the one before still
+ * read theirs in place (kvp__dev_attend_run): consecutive layers' calls do
+ * not wait for each other's kernels. */
+#define GSTAGES 2
+typedef struct gstage_slot {
+  pthread_mutex_t lock;           /* held by the gather that builds in the stage */
+  kvp__gjob *buf;                 /* pinned host: cap gather records */
+  uint64_t cap;                   /* records it holds (grows by doubling, up to GSTAGE_MAX_BYTES) */
+  void *old[24];                  /* outgrown stages, freed at pool destroy (cudaFreeHost may
                                      synchronize the device: never on a call's path) */
-  uint32_t n_gstage_old;
-  uint64_t pinned_bytes;          /* pinned host bytes held (atomic: stats read it beside a growing call) */
-  cudaEvent_t gstage_done;        /* recorded after the last copy from the stage (after the kernels
+  uint32_t n_old;
+  cudaEvent_t done;               /* recorded after the last copy from the stage (after the kernels
                                      where they read it in place: kvp__dev_attend_run) */
+} gstage_slot;
+
+struct kvp__dev {
+  gstage_slot gs[GSTAGES];        /* the pinned stages */
+  uint32_t gnext;                 /* the stage a call tries first, modulo GSTAGES (atomic) */
+  uint64_t pinned_bytes;          /* pinned host bytes held (atomic: stats read it beside a growing call) */
   uint64_t *status;              /* device: 8 status words: one per group of an append, then 4 that
                                     asynchronous appends write and nobody reads (KVP_POOL_DEVICE_ASYNC) */
   uint64_t *host_status;         /* pinned host: their copy */
@@ -350,26 +360,43 @@ int kvp__dev_read_flush(kvp_pool *pool, kvp__dev_batch *db, kvp_dtype out, void 
 
 /* ---- the paged gather ------------------------------------------------------ */
 
-/* The pool's pinned stage for gather tables: one call at a time holds it
- * (others build on the heap); its event tells when the last copy from it
- * finished, so it is not rewritten while the copy still reads it. */
+/* The pool's pinned stages for gather tables (GSTAGES, tried in turn from
+ * the one after the last call's): a call holds one (when every stage is
+ * held it builds on the heap); a stage's event tells when the last copy
+ * from it, or the last kernel reading it in place, finished, so it is not
+ * rewritten while they still read it. */
 #define GSTAGE_RECS 65536u /* 3.25 MiB of records, pinned: 1 Mi tokens x heads in 16-token blocks */
 #define GSTAGE_MAX_BYTES (512ull << 20)
 
 static int gstage_init(struct kvp__dev *d) {
-  pthread_mutex_init(&d->gstage_lock, NULL);
-  d->gstage_cap = GSTAGE_RECS;
-  __atomic_add_fetch(&d->pinned_bytes, GSTAGE_RECS * sizeof(kvp__gjob), __ATOMIC_RELAXED);
-  cudaError_t e = cudaMallocHost((void **)&d->gstage, GSTAGE_RECS * sizeof(kvp__gjob));
-  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&d->gstage_done, cudaEventDisableTiming);
-  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "the pool's pinned gather stage");
+  cudaError_t e = cudaSuccess;
+  for (uint32_t i = 0; i < GSTAGES; i++) {
+    gstage_slot *st = &d->gs[i];
+    pthread_mutex_init(&st->lock, NULL);
+    if (e != cudaSuccess) continue; /* initialized, so that gstage_fini takes every slot */
+    st->cap = GSTAGE_RECS;
+    __atomic_add_fetch(&d->pinned_bytes, GSTAGE_RECS * sizeof(kvp__gjob), __ATOMIC_RELAXED);
+    e = cudaMallocHost((void **)&st->buf, GSTAGE_RECS * sizeof(kvp__gjob));
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&st->done, cudaEventDisableTiming);
+  }
+  return e == cudaSuccess ? KVP_OK : cuda_fail(e, "the pool's pinned gather stages");
 }
 
 static void gstage_fini(struct kvp__dev *d) {
-  cudaFreeHost(d->gstage);
-  for (uint32_t i = 0; i < d->n_gstage_old; i++) cudaFreeHost(d->gstage_old[i]);
-  if (d->gstage_done) cudaEventDestroy(d->gstage_done);
-  pthread_mutex_destroy(&d->gstage_lock);
+  for (uint32_t i = 0; i < GSTAGES; i++) {
+    gstage_slot *st = &d->gs[i];
+    if (st->buf) cudaFreeHost(st->buf);
+    for (uint32_t k = 0; k < st->n_old; k++) cudaFreeHost(st->old[k]);
+    if (st->done) cudaEventDestroy(st->done);
+    pthread_mutex_destroy(&st->lock);
+  }
+}
+
+/* The stage g builds in (g->staged). */
+static gstage_slot *slot_of(struct kvp__dev *d, const kvp__dev_gather *g) {
+  for (uint32_t i = 0; i < GSTAGES; i++)
+    if (d->gs[i].buf == g->recs) return &d->gs[i];
+  return NULL; /* not reached while g->staged */
 }
 
 int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_req *req) {
@@ -380,17 +407,21 @@ int kvp__dev_gather_begin(kvp_pool *pool, kvp__dev_gather *g, const kvp_gather_r
   if (!(g->seg_of_layer = kvp__meta_alloc(NULL, L * sizeof *g->seg_of_layer)))
     return kvp__err(KVP_ENOMEM, "gather segments");
   for (uint32_t l = 0; l < L; l++) g->seg_of_layer[l] = UINT32_MAX;
-  if (pthread_mutex_trylock(&d->gstage_lock) == 0) {
-    cudaEventSynchronize(d->gstage_done); /* the previous copy from the stage is done */
+  uint32_t first = __atomic_fetch_add(&d->gnext, 1, __ATOMIC_RELAXED);
+  for (uint32_t k = 0; k < GSTAGES; k++) {
+    gstage_slot *st = &d->gs[(first + k) % GSTAGES];
+    if (pthread_mutex_trylock(&st->lock) != 0) continue;
+    cudaEventSynchronize(st->done); /* the last copy from (or kernel over) this stage is done */
     g->staged = true;
-    g->recs = d->gstage;
-    g->cap = d->gstage_cap;
+    g->recs = st->buf;
+    g->cap = st->cap;
+    break;
   }
   return KVP_OK;
 }
 
 void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g) {
-  if (g->staged) pthread_mutex_unlock(&pool->dev->gstage_lock);
+  if (g->staged) pthread_mutex_unlock(&slot_of(pool->dev, g)->lock);
   else kvp__meta_free(NULL, g->recs, g->cap * sizeof *g->recs);
   kvp__meta_free(NULL, g->seg_of_layer, pool->cfg.n_layers * sizeof *g->seg_of_layer);
   memset(g, 0, sizeof *g);
@@ -412,14 +443,15 @@ int kvp__dev_gather_segment(kvp__dev_gather *g, uint32_t layer, uint32_t item) {
 static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
   struct kvp__dev *d = pool->dev;
   uint64_t cap = g->cap ? 2 * g->cap : 1024;
-  if (g->staged && cap * sizeof *g->recs <= GSTAGE_MAX_BYTES && d->n_gstage_old < 24) {
+  gstage_slot *sl = g->staged ? slot_of(d, g) : NULL;
+  if (sl && cap * sizeof *g->recs <= GSTAGE_MAX_BYTES && sl->n_old < 24) {
     kvp__gjob *st = NULL;
     if (cudaMallocHost((void **)&st, cap * sizeof *st) == cudaSuccess) {
       memcpy(st, g->recs, g->n * sizeof *st);
-      d->gstage_old[d->n_gstage_old++] = d->gstage;
+      sl->old[sl->n_old++] = sl->buf;
       __atomic_add_fetch(&d->pinned_bytes, cap * sizeof *st, __ATOMIC_RELAXED);
-      d->gstage = g->recs = st;
-      d->gstage_cap = g->cap = cap;
+      sl->buf = g->recs = st;
+      sl->cap = g->cap = cap;
       return KVP_OK;
     }
     cudaGetLastError();
@@ -427,7 +459,7 @@ static int gather_grow(kvp_pool *pool, kvp__dev_gather *g) {
   kvp__gjob *recs = kvp__meta_alloc(NULL, cap * sizeof *recs);
   if (!recs) return KVP_ENOMEM;
   if (g->n) memcpy(recs, g->recs, g->n * sizeof *recs);
-  if (g->staged) pthread_mutex_unlock(&pool->dev->gstage_lock);
+  if (sl) pthread_mutex_unlock(&sl->lock);
   else kvp__meta_free(NULL, g->recs, g->cap * sizeof *g->recs);
   g->staged = false;
   g->recs = recs, g->cap = cap;
@@ -517,7 +549,7 @@ int kvp__dev_gather_run(kvp_pool *pool, kvp__dev_gather *g) {
   }
   if (e == cudaSuccess && builtin) { /* the table in one copy, one launch */
     e = cudaMemcpyAsync(req->workspace, g->recs, g->n * sizeof *g->recs, cudaMemcpyHostToDevice, s);
-    if (e == cudaSuccess && g->staged) e = cudaEventRecord(d->gstage_done, s);
+    if (e == cudaSuccess && g->staged) e = cudaEventRecord(slot_of(d, g)->done, s);
     if (e == cudaSuccess) {
       int k = kvp__kern_gather(kp, nb, pool->alloc.region.base, req->workspace, (uint32_t)g->n, req->k_out,
                                req->v_out, row, pool->cfg.head_dim, s);
@@ -578,13 +610,13 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
   }
   cudaError_t e = cudaMemcpyAsync((char *)a->recs + from, (const char *)g->recs + from, table_bytes - from,
                                   cudaMemcpyHostToDevice, s);
-  if (e == cudaSuccess && g->staged && !mapped) e = cudaEventRecord(d->gstage_done, s);
+  if (e == cudaSuccess && g->staged && !mapped) e = cudaEventRecord(slot_of(d, g)->done, s);
   if (e != cudaSuccess) rc = cuda_fail(e, "attention: the block table's copy");
   if (!rc) {
     int k = kvp__kern_attend(&x, stream);
     if (k) rc = kvp__err(KVP_EDEVICE, "attention kernel over %u splits: %s", a->n_splits, kvp__kern_errstr(k));
   }
-  if (mapped && (e = cudaEventRecord(d->gstage_done, s)) != cudaSuccess && !rc)
+  if (mapped && (e = cudaEventRecord(slot_of(d, g)->done, s)) != cudaSuccess && !rc)
     rc = cuda_fail(e, "attention: the block table's release");
   dev_leave(pool, prev);
   return rc;
