@@ -41,11 +41,13 @@
 #define STAGE_MIN_JOBS 64u
 #define STAGE_JOBS 8192u /* jobs the staging table holds (640 KiB) */
 
-/* A pinned stage for gather and attention tables. Two, taken in turn, so
- * that a call builds its table while the kernels of the one before still
- * read theirs in place (kvp__dev_attend_run): consecutive layers' calls do
- * not wait for each other's kernels. */
-#define GSTAGES 2
+/* Pinned stages for gather and attention tables, GSTAGES taken in turn, so
+ * that a call builds its table while the kernels of the calls before still
+ * read theirs in place (kvp__dev_attend_run): a call waits only for the
+ * kernels of the call GSTAGES before it, so the host runs that many
+ * layers' calls ahead of the device instead of draining its queue at each
+ * (the serving engine's own launches go on queueing meanwhile). */
+#define GSTAGES 4
 typedef struct gstage_slot {
   pthread_mutex_t lock;           /* held by the gather that builds in the stage */
   kvp__gjob *buf;                 /* pinned host: cap gather records */

@@ -3,7 +3,8 @@
 
 Builds a small Llama from a LlamaConfig with random weights (no download, no network: runs
 offline), or loads a local model with --model DIR, generates with DynamicCache and with
-KvpoolCache (each after an untimed run of the same length), and prints tokens per second for both, the pool's
+KvpoolCache (each after an untimed run of the same length; with --repeat the timed runs of the two
+alternate), and prints tokens per second for both, the pool's
 bytes by page type and its savings against the bf16 cache.
 
     python3 python/examples/generate.py                                   # raw bf16, CUDA pool
@@ -91,8 +92,6 @@ def main():
     # for CUDA kernels loaded and the allocator grown (DynamicCache measured 21 tok/s cold,
     # 122 warm on an H200 with the default model)
     run(model, ids, DynamicCache(), a.new_tokens)
-    ref_runs = [run(model, ids, DynamicCache(), a.new_tokens) for _ in range(max(1, a.repeat))]
-    ref, ref_tps = ref_runs[0][0], statistics.median(t for _, t in ref_runs)
     with kvpool.Pool(layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
                      k_dtype="bf16", v_dtype="bf16", memory=a.memory, region_bytes=a.region_mib << 20,
                      block_tokens=a.block_tokens, codecs=a.codecs, policy=a.policy,
@@ -101,14 +100,18 @@ def main():
         warm = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
         run(m, ids, warm, a.new_tokens)
         warm.close()
-        tpss = []
+        # the two caches' timed runs alternate, so that a drift of the machine (clocks, other
+        # work) falls on both medians alike
+        tpss, ref_tpss = [], []
         for _ in range(max(1, a.repeat)):
+            ref, t = run(model, ids, DynamicCache(), a.new_tokens)
+            ref_tpss.append(t)
             cache = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
             out, t = run(m, ids, cache, a.new_tokens)
             tpss.append(t)
             if len(tpss) < max(1, a.repeat):
                 cache.close()
-        tps = statistics.median(tpss)
+        tps, ref_tps = statistics.median(tpss), statistics.median(ref_tpss)
         s = pool.stats()
         same = int((out[:, a.prompt_len:] == ref[:, a.prompt_len:]).all(dim=0).long().cumprod(0).sum())
         print(f"model: {cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads of {head_dim}, "

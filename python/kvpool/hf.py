@@ -49,6 +49,7 @@ path, so ``fused=True`` is never wrong, at worst not faster::
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import weakref
@@ -213,6 +214,13 @@ class KvpoolCache(Cache):
         self.fused = bool(fused) and pool.memory == "cuda"
         self.fused_calls = 0  # layer steps attended by kvp_attend_decode
         self._attention_seen = False  # kvpool_attention ran after one of this cache's updates
+        # no policy, of the pool or of this cache's sequences: appends evict nothing (over the
+        # budget they fail), so a layer retains every token appended
+        self._keeps_all = pool.policy is None and policy is None
+        self._prior = False  # some row is a sequence that held tokens before this cache's first update
+        self._ids_c = None  # seq_ids as the ctypes array kvp_attend_decode takes, built for _ids_of
+        self._ids_of: Optional[List[int]] = None
+        self._dev = torch.device("cuda", pool.device) if pool.memory == "cuda" else None
         if self.fused:
             register()
 
@@ -234,6 +242,7 @@ class KvpoolCache(Cache):
                 raise ValueError(f"KvpoolCache: {len(self._given_ids)} seq_ids for a batch of {batch}")
             live = set(self.pool.sequences)
             self.seq_ids = [s if s in live else self._new_seq(s) for s in self._given_ids]
+            self._prior = any(s in live for s in self._given_ids)  # rows that hold tokens already
         else:
             self.seq_ids = [self._new_seq() for _ in range(batch)]
 
@@ -261,7 +270,10 @@ class KvpoolCache(Cache):
         """Append the layer's new K/V (``[batch, kv_heads, q_len, head_dim]``) to the pool and
         return the layer's retained K/V ``[batch, kv_heads, n, head_dim]`` for attention, in the
         model's dtype and on its device. Layer 0 begins a step of q_len tokens for every row,
-        the last layer ends it."""
+        the last layer ends it. A layer's first step (the prompt) on a pool and cache without
+        a policy returns the given K/V themselves: they are what the layer retains, so nothing
+        is read back (a lossy codec's error enters from the next step, as in transformers'
+        quantized caches)."""
         pool = self.pool
         B, H, S, D = key_states.shape
         if H != pool.kv_heads or D != pool.head_dim:
@@ -310,6 +322,13 @@ class KvpoolCache(Cache):
             self._retained[layer_idx] = self._seen[layer_idx]  # read back if a mask needs it
             layer.keys = layer.values = None
             return key_states, value_states
+        if self._seen[layer_idx] == S and self._keeps_all and not self._prior:
+            # the layer's first step (a prompt) on a pool that evicts nothing: what it retains is
+            # exactly these tokens, so attention takes them as given (as DynamicCache would),
+            # not read back: a lossy codec's error enters from the next step on
+            self._retained[layer_idx] = S
+            layer.keys, layer.values = key_states, value_states
+            return key_states, value_states
         keys, values = self._gather(layer_idx, key_states.dtype, key_states.device)
         self._retained[layer_idx] = keys.shape[-2]
         layer.keys, layer.values = keys, values
@@ -322,7 +341,18 @@ class KvpoolCache(Cache):
         q = query[:, :, 0, :]
         if q.dtype != torch.bfloat16 or not q.is_contiguous():
             q = q.to(torch.bfloat16).contiguous()
-        out = self.pool.attend_decode(layer_idx, self.seq_ids, q, scale=scaling)
+        B, Hq, D = q.shape
+        pool = self.pool
+        if B != len(self.seq_ids) or D != pool.head_dim or q.device != self._dev:
+            raise ValueError(f"KvpoolCache: query [{B}, {Hq}, 1, {D}] on {q.device} for {len(self.seq_ids)} rows of "
+                             f"head_dim {pool.head_dim} on {self._dev}")
+        ids = self._ids_c
+        if ids is None or self._ids_of is not self.seq_ids:  # rows remapped (beam search) or new
+            ids = self._ids_c = (ctypes.c_uint64 * B)(*self.seq_ids)
+            self._ids_of = self.seq_ids
+        out = torch.empty_like(q)
+        pool._attend_ptrs(layer_idx, ids, B, Hq, q.data_ptr(), out.data_ptr(),
+                          float(scaling) if scaling is not None else D ** -0.5, _arrays.cuda_stream(pool.device))
         if out.dtype != query.dtype:
             out = out.to(query.dtype)
         return out.unsqueeze(1)

@@ -256,6 +256,10 @@ class Pool:
         if _ffi is not None:
             self._freq = _ffi.new(_REQ_T)
             self._freq.struct_size = _READ_REQ_BYTES
+        self._ws = None  # device scratch of the table-building calls (_workspace)
+        self._areq = _lib.AttendReq()  # the creator thread's kvp_attend_req (_attend_ptrs)
+        lib.kvp_attend_req_init(byref(self._areq))
+        self._areq_ref = byref(self._areq)
         self._rq = _lib.ReadReq()  # the creator thread's ctypes kvp_read_req (read_into, _read_ptrs)
         self._rq.struct_size = _READ_REQ_BYTES
         self._rq_ref = byref(self._rq)
@@ -843,7 +847,7 @@ class Pool:
     def _workspace(self, torch, dev, need: int):
         """The pool's device scratch for table-building calls, grown (never shrunk) to need
         bytes. Reuse is stream-ordered by torch's allocator."""
-        ws = getattr(self, "_ws", None)
+        ws = self._ws
         if ws is None or ws.numel() < need or ws.device != dev:
             ws = self._ws = torch.empty((max(need, 1 << 16),), dtype=torch.uint8, device=dev)
         return ws
@@ -877,7 +881,7 @@ class Pool:
         req.q, req.out, req.out_dtype = q.data_ptr(), out.data_ptr(), code
         req.scale = float(scale) if scale is not None else D ** -0.5
         req.split_tokens, req.stream = split_tokens, stream
-        ws = getattr(self, "_ws", None)
+        ws = self._ws
         for _ in range(4):  # the writer may grow the table between the sizing and the call
             if ws is not None:
                 req.workspace, req.workspace_bytes = ws.data_ptr(), ws.numel()
@@ -890,6 +894,37 @@ class Pool:
         self.last_attend = {"splits": req.n_splits, "token_heads": req.token_heads, "bytes_read": req.bytes_read,
                             "workspace_bytes": req.workspace_needed}
         return out
+
+    def _attend_ptrs(self, layer: int, ids: Any, batch: int, n_q_heads: int, q_ptr: int, out_ptr: int,
+                     scale: float, stream: int) -> None:
+        """kvp_attend_decode from addresses the caller has checked (kvpool.hf: ``ids`` a ctypes
+        uint64 array of ``batch`` live sequence ids, q and out contiguous bf16 ``[batch,
+        n_q_heads, head_dim]`` on the pool's device, ``stream`` its current CUDA stream). Through
+        the creator thread's kvp_attend_req, set field by field: a few us a call, against tens
+        for attend_decode, which checks its tensors and builds a request each time."""
+        if self._h is None:
+            raise InvalidError("the pool is closed", "kvpool.Pool")
+        if _get_ident() == self._owner:
+            req, ref = self._areq, self._areq_ref
+        else:
+            req = _lib.AttendReq()
+            lib.kvp_attend_req_init(byref(req))
+            ref = byref(req)
+        req.layer, req.seqs, req.batch, req.n_q_heads = layer, ids, batch, n_q_heads
+        req.q, req.out, req.scale, req.stream = q_ptr, out_ptr, scale, stream
+        ws = self._ws
+        if ws is not None:
+            req.workspace, req.workspace_bytes = ws.data_ptr(), ws.numel()
+        rc = lib.kvp_attend_decode(self._h, ref)
+        for _ in range(3):  # the table outgrew the workspace (the writer may grow it again meanwhile)
+            if rc != _ENOSPC or not req.workspace_needed:
+                break
+            torch = _arrays.torch_module()
+            ws = self._workspace(torch, torch.device("cuda", self._cfg.device), req.workspace_needed)
+            req.workspace, req.workspace_bytes = ws.data_ptr(), ws.numel()
+            rc = lib.kvp_attend_decode(self._h, ref)
+        if rc:
+            raise error_for(rc, "kvp_attend_decode")
 
     def gather(self, items: Sequence[Tuple[int, int]], *, positions: bool = False) -> Tuple[Any, Any, List, Any]:
         """The retained tokens of many (seq, layer) pairs, every KV head, decoded to bf16 on the
