@@ -28,6 +28,9 @@
 
 #include <math.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <emmintrin.h>
+#endif
 
 static inline uint32_t f32_bits(float x) {
   uint32_t u;
@@ -429,13 +432,34 @@ size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n) {
  * mask. Per 32 bytes: load, store, and, compare, or; the vectors are GCC
  * vector types, two SSE2 registers each on the base ISA, one under AVX2. A
  * row's bytes past its last whole vector (head_dim not a multiple of 16
- * 16-bit or 8 32-bit elements) go one element at a time. */
+ * 16-bit or 8 32-bit elements) go one element at a time.
+ *
+ * kvp__rows_scatter_finite_nt stores the vectors non-temporally (MOVNTDQ:
+ * around the caches, no read of the destination's lines before they are
+ * written) when every destination row is 32-byte aligned, then fences
+ * (SFENCE), so a later release store (the publication) is ordered after
+ * them. For copies far larger than the caches into lines nobody holds (a
+ * VAR scale into fresh pages): half the memory traffic of a plain store,
+ * whose write-allocate reads each line first. */
+#if defined(__x86_64__) && defined(__GNUC__)
+/* 32 bytes at d (16-byte aligned) from x, as two MOVNTDQ (SSE2: both ISA
+ * copies of the kernel can use them). */
+KVP__INLINE void store_nt32(unsigned char *d, const void *x) {
+  __m128i a, b;
+  memcpy(&a, x, 16);
+  memcpy(&b, (const unsigned char *)x + 16, 16);
+  _mm_stream_si128((__m128i *)(void *)d, a);
+  _mm_stream_si128((__m128i *)(void *)(d + 16), b);
+}
+#else
+KVP__INLINE void store_nt32(unsigned char *d, const void *x) { memcpy(d, x, 32); }
+#endif
 typedef uint16_t scatter_v16 __attribute__((vector_size(32)));
 typedef uint32_t scatter_v32 __attribute__((vector_size(32)));
 
 KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t src_stride, size_t w, uint32_t ex,
-                             size_t n, size_t nh, size_t row_bytes, int *bad),
-            (dst, src, src_stride, w, ex, n, nh, row_bytes, bad)) {
+                             size_t n, size_t nh, size_t row_bytes, int nt, int *bad),
+            (dst, src, src_stride, w, ex, n, nh, row_bytes, nt, bad)) {
   size_t nv = row_bytes / 32;
   scatter_v16 acc16 = {0}, e16 = {0};
   scatter_v32 acc32 = {0}, e32 = {0};
@@ -451,14 +475,20 @@ KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t 
           scatter_v16 x, y;
           memcpy(&x, s + 32 * i, 32);
           memcpy(&y, s + 32 * i + 32, 32);
-          memcpy(d + 32 * i, &x, 32);
-          memcpy(d + 32 * i + 32, &y, 32);
+          if (nt) {
+            store_nt32(d + 32 * i, &x);
+            store_nt32(d + 32 * i + 32, &y);
+          } else {
+            memcpy(d + 32 * i, &x, 32);
+            memcpy(d + 32 * i + 32, &y, 32);
+          }
           acc16 |= (scatter_v16)((x & e16) == e16) | (scatter_v16)((y & e16) == e16);
         }
         for (; i < nv; i++) {
           scatter_v16 x;
           memcpy(&x, s + 32 * i, 32);
-          memcpy(d + 32 * i, &x, 32);
+          if (nt) store_nt32(d + 32 * i, &x);
+          else memcpy(d + 32 * i, &x, 32);
           acc16 |= (scatter_v16)((x & e16) == e16);
         }
       } else {
@@ -466,14 +496,20 @@ KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t 
           scatter_v32 x, y;
           memcpy(&x, s + 32 * i, 32);
           memcpy(&y, s + 32 * i + 32, 32);
-          memcpy(d + 32 * i, &x, 32);
-          memcpy(d + 32 * i + 32, &y, 32);
+          if (nt) {
+            store_nt32(d + 32 * i, &x);
+            store_nt32(d + 32 * i + 32, &y);
+          } else {
+            memcpy(d + 32 * i, &x, 32);
+            memcpy(d + 32 * i + 32, &y, 32);
+          }
           acc32 |= (scatter_v32)((x & e32) == e32) | (scatter_v32)((y & e32) == e32);
         }
         for (; i < nv; i++) {
           scatter_v32 x;
           memcpy(&x, s + 32 * i, 32);
-          memcpy(d + 32 * i, &x, 32);
+          if (nt) store_nt32(d + 32 * i, &x);
+          else memcpy(d + 32 * i, &x, 32);
           acc32 |= (scatter_v32)((x & e32) == e32);
         }
       }
@@ -503,7 +539,24 @@ bool kvp__rows_scatter_finite(void *const *dst, const void *src, size_t src_stri
   size_t w = kvp__dtype_bytes(dt);
   uint32_t ex = dt == KVP_DTYPE_F32 ? 0x7F800000u : dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
   int bad = 0;
-  (void)scatter_screen(dst, src, src_stride, w, ex, n, nh, e * w, &bad);
+  (void)scatter_screen(dst, src, src_stride, w, ex, n, nh, e * w, 0, &bad);
+  return !bad;
+}
+
+bool kvp__rows_scatter_finite_nt(void *const *dst, const void *src, size_t src_stride, kvp_dtype dt, size_t n,
+                                 size_t nh, size_t e) {
+  size_t w = kvp__dtype_bytes(dt), row_bytes = e * w;
+  uint32_t ex = dt == KVP_DTYPE_F32 ? 0x7F800000u : dt == KVP_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+  int nt = row_bytes % 32 == 0, bad = 0; /* every row of every head 32-byte aligned, or plain stores */
+  for (size_t h = 0; nt && h < nh; h++) nt = ((uintptr_t)dst[h] & 31) == 0;
+  (void)scatter_screen(dst, src, src_stride, w, ex, n, nh, row_bytes, nt, &bad);
+  if (nt) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_sfence();
+#else
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+  }
   return !bad;
 }
 

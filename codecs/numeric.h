@@ -345,6 +345,12 @@ size_t kvp__row_find_nonfinite(const void *src, kvp_dtype dt, size_t n);
  * (no exponent field all ones). Every row is copied either way. */
 bool kvp__rows_scatter_finite(void *const *dst, const void *src, size_t src_stride, kvp_dtype dt, size_t n, size_t nh,
                               size_t e);
+/* The same with non-temporal stores (around the caches) where every dst[h]
+ * is 32-byte aligned and a row is a whole number of 32-byte vectors (plain
+ * stores otherwise), fenced before it returns: for copies much larger than
+ * the caches into lines no core holds. */
+bool kvp__rows_scatter_finite_nt(void *const *dst, const void *src, size_t src_stride, kvp_dtype dt, size_t n,
+                                 size_t nh, size_t e);
 /* Copy n elements, NaN -> +0 and +-Inf -> +-largest finite of the dtype. */
 void kvp__row_sanitize(void *dst, const void *src, kvp_dtype dt, size_t n);
 

@@ -27,6 +27,12 @@
  * the bf16-equivalent figure. Such a token takes the fill-only fast path
  * (append_fill): no plan, the NaN/Inf screen done by the copy itself, the
  * heads' tail pages looked up once, a publication of a few stores.
+ *
+ * A step-mode step under a passthrough codec (a VAR scale, a video chunk)
+ * takes the fresh-block path (append_fresh): the
+ * general plan and transaction, the payload one token-major scatter per
+ * block index and side with the screen in the copy, large sides stored
+ * around the caches.
  */
 #include "../codecs/numeric.h"
 #include "pages.h"
@@ -388,11 +394,15 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
                         kvp__append_tx *tx);
 
 static bool append_fill(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, kvp__append_tx *tx);
+static bool append_fresh(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                         kvp__append_tx *tx, int *rc);
 
 int kvp__append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
                       kvp__append_tx *tx) {
   if (pool->cfg.memory != KVP_MEM_HOST) return append_layer(pool, s, layer, kv, skip, tx); /* device input: not screened */
   if (append_fill(pool, s, layer, kv, tx)) return KVP_OK;
+  int frc;
+  if (append_fresh(pool, s, layer, kv, skip, tx, &frc)) return frc;
   kvp_kv use;
   void *scratch[2] = {NULL, NULL};
   size_t scratch_bytes[2] = {0, 0};
@@ -527,6 +537,122 @@ static bool append_fill(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   kvp__run_publish(s, layer, pos + n, NULL, false); /* the last run extends (fill_only) */
   kvp__count_tokens(pool, (int64_t)n * H, 0);
   kvp__append_tx_after_publish(pool, s, tx);
+  return true;
+}
+
+/* ---- the fresh-block fast path ----------------------------------------------
+ * A step-mode step (its blocks never straddle steps, so all of them are
+ * new and sealed) under a passthrough codec (raw in the appended dtype): a
+ * VAR scale, a video chunk. Stream mode keeps the general path, which
+ * screens before taking anything (a refused decode token moves no peak or
+ * total of the ledger; check_decode holds it to that). Every page is then the rows of
+ * its head as appended, so the payload is one scatter per block index and
+ * side over the stored heads (kvp__rows_scatter_finite: token-major, the
+ * input read once and in order, each value screened for NaN/Inf as it is
+ * copied), instead of a screening pass over the input and then a row copy
+ * per (head, token) through the codec. Sides of FRESH_NT_BYTES or more are
+ * stored around the caches (kvp__rows_scatter_finite_nt): fresh pages no
+ * core holds, written once, far larger than the caches.
+ * The plan, the metadata, the transaction with the policy and the
+ * publication are the general path's; only the order changes: the input
+ * is screened after the pages are taken. So the general path's answers
+ * stay: a step that fails (metadata, budget, region) is screened first and
+ * a bad value reported before it (bad input wins, as when screened first);
+ * a non-finite value found by the scatter sends the input to screen_input,
+ * which fails (the pages given back, evictions undone by
+ * kvp__append_tx_fail) or, on a sanitizing pool, rewrites the rows from its
+ * sanitized copy before the publication. */
+enum { FRESH_NT_BYTES = 1u << 20 }; /* bytes of a side (every stored head) from which stores go around the caches */
+
+static bool fresh_shape(const kvp_pool *pool, const append_plan *pl) {
+  return !pl->fill && !pl->reseal && !pl->last_raw && pl->nnew && pl->nskip < pool->cfg.n_kv_heads;
+}
+
+/* The rows of the plan's new blocks, every stored head and side; false if
+ * a value was NaN or +-Inf, in a stored head or not (as screen_input: a
+ * head the policy does not store is still input). Every stored row is
+ * copied either way. */
+static bool fresh_write(kvp_pool *pool, const kvp__seq *s, uint32_t layer, const kvp_kv *kv, const append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, n = s->cur_tokens;
+  uint32_t bt = kvp__layer_bt(pool, layer, s->mode);
+  bool finite = true;
+  for (int side = 0; side < 2; side++) {
+    kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
+    size_t row = stride_row(pool, side), stride = H * row;
+    const unsigned char *base = side ? kv->v : kv->k;
+    bool nt = (uint64_t)n * (H - pl->nskip) * row >= FRESH_NT_BYTES;
+    for (uint32_t j = 0; j < pl->nnew; j++) {
+      uint32_t t0 = j * bt, m = n - t0 < bt ? n - t0 : bt;
+      for (uint32_t h0 = 0; h0 < H;) { /* runs of stored heads, FILL_HEADS at most */
+        void *d[FILL_HEADS];
+        uint32_t nh = 0;
+        for (; h0 + nh < H && nh < FILL_HEADS && !skipped(pl, h0 + nh); nh++)
+          d[nh] = kvp__page_addr(&pool->alloc, &pl->blocks[(h0 + nh) * pl->nb + j]->pg[0][side]);
+        if (nh) {
+          const unsigned char *src = base + (size_t)t0 * stride + (size_t)h0 * row;
+          finite &= nt ? kvp__rows_scatter_finite_nt(d, src, stride, dt, m, nh, D)
+                       : kvp__rows_scatter_finite(d, src, stride, dt, m, nh, D);
+        }
+        h0 += nh ? nh : 1; /* past the run, or past a skipped head */
+      }
+    }
+    for (uint32_t h = 0; pl->nskip && finite && h < H; h++) /* heads not stored are screened all the same */
+      for (uint32_t t = 0; skipped(pl, h) && finite && t < n; t++)
+        finite = kvp__row_find_nonfinite(base + (size_t)t * stride + (size_t)h * row, dt, D) == D;
+  }
+  return finite;
+}
+
+/* A failure of the step before its payload: reported as is, unless the
+ * input has a NaN or Inf, which is reported instead (on a sanitizing pool
+ * there is none to report). */
+static int fresh_fail(kvp_pool *pool, const kvp__seq *s, uint32_t layer, const kvp_kv *kv, int rc) {
+  if (pool->cfg.flags & KVP_POOL_SANITIZE) return rc;
+  kvp_kv use;
+  void *scratch[2] = {NULL, NULL};
+  size_t scratch_bytes[2] = {0, 0};
+  int src = screen_input(pool, layer, kv, s->cur_tokens, &use, scratch, scratch_bytes);
+  return src ? src : rc;
+}
+
+/* True when the fast path took the step (*rc its status: published, or
+ * failed with nothing changed); false, nothing done, when the step is not
+ * of its shape. */
+static bool append_fresh(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const uint64_t *skip,
+                         kvp__append_tx *tx, int *rc) {
+  if (s->mode != KVP_SEQ_STEP || (pool->cfg.flags & KVP_POOL_DRY) || kvp__layer_rowwise(pool, layer) ||
+      !pool->bind[2 * layer].passthrough || !pool->bind[2 * layer + 1].passthrough)
+    return false;
+  uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
+  append_plan pl;
+  plan_shape(pool, s, layer, pos, skip, &pl);
+  if (!fresh_shape(pool, &pl)) return false;
+  pl.run_always = tx && tx->before.n;
+  if ((*rc = plan_take(pool, s, layer, pos, &pl))) {
+    *rc = fresh_fail(pool, s, layer, kv, *rc);
+    return true;
+  }
+  take_ctx tc = {s, layer, &pl};
+  if ((*rc = kvp__append_tx_take(pool, s, layer, tx, pl.bytes, take_pages, give_pages, &tc))) {
+    plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
+    *rc = fresh_fail(pool, s, layer, kv, *rc);
+    return true;
+  }
+  if (!fresh_write(pool, s, layer, kv, &pl)) { /* screened now: fails, or rows written again sanitized */
+    kvp_kv use;
+    void *scratch[2] = {NULL, NULL};
+    size_t scratch_bytes[2] = {0, 0};
+    *rc = screen_input(pool, layer, kv, s->cur_tokens, &use, scratch, scratch_bytes);
+    if (!*rc) *rc = fill_data(pool, s, layer, pos, &use, &pl);
+    for (int side = 0; side < 2; side++) kvp__meta_free(&pool->meta, scratch[side], scratch_bytes[side]);
+    if (*rc) {
+      plan_undo(pool, &pl, pool->cfg.n_kv_heads * pl.nb);
+      kvp__append_tx_fail(pool, s, tx);
+      return true;
+    }
+  }
+  publish(pool, s, layer, pos, &pl, tx);
+  *rc = KVP_OK;
   return true;
 }
 

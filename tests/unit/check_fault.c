@@ -469,13 +469,13 @@ END_TEST
 static const uint32_t T_EQ[] = {8, 8, 8, 8, 8, 8};
 enum { REGION_STEP = 3 };
 
-static kvp_pool *full_region_pool(void) {
+static kvp_pool *full_region_pool(const char *codecs, uint32_t flags) {
   kvp_config c;
   kvp_config_init(&c);
   c.n_layers = L, c.n_kv_heads = H, c.head_dim = D, c.block_tokens = 8;
   c.region_bytes = 2ull << 20;
-  c.codecs = "kv=qvg:k=4:group=16", c.policy = "heatkv:b=0.5:s=2:orders=synthetic";
-  c.flags = KVP_POOL_ALLOW_EXPANSION;
+  c.codecs = codecs, c.policy = "heatkv:b=0.5:s=2:orders=synthetic";
+  c.flags = KVP_POOL_ALLOW_EXPANSION | flags;
   kvp_pool *p = NULL;
   ck_assert_msg(kvp_pool_create(&c, &p) == KVP_OK, "%s", kvp_last_error());
   kvp_seq_config sc;
@@ -530,7 +530,7 @@ START_TEST(append_over_evicted_pages_fails_whole) {
   bool done = false;
   for (uint64_t k = 1; !done; k++) {
     kvp__fault_arm(0, false);
-    kvp_pool *p = full_region_pool();
+    kvp_pool *p = full_region_pool("kv=qvg:k=4:group=16", 0);
     kvp_page_tag tag = {.seq = 99, .type = KVP_PAGE_RAW};
     kvp_page_id id;
     ck_assert_int_eq(kvp_page_alloc(p, 64, &tag, &id), KVP_ENOSPC); /* the region is full */
@@ -570,6 +570,105 @@ START_TEST(append_over_evicted_pages_fails_whole) {
   ck_assert_uint_gt(nwrite, 0);
   printf("fault region full: %llu allocations of the append failed in turn, %llu while writing\n",
          (unsigned long long)nfailed, (unsigned long long)nwrite);
+}
+END_TEST
+
+/* ---- the fresh-block path over evicted pages --------------------------------
+ * The same full region with raw pages: the step's append takes the
+ * fresh-block path (pages/stream.c: append_fresh), whose screen runs on the
+ * copy, after the pages are taken and the evictions that made room for
+ * them applied, so a bad value is found midway, with the new pages lying
+ * over the evicted ones and partly written. _i = 0: a NaN in the last value
+ * the copy sees (V, last token, last head, last channel) and in K's first:
+ * refused (KVP_EINVAL naming it), the pool as before and every read the
+ * same bit for bit; the clean append then succeeds. _i = 1: a sanitizing
+ * pool, the same NaN, and every allocation of the append failing in turn
+ * (its sanitized copy's among them, taken after the pages): each failure
+ * changes nothing; the append that gets through stores the NaN as 0. */
+START_TEST(fresh_append_over_evicted_pages_fails_whole) {
+  static readback before_rb, after_rb;
+  static uint16_t bad[MAXTOK * H * D];
+  for (size_t i = 0; i < sizeof KV / sizeof *KV; i++) KV[i] = (uint16_t)(0x3f00 + (i * 37) % 256);
+  memcpy(bad, KV, sizeof bad);
+  size_t last = (size_t)T_EQ[REGION_STEP] * H * D - 1;
+  bad[last] = 0x7FC0; /* bf16 NaN */
+  if (_i) bad[last - D] = 0x7FC0; /* and in head 0's (one of the two heads may not be stored) */
+  kvp__fault_arm(0, false);
+  uint64_t live0 = kvp__fault_live(NULL), nfailed = 0, nscratch = 0, nstored = 0;
+  bool done = false;
+  for (uint64_t k = _i ? 1 : 0; !done; k++) {
+    kvp__fault_arm(0, false);
+    kvp_pool *p = full_region_pool(NULL, _i ? KVP_POOL_SANITIZE : 0);
+    kvp_page_tag tag = {.seq = 99, .type = KVP_PAGE_RAW};
+    kvp_page_id id;
+    ck_assert_int_eq(kvp_page_alloc(p, 64, &tag, &id), KVP_ENOSPC); /* the region is full */
+    fp before = fingerprint(p);
+    read_back(p, &before_rb);
+    if (!_i) {
+      ck_assert_int_eq(kvp_append(p, 1, 0, &(kvp_kv){KV, bad, NULL}), KVP_EINVAL);
+      ck_assert_msg(strstr(kvp_last_error(), "V of layer 0 has NaN at head 1, token 7 (of the step), channel 15"),
+                    "%s", kvp_last_error());
+      bad[0] = 0x7F80; /* +Inf in K's first value, the NaN still in V's last: K's is named */
+      ck_assert_int_eq(kvp_append(p, 1, 0, &(kvp_kv){bad, bad, NULL}), KVP_EINVAL);
+      ck_assert_msg(strstr(kvp_last_error(), "K of layer 0 has +Inf at head 0, token 0 (of the step), channel 0"),
+                    "%s", kvp_last_error());
+      bad[0] = KV[0];
+      fp after = fingerprint(p);
+      ck_assert(memcmp(&before, &after, sizeof after) == 0);
+      ck_assert_int_eq(kvp_check(p), KVP_OK);
+      read_back(p, &after_rb);
+      ck_assert_msg(memcmp(&before_rb, &after_rb, sizeof after_rb) == 0, "the refused append changed a read");
+      ck_assert_msg(kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL}) == KVP_OK, "%s", kvp_last_error());
+      done = true;
+    } else {
+      kvp__fault_arm(k, false);
+      int rc = kvp_append(p, 1, 0, &(kvp_kv){KV, bad, NULL});
+      uint64_t failed = kvp__fault_failed();
+      kvp__fault_arm(0, false);
+      char err[512];
+      snprintf(err, sizeof err, "%s", kvp_last_error());
+      if (rc == KVP_OK) {
+        ck_assert_msg(failed == 0, "k=%llu: the append succeeded past a failed allocation", (unsigned long long)k);
+        done = true;
+      } else {
+        nfailed++;
+        nscratch += strstr(err, "scratch to sanitize") != NULL; /* after the pages were taken */
+        ck_assert_msg(failed > 0, "k=%llu: the append failed with no fault: %s", (unsigned long long)k, err);
+        fp after = fingerprint(p);
+        ck_assert_msg(memcmp(&before, &after, sizeof after) == 0, "k=%llu: the failed append (%s) changed the pool",
+                      (unsigned long long)k, err);
+        ck_assert_msg(kvp_check(p) == KVP_OK, "k=%llu: %s", (unsigned long long)k, kvp_last_error());
+        read_back(p, &after_rb);
+        ck_assert_msg(memcmp(&before_rb, &after_rb, sizeof after_rb) == 0, "k=%llu: the failed append (%s) changed "
+                      "what a read gives back", (unsigned long long)k, err);
+        ck_assert_msg(kvp_append(p, 1, 0, &(kvp_kv){KV, bad, NULL}) == KVP_OK, "k=%llu: the append again: %s",
+                      (unsigned long long)k, kvp_last_error());
+      }
+      static uint16_t vo[4 * MAXTOK * D];
+      static uint32_t pos[4 * MAXTOK];
+      for (uint32_t h = 0; h < H; h++) {
+        kvp_read_req r = {sizeof r, h, KVP_DTYPE_BF16, NULL, vo, pos, 4 * MAXTOK, 0, NULL};
+        ck_assert_msg(kvp_read(p, 1, 0, &r) == KVP_OK, "%s", kvp_last_error());
+        ck_assert_uint_gt(r.n_tokens, 0);
+        if (pos[r.n_tokens - 1] == before.positions[1] + T_EQ[REGION_STEP] - 1) { /* the head stored the step */
+          nstored++;
+          ck_assert_uint_eq(vo[(size_t)(r.n_tokens - 1) * D + D - 1], 0); /* the NaN, sanitized */
+          ck_assert_uint_eq(vo[(size_t)(r.n_tokens - 1) * D + D - 2], KV[last - (H - 1 - h) * D - 1]);
+        }
+      }
+    }
+    fp end = fingerprint(p);
+    ck_assert_msg(end.evicted > before.evicted, "the append evicted nothing");
+    ck_assert_msg(kvp_check(p) == KVP_OK, "k=%llu: %s", (unsigned long long)k, kvp_last_error());
+    kvp_pool_destroy(p);
+    ck_assert_msg(kvp__fault_live(NULL) == live0, "k=%llu: allocations left after destroy", (unsigned long long)k);
+  }
+  if (_i) {
+    ck_assert_uint_gt(nscratch, 0);
+    ck_assert_uint_gt(nstored, 0);
+    printf("fault fresh append, sanitizing: %llu allocations of the append failed in turn, %llu after its pages\n",
+           (unsigned long long)nfailed, (unsigned long long)nscratch);
+  }
 }
 END_TEST
 
@@ -683,6 +782,7 @@ int main(void) {
   tcase_set_timeout(room, 60);
   tcase_add_loop_test(room, append_needing_room_fails_whole, 0, NROOM);
   tcase_add_test(room, append_over_evicted_pages_fails_whole);
+  tcase_add_loop_test(room, fresh_append_over_evicted_pages_fails_whole, 0, 2);
   suite_add_tcase(s, room);
   SRunner *sr = srunner_create(s);
   srunner_run_all(sr, CK_NORMAL);

@@ -440,13 +440,17 @@ END_TEST
  * verdict false exactly when a NaN or +-Inf was in the rows: one planted in
  * turn at the first and the last element of every row (the last row of the
  * last head included), with the largest finite values around it. Bytes
- * past each destination row stay as they were. */
+ * past each destination row stay as they were. The same for the variant
+ * with non-temporal stores (kvp__rows_scatter_finite_nt: rows of whole
+ * 32-byte vectors into aligned destinations, plain stores otherwise). */
 START_TEST(scatter_finite_every_isa) {
-  enum { MAXE = 128, MAXN = 3, MAXH = 5, PAD = 8 };
+  enum { MAXE = 128, MAXN = 3, MAXH = 5, PAD = 32 }; /* PAD: every dst[h] 32-byte aligned (the _nt variant's stores) */
   static const size_t es[] = {128, 80, 48, 24, 13, 7, 1};
   static const kvp_dtype dts[] = {KVP_DTYPE_F32, KVP_DTYPE_BF16, KVP_DTYPE_F16};
-  static unsigned char src[MAXN * (MAXH + 1) * MAXE * 4], dst[MAXH][MAXN * MAXE * 4 + PAD];
+  static unsigned char src[MAXN * (MAXH + 1) * MAXE * 4];
+  static _Alignas(64) unsigned char dst[MAXH][MAXN * MAXE * 4 + PAD];
   int was = kvp__codec_isa();
+  for (int nt = 0; nt < 2; nt++)
   for (int isa = KVP__ISA_BASE; isa <= KVP__ISA_AVX2; isa++) {
     if (kvp__codec_isa_set(isa) != isa) continue; /* no AVX2 on this CPU */
     for (size_t di = 0; di < 3; di++)
@@ -479,7 +483,8 @@ START_TEST(scatter_finite_every_isa) {
                 memcpy(src + at, &bad[(size_t)plant % 3], w);
               }
               memset(dst, 0xA5, sizeof dst);
-              bool fin = kvp__rows_scatter_finite(d, src, stride, dt, n, nh, e);
+              bool fin = nt ? kvp__rows_scatter_finite_nt(d, src, stride, dt, n, nh, e)
+                            : kvp__rows_scatter_finite(d, src, stride, dt, n, nh, e);
               ck_assert_msg(fin == (plant < 0), "isa %d dtype %d e %zu n %zu nh %zu plant %ld: finite %d", isa,
                             (int)dt, e, n, nh, plant, (int)fin);
               for (size_t tt = 0; tt < n; tt++)
