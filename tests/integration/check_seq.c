@@ -2,7 +2,8 @@
  * tests/integration/check_seq.c - sequences through the public header: bad
  * input (each error with its status, a message naming the culprit, and no
  * change to the pool), views pinned across evictions and frees, fork
- * sharing sealed blocks and copying open ones, NaN input.
+ * sharing sealed blocks and copying open ones, NaN input, reads across
+ * block edges and evicted holes in each raw copy path.
  */
 #include <check.h>
 #include <math.h>
@@ -378,6 +379,65 @@ START_TEST(seq_ids_share_and_reuse_lookups) {
 }
 END_TEST
 
+/* kvp_read across block edges, partial and OPEN blocks and an evicted hole,
+ * for raw rows copied as they are (bf16 stored, bf16 out) and converted
+ * (fp32 stored, or f32 out): every row and position as appended, K and V
+ * or K alone. Loop index: bit 0 = fp32 storage, bit 1 = f32 out. */
+START_TEST(read_crosses_blocks_and_holes) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.region_bytes = 16ull << 20;
+  c.block_tokens = BT;
+  c.codecs = _i & 1 ? "kv=raw:dtype=fp32" : NULL;
+  kvp_pool *p;
+  ck_ok(kvp_pool_create(&c, &p));
+  kvgen_init(&G);
+  kvp_dtype out = _i & 2 ? KVP_DTYPE_F32 : KVP_DTYPE_BF16;
+  ck_ok(kvp_seq_add(p, 9, NULL));
+  step(p, 9, 0, 20);  /* step 0: [0,8) [8,16) [16,20 of 24) */
+  step(p, 9, 20, 4);  /* step 1: [20,24), fills block [16,24) */
+  step(p, 9, 24, 7);  /* step 2: [24,31) OPEN */
+  ck_ok(kvp_evict(p, 9, 2, 0, 1)); /* head 0 of layer 2: a hole at [20,24), the end of a block */
+  ck_ok(kvp_evict(p, 9, 2, 1, 0)); /* head 1: [0,20) gone, its read starts 4 rows into a block */
+  ck_ok(kvp_check(p));
+  enum { CAP = 40 };
+  float ko[CAP * D], vo[CAP * D]; /* as large as f32 rows; bf16 rows use the first half */
+  uint32_t pos[CAP];
+  for (uint32_t h = 0; h < H; h++)
+    for (int both = 0; both < 2; both++) {
+      memset(ko, 0xee, sizeof ko), memset(vo, 0xee, sizeof vo);
+      kvp_read_req q = {sizeof q, h, out, ko, both ? vo : NULL, pos, CAP, 0, NULL};
+      ck_ok(kvp_read(p, 9, 2, &q));
+      ck_assert_uint_eq(q.n_tokens, h == 0 ? 27 : 11);
+      for (uint32_t i = 0; i < q.n_tokens; i++) {
+        uint32_t want = h == 0 ? (i >= 20 ? i + 4 : i) : 20 + i;
+        ck_assert_uint_eq(pos[i], want);
+        for (uint32_t d = 0; d < D; d++)
+          for (int kv = 0; kv < 1 + both; kv++) {
+            uint16_t x = kvgen_value(&G, 9, 2, h, want, d, kv);
+            const float *o = kv ? vo : ko;
+            uint32_t got = out == KVP_DTYPE_F32 ? 0 : ((const uint16_t *)o)[i * D + d];
+            if (out == KVP_DTYPE_F32) {
+              uint32_t w = (uint32_t)x << 16;
+              memcpy(&got, &o[i * D + d], 4);
+              ck_assert_msg(got == w, "head %u token %u dim %u %c: %08x, want %08x", h, i, d, "KV"[kv], got, w);
+            } else {
+              ck_assert_msg(got == x, "head %u token %u dim %u %c: %04x, want %04x", h, i, d, "KV"[kv], got, x);
+            }
+          }
+      }
+      uint32_t row = D * (out == KVP_DTYPE_F32 ? 4 : 2);
+      const unsigned char *past = (const unsigned char *)ko + (size_t)q.n_tokens * row;
+      ck_assert_uint_eq(past[0], 0xee); /* nothing written past the last row */
+      if (!both) ck_assert_uint_eq(((const unsigned char *)vo)[0], 0xee);
+    }
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("seq");
   TCase *tc = tcase_create("seq");
@@ -388,6 +448,7 @@ int main(void) {
   tcase_add_test(tc, fork_shares_sealed_copies_open);
   tcase_add_test(tc, fork_refused_by_budget_changes_nothing);
   tcase_add_test(tc, seq_ids_share_and_reuse_lookups);
+  tcase_add_loop_test(tc, read_crosses_blocks_and_holes, 0, 4);
   suite_add_tcase(s, tc);
   return it_run(s);
 }
