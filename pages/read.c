@@ -12,11 +12,18 @@
  * position below it is visible. A reader racing the writer sees each run and
  * bref either before or after each change; the counting pass bounds the
  * copy pass, so buffers are never overrun.
+ *
+ * kvp_read's cost is the copy: per block and side, rows the raw codec
+ * stores in the output dtype (host region) are one memcpy of m x D x esize
+ * bytes from the page at row t0; other rows go through the codec's decode.
+ * Its walk requests the bref and block two blocks ahead (walk_ranges).
  */
 #include "../codecs/numeric.h"
 #include "pages.h"
 
 #include <string.h>
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
 
 static uint32_t run_end(const kvp__run *r) { return atomic_load_explicit(&r->p1, memory_order_acquire); }
 
@@ -28,8 +35,22 @@ static uint64_t count_retained(const kvp__layer *L, uint32_t head) {
   return n;
 }
 
-uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
-                          kvp__range_fn fn, void *ctx) {
+/* The walk behind kvp__walk_ranges. With ahead, the bref and the block two
+ * blocks on are requested before fn copies b, so a long read's pointer
+ * chase (bref, block, page) is in flight a block early. A hint only: it
+ * follows the brefs and passes over held chunks. Under the read lock every
+ * bref and block reached is live. */
+static ALWAYS_INLINE void prefetch_after(const kvp__bwalk *w, const kvp__block *b) {
+  const kvp__bref *r = kvp__rcu_deref(*w->link);
+  if (r && kvp__rcu_deref(r->blk) == b) r = kvp__rcu_deref(r->next);
+  if (r && (r = kvp__rcu_deref(r->next))) {
+    __builtin_prefetch(r);
+    __builtin_prefetch(kvp__rcu_deref(r->blk));
+  }
+}
+
+static ALWAYS_INLINE uint64_t walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head,
+                                          uint64_t limit, kvp__range_fn fn, void *ctx, const bool ahead) {
   const kvp__layer *L = &s->layers[layer];
   kvp__bwalk w; /* the stream's blocks, and the shared prefix chunks s holds, in position order */
   kvp__bwalk_init(&w, pool, s, layer * pool->cfg.n_kv_heads + head);
@@ -42,6 +63,7 @@ uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uin
       uint32_t be = b->pos0 + b->cap_tokens;
       if (be > ra) {
         uint32_t a = ra > b->pos0 ? ra : b->pos0, e = rb < be ? rb : be;
+        if (ahead) prefetch_after(&w, b);
         if (fn(ctx, b, a, e)) return done;
         done += e - a;
         if (be > rb) break; /* the next run may begin inside it */
@@ -50,6 +72,11 @@ uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uin
     }
   }
   return done;
+}
+
+uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uint32_t head, uint64_t limit,
+                          kvp__range_fn fn, void *ctx) {
+  return walk_ranges(s, pool, layer, head, limit, fn, ctx, false);
 }
 
 /* ---- kvp_read ------------------------------------------------------------ */
@@ -65,18 +92,28 @@ typedef struct read_ctx {
 #endif
 } read_ctx;
 
+/* One block's rows [a, e) of the head, K and V, at the output's next row.
+ * Host rows stored in the output dtype by the raw codec (every OPEN block,
+ * and sealed blocks of raw layers) are one memcpy: what raw's decode does,
+ * without its call. */
 static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   read_ctx *c = vctx;
   kvp_pool *pool = c->pool;
   kvp_read_req *q = c->req;
   uint32_t t0 = a - b->pos0, m = e - a, D = pool->cfg.head_dim;
   void *outs[2] = {q->k_out, q->v_out};
+  bool host = pool->cfg.memory != KVP_MEM_CUDA;
   for (int kv = 0; kv < 2; kv++) {
     if (!outs[kv]) continue;
     const kvp__binding *bd = kvp__block_binding(pool, c->layer, kv, b);
     size_t orow = (size_t)D * kvp__dtype_bytes(q->out_dtype);
     unsigned char *dst = (unsigned char *)outs[kv] + c->out_tokens * orow;
     int rc;
+    if (host && bd->vt == &kvp__codec_raw && kvp__raw_store_dtype(bd->inst) == q->out_dtype &&
+        !(b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at)) {
+      memcpy(dst, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * orow, (size_t)m * orow);
+      continue;
+    }
     if (pool->cfg.memory == KVP_MEM_CUDA) {
 #ifdef KVP_HAVE_CUDA
       kvp_codec_dev_job j = {.dst = dst, .stride_bytes = orow, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
@@ -159,7 +196,7 @@ KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req 
   kvp__dev_batch_init(&db, 256, NULL);
   c.db = &db;
 #endif
-  kvp__walk_ranges(s, pool, layer, req->head, need, read_range, &c);
+  walk_ranges(s, pool, layer, req->head, need, read_range, &c, true);
 #ifdef KVP_HAVE_CUDA
   if (pool->cfg.memory == KVP_MEM_CUDA) {
     int rc2 = kvp__dev_read_flush(pool, &db, req->out_dtype, req->stream);
