@@ -650,16 +650,17 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
  * from its run's end (loaded with acquire, as the walk loads it) and
  * makes the splits: O(records) sequential bytes, not O(blocks) loads.
  * A generation that moved during the walk is read as a different label
- * by the next call, which builds again. The kept table names blocks that
- * stay linked while the generation stands, so their pages stay valid
- * under the caller's RCU read lock as the walk's do. One call at a time
+ * by the next call, which builds again; an odd one (a writer in) neither
+ * serves nor labels. The kept table names blocks that stay linked while
+ * the generation stands, so they and their pages stay valid under the
+ * caller's RCU read lock as the walk's do (pages.h: sgen). One call at a time
  * uses a layer's kept table (a try-lock; others build as before). */
 #define KVP__ACACHE_MAX_BYTES (256ull << 20) /* records kept over all layers of a pool */
 
 typedef struct kvp__acache {
   kvp__mutex lock;       /* taken by try: the call using it */
   bool valid;            /* the fields below describe a table */
-  uint64_t gen;          /* the pool's sgen read before its walk */
+  uint64_t gen;          /* the pool's sgen (even) read before its walk */
   uint32_t batch, kind;  /* the batch's size and the records' kernel kind */
   uint64_t *seqs;        /* [batch] its sequence ids */
   unsigned char *recs;   /* its records (nrec = recs_at[nbh]) */
@@ -810,8 +811,8 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
   }
   atail *tails = (atail *)(tok_of + nbh);
   uint32_t *recs_at = (uint32_t *)(tails + nbh), *bh_split0 = recs_at + nbh + 1;
-  uint64_t gen = atomic_load_explicit(&pool->sgen, memory_order_acquire);
-  if (kept_matches(k, t, gen)) {
+  uint64_t gen = atomic_load(&pool->sgen); /* odd: a writer is in; the kept table is neither used nor kept */
+  if (!(gen & 1) && kept_matches(k, t, gen)) {
     uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
     if (!(rc = reserve(buf, 0, rec_bytes))) {
       kept_advance(pool, k, rb);
@@ -824,7 +825,7 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
     bool shared;
     rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, &shared, &c);
     if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
-    if (!rc && !shared) kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c);
+    if (!rc && !shared && !(gen & 1)) kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c);
     else k->valid = false;
   }
   kvp__meta_free(NULL, tok_of, scratch);

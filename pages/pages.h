@@ -208,11 +208,15 @@ struct kvp_pool {
   uint64_t codec_fp;     /* fingerprint of the codec bindings: names and parameters per (layer, side) */
   uint32_t chunk_tokens; /* the stream-mode block size every layer shares (prefix chunks, store blobs);
                             0 when layers chose different sizes: no prefix sharing, no store tier */
-  /* The structure generation: advanced when the writer lock is left after
-   * anything but a pure fill (w_pure), i.e. after any change to a block
-   * list, a run list, a block's pages or the set of sequences. A reader
-   * that read it (acquire) before walking knows the walk's view stays
-   * exact, but for the runs' ends, while it has not moved. */
+  /* The structure generation, a sequence count: odd while the writer lock
+   * is held; when it is left, one more (even again, a new value) after any
+   * change to a block list, a run list, a block's pages or the set of
+   * sequences, one less (the value before) after a pure fill (w_pure). A
+   * reader under the RCU read lock that loads an even value equal to the
+   * one it loaded before a walk knows that walk's view is still exact but
+   * for the runs' ends, and that what it names stays valid while the read
+   * lock is held: a writer that unlinks something made the count odd
+   * before it, and frees it only after a grace period. */
   _Atomic uint64_t sgen;
   bool w_pure;           /* writer only: the lock's holder changed no structure (kvp__unlock) */
   bool w_fill;           /* writer only: the last publish (pages/stream.c) filled OPEN tails only */
@@ -250,10 +254,12 @@ void kvp__rawpages_fini(kvp_pool *pool);
 
 static inline void kvp__lock(kvp_pool *p) {
   kvp__mutex_lock(&p->lock);
-  p->w_pure = false; /* a change of structure unless the holder says otherwise */
+  atomic_fetch_add(&p->sgen, 1); /* odd: a writer is in (sequentially consistent: before any change) */
+  p->w_pure = false;             /* a change of structure unless the holder says otherwise */
 }
 static inline void kvp__unlock(kvp_pool *p) {
-  if (!p->w_pure) atomic_fetch_add_explicit(&p->sgen, 1, memory_order_release);
+  if (p->w_pure) atomic_fetch_sub(&p->sgen, 1); /* no structure changed: the value before */
+  else atomic_fetch_add(&p->sgen, 1);           /* a new value */
   kvp__mutex_unlock(&p->lock);
 }
 
