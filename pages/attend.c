@@ -18,6 +18,12 @@
  * splits and the index are copied, and the table's transfer overlaps the
  * attention instead of preceding it.
  *
+ * A decode step changes a layer's table only at each (sequence, head)'s
+ * last record, so the table is kept per layer and, while the pool's
+ * structure has not changed (pages.h: sgen) and the batch is the same,
+ * reused with those records redone (kvp__attend_build_kept): a call's host
+ * part is then a copy of the records, not a walk of every block.
+ *
  * Page lifetime: the kernels are enqueued before the read lock is left, and
  * pages retired after that are reused only after an RCU grace period and a
  * device drain (kvp__reclaim), so every page the table names stays valid
@@ -103,7 +109,8 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
   kvp__rcu_read_lock();
   rc = kvp__dev_gather_begin(pool, &g, NULL);
   kvp__abuf buf = {(unsigned char *)g.recs, g.cap * sizeof(kvp__gjob), stage_grow, &sc};
-  if (!rc) rc = kvp__attend_build(pool, &t, &buf);
+  bool kept; /* whether the layer's kept table served */
+  if (!rc) rc = kvp__attend_build_kept(pool, &t, &buf, &kept);
   uint64_t off_part = align_up(t.table_bytes, 256);
   if (!rc) {
     req->workspace_needed = off_part + (uint64_t)t.nslot * G * (2 + D) * sizeof(float);

@@ -85,6 +85,9 @@ typedef struct cursor {
   unsigned char *lim;   /* the end of the records that fit */
   uint64_t whole_bytes; /* page bytes of records that read their whole block */
   double part_bytes;    /* the share of the others' */
+  const kvp__block *lb; /* the last record's block, run and tokens [la, le) (a kept table's tail) */
+  const kvp__run *lr;
+  uint32_t la, le;
 } cursor;
 
 /* Room for more records (buf grows, those written kept); *rc. */
@@ -306,6 +309,7 @@ static ALWAYS_INLINE int walk_blocks(kvp__abuf *buf, cursor *cp, const seq_scrat
         if (rc) return rc;
       }
       put(&c, b, head, a, e, form);
+      c.lb = b, c.lr = x->runs[k].r, c.la = a, c.le = e;
       t += e - a;
       if (be > re) break; /* the next run may begin inside it */
     }
@@ -343,6 +347,7 @@ static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const seq_scratc
         if (rc) return rc;
       }
       put(&c, b, head, a, e, form);
+      c.lb = b, c.lr = x->runs[k].r, c.la = a, c.le = e;
       t += e - a;
       if (be > re) break; /* the next run may begin inside it */
     }
@@ -396,10 +401,21 @@ static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool 
   return KVP_OK;
 }
 
+/* A (sequence, head)'s last record: tokens [a, e) of block b in run r (b
+ * NULL: no record); what a kept table redoes (kvp__attend_build_kept). */
+typedef struct atail {
+  const kvp__block *b;
+  const kvp__run *r;
+  uint32_t a, e;
+} atail;
+
 /* Every (sequence, head) of the batch: recs_at[bh] (bh's first record) and
- * tok_of[bh]; *c after the last record. */
+ * tok_of[bh]; *c after the last record. tails (or NULL): each bh's last
+ * record; *shared: a sequence held shared chunks (its records come from
+ * kvp__bwalk, no tail noted). */
 static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *pool, const kvp__atable *t,
-                                    uint32_t *recs_at, uint64_t *tok_of, const int form) {
+                                    uint32_t *recs_at, uint64_t *tok_of, atail *tails, bool *shared_any,
+                                    const int form) {
   uint32_t H = pool->cfg.n_kv_heads;
   for (uint32_t b = 0; b < t->batch; b++) {
     kvp__seq *s = kvp__seq_find(pool, t->seqs[b]);
@@ -410,15 +426,18 @@ static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, k
     int rc = snap_runs(x, L, &nruns);
     /* holds are published before the positions they cover (an attach), and stay once set */
     bool shared = kvp__rcu_deref(s->holds) != NULL, close = !shared && sequence_is_close(pool, s, t->layer);
+    *shared_any = *shared_any || shared;
     if (!rc && !shared && !close) rc = collect(x, pool, s, t->layer);
     for (uint32_t h = 0; !rc && h < H; h++) {
       uint64_t n = (uint64_t)(c->dst - buf->p) / FORM_BYTES(form);
       if (n >= UINT32_MAX / 2) return kvp__err(KVP_EINVAL, "attend: the batch's block table passes 2^31 records");
       recs_at[b * H + h] = (uint32_t)n;
       uint64_t *tok = &tok_of[b * H + h];
+      c->lb = NULL;
       rc = shared  ? walk_shared(buf, c, pool, s, L, t->layer, h, tok, form)
            : close ? walk_brefs(buf, c, x, nruns, kvp__seq_stream(pool, s, t->layer, h), h, tok, form)
                    : walk_blocks(buf, c, x, nruns, h, tok, form);
+      if (tails) tails[b * H + h] = (atail){c->lb, c->lr, c->la, c->le};
     }
     if (rc) return rc;
   }
@@ -426,16 +445,16 @@ static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, k
 }
 
 static int walk_raw(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
-                    uint64_t *tok) {
-  return walk_batch(buf, c, x, p, t, at, tok, FORM_RAW);
+                    uint64_t *tok, atail *tails, bool *sh) {
+  return walk_batch(buf, c, x, p, t, at, tok, tails, sh, FORM_RAW);
 }
 static int walk_q(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
-                  uint64_t *tok) {
-  return walk_batch(buf, c, x, p, t, at, tok, FORM_Q);
+                  uint64_t *tok, atail *tails, bool *sh) {
+  return walk_batch(buf, c, x, p, t, at, tok, tails, sh, FORM_Q);
 }
 static int walk_gjob(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
-                     uint64_t *tok) {
-  return walk_batch(buf, c, x, p, t, at, tok, FORM_GJOB);
+                     uint64_t *tok, atail *tails, bool *sh) {
+  return walk_batch(buf, c, x, p, t, at, tok, tails, sh, FORM_GJOB);
 }
 
 /* ---- splits ----------------------------------------------------------------- */
@@ -518,10 +537,7 @@ static uint64_t wave_chunk(const uint64_t *tok_of, uint32_t nbh, uint64_t tokens
   return ch;
 }
 
-int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
-  uint32_t H = pool->cfg.n_kv_heads, nbh = t->batch * H, rb = kvp__kern_attend_rec_bytes(t->kind);
-  t->nrec = t->nsplit = t->nslot = 0;
-  t->off_splits = t->off_bh = t->table_bytes = t->token_heads = t->bytes_read = 0;
+static int table_check(const kvp_pool *pool, const kvp__atable *t) {
   if (pool->alloc.page_align_bytes % 64)
     return kvp__err(KVP_ENOTSUP, "attend: the pool's pages are %llu-byte aligned; its block table addresses 64-byte "
                     "units (a CUDA region's, also a dry one's)", (unsigned long long)pool->alloc.page_align_bytes);
@@ -530,20 +546,29 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
                     (unsigned long long)pool->alloc.region.bytes);
   if (t->layer >= pool->cfg.n_layers)
     return kvp__err(KVP_EINVAL, "attend: layer %u >= n_layers %u", t->layer, pool->cfg.n_layers);
-  if ((uint64_t)t->batch * H >= UINT32_MAX)
-    return kvp__err(KVP_EINVAL, "attend: batch %u x %u KV heads is too many", t->batch, H);
-  int form = rb == sizeof(kvp__arec_raw) ? FORM_RAW : rb == sizeof(kvp__arec_q) ? FORM_Q : FORM_GJOB;
-  uint32_t m1_at = form == FORM_RAW ? offsetof(kvp__arec_raw, m1)
-                   : form == FORM_Q ? offsetof(kvp__arec_q, m1)
-                                    : offsetof(kvp__gjob, m1);
+  if ((uint64_t)t->batch * pool->cfg.n_kv_heads >= UINT32_MAX)
+    return kvp__err(KVP_EINVAL, "attend: batch %u x %u KV heads is too many", t->batch, pool->cfg.n_kv_heads);
+  return KVP_OK;
+}
+
+static int form_of(uint32_t rb) {
+  return rb == sizeof(kvp__arec_raw) ? FORM_RAW : rb == sizeof(kvp__arec_q) ? FORM_Q : FORM_GJOB;
+}
+static uint32_t m1_at_of(int form) {
+  return form == FORM_RAW ? offsetof(kvp__arec_raw, m1) : form == FORM_Q ? offsetof(kvp__arec_q, m1)
+                                                                           : offsetof(kvp__gjob, m1);
+}
+
+/* The records of t's batch at buf->p: recs_at[0 .. nbh] (the end too),
+ * tok_of[bh]; tails and *shared as walk_batch's; *c the cursor after them. */
+static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint32_t rb, uint32_t *recs_at,
+                      uint64_t *tok_of, atail *tails, bool *shared, cursor *c) {
+  uint32_t H = pool->cfg.n_kv_heads, nbh = t->batch * H;
+  int form = form_of(rb);
   kvp__assert(form != FORM_GJOB || rb == sizeof(kvp__gjob));
-  /* scratch: each bh's first record (and the end), each bh's tokens, each bh's first split (and the end) */
-  size_t scratch = (size_t)(nbh + 1) * 2 * sizeof(uint32_t) + (size_t)nbh * sizeof(uint64_t);
-  uint64_t *tok_of = kvp__meta_alloc(NULL, scratch);
-  if (!tok_of) return kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", t->batch);
-  uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
   kvp__assert((uintptr_t)buf->p % 16 == 0);
-  cursor c = {buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0};
+  *c = (cursor){buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0, NULL, NULL, 0, 0};
+  *shared = false;
   /* the lines a record reads: one per page index of the layer's codecs (a RAW tail has one page a side) */
   uint32_t lines = 1;
   for (int kv = 0; kv < 2; kv++) {
@@ -555,33 +580,256 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   seq_scratch x;
   int rc = scratch_init(&x, H, lines > KVP_CODEC_MAX_PAGES ? KVP_CODEC_MAX_PAGES : lines);
   if (!rc)
-    rc = form == FORM_RAW ? walk_raw(buf, &c, &x, pool, t, recs_at, tok_of)
-         : form == FORM_Q ? walk_q(buf, &c, &x, pool, t, recs_at, tok_of)
-                          : walk_gjob(buf, &c, &x, pool, t, recs_at, tok_of);
+    rc = form == FORM_RAW ? walk_raw(buf, c, &x, pool, t, recs_at, tok_of, tails, shared)
+         : form == FORM_Q ? walk_q(buf, c, &x, pool, t, recs_at, tok_of, tails, shared)
+                          : walk_gjob(buf, c, &x, pool, t, recs_at, tok_of, tails, shared);
   scratch_fini(&x);
-  if (!rc) {
-    uint32_t nrec = recs_at[nbh] = (uint32_t)((uint64_t)(c.dst - buf->p) / rb), nslot;
-    uint64_t tokens = 0;
-    for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
-    uint64_t ch = t->split_tokens;
-    if (!ch) ch = wave_chunk(tok_of, nbh, tokens, t->slots);
-    uint32_t chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
-    uint64_t rec_bytes = (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16), idx_bytes = (nbh + 1) * 4ull;
-    uint64_t most = off_splits + splits_bound(recs_at, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
-    if (!(rc = reserve(buf, rec_bytes, most))) {
-      unsigned char *p = buf->p;
-      memset(p + rec_bytes, 0, off_splits - rec_bytes);
-      uint32_t nsplit = make_splits(p, rb, m1_at, recs_at, tok_of, nbh, chunk, (kvp__asplit *)(p + off_splits),
-                                    bh_split0, &nslot);
-      t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
-      t->off_splits = off_splits;
-      t->off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
-      t->table_bytes = t->off_bh + idx_bytes;
-      t->token_heads = tokens, t->bytes_read = c.whole_bytes + (uint64_t)c.part_bytes;
-      memcpy(p + t->off_bh, bh_split0, idx_bytes);
+  if (!rc) recs_at[nbh] = (uint32_t)((uint64_t)(c->dst - buf->p) / rb);
+  return rc;
+}
+
+/* The splits and the split index after nrec records at buf->p (recs_at,
+ * tok_of: table_walk's), and t's outputs. bh_split0: nbh + 1 scratch. */
+static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
+                        const uint64_t *tok_of, uint32_t *bh_split0, uint64_t bytes_read) {
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh], nslot;
+  uint64_t tokens = 0;
+  for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
+  uint64_t ch = t->split_tokens;
+  if (!ch) ch = wave_chunk(tok_of, nbh, tokens, t->slots);
+  uint32_t chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
+  uint64_t rec_bytes = (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16), idx_bytes = (nbh + 1) * 4ull;
+  uint64_t most = off_splits + splits_bound(recs_at, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
+  int rc = reserve(buf, rec_bytes, most);
+  if (rc) return rc;
+  unsigned char *p = buf->p;
+  memset(p + rec_bytes, 0, off_splits - rec_bytes);
+  uint32_t nsplit = make_splits(p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, nbh, chunk,
+                                (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
+  t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
+  t->off_splits = off_splits;
+  t->off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
+  t->table_bytes = t->off_bh + idx_bytes;
+  t->token_heads = tokens, t->bytes_read = bytes_read;
+  memcpy(p + t->off_bh, bh_split0, idx_bytes);
+  return KVP_OK;
+}
+
+static void table_reset(kvp__atable *t) {
+  t->nrec = t->nsplit = t->nslot = 0;
+  t->off_splits = t->off_bh = t->table_bytes = t->token_heads = t->bytes_read = 0;
+}
+
+int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
+  table_reset(t);
+  int rc = table_check(pool, t);
+  if (rc) return rc;
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, rb = kvp__kern_attend_rec_bytes(t->kind);
+  /* scratch: each bh's first record (and the end), each bh's tokens, each bh's first split (and the end) */
+  size_t scratch = (size_t)(nbh + 1) * 2 * sizeof(uint32_t) + (size_t)nbh * sizeof(uint64_t);
+  uint64_t *tok_of = kvp__meta_alloc(NULL, scratch);
+  if (!tok_of) return kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", t->batch);
+  uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
+  cursor c;
+  bool shared;
+  rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, &shared, &c);
+  if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
+  kvp__meta_free(NULL, tok_of, scratch);
+  return rc;
+}
+
+/* ---- the kept tables ---------------------------------------------------------
+ * A decode step changes a layer's table only at its ends: each (sequence,
+ * head)'s last record, whose run grew by the step's tokens into the same
+ * OPEN block (a new block, a reseal, an eviction, a new run, a fork, a
+ * free, any change of structure moves the pool's generation: pages.h).
+ * So each layer keeps the last table it built (its records, per bh their
+ * first record, tokens and last record's block, run and range), labelled
+ * with the generation read before the walk; a call for the same batch
+ * under the same generation copies the records, redoes each last record
+ * from its run's end (loaded with acquire, as the walk loads it) and
+ * makes the splits: O(records) sequential bytes, not O(blocks) loads.
+ * A generation that moved during the walk is read as a different label
+ * by the next call, which builds again; an odd one (a writer in) neither
+ * serves nor labels. The kept table names blocks that stay linked while
+ * the generation stands, so they and their pages stay valid under the
+ * caller's RCU read lock as the walk's do (pages.h: sgen). One call at a time
+ * uses a layer's kept table (a try-lock; others build as before). */
+#define KVP__ACACHE_MAX_BYTES (256ull << 20) /* records kept over all layers of a pool */
+
+typedef struct kvp__acache {
+  kvp__mutex lock;       /* taken by try: the call using it */
+  bool valid;            /* the fields below describe a table */
+  uint64_t gen;          /* the pool's sgen (even) read before its walk */
+  uint32_t batch, kind;  /* the batch's size and the records' kernel kind */
+  uint64_t *seqs;        /* [batch] its sequence ids */
+  unsigned char *recs;   /* its records (nrec = recs_at[nbh]) */
+  uint32_t *recs_at;     /* [nbh + 1] */
+  uint64_t *tok_of;      /* [nbh] */
+  atail *tails;          /* [nbh] */
+  uint64_t whole_bytes;  /* bytes_read's parts, tails included */
+  double part_bytes;
+  uint64_t bytes;        /* metadata bytes held (the arrays above) */
+  uint64_t seqs_cap, recs_cap, bh_cap; /* entries the arrays hold */
+} kvp__acache;
+
+static _Atomic uint64_t *kept_total(kvp_pool *pool) { return &pool->acache_bytes; }
+
+static void kept_drop(kvp_pool *pool, kvp__acache *k) {
+  kvp__meta_free(&pool->meta, k->seqs, k->seqs_cap * sizeof *k->seqs);
+  kvp__meta_free(&pool->meta, k->recs, k->recs_cap);
+  kvp__meta_free(&pool->meta, k->recs_at, (k->bh_cap + 1) * sizeof *k->recs_at);
+  kvp__meta_free(&pool->meta, k->tok_of, k->bh_cap * sizeof *k->tok_of);
+  kvp__meta_free(&pool->meta, k->tails, k->bh_cap * sizeof *k->tails);
+  atomic_fetch_sub_explicit(kept_total(pool), k->bytes, memory_order_relaxed);
+  k->seqs = NULL, k->recs = NULL, k->recs_at = NULL, k->tok_of = NULL, k->tails = NULL;
+  k->bytes = k->seqs_cap = k->recs_cap = k->bh_cap = 0;
+  k->valid = false;
+}
+
+void kvp__attend_kept_fini(kvp_pool *pool) {
+  if (!pool->acache) return;
+  for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
+    kvp__acache *k = pool->acache[l];
+    if (!k) continue;
+    kept_drop(pool, k);
+    kvp__meta_free(&pool->meta, k, sizeof *k);
+  }
+  kvp__meta_free(&pool->meta, pool->acache, pool->cfg.n_layers * sizeof *pool->acache);
+  pool->acache = NULL;
+}
+
+/* The layer's kept table, made on first use; NULL without memory. */
+static kvp__acache *kept_of(kvp_pool *pool, uint32_t layer) {
+  kvp__acache *_Atomic *slot = (kvp__acache *_Atomic *)&pool->acache[layer];
+  kvp__acache *k = atomic_load_explicit(slot, memory_order_acquire);
+  if (k) return k;
+  kvp__acache *n = kvp__meta_calloc(&pool->meta, sizeof *n);
+  if (!n) return NULL;
+  kvp__mutex_init(&n->lock);
+  if (atomic_compare_exchange_strong_explicit(slot, &k, n, memory_order_acq_rel, memory_order_acquire)) return n;
+  kvp__meta_free(&pool->meta, n, sizeof *n);
+  return k;
+}
+
+static bool kept_trylock(kvp__acache *k) {
+  uint32_t z = 0;
+  return atomic_compare_exchange_strong_explicit(&k->lock.state, &z, 1, memory_order_acquire, memory_order_relaxed);
+}
+
+/* Bytes of a record of b read for m of its tokens (put's figures). */
+static void rec_bytes_of(const kvp__block *b, uint32_t m, uint64_t *whole, double *part) {
+  uint64_t req = side_bytes(b, 0) + side_bytes(b, 1);
+  if (m == b->cap_tokens) *whole += req;
+  else *part += (double)req * m / b->cap_tokens;
+}
+
+/* Keep the table just built (records at buf->p) for layer; false when it
+ * is not kept (memory, the pool's bound): the kept table is then invalid. */
+static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, const unsigned char *recs, uint32_t rb,
+                       const uint32_t *recs_at, const uint64_t *tok_of, const atail *tails, uint64_t gen,
+                       const cursor *c) {
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads;
+  uint64_t rec_bytes = (uint64_t)recs_at[nbh] * rb;
+  k->valid = false;
+  if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh) {
+    uint64_t sc = t->batch > k->seqs_cap ? t->batch : k->seqs_cap, rc = rec_bytes > k->recs_cap ? rec_bytes + rec_bytes / 8 : k->recs_cap,
+             bc = nbh > k->bh_cap ? nbh : k->bh_cap;
+    uint64_t need = sc * sizeof *k->seqs + rc + (bc + 1) * sizeof *k->recs_at + bc * (sizeof *k->tok_of + sizeof *k->tails);
+    kept_drop(pool, k);
+    if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
+      atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
+      return false;
+    }
+    k->bytes = need;
+    k->seqs = kvp__meta_alloc(&pool->meta, sc * sizeof *k->seqs);
+    k->recs = kvp__meta_alloc(&pool->meta, rc ? rc : 16);
+    k->recs_at = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->recs_at);
+    k->tok_of = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tok_of + 8);
+    k->tails = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tails + 8);
+    k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc;
+    if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails) {
+      kept_drop(pool, k);
+      return false;
     }
   }
+  memcpy(k->seqs, t->seqs, t->batch * sizeof *k->seqs);
+  memcpy(k->recs, recs, rec_bytes);
+  memcpy(k->recs_at, recs_at, (nbh + 1) * sizeof *k->recs_at);
+  memcpy(k->tok_of, tok_of, nbh * sizeof *k->tok_of);
+  memcpy(k->tails, tails, nbh * sizeof *k->tails);
+  k->gen = gen, k->batch = t->batch, k->kind = t->kind;
+  k->whole_bytes = c->whole_bytes, k->part_bytes = c->part_bytes;
+  k->valid = true;
+  return true;
+}
+
+/* Whether k holds the table of t's batch under generation gen. */
+static bool kept_matches(const kvp__acache *k, const kvp__atable *t, uint64_t gen) {
+  return k->valid && k->gen == gen && k->batch == t->batch && k->kind == t->kind &&
+         !memcmp(k->seqs, t->seqs, t->batch * sizeof *t->seqs);
+}
+
+/* Each bh's last record redone from its run's end (the only thing that
+ * moves while the generation stands): the kept records, tokens and bytes
+ * updated in place. */
+static void kept_advance(kvp_pool *pool, kvp__acache *k, uint32_t rb) {
+  uint32_t nbh = k->batch * pool->cfg.n_kv_heads, m1_at = m1_at_of(form_of(rb));
+  for (uint32_t bh = 0; bh < nbh; bh++) {
+    atail *tl = &k->tails[bh];
+    if (!tl->b) continue;
+    uint32_t end = tl->b->pos0 + tl->b->cap_tokens, re = run_end(tl->r), e = re < end ? re : end;
+    if (e <= tl->e) continue; /* the run's end only grows */
+    uint64_t w0 = 0, w1 = 0;
+    double p0 = 0, p1 = 0;
+    rec_bytes_of(tl->b, tl->e - tl->a, &w0, &p0);
+    rec_bytes_of(tl->b, e - tl->a, &w1, &p1);
+    k->whole_bytes += w1 - w0, k->part_bytes += p1 - p0;
+    k->tok_of[bh] += e - tl->e;
+    uint16_t m1 = (uint16_t)(e - tl->a - 1);
+    memcpy(k->recs + (size_t)(k->recs_at[bh + 1] - 1) * rb + m1_at, &m1, sizeof m1);
+    tl->e = e;
+  }
+}
+
+int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool *hit) {
+  *hit = false;
+  uint32_t rb = kvp__kern_attend_rec_bytes(t->kind);
+  kvp__acache *k = NULL;
+  if (pool->acache && t->layer < pool->cfg.n_layers && form_of(rb) != FORM_GJOB && t->batch)
+    k = kept_of(pool, t->layer);
+  if (!k || !kept_trylock(k)) return kvp__attend_build(pool, t, buf);
+  table_reset(t);
+  int rc = table_check(pool, t);
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads;
+  size_t scratch = (size_t)(nbh + 1) * 2 * sizeof(uint32_t) + (size_t)nbh * (sizeof(uint64_t) + sizeof(atail));
+  uint64_t *tok_of = rc ? NULL : kvp__meta_alloc(NULL, scratch);
+  if (!rc && !tok_of) rc = kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", t->batch);
+  if (rc) {
+    kvp__mutex_unlock(&k->lock);
+    return rc;
+  }
+  atail *tails = (atail *)(tok_of + nbh);
+  uint32_t *recs_at = (uint32_t *)(tails + nbh), *bh_split0 = recs_at + nbh + 1;
+  uint64_t gen = atomic_load(&pool->sgen); /* odd: a writer is in; the kept table is neither used nor kept */
+  if (!(gen & 1) && kept_matches(k, t, gen)) {
+    uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
+    if (!(rc = reserve(buf, 0, rec_bytes))) {
+      kept_advance(pool, k, rb);
+      memcpy(buf->p, k->recs, rec_bytes);
+      rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, bh_split0, k->whole_bytes + (uint64_t)k->part_bytes);
+      *hit = !rc;
+    }
+  } else {
+    cursor c;
+    bool shared;
+    rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, &shared, &c);
+    if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
+    if (!rc && !shared && !(gen & 1)) kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c);
+    else k->valid = false;
+  }
   kvp__meta_free(NULL, tok_of, scratch);
+  kvp__mutex_unlock(&k->lock);
   return rc;
 }
 

@@ -208,6 +208,20 @@ struct kvp_pool {
   uint64_t codec_fp;     /* fingerprint of the codec bindings: names and parameters per (layer, side) */
   uint32_t chunk_tokens; /* the stream-mode block size every layer shares (prefix chunks, store blobs);
                             0 when layers chose different sizes: no prefix sharing, no store tier */
+  /* The structure generation, a sequence count: odd while the writer lock
+   * is held; when it is left, one more (even again, a new value) after any
+   * change to a block list, a run list, a block's pages or the set of
+   * sequences, one less (the value before) after a pure fill (w_pure). A
+   * reader under the RCU read lock that loads an even value equal to the
+   * one it loaded before a walk knows that walk's view is still exact but
+   * for the runs' ends, and that what it names stays valid while the read
+   * lock is held: a writer that unlinks something made the count odd
+   * before it, and frees it only after a grace period. */
+  _Atomic uint64_t sgen;
+  bool w_pure;           /* writer only: the lock's holder changed no structure (kvp__unlock) */
+  bool w_fill;           /* writer only: the last publish (pages/stream.c) filled OPEN tails only */
+  struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_table.c) */
+  _Atomic uint64_t acache_bytes; /* metadata bytes they hold (bounded: KVP__ACACHE_MAX_BYTES) */
 };
 
 /* Tokens per block of layer for a sequence of mode (a step-mode block also
@@ -238,8 +252,16 @@ typedef void (*kvp__page_visit)(void *ctx, const kvp__page *pg);
 void kvp__rawpages_walk(const kvp__rawpages *r, kvp__page_visit fn, void *ctx);
 void kvp__rawpages_fini(kvp_pool *pool);
 
-static inline void kvp__lock(kvp_pool *p) { kvp__mutex_lock(&p->lock); }
-static inline void kvp__unlock(kvp_pool *p) { kvp__mutex_unlock(&p->lock); }
+static inline void kvp__lock(kvp_pool *p) {
+  kvp__mutex_lock(&p->lock);
+  atomic_fetch_add(&p->sgen, 1); /* odd: a writer is in (sequentially consistent: before any change) */
+  p->w_pure = false;             /* a change of structure unless the holder says otherwise */
+}
+static inline void kvp__unlock(kvp_pool *p) {
+  if (p->w_pure) atomic_fetch_sub(&p->sgen, 1); /* no structure changed: the value before */
+  else atomic_fetch_add(&p->sgen, 1);           /* a new value */
+  kvp__mutex_unlock(&p->lock);
+}
 
 /* pages/prefix.c: prefix sharing by content keys. */
 /* Keys of the first n_chunks full blocks of tokens (chained). */
@@ -656,6 +678,16 @@ int kvp__attend_bindings(kvp_pool *pool, uint32_t layer, kvp__kparams kp[4]);
  * pages stay valid until then). KVP_ENOENT names a sequence that does not
  * exist, KVP_EINVAL a batch or table too large, KVP_ENOMEM. */
 int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf);
+/* The same table, through the layer's kept table when the pool's structure
+ * has not changed since it was built for the same batch (only the records
+ * of the runs' growing ends are redone: an O(batch x heads) call, not one
+ * walk of every block), else built and kept (raw and per-token quantized
+ * record forms; sequences without shared chunks; at most
+ * KVP__ACACHE_MAX_BYTES of records a pool, in its metadata bytes). *hit:
+ * whether the kept table served. Any pool kvp__attend_build takes. */
+int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool *hit);
+/* The kept tables' memory (pool destroy). */
+void kvp__attend_kept_fini(kvp_pool *pool);
 /* Device and pinned host bytes the control block holds (stats). */
 void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64_t *pinned_bytes);
 /* Streaming multiprocessors of the pool's device (for splitting work). */

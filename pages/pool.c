@@ -372,6 +372,10 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
     kvp_pool_destroy(p);
     return rc;
   }
+  if (c.memory == KVP_MEM_CUDA && !(p->acache = kvp__meta_calloc(&p->meta, c.n_layers * sizeof *p->acache))) {
+    kvp_pool_destroy(p);
+    return kvp__err(KVP_ENOMEM, "the attention tables kept per layer (%u layers)", c.n_layers);
+  }
 #endif
   *out = p;
   return KVP_OK;
@@ -388,6 +392,7 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__meta_free(&pool->meta, pool->policy, sizeof *pool->policy);
   kvp__bindings_fini(pool);
 #ifdef KVP_HAVE_CUDA
+  kvp__attend_kept_fini(pool);
   kvp__xfer_fini(pool);
   kvp__dev_fini(pool);
 #endif

@@ -431,6 +431,8 @@ KVP_API int kvp_step_begin(kvp_pool *pool, uint64_t seq, uint32_t n_tokens, uint
     if (!rc) kvp__evict_plan_apply(pool, s, &ev);
   }
   kvp__evict_plan_fini(pool, &ev);
+  /* a step's positions are no structure; a policy's evictions are */
+  pool->w_pure = !(s->pol && s->pol->vt && s->pol->vt->step_begin);
   if (!rc) {
     s->step_pos[k] = pos;
     s->step_pos[k + 1] = pos + n_tokens;
@@ -500,6 +502,7 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
     rc = kvp__err(KVP_EINVAL, "seq %llu: layer %u out of order (layer %u comes next in step %u)",
                   (unsigned long long)seq, layer, s->next_layer, atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1);
   else if (!(rc = kv_check(pool, seq, layer, kv))) {
+    pool->w_fill = false;
     if (!policy_acts(s)) { /* nothing to plan: no skip mask, no evictions, no transaction */
       rc = kvp__append_layer(pool, s, layer, kv, NULL, NULL);
     } else { /* one transaction: the layer and its policy's evictions */
@@ -509,6 +512,7 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
       kvp__append_tx_fini(pool, &tx);
     }
     if (!rc) s->next_layer++;
+    pool->w_pure = !rc && pool->w_fill; /* one publish that filled OPEN tails: no change of structure */
   }
   kvp__unlock(pool);
   return rc;
@@ -527,6 +531,7 @@ KVP_API int kvp_step_end(kvp_pool *pool, uint64_t seq) {
     atomic_store_explicit(&s->n_positions, atomic_load_explicit(&s->n_positions, memory_order_relaxed) + s->cur_tokens,
                           memory_order_release);
     atomic_store_explicit(&s->in_step, 0, memory_order_release);
+    pool->w_pure = s->next_reg >= s->n_pkeys; /* a reclaim frees only unlinked blocks: no structure */
     if (s->next_reg < s->n_pkeys) kvp__prefix_register(pool, s); /* prompt chunks completed by this step */
     uint64_t limit = pool->alloc.ledger.budget_bytes / 256;
     if (pool->alloc.ledger.retired.current >= (limit > (1u << 20) ? limit : (1u << 20))) kvp__reclaim(pool);

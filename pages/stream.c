@@ -383,7 +383,11 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
   kvp__append_tx_before_publish(pool, s, tx);
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
-  kvp__run_publish(s, layer, pos + n, kvp__run_settle(pool, s, layer, pl->run), pl->nskip == H);
+  kvp__run *run = kvp__run_settle(pool, s, layer, pl->run);
+  kvp__run_publish(s, layer, pos + n, run, pl->nskip == H);
+  /* rows into the OPEN tails only, the last run extended, no eviction: no
+   * change of structure (the pool's generation stays: pages.h) */
+  pool->w_fill = !pl->nnew && !pl->reseal && !run && (!tx || (!tx->before.n && !tx->after.n));
   plan_array_free(pool, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks);
   plan_array_free(pool, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);

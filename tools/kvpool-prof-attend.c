@@ -3,7 +3,7 @@
  * build, pages/attend_table.c) in a loop, for a profiler; no GPU needed.
  *
  *   kvpool-prof-attend [--batch 64] [--tokens 131072] [--heads 8] [--codecs kv=bf16] [--step 1024]
- *                      [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--json]
+ *                      [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept] [--json]
  *
  * A dry CUDA pool (KVP_POOL_DRY: pages are allocated, 64-byte aligned and
  * laid out as in a CUDA region, nothing is written) of one layer, `heads`
@@ -16,7 +16,11 @@
  * evicted (a fixed hash). Then the table of the whole batch is built
  * `rounds` times into one buffer, grown on the first; prints the median
  * ns per record and per call. slots: thread blocks the device would run at
- * once (132 SMs x 2 on an H100), which sizes the splits.
+ * once (132 SMs x 2 on an H100), which sizes the splits. With --kept, the
+ * calls go through the layer's kept table (kvp__attend_build_kept): the
+ * first builds and keeps it, the timed ones reuse it (nothing changes
+ * between them): what a decode step's call costs while the pool's
+ * structure stands.
  * Instructions per record:
  *   valgrind --tool=callgrind build/kvpool-prof-attend --batch 4 --tokens 16384 --rounds 3
  *   callgrind_annotate --inclusive=yes callgrind.out.* | grep kvp__attend_build
@@ -66,20 +70,22 @@ static int cmp_d(const void *a, const void *b) {
 
 static void usage(void) {
   puts("usage: kvpool-prof-attend [--batch 64] [--tokens 131072] [--heads 8] [--codecs kv=bf16] [--step 1024]\n"
-       "                          [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--json]\n"
+       "                          [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept]\n"
+       "                          [--json]\n"
        "Builds kvp_attend_decode's block table over a dry CUDA pool in a loop; prints ns per record.");
 }
 
 int main(int argc, char **argv) {
   long batch = 64, tokens = 131072, heads = 8, rounds = 15, slots = 264, split = 0, step = 1024;
   double evict = 0;
-  int interleave = 0;
+  int interleave = 0, kept = 0;
   const char *codecs = "kv=bf16";
   int json = 0;
   static const struct option opts[] = {
       {"batch", 1, 0, 'b'}, {"tokens", 1, 0, 't'}, {"heads", 1, 0, 'H'},        {"codecs", 1, 0, 'c'},
       {"evict", 1, 0, 'e'}, {"rounds", 1, 0, 'r'}, {"slots", 1, 0, 's'},        {"split-tokens", 1, 0, 'p'},
       {"step", 1, 0, 'S'},  {"interleave", 0, 0, 'i'}, {"json", 0, 0, 'j'}, {"help", 0, 0, 'h'},
+      {"kept", 0, 0, 'k'},
       {0, 0, 0, 0}};
   for (int o; (o = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
     switch (o) {
@@ -93,6 +99,7 @@ int main(int argc, char **argv) {
     case 'p': split = atol(optarg); break;
     case 'S': step = atol(optarg); break;
     case 'i': interleave = 1; break;
+    case 'k': kept = 1; break;
     case 'j': json = 1; break;
     case 'h': usage(); return 0;
     default: usage(); return 1;
@@ -152,10 +159,13 @@ int main(int argc, char **argv) {
                    .split_tokens = (uint32_t)split, .slots = (uint32_t)slots};
   kvp__abuf buf = {NULL, 0, grow, NULL};
   static double ns[MAX_ROUNDS];
-  for (long r = -1; r < rounds; r++) { /* round -1: the buffer grows */
+  long served = 0;
+  for (long r = -1; r < rounds; r++) { /* round -1: the buffer grows (and the table is kept) */
+    bool hit = false;
     kvp__rcu_read_lock();
     double t0 = now_ns();
-    rc = kvp__attend_build(p, &t, &buf);
+    rc = kept ? kvp__attend_build_kept(p, &t, &buf, &hit) : kvp__attend_build(p, &t, &buf);
+    served += r >= 0 && hit;
     double dt = now_ns() - t0;
     kvp__rcu_read_unlock();
     if (rc) die("kvp__attend_build", rc);
@@ -164,17 +174,19 @@ int main(int argc, char **argv) {
   qsort(ns, (size_t)rounds, sizeof *ns, cmp_d);
   double med = ns[rounds / 2], per = t.nrec ? med / t.nrec : 0;
   if (!json)
-    printf("attend table %s B=%ld T=%ld H=%ld step=%ld%s evict=%.2f: %u records (%u bytes each), %u splits, %.1f MiB: "
+    printf("attend table %s B=%ld T=%ld H=%ld step=%ld%s evict=%.2f%s: %u records (%u bytes each), %u splits, %.1f MiB: "
            "%.2f ms per call, %.2f ns per record (median of %ld; min %.2f, max %.2f)\n",
-           codecs, batch, tokens, heads, step, interleave ? " interleaved" : "", evict, t.nrec,
+           codecs, batch, tokens, heads, step, interleave ? " interleaved" : "", evict,
+           kept ? (served == rounds ? " kept" : " kept (NOT SERVED)") : "", t.nrec,
            kvp__kern_attend_rec_bytes(t.kind), t.nsplit, t.table_bytes / 1048576.0, med / 1e6, per, rounds,
            ns[0] / (t.nrec ? t.nrec : 1),
            ns[rounds - 1] / (t.nrec ? t.nrec : 1));
   printf("{\"figure\":\"attend_table\",\"codecs\":\"%s\",\"batch\":%ld,\"tokens\":%ld,\"heads\":%ld,\"step\":%ld,"
-         "\"interleave\":%d,\"evict\":%.3f,"
+         "\"interleave\":%d,\"evict\":%.3f,\"kept\":%d,\"served_kept\":%ld,"
          "\"records\":%u,\"record_bytes\":%u,\"splits\":%u,\"table_bytes\":%llu,\"token_heads\":%llu,"
          "\"ms\":%.3f,\"ns_per_record\":%.3f}\n",
-         codecs, batch, tokens, heads, step, interleave, evict, t.nrec, kvp__kern_attend_rec_bytes(t.kind), t.nsplit,
+         codecs, batch, tokens, heads, step, interleave, evict, kept, served, t.nrec, kvp__kern_attend_rec_bytes(t.kind),
+         t.nsplit,
          (unsigned long long)t.table_bytes, (unsigned long long)t.token_heads, med / 1e6, per);
   free(buf.p);
   free(seqs);

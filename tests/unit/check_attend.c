@@ -375,6 +375,113 @@ START_TEST(table_as_before) {
 }
 END_TEST
 
+/* ---- kept tables ------------------------------------------------------------- */
+
+/* The kept table of (batch, layer) equals a fresh build, field by field and
+ * byte by byte; returns whether it was served kept. */
+static int kept_equal(kvp_pool *p, const uint64_t *seqs, uint32_t batch, uint32_t layer, uint32_t slots,
+                      const char *what) {
+  kvp__kparams kp[4];
+  ck_ok(kvp__attend_bindings(p, layer, kp));
+  kvp__atable a = {.layer = layer, .seqs = seqs, .batch = batch, .kind = kvp__kern_attend_kind(kp), .slots = slots},
+              b = a;
+  kvp__abuf ba = {NULL, 0, grow_heap, NULL}, bb = {NULL, 0, grow_heap, NULL};
+  bool hit;
+  kvp__rcu_read_lock();
+  ck_ok(kvp__attend_build_kept(p, &a, &ba, &hit));
+  ck_ok(kvp__attend_build(p, &b, &bb));
+  kvp__rcu_read_unlock();
+  ck_assert_msg(a.nrec == b.nrec && a.nsplit == b.nsplit && a.nslot == b.nslot && a.table_bytes == b.table_bytes &&
+                    a.token_heads == b.token_heads,
+                "%s layer %u (%s): %u records %u splits %u tokens, fresh %u %u %u", what, layer, hit ? "kept" : "built",
+                a.nrec, a.nsplit, (unsigned)a.token_heads, b.nrec, b.nsplit, (unsigned)b.token_heads);
+  ck_assert_msg(a.bytes_read + 2 >= b.bytes_read && a.bytes_read <= b.bytes_read + 2, "%s: bytes read %llu, fresh %llu",
+                what, (unsigned long long)a.bytes_read, (unsigned long long)b.bytes_read);
+  if (a.table_bytes && memcmp(ba.p, bb.p, a.table_bytes))
+    ck_abort_msg("%s layer %u (%s): the table differs from a fresh build", what, layer, hit ? "kept" : "built");
+  free(ba.p);
+  free(bb.p);
+  return hit;
+}
+
+/* Every change of structure the writer makes between two calls for the
+ * same batch (new blocks, reseals, evictions by call and by policy, forks,
+ * frees, step-mode steps) is seen by the kept table; decode tokens into
+ * OPEN blocks are served kept. */
+START_TEST(kept_table_follows_the_writer) {
+  const struct tcase_spec *cs = &cases[_i];
+  kvp_pool *p = mkpool(cs->codecs, cs->dt, 1);
+  kvp_seq_config stepm, win;
+  kvp_seq_config_init(&stepm);
+  stepm.mode = KVP_SEQ_STEP;
+  kvp_seq_config_init(&win);
+  win.policy = "window:sink=2:recent=24";
+  uint64_t ids[6] = {1, 2, 3, 4, 5, 6}, rng = 11 + (uint64_t)_i;
+  ck_ok(kvp_seq_add(p, 1, NULL));
+  ck_ok(kvp_seq_add(p, 2, NULL));
+  ck_ok(kvp_seq_add(p, 3, &win));
+  ck_ok(kvp_seq_add(p, 4, &stepm));
+  ck_ok(kvp_seq_add(p, 5, NULL));
+  ck_ok(kvp_seq_add(p, 6, NULL));
+  for (uint64_t id = 1; id <= 6; id++) step(p, id, 1 + (uint32_t)(id * 5 % 23), cs->dt, 1);
+  /* layer 0: the whole batch (a window policy that evicts at every step,
+   * a step-mode sequence); layer 1: the stream-mode sequences without a
+   * policy, whose decode tokens fill OPEN blocks */
+  uint32_t hits = 0, decode_checks = 0, next_id = 7;
+  const int plain[4] = {0, 1, 4, 5};
+  for (int it = 0; it < 240; it++) {
+    uint32_t what = (uint32_t)(t_rand(&rng) % 16), pick = (uint32_t)(t_rand(&rng) % 6);
+    int decode = 0;
+    if (what < 10) { /* a decode token of each plain sequence */
+      for (int i = 0; i < 4; i++) step(p, ids[plain[i]], 1, cs->dt, 1);
+      decode = 1;
+    } else if (what == 10) {
+      step(p, ids[pick], 1 + (uint32_t)(t_rand(&rng) % 40), cs->dt, 1);
+    } else if (what == 11 || what == 12) {
+      kvp_seq_desc info = {.struct_size = sizeof info};
+      ck_ok(kvp_seq_info(p, ids[pick], &info));
+      int rc = kvp_evict(p, ids[pick], (uint32_t)(t_rand(&rng) % L), (uint32_t)(t_rand(&rng) % H),
+                         (uint32_t)(t_rand(&rng) % info.n_steps));
+      ck_assert(rc == KVP_OK || rc == KVP_ENOENT);
+    } else if (what == 13) { /* a fork takes the place of its parent in the batch */
+      ck_ok(kvp_seq_fork(p, ids[pick], next_id));
+      ids[pick] = next_id++;
+    } else if (what == 14) { /* freed, and a new sequence of the same id */
+      ck_ok(kvp_seq_free(p, ids[pick]));
+      ck_ok(kvp_seq_add(p, ids[pick], pick == 3 ? &stepm : pick == 2 ? &win : NULL));
+      step(p, ids[pick], 1 + (uint32_t)(t_rand(&rng) % 20), cs->dt, 1);
+    } else {
+      ck_ok(kvp_reclaim(p));
+    }
+    uint64_t sub[4];
+    for (int i = 0; i < 4; i++) sub[i] = ids[plain[i]];
+    kept_equal(p, ids, 6, 0, 1 + (uint32_t)(it % 3) * 40, cs->codecs);
+    int hit = kept_equal(p, sub, 4, 1, 1 + (uint32_t)(it % 3) * 40, cs->codecs);
+    hits += hit && decode, decode_checks += decode;
+    /* the same call again: nothing changed, so kept where a table is kept */
+    hit = kept_equal(p, sub, 4, 1, 7, cs->codecs);
+    kvp__kparams kp[4];
+    ck_ok(kvp__attend_bindings(p, 1, kp));
+    if (kvp__kern_attend_rec_bytes(kvp__kern_attend_kind(kp)) != sizeof(kvp__gjob))
+      ck_assert_msg(hit, "%s: a second call with no change between was not served kept", cs->codecs);
+  }
+  /* a kept table and the window policy's steps */
+  for (int i = 0; i < 20; i++) {
+    step(p, ids[2], 1, cs->dt, 1);
+    kept_equal(p, &ids[2], 1, 0, 5, cs->codecs);
+  }
+  kvp__kparams kp1[4];
+  ck_ok(kvp__attend_bindings(p, 1, kp1));
+  if (kvp__kern_attend_rec_bytes(kvp__kern_attend_kind(kp1)) != sizeof(kvp__gjob))
+    ck_assert_msg(hits > decode_checks / 3, "%s: %u of %u calls after decode tokens served kept", cs->codecs, hits,
+                  decode_checks);
+  uint64_t before = atomic_load(&p->acache_bytes);
+  ck_assert(cs->rec_bytes == sizeof(kvp__gjob) ? before == 0 : before > 0);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 /* Independent of the reference: each bh's records hold the tokens its
  * stream retains, in position order, within their blocks; the splits cover
  * the records in order, the slots as the kernels expect. */
@@ -503,8 +610,9 @@ static void *reader(void *arg) {
   kvp__abuf buf = {NULL, 0, grow_heap, NULL};
   while (!atomic_load(&r->stop)) {
     kvp__atable t = {.layer = 0, .seqs = ids, .batch = 4, .kind = kvp__kern_attend_kind(kp), .slots = 7};
+    bool hit;
     kvp__rcu_read_lock();
-    int rc = kvp__attend_build(r->p, &t, &buf);
+    int rc = r->tables % 2 ? kvp__attend_build_kept(r->p, &t, &buf, &hit) : kvp__attend_build(r->p, &t, &buf);
     ck_assert(rc == KVP_OK || rc == KVP_ENOENT); /* a sequence between its free and its add again */
     if (!rc) check_invariants(r->p, &t, buf.p, 0), r->tables++;
     kvp__rcu_read_unlock();
@@ -555,6 +663,10 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 60);
   tcase_add_loop_test(tc, table_invariants, 0, NCASES);
   tcase_add_test(tc, refusals);
+  suite_add_tcase(s, tc);
+  tc = tcase_create("kept");
+  tcase_set_timeout(tc, 120);
+  tcase_add_loop_test(tc, kept_table_follows_the_writer, 0, NCASES);
   suite_add_tcase(s, tc);
   tc = tcase_create("concurrency");
   tcase_set_timeout(tc, 60);
