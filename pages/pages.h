@@ -217,7 +217,7 @@ struct kvp_pool {
    * for the runs' ends, and that what it names stays valid while the read
    * lock is held: a writer that unlinks something made the count odd
    * before it, and frees it only after a grace period. */
-  _Atomic uint64_t sgen;
+  _Atomic uint64_t sgen;  /* (pools with kept tables: acache) */
   bool w_pure;           /* writer only: the lock's holder changed no structure (kvp__unlock) */
   bool w_fill;           /* writer only: the last publish (pages/stream.c) filled OPEN tails only */
   struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_table.c) */
@@ -254,12 +254,16 @@ void kvp__rawpages_fini(kvp_pool *pool);
 
 static inline void kvp__lock(kvp_pool *p) {
   kvp__mutex_lock(&p->lock);
-  atomic_fetch_add(&p->sgen, 1); /* odd: a writer is in (sequentially consistent: before any change) */
-  p->w_pure = false;             /* a change of structure unless the holder says otherwise */
+  if (p->acache) atomic_fetch_add(&p->sgen, 1); /* odd: a writer is in (sequentially consistent: before any change) */
+  p->w_pure = false;                            /* a change of structure unless the holder says otherwise */
 }
 static inline void kvp__unlock(kvp_pool *p) {
-  if (p->w_pure) atomic_fetch_sub(&p->sgen, 1); /* no structure changed: the value before */
-  else atomic_fetch_add(&p->sgen, 1);           /* a new value */
+  if (!p->acache) { /* no kept tables (a host pool): nobody reads the count */
+  } else if (p->w_pure) {
+    atomic_fetch_sub(&p->sgen, 1); /* no structure changed: the value before */
+  } else {
+    atomic_fetch_add(&p->sgen, 1); /* a new value */
+  }
   kvp__mutex_unlock(&p->lock);
 }
 
