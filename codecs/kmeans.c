@@ -14,11 +14,17 @@
  * so each row of ct is loaded once per tile and the inner loop (fixed
  * KVP__KM_LANES columns, restrict pointers) vectorizes at -O2 without
  * reassociating a sum: every score is accumulated in the order i = 0..d-1.
- * Padding columns score +inf and are never chosen. With AVX2
- * (codecs/kernels.h's choice) km_score_avx2 keeps four rows x sixteen
- * columns of scores in registers over every i, and km_near_avx2 32 rows'
- * distances: the same multiply and add per term, in the same order, so
- * the same bits (tests/unit/check_qvg.c isa_same_pages).
+ * A tile first copies -2 x of its rows into km->xb (exact), so the SIMD
+ * kernels broadcast each factor straight from memory. Padding columns
+ * score +inf and are never chosen. With AVX2 (codecs/kernels.h's choice)
+ * km_score_avx2 keeps four rows x sixteen columns of scores in registers
+ * over every i, and km_near_avx2 32 rows' distances; with AVX-512,
+ * km_score_avx512 sixteen rows x sixteen columns and km_near_avx512 64
+ * rows: the same multiply and add per term, in the same order, so the
+ * same bits (tests/unit/check_qvg.c isa_same_pages; pinned_bytes holds
+ * the pages to the hashes they had before any of these kernels). The
+ * label is the scan's (km_best); km_best_avx2 finds the same one from the
+ * minimum and its first position.
  *
  * Invariants: after kvp__km_assign, label[t] = the lowest j minimizing
  * score[t][j] over j < k; after an update, cent[j] = mean of the rows
@@ -38,7 +44,7 @@
 #include <immintrin.h>
 #endif
 
-#define KM_TILE 8u /* rows scored together */
+#define KM_TILE 16u /* rows scored together */
 
 int kvp__km_init(kvp__km *km, uint32_t n, uint32_t d, uint32_t k) {
   memset(km, 0, sizeof *km);
@@ -56,7 +62,9 @@ int kvp__km_init(kvp__km *km, uint32_t n, uint32_t d, uint32_t k) {
   km->label = calloc(n, 1);
   km->xt = malloc((size_t)n * d * sizeof *km->xt);
   km->acc = malloc((size_t)n * sizeof *km->acc);
-  if (km->cent && km->ct && km->cn && km->sum && km->count && km->w && km->label && km->xt && km->acc) return 0;
+  km->xb = malloc((size_t)KM_TILE * d * sizeof *km->xb);
+  if (km->cent && km->ct && km->cn && km->sum && km->count && km->w && km->label && km->xt && km->acc && km->xb)
+    return 0;
   kvp__km_free(km);
   return -1;
 }
@@ -71,6 +79,7 @@ void kvp__km_free(kvp__km *km) {
   free(km->label);
   free(km->xt);
   free(km->acc);
+  free(km->xb);
   memset(km, 0, sizeof *km);
 }
 
@@ -91,14 +100,15 @@ static void km_prepare(kvp__km *km) {
   }
 }
 
-/* score (rows x kp) of rows x[0..rows) (d elements each), see the banner. */
-static void km_score(const kvp__km *km, const float *restrict x, uint32_t rows, float *restrict score) {
+/* score (rows x kp) of a tile: xb holds -2 x of its rows (rows x d,
+ * exact: a product by a power of two), see the banner. */
+static void km_score(const kvp__km *km, const float *restrict xb, uint32_t rows, float *restrict score) {
   size_t d = km->d, kp = km->kp;
   for (size_t r = 0; r < rows; r++) memcpy(score + r * kp, km->cn, kp * sizeof *score);
   for (size_t i = 0; i < d; i++) {
     const float *restrict c = km->ct + i * kp;
     for (size_t r = 0; r < rows; r++) {
-      float a = -2.0f * x[r * d + i];
+      float a = xb[r * d + i];
       float *restrict s = score + r * kp;
       for (size_t j = 0; j < kp; j += KVP__KM_LANES) /* size_t: no wrap, so the lanes vectorize */
         for (size_t l = 0; l < KVP__KM_LANES; l++) s[j + l] += a * c[j + l];
@@ -106,27 +116,37 @@ static void km_score(const kvp__km *km, const float *restrict x, uint32_t rows, 
   }
 }
 
+/* The lowest j < k minimizing s[j] (a scan with <, so a NaN s[0] keeps
+ * 0 and a later NaN is never chosen). */
+static uint32_t km_best(const float *s, uint32_t k) {
+  uint32_t best = 0;
+  float sb = s[0];
+  for (uint32_t j = 1; j < k; j++)
+    if (s[j] < sb) best = j, sb = s[j];
+  return best;
+}
+
 #if KVP__HAVE_AVX2
 /* km_score with AVX2 and the scores in registers: four rows x sixteen
  * columns (eight accumulators) over every i, so a step loads two vectors
- * of ct and four scalars for 64 multiply-adds. The same operations as
- * km_score, in the same order per score (a multiply, then an add: AVX2
- * without FMA), so the same bits. */
-__attribute__((target("avx2"))) static void km_score_avx2(const kvp__km *km, const float *restrict x, uint32_t rows,
+ * of ct and broadcasts four elements of xb for 64 multiply-adds. The same
+ * operations as km_score, in the same order per score (a multiply, then
+ * an add: no FMA), so the same bits. */
+__attribute__((target("avx2"))) static void km_score_avx2(const kvp__km *km, const float *restrict xb, uint32_t rows,
                                                          float *restrict score) {
   size_t d = km->d, kp = km->kp;
   for (size_t r0 = 0; r0 < rows; r0 += 4) {
     size_t nr = rows - r0 < 4 ? rows - r0 : 4;
     const float *xr[4];
-    for (size_t r = 0; r < 4; r++) xr[r] = x + (r0 + (r < nr ? r : 0)) * d;
+    for (size_t r = 0; r < 4; r++) xr[r] = xb + (r0 + (r < nr ? r : 0)) * d;
     for (size_t j = 0; j < kp; j += 16) {
       __m256 n0 = _mm256_loadu_ps(km->cn + j), n1 = _mm256_loadu_ps(km->cn + j + 8);
       __m256 a00 = n0, a01 = n1, a10 = n0, a11 = n1, a20 = n0, a21 = n1, a30 = n0, a31 = n1;
       const float *c = km->ct + j;
       for (size_t i = 0; i < d; i++, c += kp) {
         __m256 c0 = _mm256_loadu_ps(c), c1 = _mm256_loadu_ps(c + 8);
-        __m256 b0 = _mm256_set1_ps(-2.0f * xr[0][i]), b1 = _mm256_set1_ps(-2.0f * xr[1][i]);
-        __m256 b2 = _mm256_set1_ps(-2.0f * xr[2][i]), b3 = _mm256_set1_ps(-2.0f * xr[3][i]);
+        __m256 b0 = _mm256_broadcast_ss(xr[0] + i), b1 = _mm256_broadcast_ss(xr[1] + i);
+        __m256 b2 = _mm256_broadcast_ss(xr[2] + i), b3 = _mm256_broadcast_ss(xr[3] + i);
         a00 = _mm256_add_ps(a00, _mm256_mul_ps(b0, c0)), a01 = _mm256_add_ps(a01, _mm256_mul_ps(b0, c1));
         a10 = _mm256_add_ps(a10, _mm256_mul_ps(b1, c0)), a11 = _mm256_add_ps(a11, _mm256_mul_ps(b1, c1));
         a20 = _mm256_add_ps(a20, _mm256_mul_ps(b2, c0)), a21 = _mm256_add_ps(a21, _mm256_mul_ps(b2, c1));
@@ -140,28 +160,91 @@ __attribute__((target("avx2"))) static void km_score_avx2(const kvp__km *km, con
     }
   }
 }
+
+/* km_best over the padded row (kp scores, +inf past k): the minimum, then
+ * the first j holding a value equal to it, which is the scan's choice when
+ * no score is NaN; with a NaN, the scan itself. */
+__attribute__((target("avx2"))) static uint32_t km_best_avx2(const float *s, uint32_t k, uint32_t kp) {
+  __m256 m = _mm256_loadu_ps(s), nan = _mm256_cmp_ps(m, m, _CMP_UNORD_Q);
+  for (uint32_t j = 8; j < kp; j += 8) {
+    __m256 v = _mm256_loadu_ps(s + j);
+    m = _mm256_min_ps(m, v), nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  if (_mm256_movemask_ps(nan)) return km_best(s, k);
+  m = _mm256_min_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+  m = _mm256_min_ps(m, _mm256_shuffle_ps(m, m, 0xB1)); /* the minimum in every lane */
+  for (uint32_t j = 0;; j += 8) {
+    int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + j), m, _CMP_EQ_OQ));
+    if (eq) return j + (uint32_t)__builtin_ctz((unsigned)eq); /* < k: a real score is <= the +inf padding */
+  }
+}
+
+/* km_score with AVX-512: sixteen rows x sixteen columns (sixteen
+ * accumulators) over every i, one vector of ct and sixteen broadcasts of
+ * xb for 256 multiply-adds; the same operations in the same order per
+ * score as km_score (no FMA: -std=c11 contracts none), so the same bits. */
+__attribute__((target("avx2,avx512f"))) static void km_score_avx512(const kvp__km *km, const float *restrict xb,
+                                                                    uint32_t rows, float *restrict score) {
+  size_t d = km->d, kp = km->kp;
+  for (size_t r0 = 0; r0 < rows; r0 += 16) {
+    size_t nr = rows - r0 < 16 ? rows - r0 : 16;
+    const float *xr[16];
+    for (size_t r = 0; r < 16; r++) xr[r] = xb + (r0 + (r < nr ? r : 0)) * d;
+    for (size_t j = 0; j < kp; j += 16) {
+      __m512 a[16];
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; r++) a[r] = _mm512_loadu_ps(km->cn + j);
+      const float *c = km->ct + j;
+      for (size_t i = 0; i < d; i++, c += kp) {
+        __m512 cv = _mm512_loadu_ps(c);
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; r++) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_set1_ps(xr[r][i]), cv));
+      }
+      for (size_t r = 0; r < nr; r++) _mm512_storeu_ps(score + (r0 + r) * kp + j, a[r]);
+    }
+  }
+}
 #endif
+
+/* Score a tile of rows (the row indices rows[0..nr)) and label them:
+ * returns how many labels changed (all when fresh). */
+static uint32_t km_assign_tile(kvp__km *km, const float *x, const uint32_t *rows, uint32_t nr, int fresh,
+                               float *restrict xb, float *restrict score) {
+  uint32_t changed = 0, d = km->d, kp = km->kp;
+  int isa = kvp__codec_isa();
+  for (uint32_t r = 0; r < nr; r++) {
+    const float *xr = x + (size_t)rows[r] * d;
+    for (uint32_t i = 0; i < d; i++) xb[(size_t)r * d + i] = -2.0f * xr[i];
+  }
+#if KVP__HAVE_AVX2
+  if (isa >= KVP__ISA_AVX512) km_score_avx512(km, xb, nr, score);
+  else if (isa >= KVP__ISA_AVX2) km_score_avx2(km, xb, nr, score);
+  else
+#endif
+    km_score(km, xb, nr, score);
+  for (uint32_t r = 0; r < nr; r++) {
+    const float *s = score + (size_t)r * kp;
+    uint32_t best;
+#if KVP__HAVE_AVX2
+    if (isa >= KVP__ISA_AVX2) best = km_best_avx2(s, km->k, kp);
+    else
+#endif
+      best = km_best(s, km->k);
+    if (fresh || km->label[rows[r]] != best) changed++;
+    km->label[rows[r]] = (uint8_t)best;
+  }
+  return changed;
+}
 
 uint32_t kvp__km_assign(kvp__km *km, const float *x, int fresh) {
   float score[KM_TILE * KVP__KM_MAX_K];
-  uint32_t changed = 0, d = km->d, kp = km->kp;
+  uint32_t rows[KM_TILE], changed = 0;
   km_prepare(km);
   for (uint32_t t0 = 0; t0 < km->n; t0 += KM_TILE) {
-    uint32_t rows = km->n - t0 < KM_TILE ? km->n - t0 : KM_TILE;
-#if KVP__HAVE_AVX2
-    if (kvp__codec_isa() >= KVP__ISA_AVX2) km_score_avx2(km, x + (size_t)t0 * d, rows, score);
-    else
-#endif
-      km_score(km, x + (size_t)t0 * d, rows, score);
-    for (uint32_t r = 0; r < rows; r++) {
-      const float *s = score + (size_t)r * kp;
-      uint32_t best = 0;
-      float sb = s[0];
-      for (uint32_t j = 1; j < km->k; j++)
-        if (s[j] < sb) best = j, sb = s[j];
-      if (fresh || km->label[t0 + r] != best) changed++;
-      km->label[t0 + r] = (uint8_t)best;
-    }
+    uint32_t nr = km->n - t0 < KM_TILE ? km->n - t0 : KM_TILE;
+    for (uint32_t r = 0; r < nr; r++) rows[r] = t0 + r;
+    changed += km_assign_tile(km, x, rows, nr, fresh, km->xb, score);
   }
   return changed;
 }
@@ -244,7 +327,30 @@ __attribute__((target("avx2"))) static size_t km_near_avx2(kvp__km *km, uint32_t
   }
   return n32;
 }
+
+/* km_near_avx2 with AVX-512: 64 rows' sums in registers, the same
+ * operations per sum in the same order. */
+__attribute__((target("avx2,avx512f"))) static size_t km_near_avx512(kvp__km *km, uint32_t j) {
+  size_t n = km->n, d = km->d, n64 = n / 64 * 64;
+  const float *c = km->cent + j * d;
+  float *restrict acc = km->acc;
+  for (size_t t = 0; t < n64; t += 64) {
+    __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+    const float *xi = km->xt + t;
+    for (size_t i = 0; i < d; i++, xi += n) {
+      __m512 ci = _mm512_set1_ps(c[i]);
+      __m512 e0 = _mm512_sub_ps(_mm512_loadu_ps(xi), ci), e1 = _mm512_sub_ps(_mm512_loadu_ps(xi + 16), ci);
+      __m512 e2 = _mm512_sub_ps(_mm512_loadu_ps(xi + 32), ci), e3 = _mm512_sub_ps(_mm512_loadu_ps(xi + 48), ci);
+      s0 = _mm512_add_ps(s0, _mm512_mul_ps(e0, e0)), s1 = _mm512_add_ps(s1, _mm512_mul_ps(e1, e1));
+      s2 = _mm512_add_ps(s2, _mm512_mul_ps(e2, e2)), s3 = _mm512_add_ps(s3, _mm512_mul_ps(e3, e3));
+    }
+    _mm512_storeu_ps(acc + t, s0), _mm512_storeu_ps(acc + t + 16, s1);
+    _mm512_storeu_ps(acc + t + 32, s2), _mm512_storeu_ps(acc + t + 48, s3);
+  }
+  return n64;
+}
 #endif
+
 
 /* w[t] = min(w[t], ||x_t - cent[j]||^2) for every row (w[t] = it when
  * init). Over the transposed rows xt, so the loop over rows vectorizes
@@ -252,7 +358,9 @@ __attribute__((target("avx2"))) static size_t km_near_avx2(kvp__km *km, uint32_t
 static void km_near(kvp__km *km, uint32_t j, int init) {
   size_t n = km->n, d = km->d, t0 = 0; /* rows [0, t0) done with AVX2 */
 #if KVP__HAVE_AVX2
-  if (kvp__codec_isa() >= KVP__ISA_AVX2) t0 = km_near_avx2(km, j);
+  int isa = kvp__codec_isa();
+  if (isa >= KVP__ISA_AVX512) t0 = km_near_avx512(km, j);
+  else if (isa >= KVP__ISA_AVX2) t0 = km_near_avx2(km, j);
 #endif
   size_t n16 = t0 + (n - t0) / KVP__KM_LANES * KVP__KM_LANES;
   const float *c = km->cent + j * d;

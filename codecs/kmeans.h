@@ -48,6 +48,7 @@ typedef struct kvp__km {
   uint8_t *label;  /* n: the centroid of each row */
   float *xt;       /* d x n: the rows transposed (k-means++ distances) */
   float *acc;      /* n: squared distances to the newest seed */
+  float *xb;       /* KM_TILE x d: -2 x of the rows a tile scores */
 } kvp__km;
 
 /* Allocate the work space. Returns 0, or -1 when out of memory (then

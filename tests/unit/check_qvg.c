@@ -555,9 +555,9 @@ START_TEST(same_input_same_pages) {
 }
 END_TEST
 
-/* The k-means' AVX2 scores and distances (codecs/kmeans.c) give the base
- * ISA's pages, byte for byte: structured and Gaussian rows, a block longer
- * than 32 rows with a tail, and one shorter than k. */
+/* The k-means' AVX2 and AVX-512 scores and distances (codecs/kmeans.c)
+ * give the base ISA's pages, byte for byte: structured and Gaussian rows,
+ * a block longer than 32 rows with a tail, and one shorter than k. */
 START_TEST(isa_same_pages) {
   const struct pcase *c = &pcases[_i];
   uint32_t d = 64, ns[2] = {203, 9};
@@ -570,18 +570,97 @@ START_TEST(isa_same_pages) {
     ck_assert_int_eq(kvp__codec_isa_set(KVP__ISA_BASE), KVP__ISA_BASE);
     run a;
     run_codec(&a, c->vt, c->params, x, d, n, cap, NULL, NULL);
-    if (kvp__codec_isa_set(KVP__ISA_AVX2) != KVP__ISA_AVX2) {
-      fprintf(stderr, "isa_same_pages: skip: no AVX2 on this CPU\n");
-    } else {
+    for (int isa = KVP__ISA_AVX2; isa <= KVP__ISA_AVX512; isa++) {
+      if (kvp__codec_isa_set(isa) != isa) {
+        fprintf(stderr, "isa_same_pages: skip: no %s on this CPU\n", isa == KVP__ISA_AVX2 ? "AVX2" : "AVX-512");
+        continue;
+      }
       blk b;
       encode_again(&a, NULL, 0x5A, &b);
-      for (uint32_t p = 0; p < b.lay.npages; p++) ck_assert_mem_eq(a.b.pg[p], b.pg[p], b.lay.bytes[p]);
+      for (uint32_t p = 0; p < b.lay.npages; p++)
+        ck_assert_msg(memcmp(a.b.pg[p], b.pg[p], b.lay.bytes[p]) == 0, "%s:%s n=%u isa %d: page %u differs",
+                      c->vt->name, c->params, n, isa, p);
       blk_free(&b);
     }
     kvp__codec_isa_set(was);
     run_free(&a);
     free(x);
   }
+}
+END_TEST
+
+/* ---- pinned bytes -------------------------------------------------------------------------------- */
+
+/* FNV-1a (64-bit) of len bytes, continuing from h. */
+static uint64_t fnv64(uint64_t h, const void *p, size_t len) {
+  for (size_t i = 0; i < len; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001B3ULL;
+  return h;
+}
+
+/* Rows by integer arithmetic alone (no libm, so the same everywhere):
+ * npat patterns of multiples of 1/256 in [-4, 4]; a token is one of them
+ * plus a multiple of 1/1024 in [-1/32, 1/32] per element. */
+static void gen_pinned(float *x, uint32_t n, uint32_t d, uint32_t npat, uint64_t seed) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 3;
+  float *pat = malloc((size_t)npat * d * sizeof *pat);
+  ck_assert_ptr_nonnull(pat);
+  for (size_t e = 0; e < (size_t)npat * d; e++) pat[e] = (float)((int)(t_rand(&s) % 2049) - 1024) / 256.0f;
+  for (uint32_t t = 0; t < n; t++) {
+    const float *p = pat + (size_t)(t_rand(&s) % npat) * d;
+    for (uint32_t i = 0; i < d; i++) x[(size_t)t * d + i] = p[i] + (float)((int)(t_rand(&s) % 65) - 32) / 1024.0f;
+  }
+  free(pat);
+}
+
+/* The pages (and the state) of fixed inputs hash to the values the
+ * encoder gave when these were written: a faster k-means must keep every
+ * byte. Cases: each pcase on 777 tokens in a 1024-token block; qvg and
+ * qvg-pro on a 4096-token segment-head; both warm-started over three
+ * blocks of 1024 tokens. */
+static const struct pin {
+  int pc;          /* pcases[] index */
+  uint32_t n, cap; /* tokens, block capacity */
+  int blocks;      /* > 1: stateful, blocks in a row */
+  uint64_t want;   /* FNV-1a of every page of every block, then the state */
+} pins[] = {
+    {0, 777, 1024, 1, 0xadba064f9394201cULL},   {1, 777, 1024, 1, 0x1d0e135445d254f0ULL},
+    {2, 777, 1024, 1, 0x058deef8470145ceULL},   {3, 777, 1024, 1, 0xc73b58b355f9d7bdULL},
+    {4, 777, 1024, 1, 0xcf73949a93e776acULL},   {5, 777, 1024, 1, 0xc59338825eb4daf4ULL},
+    {6, 777, 1024, 1, 0x80670a3b59349920ULL},   {0, 4096, 4096, 1, 0x26d7edbfefeb4d4dULL},
+    {1, 4096, 4096, 1, 0xe1728cd1598c8cb0ULL},  {0, 1024, 1024, 3, 0xb77e5518e796d46fULL},
+    {1, 1024, 1024, 3, 0x5b0b3d4da8551c81ULL},
+};
+
+START_TEST(pinned_bytes) {
+  const struct pin *pn = &pins[_i];
+  const struct pcase *c = &pcases[pn->pc];
+  uint32_t d = 128;
+  void *inst = make(c->vt, c->params, d, KVP_DTYPE_BF16);
+  size_t sb = pn->blocks > 1 ? c->vt->state_bytes(inst) : 0;
+  uint8_t *state = sb ? calloc(1, sb) : NULL;
+  float *x = malloc((size_t)pn->n * d * sizeof *x);
+  uint16_t *src = malloc((size_t)pn->n * d * 2);
+  ck_assert_ptr_nonnull(x);
+  ck_assert_ptr_nonnull(src);
+  uint64_t h = 0xCBF29CE484222325ULL;
+  for (int b = 0; b < pn->blocks; b++) {
+    gen_pinned(x, pn->n, d, pn->n >= 4096 ? 64 : 24, 900 + (uint64_t)(pn->pc * 7 + b));
+    kvp__bf16_from_f32_row(src, x, (size_t)pn->n * d);
+    blk k;
+    blk_new(&k, c->vt, inst, pn->cap, 0xA5);
+    void *const *pg = (void *const *)k.pg;
+    if (state) ck_ok(c->vt->encode_stateful(inst, state, src, d * 2, pn->n, pn->cap, pg));
+    else ck_ok(c->vt->encode(inst, src, d * 2, pn->n, pn->cap, pg));
+    for (uint32_t p = 0; p < k.lay.npages; p++) h = fnv64(h, k.pg[p], k.lay.bytes[p]);
+    blk_free(&k);
+  }
+  if (state) h = fnv64(h, state, sb);
+  printf("pinned_bytes %d (%s:%s n=%u cap=%u blocks=%d): 0x%016" PRIx64 "\n", _i, c->vt->name, c->params, pn->n,
+         pn->cap, pn->blocks, h);
+  ck_assert_msg(h == pn->want, "%s:%s n=%u blocks=%d: pages hash to 0x%016" PRIx64 ", pinned 0x%016" PRIx64,
+                c->vt->name, c->params, pn->n, pn->blocks, h, pn->want);
+  free(state), free(x), free(src);
+  c->vt->destroy(inst);
 }
 END_TEST
 
@@ -789,6 +868,7 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, same_input_same_pages, 0, NPC);
   tcase_add_loop_test(tc, isa_same_pages, 0, NPC);
+  tcase_add_loop_test(tc, pinned_bytes, 0, (int)KVP__ARRAY_LEN(pins));
   tcase_add_loop_test(tc, identical_tokens_and_zeros_exact, 0, NPC);
   tcase_add_test(tc, fp8_underflow_rule);
   tcase_add_test(tc, bad_params_named);
