@@ -92,12 +92,13 @@ int kvp__km_init(kvp__km *km, uint32_t n, uint32_t d, uint32_t k) {
   km->cn2 = malloc(km->kp * sizeof *km->cn2);
   km->wtp = malloc((size_t)km->nblk * 16 * sizeof *km->wtp);
   km->labp = malloc((size_t)km->nblk * 16);
+  km->wp = malloc((size_t)km->nblk * 16 * sizeof *km->wp);
   km->ccl = malloc(k * sizeof *km->ccl);
   km->prune = 1;
   km->eps = 4.0 * (d + 2) * 0x1p-24;
   if (km->cent && km->ct && km->cn && km->sum && km->count && km->w && km->label && km->xt && km->acc && km->xb &&
       km->cold && km->mv && km->cnd && km->ub && km->xn2 && km->xn && km->act && km->full && km->start && km->pos &&
-      km->idx && km->ccs && km->ct2 && km->cn2 && km->wtp && km->labp && km->ccl && km->perm && km->blk)
+      km->idx && km->ccs && km->ct2 && km->cn2 && km->wtp && km->labp && km->wp && km->ccl && km->perm && km->blk)
     return 0;
   kvp__km_free(km);
   return -1;
@@ -130,6 +131,7 @@ void kvp__km_free(kvp__km *km) {
   free(km->cn2);
   free(km->wtp);
   free(km->labp);
+  free(km->wp);
   free(km->ccl);
   free(km->perm);
   free(km->blk);
@@ -175,15 +177,16 @@ static double km_sq(const float *a, const float *b, uint32_t d) {
 /* xn2 and xn (upper bounds on ||x_t||^2 and ||x_t||) of every row, and
  * whether all are in the bounds' range. */
 #if KVP__HAVE_AVX2
-/* km_sq(x, NULL, d) of every row with AVX-512, in double (any order, so an
- * FMA per term). */
-__attribute__((target("avx2,avx512f"))) static void km_norms_avx512(const kvp__km *km, const float *x, double *out) {
-  uint32_t d = km->d;
-  for (uint32_t t = 0; t < km->n; t++) {
-    const float *xr = x + (size_t)t * d;
+/* km_sq of nr rows of d elements (b NULL: of a's rows alone) with AVX-512,
+ * in double (any order, so an FMA per term). */
+__attribute__((target("avx2,avx512f"))) static void km_sq_rows_avx512(const float *a, const float *b, uint32_t nr,
+                                                                      uint32_t d, double *out) {
+  for (uint32_t t = 0; t < nr; t++) {
+    const float *ar = a + (size_t)t * d, *br = b ? b + (size_t)t * d : NULL;
     __m512d s = _mm512_setzero_pd();
     for (uint32_t i = 0; i < d; i += 8) {
-      __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(xr + i));
+      __m512d v = _mm512_cvtps_pd(_mm256_loadu_ps(ar + i));
+      if (br) v = _mm512_sub_pd(v, _mm512_cvtps_pd(_mm256_loadu_ps(br + i)));
       s = _mm512_fmadd_pd(v, v, s);
     }
     out[t] = _mm512_reduce_add_pd(s);
@@ -191,16 +194,22 @@ __attribute__((target("avx2,avx512f"))) static void km_norms_avx512(const kvp__k
 }
 #endif
 
+/* out[t] = km_sq of row t of a (and b) for nr rows, by the ISA in force. */
+static void km_sq_rows(const float *a, const float *b, uint32_t nr, uint32_t d, double *out) {
+#if KVP__HAVE_AVX2
+  if (kvp__codec_isa() >= KVP__ISA_AVX512) {
+    km_sq_rows_avx512(a, b, nr, d, out);
+    return;
+  }
+#endif
+  for (uint32_t t = 0; t < nr; t++) out[t] = km_sq(a + (size_t)t * d, b ? b + (size_t)t * d : NULL, d);
+}
+
 static void km_norms(kvp__km *km, const float *x) {
   int ok = 1;
-#if KVP__HAVE_AVX2
-  int fast = kvp__codec_isa() >= KVP__ISA_AVX512;
-  if (fast) km_norms_avx512(km, x, km->xn2);
-#else
-  int fast = 0;
-#endif
+  km_sq_rows(x, NULL, km->n, km->d, km->xn2);
   for (uint32_t t = 0; t < km->n; t++) {
-    double n2 = (fast ? km->xn2[t] : km_sq(x + (size_t)t * km->d, NULL, km->d)) * (1.0 + KM_REL);
+    double n2 = km->xn2[t] * (1.0 + KM_REL);
     km->xn2[t] = n2;
     km->xn[t] = sqrt(n2) * (1.0 + KM_REL);
     ok = ok && n2 < 0x1p100;
@@ -220,10 +229,8 @@ static inline void km_ub(kvp__km *km, uint32_t t, float sa) {
  * everything) when a value is out of the bounds' range. */
 static int km_moves(kvp__km *km) {
   if (!(km->m2 < 0x1p100) || !km->xok) return 0;
-  for (uint32_t j = 0; j < km->k; j++) {
-    size_t o = (size_t)j * km->d;
-    km->mv[j] = sqrt(km_sq(km->cent + o, km->cold + o, km->d)) * (1.0 + KM_REL);
-  }
+  km_sq_rows(km->cent, km->cold, km->k, km->d, km->mv);
+  for (uint32_t j = 0; j < km->k; j++) km->mv[j] = sqrt(km->mv[j]) * (1.0 + KM_REL);
   return 1;
 }
 
@@ -240,6 +247,7 @@ typedef struct km_cols {
 static void km_prepare(kvp__km *km) {
   uint32_t d = km->d, kp = km->kp;
   double m2 = 0.0;
+  km_sq_rows(km->cent, NULL, km->k, d, km->cnd);
   for (uint32_t j = 0; j < kp; j++) km->cn[j] = INFINITY;
   for (uint32_t j = 0; j < km->k; j++) {
     const float *c = km->cent + (size_t)j * d;
@@ -249,7 +257,7 @@ static void km_prepare(kvp__km *km) {
       nrm += c[i] * c[i];
     }
     km->cn[j] = nrm;
-    km->cnd[j] = km_sq(c, NULL, d) * (1.0 - KM_REL); /* a lower bound on ||c_j||^2 */
+    km->cnd[j] *= 1.0 - KM_REL; /* a lower bound on ||c_j||^2 */
     m2 = km->cnd[j] > m2 || isnan(km->cnd[j]) ? km->cnd[j] : m2; /* a NaN sticks */
   }
   km->m2 = m2 * (1.0 + 3 * KM_REL);
@@ -487,6 +495,10 @@ static int km_cluster(kvp__km *km, uint32_t a, const float *x, const uint32_t *r
   for (uint32_t j = 0; j < k; j++)
     if (j == a || !(sa[j] > tf)) km->idx[nc++] = j;
   if (2 * nc > k) return 0;
+  if (nc == 1) { /* only a can win: the labels stay, ub (moved) still holds */
+    if (fresh) *changed += nr;
+    return 1;
+  }
   size_t cp = (nc + KVP__KM_LANES - 1) / KVP__KM_LANES * KVP__KM_LANES;
   km_gather_cols(km, nc, cp);
   km_cols cc = {km->ct2, km->cn2, cp};
@@ -630,6 +642,7 @@ static void km_seed_layout(kvp__km *km, const float *x, int by_label) {
   for (uint32_t p = 0; p < np; p++) { /* padding: label 0, threshold -inf: always skippable */
     km->labp[p] = km->perm[p] < n ? km->label[km->perm[p]] : 0;
     km->wtp[p] = km->perm[p] < n && by_label ? km_seed_thr(km, km->w[km->perm[p]]) : -INFINITY;
+    km->wp[p] = km->perm[p] < n && by_label ? km->w[km->perm[p]] : -INFINITY;
   }
   for (uint32_t p = 0; p < np; p++) {
     float *dst = km->xt + (size_t)(p / KM_BLK) * d * KM_BLK + p % KM_BLK;
@@ -779,6 +792,25 @@ __attribute__((target("avx2,avx512f"))) static uint32_t km_scan_avx512(kvp__km *
 }
 #endif
 
+#if KVP__HAVE_AVX2
+/* km_near's update of the summed blocks with AVX-512: acc < w compared
+ * sixteen positions at a time against wp (w by position; -inf in the
+ * padding, so never taken), the rows it holds for updated one by one. */
+__attribute__((target("avx2,avx512f"))) static void km_near_update_avx512(kvp__km *km, uint32_t j, uint32_t nb) {
+  for (uint32_t q = 0; q < nb; q++) {
+    size_t p0 = (size_t)km->blk[q] * KM_BLK;
+    __m512 a = _mm512_loadu_ps(km->acc + p0);
+    unsigned m = _mm512_cmp_ps_mask(a, _mm512_loadu_ps(km->wp + p0), _CMP_LT_OQ);
+    for (; m; m &= m - 1) {
+      size_t p = p0 + (size_t)__builtin_ctz(m);
+      uint32_t t = km->perm[p];
+      float v = km->acc[p];
+      km->w[t] = km->wp[p] = v, km->label[t] = km->labp[p] = (uint8_t)j, km->wtp[p] = km_seed_thr(km, v);
+    }
+  }
+}
+#endif
+
 /* w[t] = min(w[t], ||x_t - cent[j]||^2) for every row (w[t] = it when
  * init), label[t] = the seed it came from. With pruning, only blocks with
  * a row the seed can move (see km_seed_thr) are summed; the others would
@@ -809,12 +841,18 @@ static void km_near(kvp__km *km, uint32_t j, int init) {
 #endif
     km_dist_blocks(km, c, km->blk, nb);
   km->nseed += nb;
+#if KVP__HAVE_AVX2
+  if (!init && isa >= KVP__ISA_AVX512) {
+    km_near_update_avx512(km, j, nb);
+    return;
+  }
+#endif
   for (uint32_t q = 0; q < nb; q++)
     for (uint32_t p = km->blk[q] * KM_BLK; p < (km->blk[q] + 1) * KM_BLK; p++) {
       uint32_t t = km->perm[p];
       float a = km->acc[p];
       if (t < n && (init || a < km->w[t]))
-        km->w[t] = a, km->label[t] = km->labp[p] = (uint8_t)j, km->wtp[p] = km_seed_thr(km, a);
+        km->w[t] = km->wp[p] = a, km->label[t] = km->labp[p] = (uint8_t)j, km->wtp[p] = km_seed_thr(km, a);
     }
 }
 
@@ -922,7 +960,7 @@ void kvp__km_seed(kvp__km *km, const float *x, uint32_t nwarm, uint64_t seed) {
     uint32_t t = km_draw(km, &s);
     if (t == km->n) break;
     memcpy(km->cent + (size_t)have * d, x + (size_t)t * d, d * sizeof *x);
-    if (km->prune && (have == 32 || have == 128)) km_seed_layout(km, x, 1); /* neighbourhoods into blocks */
+    if (km->prune && have == 64) km_seed_layout(km, x, 1); /* neighbourhoods into blocks */
     km_near(km, have, 0);
   }
   for (; have < km->k; have++) memcpy(km->cent + (size_t)have * d, km->cent, d * sizeof *x);

@@ -75,6 +75,7 @@ typedef struct kvp__km {
   float *ct2, *cn2;  /* d x kp, kp: the candidates' columns */
   float *wtp;        /* nblk x 16: by position, k-means++ skips the row for a seed this far (squared) from its label */
   uint8_t *labp;     /* nblk x 16: label by position */
+  float *wp;         /* nblk x 16: w by position (-inf in the padding) */
   float *ccl;        /* k: lower bounds on the squared distances of the newest seed to the others */
   int prune;         /* 1 (the default): score only candidates, skip rows seeds cannot move */
   uint64_t nseed;    /* blocks of 16 rows k-means++ summed so far (tests) */
