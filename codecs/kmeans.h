@@ -18,9 +18,10 @@
  *           repeat at most iters times; stop early when an assignment
  *           changes no label (the centroids are then a fixed point)
  *   assign  nearest by the expanded distance ||c||^2 - 2 x.c (the constant
- *           ||x||^2 dropped), f32, ties to the lowest index; rows that
- *           distance bounds kept between calls settle (Hamerly's, with
- *           the f32 rounding bounded) keep their label unscored
+ *           ||x||^2 dropped), f32, ties to the lowest index; a row is
+ *           scored only against the centroids that bounds kept between
+ *           calls leave as possible winners (Elkan's first lemma, the f32
+ *           rounding bounded), so the labels are a full assignment's
  *
  * Deterministic: a fixed order of every f32/f64 operation, no rand(), no
  * threads; the device twin (kernels/qvg.cuh) keeps each operation and its
