@@ -67,9 +67,12 @@
  * Saturation: A/Q above 448 gives the scale 448; its codes clamp at +-Q.
  * Range: values within the bf16 range (f32 input beyond it rounds a
  *   centroid to +-inf, and the row decodes to +-inf).
- * Cost: per stage (I + 2) n Ka D multiply-adds (assignments), plus n Ka D
- *   for k-means++ on a cold start: about 0.2 s per 4096-token segment-head
- *   at D = 128, K = 256 on one core (tests/unit/check_qvg.c prints it).
+ * Cost: per stage at most (I + 2) n Ka D multiply-adds (assignments), plus
+ *   n Ka D for k-means++ on a cold start; codecs/kmeans.c skips, exactly,
+ *   the rows and centroids that cannot change a label, so structured rows
+ *   cost a fraction of it: a cold qvg encode of a 4096-token segment-head
+ *   (D = 128, K = 256, one core) takes about 12 ms on clustered rows and
+ *   50 ms on noise (build/kvpool-bench --qvg, figure qvg_encode_mbs).
  *
  * Invariants: x - y = r - (q * s) up to the f32 rounding of the stage
  *   adds (smoothing is lossless bookkeeping: every loss is the final
@@ -90,8 +93,12 @@
  *   About 64 KiB per stream for qvg and 256 KiB for qvg-pro at D = 128.
  */
 #include "builtin.h"
+#include "kernels.h"
 #include "kmeans.h"
 #include "numeric.h"
+#if KVP__HAVE_AVX2
+#include <immintrin.h>
+#endif
 
 #define QVG_MAX_STAGES 8u
 #define QVG_MAX_ITERS 100u
@@ -234,23 +241,88 @@ static size_t qvg_state_bytes(const void *inst) {
 
 /* ---- the final residual quantizer --------------------------------------------- */
 
-/* Quantize one row r (D elements) into its packed codes and its scales. */
+/* round_even(v) for |v| < 2^22 by the f32 addition of 1.5 * 2^23 (whose
+ * rounding is to nearest even), and a value of magnitude >= 2^22 (or an
+ * infinity, or a NaN) for the others, which the clamp after it maps as it
+ * maps round_even's: kvp__round_even's results through a cheaper path. */
+static inline float qvg_rne(float v) {
+  const float magic = 12582912.0f; /* 1.5 * 2^23 */
+  return (v + magic) - magic;
+}
+
+/* kvp__msb8_pack of a row's D codes (D % 8 == 0) for b = 2 and 4, a byte
+ * at a time instead of a bit stream: the same bytes. */
+static void qvg_pack(uint8_t *restrict dst, const uint8_t *restrict c, uint32_t d, uint32_t bits) {
+  if (bits == 2)
+    for (uint32_t o = 0; o < d / 4; o++)
+      dst[o] = (uint8_t)(c[4 * o] << 6 | c[4 * o + 1] << 4 | c[4 * o + 2] << 2 | c[4 * o + 3]);
+  else
+    for (uint32_t o = 0; o < d / 2; o++) dst[o] = (uint8_t)(c[2 * o] << 4 | c[2 * o + 1]);
+}
+
+#if KVP__HAVE_AVX2
+/* qvg_quant_row's codes and scales with AVX2, eight elements a step (g %
+ * 8 == 0): the maximum of |r_i| (order does not change a maximum; maxps
+ * keeps the running value against a NaN, as the scalar test does), then
+ * per element the same division, rounding add, clamps (maxps / minps are
+ * the scalar comparisons, NaN included) and conversion: the same codes. */
+__attribute__((target("avx2"))) static void qvg_quant_avx2(const qvg_inst *q, const float *r, uint8_t *c,
+                                                          uint8_t *scales) {
+  float qm = (float)qvg_qmax(q);
+  const __m256 sign = _mm256_set1_ps(-0.0f), magic = _mm256_set1_ps(12582912.0f);
+  const __m256 lo = _mm256_set1_ps(-qm), hi = _mm256_set1_ps(qm);
+  for (uint32_t g0 = 0, j = 0; g0 < q->head_dim; g0 += q->group, j++) {
+    __m256 m = _mm256_setzero_ps();
+    for (uint32_t i = g0; i < g0 + q->group; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(r + i)), m);
+    m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+    m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+    uint8_t sc = kvp__fp8_e4m3_from_f32(_mm256_cvtss_f32(m) / qm);
+    __m256 sv = _mm256_set1_ps(kvp__fp8_e4m3_to_f32(sc));
+    scales[j] = sc;
+    for (uint32_t i = g0; i < g0 + q->group; i += 8) {
+      __m256 v = _mm256_setzero_ps();
+      if (sc) v = _mm256_sub_ps(_mm256_add_ps(_mm256_div_ps(_mm256_loadu_ps(r + i), sv), magic), magic);
+      v = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
+      __m256i k = _mm256_cvttps_epi32(_mm256_add_ps(v, hi));
+      __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(k), _mm256_extracti128_si256(k, 1));
+      _mm_storel_epi64((__m128i *)(c + i), _mm_packus_epi16(w, w));
+    }
+  }
+}
+#endif
+
+/* Quantize one row r (D elements) into its packed codes and its scales.
+ * The maximum and the clamp are written as comparisons (a NaN loses each,
+ * as in fmaxf / fminf: a NaN element leaves the maximum, a NaN quotient
+ * maps to -Q), so no libm call remains per element. */
 static void qvg_quant_row(const qvg_inst *q, const float *r, uint8_t *codes, uint8_t *scales) {
   uint8_t c[KVP_MAX_HEAD_DIM];
   float qm = (float)qvg_qmax(q);
+#if KVP__HAVE_AVX2
+  if (kvp__codec_isa() >= KVP__ISA_AVX2) {
+    qvg_quant_avx2(q, r, c, scales);
+    qvg_pack(codes, c, q->head_dim, q->bits);
+    return;
+  }
+#endif
   for (uint32_t g0 = 0, j = 0; g0 < q->head_dim; g0 += q->group, j++) {
     float amax = 0.0f;
-    for (uint32_t i = g0; i < g0 + q->group; i++) amax = fmaxf(amax, fabsf(r[i]));
+    for (uint32_t i = g0; i < g0 + q->group; i++) {
+      float a = fabsf(r[i]);
+      amax = a > amax ? a : amax;
+    }
     uint8_t sc = kvp__fp8_e4m3_from_f32(amax / qm); /* 0 when A/Q <= 2^-10: the group is zeros */
     float s = kvp__fp8_e4m3_to_f32(sc);
     scales[j] = sc;
     for (uint32_t i = g0; i < g0 + q->group; i++) {
-      float v = sc ? kvp__round_even(r[i] / s) : 0.0f;
-      v = fminf(fmaxf(v, -qm), qm); /* also maps a NaN quotient to -Q */
+      float v = sc ? qvg_rne(r[i] / s) : 0.0f;
+      v = v > -qm ? v : -qm; /* also maps a NaN quotient to -Q */
+      v = v < qm ? v : qm;
       c[i] = (uint8_t)(v + qm);
     }
   }
-  kvp__msb8_pack(codes, c, q->head_dim, q->bits);
+  qvg_pack(codes, c, q->head_dim, q->bits);
 }
 
 /* ---- smoothing stages ------------------------------------------------------------ */
@@ -269,10 +341,11 @@ static void qvg_stage_out(const qvg_inst *q, kvp__km *km, float *r, uint32_t s, 
   }
   kvp__km_assign(km, r, 0);
   for (uint32_t t = 0; t < km->n; t++) {
-    const float *c = km->cent + (size_t)km->label[t] * d;
-    float *x = r + (size_t)t * d;
+    const float *restrict c = km->cent + (size_t)km->label[t] * d;
+    float *restrict x = r + (size_t)t * d;
     asg[t] = km->label[t];
-    for (uint32_t i = 0; i < d; i++) x[i] -= c[i];
+    for (uint32_t i = 0; i < d; i += 8) /* d % 8 == 0 (kmeans.h): chunks of 8 vectorize */
+      for (uint32_t e = 0; e < 8; e++) x[i + e] -= c[i + e];
   }
 }
 

@@ -2,10 +2,11 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json] [--codecs] [--calib] [--heatkv] [--alloc]
+ *   kvpool-bench [--quick] [--json] [--codecs] [--qvg] [--calib] [--heatkv] [--alloc]
  *
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
- * kvquant_calib_s); --calib only kvquant_calib_s.
+ * qvg_encode_mbs, kvquant_calib_s); --qvg only qvg_encode_mbs; --calib only
+ * kvquant_calib_s.
  *
  * Figures
  *   alloc_free_pair_ns  median cost of one alloc + one free over a page-size
@@ -48,6 +49,12 @@
  *                       qvg and qvg-pro (k-means per block, cold start) run
  *                       one round. kvquant (K side, 1% outliers) per bit
  *                       width 2, 3, 4.
+ *   qvg_encode_mbs      qvg and qvg-pro host encode in MB/s of bf16 input on
+ *                       one core: 4 segment-heads of 4096 tokens, D = 128,
+ *                       stateless (k-means++ cold start), median of 5 rounds
+ *                       (--quick: 3), on clustered rows (64 patterns plus
+ *                       noise: the structure k-means is for) and on uniform
+ *                       noise; baseline: memcpy of the same bytes.
  *   kvquant_calib_s     seconds to fit and write a kvquant calibration for
  *                       L = 32, H = 32, D = 128 from 16 x 2048 synthetic
  *                       tokens (--quick: L = 2), one round, on one worker
@@ -767,6 +774,8 @@ static void print_heatkv(int quick, int json_only) {
          "\"ratio\":%.4f,\"b01_ns\":%.1f,\"b01_ratio\":%.4f}\n", mk, mn, mk / mn, me, me / mn);
 }
 
+static void print_qvg_encode(int quick, int json_only);
+
 /* The codec figures: one table line and one JSON line per codec case. */
 static void print_codecs(int quick, int json_only) {
   static const struct {
@@ -794,6 +803,106 @@ static void print_codecs(int quick, int json_only) {
            "\"baseline\":\"memcpy\",\"baseline_gbs\":%.3f,\"encode_ratio\":%.3f,\"decode_ratio\":%.3f}\n",
            codecs[i].label, cf.enc, cf.dec, mc, cf.enc / mc, cf.dec / mc);
   }
+  print_qvg_encode(quick, json_only);
+}
+
+/* ---- QVG: host encode, MB/s per core ------------------------------------------ */
+
+/* A bf16 of f (round to nearest even; the inputs here are finite). */
+static uint16_t bench_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* An approximately normal draw: the sum of four uniforms, centred and
+ * scaled to unit variance. */
+static float bench_gauss(uint64_t *s) {
+  double u = 0;
+  for (int i = 0; i < 4; i++) u += (double)(pagemix_rand(s) >> 11) * 0x1p-53;
+  return (float)((u - 2.0) * 1.7320508075688772);
+}
+
+/* n tokens of d channels: "clustered" draws each token from one of 64
+ * patterns (3 sigma apart per channel) plus noise of 0.05, the structure
+ * QVG's k-means exists for (tokens of a video chunk, tests/unit/check_qvg.c's
+ * generator); "noise" is fill_bf16's uniform bits, k-means' worst case. */
+static void qvg_input(uint16_t *x, uint32_t n, uint32_t d, int clustered, uint64_t seed) {
+  if (!clustered) {
+    fill_bf16(x, (size_t)n * d, seed);
+    return;
+  }
+  enum { NPAT = 64 };
+  float *pat = malloc((size_t)NPAT * d * sizeof *pat);
+  if (!pat) die("malloc", KVP_ENOMEM);
+  for (size_t e = 0; e < (size_t)NPAT * d; e++) pat[e] = 3.0f * bench_gauss(&seed);
+  for (uint32_t t = 0; t < n; t++) {
+    const float *p = pat + (size_t)(pagemix_rand(&seed) % NPAT) * d;
+    for (uint32_t i = 0; i < d; i++) x[(size_t)t * d + i] = bench_bf16(p[i] + 0.05f * bench_gauss(&seed));
+  }
+  free(pat);
+}
+
+/* MB/s (10^6 bytes of bf16 input per second) of one core encoding NS
+ * segment-heads of 4096 tokens (D = 128), the median of rounds; the
+ * stateless encode (a cold k-means++ start per segment-head). *memcpy_mbs:
+ * memcpy of the same bytes in the same rounds. */
+static double bench_qvg_encode(const char *name, int clustered, int rounds, double *memcpy_mbs) {
+  enum { N = 4096, D = 128, NS = 4 };
+  uint32_t id;
+  if (kvp_codec_find(name, &id)) die("kvp_codec_find", KVP_ENOENT);
+  const kvp_codec_vtable *vt = kvp_codec_get(id);
+  kvp_codec_geom g = {D, KVP_DTYPE_BF16, 0, 0, 1, 1};
+  void *inst;
+  char err[256];
+  size_t at;
+  if (vt->create("", &g, &inst, err, sizeof err, &at)) die(err, KVP_EINVAL);
+  kvp_codec_layout lay;
+  vt->layout(inst, N, &lay);
+  void *pages[KVP_CODEC_MAX_PAGES];
+  for (unsigned i = 0; i < lay.npages; i++)
+    if (!(pages[i] = malloc(lay.bytes[i]))) die("malloc", KVP_ENOMEM);
+  size_t bytes = (size_t)N * D * 2;
+  uint16_t *src = malloc(bytes * NS), *dst = malloc(bytes * NS);
+  if (!src || !dst) die("malloc", KVP_ENOMEM);
+  for (int s = 0; s < NS; s++) qvg_input(src + (size_t)s * N * D, N, D, clustered, 11 + (uint64_t)s);
+  memset(dst, 0, bytes * NS);
+  double e[32], m[32];
+  for (int r = 0; r < rounds; r++) {
+    double t0 = now_ns();
+    for (int s = 0; s < NS; s++)
+      if (vt->encode(inst, src + (size_t)s * N * D, D * 2, N, N, pages)) die("qvg encode", KVP_ECODEC);
+    double t1 = now_ns();
+    memcpy(dst, src, bytes * NS);
+    __asm__ volatile("" : : "r"(dst) : "memory");
+    double t2 = now_ns();
+    e[r] = (double)bytes * NS / (t1 - t0) * 1e3;
+    m[r] = (double)bytes * NS / (t2 - t1) * 1e3;
+  }
+  for (unsigned i = 0; i < lay.npages; i++) free(pages[i]);
+  free(src), free(dst);
+  vt->destroy(inst);
+  *memcpy_mbs = median(m, rounds);
+  return median(e, rounds);
+}
+
+/* qvg and qvg-pro host encode in MB/s per core, clustered and noise rows. */
+static void print_qvg_encode(int quick, int json_only) {
+  static const char *const names[] = {"qvg", "qvg-pro"};
+  int rounds = quick ? 3 : 5;
+  for (int c = 0; c < 2; c++)
+    for (int clustered = 1; clustered >= 0; clustered--) {
+      double mc, mbs = bench_qvg_encode(names[c], clustered, rounds, &mc);
+      const char *in = clustered ? "clustered" : "noise";
+      char label[64];
+      snprintf(label, sizeof label, "%s host encode, %s", names[c], in);
+      if (!json_only)
+        printf("%-34s %8.1f MB/s  %6.1f ms per segment-head  (4096 x 128 bf16, one core, cold start; memcpy %.0f MB/s)\n",
+               label, mbs, 4096.0 * 128 * 2 / mbs * 1e-3, mc);
+      printf("{\"figure\":\"qvg_encode_mbs\",\"codec\":\"%s\",\"input\":\"%s\",\"kvpool\":%.2f,\"tokens\":4096,"
+             "\"head_dim\":128,\"rounds\":%d,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,\"ratio\":%.5f}\n",
+             names[c], in, mbs, rounds, mc, mbs / mc);
+    }
 }
 
 /* kvquant calibration: fitting per-channel thresholds and nuq3 codebooks
@@ -836,11 +945,12 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --calib | --heatkv | --alloc | --seqs | --store |\n"   \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --qvg | --calib | --heatkv | --alloc | --seqs | --store |\n"   \
   "                     --prefix]\n"                                                                    \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
   "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
-  "  figures alone; --calib: the kvquant calibration figure alone (--codecs prints it too);\n"          \
+  "  figures alone; --calib: the kvquant calibration figure alone (--codecs prints it too);\n"        \
+  "  --qvg: the qvg host encode figure alone (--codecs prints it too);\n"          \
   "  --prefix: the prefix attach figure alone (--store prints it too)\n"
 
 /* ---- the store tier: offload / restore through a private local Redis ----------------------- */
@@ -1065,12 +1175,13 @@ static void print_seqs(int rounds, int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, calib_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, qvg_only = 0, calib_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
     else if (!strcmp(argv[i], "--codecs")) codecs_only = 1;
     else if (!strcmp(argv[i], "--calib")) calib_only = 1;
+    else if (!strcmp(argv[i], "--qvg")) qvg_only = 1;
     else if (!strcmp(argv[i], "--heatkv")) heatkv_only = 1;
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
@@ -1084,8 +1195,8 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + calib_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --calib, --heatkv, --alloc, --seqs, --store and --prefix each select one part: "
+  if (codecs_only + qvg_only + calib_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --qvg, --calib, --heatkv, --alloc, --seqs, --store and --prefix each select one part: "
                     "give one (or none: all)\n"
                     BENCH_USAGE);
     return 2;
@@ -1097,6 +1208,10 @@ int main(int argc, char **argv) {
   }
   if (calib_only) {
     print_kvquant_calib(quick, json_only);
+    return 0;
+  }
+  if (qvg_only) {
+    print_qvg_encode(quick, json_only);
     return 0;
   }
   if (heatkv_only) {

@@ -555,9 +555,9 @@ START_TEST(same_input_same_pages) {
 }
 END_TEST
 
-/* The k-means' AVX2 scores and distances (codecs/kmeans.c) give the base
- * ISA's pages, byte for byte: structured and Gaussian rows, a block longer
- * than 32 rows with a tail, and one shorter than k. */
+/* The k-means' AVX2 and AVX-512 scores and distances (codecs/kmeans.c)
+ * give the base ISA's pages, byte for byte: structured and Gaussian rows,
+ * a block longer than 32 rows with a tail, and one shorter than k. */
 START_TEST(isa_same_pages) {
   const struct pcase *c = &pcases[_i];
   uint32_t d = 64, ns[2] = {203, 9};
@@ -570,18 +570,153 @@ START_TEST(isa_same_pages) {
     ck_assert_int_eq(kvp__codec_isa_set(KVP__ISA_BASE), KVP__ISA_BASE);
     run a;
     run_codec(&a, c->vt, c->params, x, d, n, cap, NULL, NULL);
-    if (kvp__codec_isa_set(KVP__ISA_AVX2) != KVP__ISA_AVX2) {
-      fprintf(stderr, "isa_same_pages: skip: no AVX2 on this CPU\n");
-    } else {
+    for (int isa = KVP__ISA_AVX2; isa <= KVP__ISA_AVX512; isa++) {
+      if (kvp__codec_isa_set(isa) != isa) {
+        fprintf(stderr, "isa_same_pages: skip: no %s on this CPU\n", isa == KVP__ISA_AVX2 ? "AVX2" : "AVX-512");
+        continue;
+      }
       blk b;
       encode_again(&a, NULL, 0x5A, &b);
-      for (uint32_t p = 0; p < b.lay.npages; p++) ck_assert_mem_eq(a.b.pg[p], b.pg[p], b.lay.bytes[p]);
+      for (uint32_t p = 0; p < b.lay.npages; p++)
+        ck_assert_msg(memcmp(a.b.pg[p], b.pg[p], b.lay.bytes[p]) == 0, "%s:%s n=%u isa %d: page %u differs",
+                      c->vt->name, c->params, n, isa, p);
       blk_free(&b);
     }
     kvp__codec_isa_set(was);
     run_free(&a);
     free(x);
   }
+}
+END_TEST
+
+/* The pruning of codecs/kmeans.c changes no label or centroid: k-means++
+ * and Lloyd's rounds with and without it, then centroids rounded to bf16
+ * and a last assignment (qvg_stage_out's order), agree bit for bit, in
+ * every ISA, on structured and noise rows, coincident rows (ties), k = 1,
+ * a block shorter than a tile, and rows scaled by 2^-70 (underflow) and
+ * 2^60 (beyond the bounds' range: nothing skipped). On the structured rows
+ * most scores and most of k-means++'s blocks are skipped. */
+START_TEST(km_candidates_same_labels) {
+  static const struct {
+    uint32_t n, k, iters;
+    int data;  /* 0 video, 1 noise, 2 two coincident points */
+    int scale; /* rows times 2^scale */
+  } kc[] = {{777, 40, 20, 0, 0}, {777, 40, 8, 1, 0}, {300, 8, 8, 2, 0}, {200, 1, 4, 0, 0},
+            {9, 5, 8, 0, 0},     {500, 24, 8, 0, -70}, {500, 24, 8, 0, 60}};
+  uint32_t d = 64, n = kc[_i].n, k = kc[_i].k;
+  float *x = malloc((size_t)n * d * 4);
+  ck_assert_ptr_nonnull(x);
+  if (kc[_i].data == 1) gen_video(x, n, d, 1, 1, 61); /* one pattern: noise around it */
+  else gen_video(x, n, d, 8, 0, 60 + (uint64_t)_i);
+  if (kc[_i].data == 2)
+    for (uint32_t t = 0; t < n; t++) memcpy(x + (size_t)t * d, x + (size_t)(t % 2) * d, d * 4);
+  for (size_t e = 0; e < (size_t)n * d; e++) x[e] = ldexpf(x[e], kc[_i].scale);
+  int was = kvp__codec_isa();
+  for (int isa = KVP__ISA_BASE; isa <= KVP__ISA_AVX512; isa++) {
+    if (kvp__codec_isa_set(isa) != isa) continue; /* (a level this CPU lacks) */
+    kvp__km a, b;
+    ck_assert_int_eq(kvp__km_init(&a, n, d, k), 0);
+    ck_assert_int_eq(kvp__km_init(&b, n, d, k), 0);
+    b.prune = 0;
+    kvp__km_seed(&a, x, 0, 5), kvp__km_seed(&b, x, 0, 5);
+    ck_assert_mem_eq(a.cent, b.cent, (size_t)k * d * 4);
+    ck_assert_mem_eq(a.w, b.w, (size_t)n * 4);
+    ck_assert_uint_eq(kvp__km_lloyd(&a, x, kc[_i].iters), kvp__km_lloyd(&b, x, kc[_i].iters));
+    for (int pass = 0; pass < 2; pass++) {
+      ck_assert_mem_eq(a.cent, b.cent, (size_t)k * d * 4);
+      ck_assert_mem_eq(a.label, b.label, n);
+      for (size_t e = 0; e < (size_t)k * d; e++) /* qvg_stage_out's rounding, then its assignment */
+        a.cent[e] = b.cent[e] = kvp__bf16_to_f32(kvp__bf16_from_f32(a.cent[e]));
+      ck_assert_uint_eq(kvp__km_assign(&a, x, 0), kvp__km_assign(&b, x, 0));
+    }
+    if (isa == was)
+      printf("km pruning case %d (n=%u k=%u): %.1f%% of the scores, %.1f%% of the k-means++ blocks\n", _i, n, k,
+             100.0 * (double)a.nscored / (double)b.nscored, 100.0 * (double)a.nseed / (double)b.nseed);
+    if (_i == 0) {
+      ck_assert_msg(2 * a.nscored < b.nscored, "isa %d: scored %" PRIu64 " of %" PRIu64, isa, a.nscored, b.nscored);
+      ck_assert_msg(a.nseed < b.nseed, "isa %d: k-means++ summed %" PRIu64 " of %" PRIu64 " blocks", isa, a.nseed,
+                    b.nseed);
+    }
+    if (kc[_i].scale == 60) ck_assert_uint_eq(a.nscored, b.nscored);
+    kvp__km_free(&a), kvp__km_free(&b);
+  }
+  kvp__codec_isa_set(was);
+  free(x);
+}
+END_TEST
+
+/* ---- pinned bytes -------------------------------------------------------------------------------- */
+
+/* FNV-1a (64-bit) of len bytes, continuing from h. */
+static uint64_t fnv64(uint64_t h, const void *p, size_t len) {
+  for (size_t i = 0; i < len; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001B3ULL;
+  return h;
+}
+
+/* Rows by integer arithmetic alone (no libm, so the same everywhere):
+ * npat patterns of multiples of 1/256 in [-4, 4]; a token is one of them
+ * plus a multiple of 1/1024 in [-1/32, 1/32] per element. */
+static void gen_pinned(float *x, uint32_t n, uint32_t d, uint32_t npat, uint64_t seed) {
+  uint64_t s = seed * 0x9E3779B97F4A7C15ULL + 3;
+  float *pat = malloc((size_t)npat * d * sizeof *pat);
+  ck_assert_ptr_nonnull(pat);
+  for (size_t e = 0; e < (size_t)npat * d; e++) pat[e] = (float)((int)(t_rand(&s) % 2049) - 1024) / 256.0f;
+  for (uint32_t t = 0; t < n; t++) {
+    const float *p = pat + (size_t)(t_rand(&s) % npat) * d;
+    for (uint32_t i = 0; i < d; i++) x[(size_t)t * d + i] = p[i] + (float)((int)(t_rand(&s) % 65) - 32) / 1024.0f;
+  }
+  free(pat);
+}
+
+/* The pages (and the state) of fixed inputs hash to the values the
+ * encoder gave when these were written: a faster k-means must keep every
+ * byte. Cases: each pcase on 777 tokens in a 1024-token block; qvg and
+ * qvg-pro on a 4096-token segment-head; both warm-started over three
+ * blocks of 1024 tokens. */
+static const struct pin {
+  int pc;          /* pcases[] index */
+  uint32_t n, cap; /* tokens, block capacity */
+  int blocks;      /* > 1: stateful, blocks in a row */
+  uint64_t want;   /* FNV-1a of every page of every block, then the state */
+} pins[] = {
+    {0, 777, 1024, 1, 0xadba064f9394201cULL},   {1, 777, 1024, 1, 0x1d0e135445d254f0ULL},
+    {2, 777, 1024, 1, 0x058deef8470145ceULL},   {3, 777, 1024, 1, 0xc73b58b355f9d7bdULL},
+    {4, 777, 1024, 1, 0xcf73949a93e776acULL},   {5, 777, 1024, 1, 0xc59338825eb4daf4ULL},
+    {6, 777, 1024, 1, 0x80670a3b59349920ULL},   {0, 4096, 4096, 1, 0x26d7edbfefeb4d4dULL},
+    {1, 4096, 4096, 1, 0xe1728cd1598c8cb0ULL},  {0, 1024, 1024, 3, 0xb77e5518e796d46fULL},
+    {1, 1024, 1024, 3, 0x5b0b3d4da8551c81ULL},
+};
+
+START_TEST(pinned_bytes) {
+  const struct pin *pn = &pins[_i];
+  const struct pcase *c = &pcases[pn->pc];
+  uint32_t d = 128;
+  void *inst = make(c->vt, c->params, d, KVP_DTYPE_BF16);
+  size_t sb = pn->blocks > 1 ? c->vt->state_bytes(inst) : 0;
+  uint8_t *state = sb ? calloc(1, sb) : NULL;
+  float *x = malloc((size_t)pn->n * d * sizeof *x);
+  uint16_t *src = malloc((size_t)pn->n * d * 2);
+  ck_assert_ptr_nonnull(x);
+  ck_assert_ptr_nonnull(src);
+  uint64_t h = 0xCBF29CE484222325ULL;
+  for (int b = 0; b < pn->blocks; b++) {
+    gen_pinned(x, pn->n, d, pn->n >= 4096 ? 64 : 24, 900 + (uint64_t)(pn->pc * 7 + b));
+    kvp__bf16_from_f32_row(src, x, (size_t)pn->n * d);
+    blk k;
+    blk_new(&k, c->vt, inst, pn->cap, 0xA5);
+    void *const *pg = (void *const *)k.pg;
+    if (state) ck_ok(c->vt->encode_stateful(inst, state, src, d * 2, pn->n, pn->cap, pg));
+    else ck_ok(c->vt->encode(inst, src, d * 2, pn->n, pn->cap, pg));
+    for (uint32_t p = 0; p < k.lay.npages; p++) h = fnv64(h, k.pg[p], k.lay.bytes[p]);
+    blk_free(&k);
+  }
+  if (state) h = fnv64(h, state, sb);
+  printf("pinned_bytes %d (%s:%s n=%u cap=%u blocks=%d): 0x%016" PRIx64 "\n", _i, c->vt->name, c->params, pn->n,
+         pn->cap, pn->blocks, h);
+  ck_assert_msg(h == pn->want, "%s:%s n=%u blocks=%d: pages hash to 0x%016" PRIx64 ", pinned 0x%016" PRIx64,
+                c->vt->name, c->params, pn->n, pn->blocks, h, pn->want);
+  free(state), free(x), free(src);
+  c->vt->destroy(inst);
 }
 END_TEST
 
@@ -605,6 +740,48 @@ START_TEST(identical_tokens_and_zeros_exact) {
     run_free(&r);
   }
   free(x), free(y);
+}
+END_TEST
+
+/* The final quantizer rounds quotients to nearest even and clamps: with
+ * scale 1 (A = Q = 7, bits=4) the halves go to the even neighbour, both
+ * signs, -0.5 to code Q, and a NaN element (left out of the maximum) to
+ * code 0 (-Q); in each ISA (the AVX2 quantizer of codecs/qvg.c too). */
+START_TEST(quant_ties_to_even) {
+  uint32_t d = 16;
+  int was = kvp__codec_isa();
+  if (kvp__codec_isa_set(_i) != _i) { /* a level this CPU lacks */
+    kvp__codec_isa_set(was);
+    return;
+  }
+  static const float x0[16] = {7.0f, 0.5f, 1.5f, 2.5f, 3.5f, 4.5f, 5.5f, 6.5f,
+                               -0.5f, -1.5f, -2.5f, -3.5f, -6.5f, -7.0f, 0.25f, 0.0f};
+  static const int want[16] = {7, 0, 2, 2, 4, 4, 6, 6, 0, -2, -2, -4, -6, -7, 0, 0};
+  float x[16], y[16];
+  memcpy(x, x0, sizeof x);
+  run r;
+  run_codec(&r, &kvp__codec_qvg, "stages=0:group=16:bits=4", x, d, 1, 1, NULL, y);
+  ck_assert_uint_eq(r.b.pg[1][0], 0x38); /* scale 1.0 */
+  uint8_t q[16];
+  kvp__msb8_unpack(q, r.b.pg[0], d, 4);
+  for (int i = 0; i < 16; i++) ck_assert_msg((int)q[i] - 7 == want[i], "elt %d (%g): code %d", i, x0[i], q[i]);
+  run_free(&r);
+  /* a NaN element: the codec's own path (an append rejects NaN before it) */
+  uint16_t src[16];
+  for (int i = 0; i < 16; i++) src[i] = kvp__bf16_from_f32(x0[i]);
+  src[3] = 0x7FC0; /* NaN */
+  void *inst = make(&kvp__codec_qvg, "stages=0:group=16:bits=4", d, KVP_DTYPE_BF16);
+  blk b;
+  blk_new(&b, &kvp__codec_qvg, inst, 1, 0xA5);
+  ck_ok(kvp__codec_qvg.encode(inst, src, d * 2, 1, 1, (void *const *)b.pg));
+  ck_assert_uint_eq(b.pg[1][0], 0x38);
+  kvp__msb8_unpack(q, b.pg[0], d, 4);
+  ck_assert_uint_eq(q[3], 0);
+  for (int i = 0; i < 16; i++)
+    if (i != 3) ck_assert_msg((int)q[i] - 7 == want[i], "elt %d: code %d", i, q[i]);
+  blk_free(&b);
+  kvp__codec_qvg.destroy(inst);
+  kvp__codec_isa_set(was);
 }
 END_TEST
 
@@ -756,16 +933,18 @@ START_TEST(encode_decode_speed) {
   kvp__km_seed(&km, x, 0, 1);
   double t_seed = now_s() - t0;
   t0 = now_s();
+  uint64_t sc0 = km.nscored;
   uint32_t it = kvp__km_lloyd(&km, x, 8);
-  double t_lloyd = now_s() - t0;
+  double t_lloyd = now_s() - t0, frac = (double)(km.nscored - sc0) / ((double)N * km.kp * (it + 1));
   kvp__km_free(&km);
   t0 = now_s();
   for (int k = 0; k < REPS; k++)
     ck_ok(vt->decode(r.inst, (const void *const *)r.b.pg, N, N, 0, N, out, D * 2, KVP_DTYPE_BF16));
   double t_dec = (now_s() - t0) / REPS;
   printf("%-8s encode of a %u-token segment-head (D=%u): %.1f ms; stage 1: k-means++ %.1f ms, %u updates of 8 "
-         "(%.1f ms per assignment + update); decode %.2f GB/s of bf16\n",
-         vt->name, N, D, t_enc * 1e3, t_seed * 1e3, it, t_lloyd * 1e3 / (it + 1), (double)N * D * 2 / t_dec * 1e-9);
+         "(%.1f ms per assignment + update, %.0f%% of the scores computed); decode %.2f GB/s of bf16\n",
+         vt->name, N, D, t_enc * 1e3, t_seed * 1e3, it, t_lloyd * 1e3 / (it + 1), 100.0 * frac,
+         (double)N * D * 2 / t_dec * 1e-9);
   run_free(&r);
   free(x), free(out);
 }
@@ -789,8 +968,11 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, same_input_same_pages, 0, NPC);
   tcase_add_loop_test(tc, isa_same_pages, 0, NPC);
+  tcase_add_loop_test(tc, pinned_bytes, 0, (int)KVP__ARRAY_LEN(pins));
+  tcase_add_loop_test(tc, km_candidates_same_labels, 0, 7);
   tcase_add_loop_test(tc, identical_tokens_and_zeros_exact, 0, NPC);
   tcase_add_test(tc, fp8_underflow_rule);
+  tcase_add_loop_test(tc, quant_ties_to_even, KVP__ISA_BASE, KVP__ISA_AVX512 + 1); /* each ISA */
   tcase_add_test(tc, bad_params_named);
   tcase_add_loop_test(tc, dtypes_and_subranges, 0, NPC);
   suite_add_tcase(s, tc);
