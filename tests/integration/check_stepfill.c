@@ -23,51 +23,9 @@
 #include "itest.h"
 #include "kvpool.h"
 
-#define ck_msg(part) \
-  ck_assert_msg(strstr(kvp_last_error(), part) != NULL, "message lacks \"%s\": %s", part, kvp_last_error())
-
 enum { L = 2, BT = 8, MAXH = 70, MAXD = 128, MAXN = 1100, MAXPOS = 1200 };
 
-typedef struct geo {
-  uint32_t H, D;
-  kvp_dtype k, v;
-} geo;
-
-static const geo GEOS[] = {
-    {3, 24, KVP_DTYPE_BF16, KVP_DTYPE_BF16}, /* bf16 rows of 48 B: a vector and a scalar tail */
-    {2, 128, KVP_DTYPE_F16, KVP_DTYPE_F32},  /* the decode shape's row; V in fp32 */
-    {3, 13, KVP_DTYPE_F32, KVP_DTYPE_F16},   /* odd head_dim: rows of 52 and 26 B */
-    {70, 8, KVP_DTYPE_BF16, KVP_DTYPE_F32},  /* more heads than one batch of the copy (64) */
-};
-#define NGEOS (int)(sizeof GEOS / sizeof *GEOS)
-
-static size_t wbytes(kvp_dtype dt) { return dt == KVP_DTYPE_F32 ? 4 : 2; }
-
-/* The value of (seq, layer, head, position, channel, side): a small integer,
- * exact in fp32, bf16 and fp16. */
-static float val(uint64_t seq, uint32_t l, uint32_t h, uint32_t pos, uint32_t d, int kv) {
-  return (float)((int)((seq * 131 + l * 37 + h * 17 + pos * 7 + d * 3 + (unsigned)kv * 101) % 241) - 120);
-}
-
-/* x (an integer of magnitude < 2048) in dt's bits. */
-static uint32_t bits(float x, kvp_dtype dt) {
-  uint32_t u;
-  memcpy(&u, &x, 4);
-  if (dt == KVP_DTYPE_F32) return u;
-  if (dt == KVP_DTYPE_BF16) return u >> 16;
-  if (x == 0) return 0;
-  uint32_t s = x < 0 ? 0x8000u : 0, m = (uint32_t)fabsf(x), e = 0;
-  while (m >> (e + 1)) e++;
-  return s | (e + 15) << 10 | ((m << (10 - e)) & 0x3FFu);
-}
-
-static void put(void *buf, size_t i, kvp_dtype dt, uint32_t u) {
-  if (dt == KVP_DTYPE_F32) memcpy((char *)buf + i * 4, &u, 4);
-  else {
-    uint16_t h = (uint16_t)u;
-    memcpy((char *)buf + i * 2, &h, 2);
-  }
-}
+#include "rowvals.h"
 
 static unsigned char *KB, *VB; /* [MAXN * MAXH * MAXD * 4] each, from main */
 
