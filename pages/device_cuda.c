@@ -120,9 +120,11 @@ static int qvg_ws_init(kvp_pool *pool) {
 /* The bindings' device-side static data (kvquant's calibration tables),
  * made once on the pool's device; counted in device.control_bytes. */
 static int dev_prepare_bindings(kvp_pool *pool) {
+  static const char *const async_ok[] = {"raw", "fp8", "int8", "nvfp4"}; /* batch_async's codecs */
   int prev, rc = dev_enter(pool, &prev);
   for (uint32_t i = 0; !rc && i < 2 * pool->cfg.n_layers; i++) {
-    const kvp__binding *b = &pool->bind[i];
+    kvp__binding *b = &pool->bind[i];
+    for (size_t k = 0; k < sizeof async_ok / sizeof async_ok[0]; k++) b->dev_async |= !strcmp(b->vt->name, async_ok[k]);
     if (!(rc = kvp__codec_dev_prepare(b->vt, b->inst))) continue;
     char why[256];
     snprintf(why, sizeof why, "%s", kvp_last_error()); /* kvp__err rewrites the message it reads */
@@ -265,17 +267,10 @@ static int bad_input(kvp_pool *pool, const kvp__dev_group *g, uint64_t st, uint3
  * groups' of this append: rows that go to a RAW tail now are encoded by the
  * layer's codec later, which would then refuse what this append took. */
 static bool batch_async(const kvp_pool *pool, const kvp__dev_batch *db, uint32_t layer) {
-  static const char *const ok[] = {"raw", "fp8", "int8", "nvfp4"};
   if (!(pool->cfg.flags & KVP_POOL_DEVICE_ASYNC)) return false;
   for (int i = 0; i < 4; i++)
     if (db->g[i].n && db->g[i].hstates) return false;
-  for (uint32_t kv = 0; kv < 2; kv++) {
-    const char *name = pool->bind[2 * layer + kv].vt->name;
-    bool known = false;
-    for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) known = known || !strcmp(name, ok[k]);
-    if (!known) return false;
-  }
-  return true;
+  return pool->bind[2 * layer].dev_async && pool->bind[2 * layer + 1].dev_async; /* dev_prepare_bindings */
 }
 
 int kvp__dev_batch_run(kvp_pool *pool, kvp__dev_batch *db, uint32_t layer, uint32_t pos, void *stream) {

@@ -52,6 +52,8 @@ typedef struct kvp__binding {
   uint32_t id;                /* registry id (stats tag) */
   uint32_t group;             /* group_tokens */
   bool passthrough;           /* raw in the appended dtype: an OPEN block seals as is */
+  bool dev_async;             /* CUDA pools: fails on non-finite input only and keeps no host-side stream state
+                                 (raw, fp8, int8, nvfp4): its appends may skip their status (KVP_POOL_DEVICE_ASYNC) */
 } kvp__binding;
 
 /* Up to cap_tokens tokens of one stream at positions [pos0, pos0 + cap).
