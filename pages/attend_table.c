@@ -176,6 +176,22 @@ static ALWAYS_INLINE void prefetch_block(const kvp__block *b, uint32_t lines, co
   for (uint32_t i = 1; i < lines; i++) __builtin_prefetch(&b->pg[i][0]);
 }
 
+/* The record of tokens [a, e) of b (run r) at c, room made first; its
+ * tokens added to *t, and noted as the cursor's last (a kept table's
+ * tail). What every walk writes per (block, run) overlap. */
+static ALWAYS_INLINE int record(kvp__abuf *buf, cursor *c, const kvp__block *b, const kvp__run *r, uint32_t head,
+                                uint32_t a, uint32_t e, uint64_t *t, const int form) {
+  if (KVP__UNLIKELY(c->dst == c->lim)) {
+    int rc;
+    *c = cursor_grow(buf, *c, FORM_BYTES(form), &rc);
+    if (rc) return rc;
+  }
+  put(c, b, head, a, e, form);
+  c->lb = b, c->lr = r, c->la = a, c->le = e;
+  *t += e - a;
+  return KVP_OK;
+}
+
 /* A sequence without shared chunks: its runs' ends are loaded first, once
  * (with acquire: every block a run covers is linked by then, and an attach
  * that published holds before them shows), then each head's blocks are
@@ -302,15 +318,8 @@ static ALWAYS_INLINE int walk_blocks(kvp__abuf *buf, cursor *cp, const seq_scrat
       uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
       if (p0 >= re) break; /* the next run's */
       if (be <= ra) continue;
-      uint32_t a = ra > p0 ? ra : p0, e = re < be ? re : be;
-      if (KVP__UNLIKELY(c.dst == c.lim)) {
-        int rc;
-        c = cursor_grow(buf, c, FORM_BYTES(form), &rc);
-        if (rc) return rc;
-      }
-      put(&c, b, head, a, e, form);
-      c.lb = b, c.lr = x->runs[k].r, c.la = a, c.le = e;
-      t += e - a;
+      int rc = record(buf, &c, b, x->runs[k].r, head, ra > p0 ? ra : p0, re < be ? re : be, &t, form);
+      if (rc) return rc;
       if (be > re) break; /* the next run may begin inside it */
     }
   }
@@ -340,15 +349,8 @@ static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const seq_scratc
       uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
       if (p0 >= re) break; /* the next run's */
       if (be <= ra) continue;
-      uint32_t a = ra > p0 ? ra : p0, e = re < be ? re : be;
-      if (KVP__UNLIKELY(c.dst == c.lim)) {
-        int rc;
-        c = cursor_grow(buf, c, FORM_BYTES(form), &rc);
-        if (rc) return rc;
-      }
-      put(&c, b, head, a, e, form);
-      c.lb = b, c.lr = x->runs[k].r, c.la = a, c.le = e;
-      t += e - a;
+      int rc = record(buf, &c, b, x->runs[k].r, head, ra > p0 ? ra : p0, re < be ? re : be, &t, form);
+      if (rc) return rc;
       if (be > re) break; /* the next run may begin inside it */
     }
   }
@@ -383,14 +385,8 @@ static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool 
     for (kvp__block *b; (b = kvp__bwalk_peek(&bw)) && b->pos0 < re;) {
       uint32_t be = b->pos0 + b->cap_tokens;
       if (be > ra) {
-        uint32_t a = ra > b->pos0 ? ra : b->pos0, e = re < be ? re : be;
-        if (KVP__UNLIKELY(c.dst == c.lim)) {
-          int rc;
-          c = cursor_grow(buf, c, FORM_BYTES(form), &rc);
-          if (rc) return rc;
-        }
-        put(&c, b, head, a, e, form);
-        t += e - a;
+        int rc = record(buf, &c, b, run, head, ra > b->pos0 ? ra : b->pos0, re < be ? re : be, &t, form);
+        if (rc) return rc;
         if (be > re) break;
       }
       kvp__bwalk_pass(&bw, b);
