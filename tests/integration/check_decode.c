@@ -38,31 +38,6 @@ static void fill(const geo *g, uint64_t seq, uint32_t l, uint32_t pos0, uint32_t
       }
 }
 
-static kvp_pool *mkpool(const geo *g, uint32_t flags, const char *policy) {
-  kvp_config c;
-  kvp_config_init(&c);
-  c.n_layers = L;
-  c.n_kv_heads = g->H;
-  c.head_dim = g->D;
-  c.k_dtype = g->k;
-  c.v_dtype = g->v;
-  c.region_bytes = 32ull << 20;
-  c.block_tokens = BT;
-  c.flags = flags;
-  c.policy = policy;
-  kvp_pool *p;
-  ck_ok(kvp_pool_create(&c, &p));
-  return p;
-}
-
-static kvp_stats stats(kvp_pool *p) {
-  kvp_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  ck_ok(kvp_stats_get(p, &s));
-  return s;
-}
-
 /* Every figure equal but device.used_bytes (the resident bytes of the region:
  * the operating system's, not the ledger's). */
 static void same_stats(const kvp_stats *a, const kvp_stats *b) {
@@ -112,7 +87,7 @@ static void verify(kvp_pool *p, const geo *g, uint64_t seq, uint32_t npos, const
 /* What the ledger must say when seq holds npos positions (raw pages, OPEN
  * blocks at full capacity): pages and requested bytes per block, tokens. */
 static void ledger_is(kvp_pool *p, const geo *g, uint32_t npos) {
-  kvp_stats s = stats(p);
+  kvp_stats s = rv_stats(p);
   uint64_t nblocks = (uint64_t)L * g->H * ((npos + BT - 1) / BT);
   ck_assert_uint_eq(s.pages.current, 2 * nblocks);
   ck_assert_uint_eq(s.bytes_requested.current, nblocks * BT * g->D * (wbytes(g->k) + wbytes(g->v)));
@@ -123,7 +98,7 @@ static void ledger_is(kvp_pool *p, const geo *g, uint32_t npos) {
 /* One step of n tokens at pos0, every layer; the ledger checked as it goes. */
 static void step(kvp_pool *p, const geo *g, uint64_t seq, uint32_t pos0, uint32_t n) {
   ck_ok(kvp_step_begin(p, seq, n, 0)); /* may grow the step table (metadata) */
-  kvp_stats before = stats(p);
+  kvp_stats before = rv_stats(p);
   for (uint32_t l = 0; l < L; l++) {
     fill(g, seq, l, pos0, n);
     kvp_kv kv = {KB, VB, NULL};
@@ -132,7 +107,7 @@ static void step(kvp_pool *p, const geo *g, uint64_t seq, uint32_t pos0, uint32_
   }
   ck_ok(kvp_step_end(p, seq));
   ledger_is(p, g, pos0 + n);
-  kvp_stats after = stats(p);
+  kvp_stats after = rv_stats(p);
   bool opens = pos0 % BT == 0 || (pos0 + n - 1) / BT != pos0 / BT; /* a block starts in the step */
   if (!opens) { /* the tails took it: no page, no byte, no allocation */
     ck_assert_uint_eq(after.allocs, before.allocs);
@@ -151,7 +126,7 @@ static const uint32_t SCHEDULE[] = {5, 1, 1, 3, 1, 1, 1, 1, 1, 1, 2, 5, 1, 1, 1,
 
 START_TEST(decode_steps_fill_seal_and_open) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, 0, NULL);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 32ull << 20);
   ck_ok(kvp_seq_add(p, 1, NULL));
   uint32_t pos = 0;
   for (size_t i = 0; i < sizeof SCHEDULE / sizeof *SCHEDULE; i++) {
@@ -161,11 +136,11 @@ START_TEST(decode_steps_fill_seal_and_open) {
   }
   ck_assert_uint_eq(pos, 35);
   verify(p, g, 1, pos, NULL);
-  kvp_pool *q = mkpool(g, 0, NULL);
+  kvp_pool *q = rv_pool(g, 0, NULL, 0, 32ull << 20);
   ck_ok(kvp_seq_add(q, 1, NULL));
   step(q, g, 1, 0, pos);
   verify(q, g, 1, pos, NULL);
-  kvp_stats a = stats(p), b = stats(q);
+  kvp_stats a = rv_stats(p), b = rv_stats(q);
   ck_assert_uint_eq(a.bytes_requested.current, b.bytes_requested.current);
   ck_assert_uint_eq(a.bytes_allocated.current, b.bytes_allocated.current);
   ck_assert_uint_eq(a.pages.current, b.pages.current);
@@ -198,13 +173,13 @@ static void refuse_one(kvp_pool *p, const geo *g, uint32_t pos0, uint32_t n, int
   if (dt == KVP_DTYPE_BF16) bad >>= 16;
   else if (dt == KVP_DTYPE_F16) bad = kind == 0 ? 0x7E00u : kind == 1 ? 0x7C00u : 0xFC00u;
   put(kv ? VB : KB, ((size_t)t * g->H + h) * g->D + d, dt, bad);
-  kvp_stats before = stats(p);
+  kvp_stats before = rv_stats(p);
   ck_status(kvp_append(p, 1, 1, &ok), KVP_EINVAL);
   char want[160];
   snprintf(want, sizeof want, "%c of layer 1 has %s at head %u, token %u (of the step), channel %u", "KV"[kv],
            names[kind], h, t, d);
   ck_msg(want);
-  kvp_stats after = stats(p);
+  kvp_stats after = rv_stats(p);
   same_stats(&before, &after);
   ck_ok(kvp_check(p));
   ck_status(kvp_step_end(p, 1), KVP_EINVAL); /* layer 1 is still to come */
@@ -224,7 +199,7 @@ static void refuse_one(kvp_pool *p, const geo *g, uint32_t pos0, uint32_t n, int
  * (8), and in steps of 2 and 3 tokens (filling exactly, crossing). */
 START_TEST(nonfinite_refused_changes_nothing) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, 0, NULL);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 32ull << 20);
   ck_ok(kvp_seq_add(p, 1, NULL));
   step(p, g, 1, 0, 5);
   uint32_t pos = 5, H = g->H, D = g->D;
@@ -248,7 +223,7 @@ END_TEST
  * largest finite value, the last element of the last head's row included. */
 START_TEST(sanitize_on_decode) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, KVP_POOL_SANITIZE, NULL);
+  kvp_pool *p = rv_pool(g, KVP_POOL_SANITIZE, NULL, 0, 32ull << 20);
   ck_ok(kvp_seq_add(p, 1, NULL));
   step(p, g, 1, 0, 5);
   uint32_t H = g->H, D = g->D;
@@ -294,7 +269,7 @@ END_TEST
  * position on). */
 START_TEST(fork_then_decode_apart) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, 0, NULL);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 32ull << 20);
   ck_ok(kvp_seq_add(p, 1, NULL));
   step(p, g, 1, 0, 6);
   ck_ok(kvp_seq_fork(p, 1, 2));
@@ -334,16 +309,16 @@ END_TEST
  * sides. */
 START_TEST(fork_after_exact_fill_shares) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, 0, NULL);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 32ull << 20);
   ck_ok(kvp_seq_add(p, 1, NULL));
   step(p, g, 1, 0, 5);
   step(p, g, 1, 5, 1);
   step(p, g, 1, 6, 1);
   step(p, g, 1, 7, 1); /* position 7 fills block 0 */
-  kvp_stats a = stats(p);
+  kvp_stats a = rv_stats(p);
   ck_ok(kvp_seq_fork(p, 1, 2));
   ck_ok(kvp_check(p));
-  kvp_stats b = stats(p);
+  kvp_stats b = rv_stats(p);
   ck_assert_uint_eq(b.pages.current, a.pages.current); /* shared, not copied */
   ck_assert_uint_eq(b.allocs, a.allocs);
   for (uint64_t seq = 1; seq <= 2; seq++) {
@@ -356,7 +331,7 @@ START_TEST(fork_after_exact_fill_shares) {
     }
     ck_ok(kvp_step_end(p, seq));
   }
-  kvp_stats c = stats(p);
+  kvp_stats c = rv_stats(p);
   ck_assert_uint_eq(c.pages.current, a.pages.current + 2 * 2 * (uint64_t)L * g->H); /* a new block each */
   verify(p, g, 1, 9, NULL);
   kvp_pool_destroy(p);
@@ -369,7 +344,7 @@ END_TEST
  * the recent tokens. */
 START_TEST(decode_under_a_window) {
   const geo *g = &GEOS[0];
-  kvp_pool *p = mkpool(g, 0, "window:sink=2:recent=8");
+  kvp_pool *p = rv_pool(g, 0, "window:sink=2:recent=8", 0, 32ull << 20);
   ck_ok(kvp_seq_add(p, 1, NULL));
   uint32_t pos = 0;
   for (; pos < 30; pos++) {
@@ -399,7 +374,7 @@ START_TEST(decode_under_a_window) {
           ck_assert(vo[i * g->D + d] == val(1, l, h, ps[i], d, 1));
         }
     }
-  kvp_stats s = stats(p);
+  kvp_stats s = rv_stats(p);
   ck_assert_uint_gt(s.tokens_evicted, 0);
   kvp_pool_destroy(p);
 }

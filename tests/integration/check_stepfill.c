@@ -40,31 +40,6 @@ static void fill(const geo *g, uint64_t seq, uint32_t l, uint32_t pos0, uint32_t
       }
 }
 
-static kvp_pool *mkpool(const geo *g, uint32_t flags, uint64_t budget) {
-  kvp_config c;
-  kvp_config_init(&c);
-  c.n_layers = L;
-  c.n_kv_heads = g->H;
-  c.head_dim = g->D;
-  c.k_dtype = g->k;
-  c.v_dtype = g->v;
-  c.region_bytes = 64ull << 20;
-  c.block_tokens = BT;
-  c.flags = flags;
-  c.budget_bytes = budget;
-  kvp_pool *p;
-  ck_ok(kvp_pool_create(&c, &p));
-  return p;
-}
-
-static kvp_stats stats(kvp_pool *p) {
-  kvp_stats s;
-  memset(&s, 0, sizeof s);
-  s.struct_size = sizeof s;
-  ck_ok(kvp_stats_get(p, &s));
-  return s;
-}
-
 /* What a refused append must leave as it was (the allocator's caches
  * emptied before each look, kvp_reclaim): every gauge's current value,
  * the tokens evicted, every breakdown. Not the peaks, totals and operation
@@ -124,7 +99,7 @@ static void verify_layer(kvp_pool *p, const geo *g, uint64_t seq, uint32_t l, ui
 static void ledger_is(kvp_pool *p, const geo *g, const uint32_t *sz, int nsteps) {
   uint64_t nblocks = 0, npos = 0;
   for (int i = 0; i < nsteps; i++) nblocks += (sz[i] + BT - 1) / BT, npos += sz[i];
-  kvp_stats s = stats(p);
+  kvp_stats s = rv_stats(p);
   ck_assert_uint_eq(s.pages.current, 2ull * L * g->H * nblocks);
   ck_assert_uint_eq(s.bytes_requested.current, (uint64_t)L * g->H * npos * g->D * (wbytes(g->k) + wbytes(g->v)));
   ck_assert_uint_eq(s.tokens_retained.current, (uint64_t)L * g->H * npos);
@@ -147,7 +122,7 @@ static const uint32_t SIZES[] = {3, 8, 19, 1};
 
 START_TEST(steps_of_fresh_blocks) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, 0, 0);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 64ull << 20);
   kvp_seq_config sc = step_mode();
   ck_ok(kvp_seq_add(p, 1, &sc));
   uint32_t pos = 0;
@@ -167,7 +142,7 @@ START_TEST(large_step_around_the_caches) {
   static const geo big[2] = {{4, 128, KVP_DTYPE_BF16, KVP_DTYPE_BF16}, {4, 64, KVP_DTYPE_F32, KVP_DTYPE_F16}};
   const geo *g = &big[_i];
   uint32_t n = 1100; /* bf16: 1.07 MiB a side; f32 K 1.07 MiB, f16 V half that (plain stores) */
-  kvp_pool *p = mkpool(g, 0, 0);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 64ull << 20);
   kvp_seq_config sc = step_mode();
   ck_ok(kvp_seq_add(p, 1, &sc));
   step(p, g, 1, 0, 5);
@@ -199,14 +174,14 @@ static void refuse_one(kvp_pool *p, const geo *g, uint32_t pos0, uint32_t n, int
   else if (dt == KVP_DTYPE_F16) bad = kind == 0 ? 0x7E00u : kind == 1 ? 0x7C00u : 0xFC00u;
   put(kv ? VB : KB, ((size_t)t * g->H + h) * g->D + d, dt, bad);
   ck_ok(kvp_reclaim(p)); /* committed bytes: what live pages hold, before and after */
-  kvp_stats before = stats(p);
+  kvp_stats before = rv_stats(p);
   ck_status(kvp_append(p, 1, 1, &ok), KVP_EINVAL);
   ck_ok(kvp_reclaim(p));
   char want[160];
   snprintf(want, sizeof want, "%c of layer 1 has %s at head %u, token %u (of the step), channel %u", "KV"[kv],
            names[kind], h, t, d);
   ck_msg(want);
-  kvp_stats after = stats(p);
+  kvp_stats after = rv_stats(p);
   same_stats(&before, &after);
   ck_ok(kvp_check(p));
   verify_layer(p, g, 1, 1, pos0, NULL);
@@ -220,7 +195,7 @@ static void refuse_one(kvp_pool *p, const geo *g, uint32_t pos0, uint32_t n, int
 
 START_TEST(nonfinite_refused_changes_nothing) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, 0, 0);
+  kvp_pool *p = rv_pool(g, 0, NULL, 0, 64ull << 20);
   kvp_seq_config sc = step_mode();
   ck_ok(kvp_seq_add(p, 1, &sc));
   uint32_t H = g->H, D = g->D, pos = 0;
@@ -231,7 +206,7 @@ START_TEST(nonfinite_refused_changes_nothing) {
   kvp_pool_destroy(p);
   /* a large step (stored around the caches): its last value */
   static const geo big = {4, 128, KVP_DTYPE_BF16, KVP_DTYPE_BF16};
-  p = mkpool(&big, 0, 0);
+  p = rv_pool(&big, 0, NULL, 0, 64ull << 20);
   ck_ok(kvp_seq_add(p, 1, &sc));
   refuse_one(p, &big, 0, 1100, 1, 1099, 3, 127, 0);
   kvp_pool_destroy(p);
@@ -243,7 +218,7 @@ END_TEST
  * changed either way. */
 START_TEST(nonfinite_before_budget) {
   const geo *g = &GEOS[0];
-  kvp_pool *p = mkpool(g, 0, 16384);
+  kvp_pool *p = rv_pool(g, 0, NULL, 16384, 64ull << 20);
   kvp_seq_config sc = step_mode();
   ck_ok(kvp_seq_add(p, 1, &sc));
   ck_ok(kvp_step_begin(p, 1, 200, 0));
@@ -251,12 +226,12 @@ START_TEST(nonfinite_before_budget) {
   kvp_kv kv = {KB, VB, NULL};
   ck_status(kvp_append(p, 1, 0, &kv), KVP_EBUDGET);
   ck_ok(kvp_reclaim(p));
-  kvp_stats before = stats(p);
+  kvp_stats before = rv_stats(p);
   put(VB, ((size_t)199 * g->H + g->H - 1) * g->D + g->D - 1, g->v, 0x7FC0u);
   ck_status(kvp_append(p, 1, 0, &kv), KVP_EINVAL);
   ck_ok(kvp_reclaim(p));
   ck_msg("V of layer 0 has NaN at head 2, token 199 (of the step), channel 23");
-  kvp_stats after = stats(p);
+  kvp_stats after = rv_stats(p);
   same_stats(&before, &after);
   ck_ok(kvp_check(p));
   kvp_pool_destroy(p);
@@ -267,7 +242,7 @@ END_TEST
  * negative finite value, in the last row of the last head. */
 START_TEST(sanitize_on_step) {
   const geo *g = &GEOS[_i];
-  kvp_pool *p = mkpool(g, KVP_POOL_SANITIZE, 0);
+  kvp_pool *p = rv_pool(g, KVP_POOL_SANITIZE, NULL, 0, 64ull << 20);
   kvp_seq_config sc = step_mode();
   ck_ok(kvp_seq_add(p, 1, &sc));
   uint32_t H = g->H, D = g->D, n = 19;

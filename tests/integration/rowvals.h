@@ -1,7 +1,8 @@
 /*
  * tests/integration/rowvals.h - the rows the append tests write and check
  * (check_decode, check_stepfill): geometries over every dtype, and each
- * element's value, an integer exact in fp32, bf16 and fp16.
+ * element's value, an integer exact in fp32, bf16 and fp16; their pools and
+ * stats. Included after the includer's L and BT, and itest.h.
  */
 #ifndef KVP_ROWVALS_H
 #define KVP_ROWVALS_H
@@ -54,6 +55,33 @@ static void put(void *buf, size_t i, kvp_dtype dt, uint32_t u) {
     uint16_t h = (uint16_t)u;
     memcpy((char *)buf + i * 2, &h, 2);
   }
+}
+
+/* A pool of g's geometry (L layers, BT-token blocks: the includer's). */
+static kvp_pool *rv_pool(const geo *g, uint32_t flags, const char *policy, uint64_t budget, uint64_t region) {
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = g->H;
+  c.head_dim = g->D;
+  c.k_dtype = g->k;
+  c.v_dtype = g->v;
+  c.region_bytes = region;
+  c.block_tokens = BT;
+  c.flags = flags;
+  c.policy = policy;
+  c.budget_bytes = budget;
+  kvp_pool *p;
+  ck_ok(kvp_pool_create(&c, &p));
+  return p;
+}
+
+static kvp_stats rv_stats(kvp_pool *p) {
+  kvp_stats s;
+  memset(&s, 0, sizeof s);
+  s.struct_size = sizeof s;
+  ck_ok(kvp_stats_get(p, &s));
+  return s;
 }
 
 #endif
