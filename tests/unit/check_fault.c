@@ -401,6 +401,18 @@ static uint64_t room_need(const room_case *rc) {
   return need;
 }
 
+/* kvp_append of (seq 1, layer) with the k-th allocation failing (0: none):
+ * its status, *failed the allocations that failed, err its message. */
+static int armed_append(kvp_pool *p, uint32_t layer, const void *k, const void *v, uint64_t at, uint64_t *failed,
+                        char err[512]) {
+  kvp__fault_arm(at, false);
+  int rc = kvp_append(p, 1, layer, &(kvp_kv){k, v, NULL});
+  *failed = kvp__fault_failed();
+  kvp__fault_arm(0, false);
+  snprintf(err, 512, "%s", kvp_last_error());
+  return rc;
+}
+
 START_TEST(append_needing_room_fails_whole) {
   const room_case *rc = &ROOM[_i];
   for (size_t i = 0; i < sizeof KV / sizeof *KV; i++) KV[i] = (uint16_t)(0x3f00 + (i * 37) % 256);
@@ -415,12 +427,9 @@ START_TEST(append_needing_room_fails_whole) {
       ck_assert_msg(before.alloc + need > rc->budget, "%s: %llu + %llu bytes fit the budget %llu without evicting",
                     rc->name, (unsigned long long)before.alloc, (unsigned long long)need,
                     (unsigned long long)rc->budget);
-    kvp__fault_arm(k, false);
-    int rc_ = kvp_append(p, 1, rc->target_layer, &(kvp_kv){KV, KV, NULL});
-    uint64_t failed = kvp__fault_failed();
-    kvp__fault_arm(0, false);
+    uint64_t failed;
     char err[512];
-    snprintf(err, sizeof err, "%s", kvp_last_error());
+    int rc_ = armed_append(p, rc->target_layer, KV, KV, k, &failed, err);
     if (rc_ == KVP_OK) {
       ck_assert_msg(failed == 0, "%s k=%llu: the append succeeded past a failed allocation", rc->name,
                     (unsigned long long)k);
@@ -536,12 +545,9 @@ START_TEST(append_over_evicted_pages_fails_whole) {
     ck_assert_int_eq(kvp_page_alloc(p, 64, &tag, &id), KVP_ENOSPC); /* the region is full */
     fp before = fingerprint(p);
     read_back(p, &before_rb);
-    kvp__fault_arm(k, false);
-    int rc = kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL});
-    uint64_t failed = kvp__fault_failed();
-    kvp__fault_arm(0, false);
+    uint64_t failed;
     char err[512];
-    snprintf(err, sizeof err, "%s", kvp_last_error());
+    int rc = armed_append(p, 0, KV, KV, k, &failed, err);
     if (rc == KVP_OK) {
       ck_assert_msg(failed == 0, "k=%llu: the append succeeded past a failed allocation", (unsigned long long)k);
       done = true;
@@ -621,12 +627,9 @@ START_TEST(fresh_append_over_evicted_pages_fails_whole) {
       ck_assert_msg(kvp_append(p, 1, 0, &(kvp_kv){KV, KV, NULL}) == KVP_OK, "%s", kvp_last_error());
       done = true;
     } else {
-      kvp__fault_arm(k, false);
-      int rc = kvp_append(p, 1, 0, &(kvp_kv){KV, bad, NULL});
-      uint64_t failed = kvp__fault_failed();
-      kvp__fault_arm(0, false);
+      uint64_t failed;
       char err[512];
-      snprintf(err, sizeof err, "%s", kvp_last_error());
+      int rc = armed_append(p, 0, KV, bad, k, &failed, err);
       if (rc == KVP_OK) {
         ck_assert_msg(failed == 0, "k=%llu: the append succeeded past a failed allocation", (unsigned long long)k);
         done = true;
