@@ -138,15 +138,21 @@ _Static_assert(offsetof(kvp__block, pg[0][1].requested_bytes) + 4 <= 64 &&
                    offsetof(kvp__block, pg[1][1].requested_bytes) + 4 <= 128,
                "a block's first pages in its first line, its second ones in the next (pages.h)");
 
+/* Bytes the kernel reads for a record of m of b's tokens: the block's
+ * requested bytes when it reads all, else their share (what bytes_read sums). */
+static ALWAYS_INLINE void rec_bytes_of(const kvp__block *b, uint32_t m, uint64_t *whole, double *part) {
+  uint64_t req = side_bytes(b, 0) + side_bytes(b, 1);
+  if (KVP__LIKELY(m == b->cap_tokens)) *whole += req;
+  else *part += (double)req * m / b->cap_tokens;
+}
+
 /* The record of tokens [a, e) of b at c->dst (room checked). The compact
  * records go out as 8-byte words (kvp__arec_raw, kvp__arec_q: little-endian
  * fields, no padding but arec_raw's zero pad). */
 static ALWAYS_INLINE void put(cursor *c, const kvp__block *b, uint32_t head, uint32_t a, uint32_t e, const int form) {
   uint32_t p0 = b->pos0, cap = b->cap_tokens, m = e - a; /* cap <= KVP__MAX_BLOCK_TOKENS: 16-bit fields */
   uint64_t t0 = a - p0, m1 = m - 1;
-  uint64_t req = side_bytes(b, 0) + side_bytes(b, 1);
-  if (KVP__LIKELY(m == cap)) c->whole_bytes += req;
-  else c->part_bytes += (double)req * m / cap;
+  rec_bytes_of(b, m, &c->whole_bytes, &c->part_bytes);
   if (form == FORM_RAW) { /* page[2]; t0, m1; pad */
     store16(c->dst, page64(b, 0, 0) | (uint64_t)page64(b, 1, 0) << 32, t0 | m1 << 16);
   } else if (form == FORM_Q) { /* page[2][3]; t0, m1, cap1, tag */
@@ -708,18 +714,6 @@ static kvp__acache *kept_of(kvp_pool *pool, uint32_t layer) {
   return k;
 }
 
-static bool kept_trylock(kvp__acache *k) {
-  uint32_t z = 0;
-  return atomic_compare_exchange_strong_explicit(&k->lock.state, &z, 1, memory_order_acquire, memory_order_relaxed);
-}
-
-/* Bytes of a record of b read for m of its tokens (put's figures). */
-static void rec_bytes_of(const kvp__block *b, uint32_t m, uint64_t *whole, double *part) {
-  uint64_t req = side_bytes(b, 0) + side_bytes(b, 1);
-  if (m == b->cap_tokens) *whole += req;
-  else *part += (double)req * m / b->cap_tokens;
-}
-
 /* Keep the table just built (records at buf->p) for layer; false when it
  * is not kept (memory, the pool's bound): the kept table is then invalid. */
 static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, const unsigned char *recs, uint32_t rb,
@@ -794,7 +788,7 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
   kvp__acache *k = NULL;
   if (pool->acache && t->layer < pool->cfg.n_layers && form_of(rb) != FORM_GJOB && t->batch)
     k = kept_of(pool, t->layer);
-  if (!k || !kept_trylock(k)) return kvp__attend_build(pool, t, buf);
+  if (!k || !kvp__mutex_trylock(&k->lock)) return kvp__attend_build(pool, t, buf);
   table_reset(t);
   int rc = table_check(pool, t);
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads;

@@ -64,6 +64,11 @@ static inline void kvp__mutex_lock(kvp__mutex *m) {
                                                               memory_order_relaxed)))
     kvp__mutex_lock_slow(m);
 }
+/* Take m if it is free; false, without waiting, if it is held. */
+static inline bool kvp__mutex_trylock(kvp__mutex *m) {
+  uint32_t z = 0;
+  return atomic_compare_exchange_strong_explicit(&m->state, &z, 1, memory_order_acquire, memory_order_relaxed);
+}
 static inline void kvp__mutex_unlock(kvp__mutex *m) {
   if (KVP__UNLIKELY(atomic_exchange_explicit(&m->state, 0, memory_order_release) == 2)) kvp__mutex_wake(m);
 }
