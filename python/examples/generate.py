@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="timed runs of each cache (the median is printed)")
     ap.add_argument("--device-async", action="store_true",
                     help="appends that do not wait for their stream (KVP_POOL_DEVICE_ASYNC; raw, fp8, int8, nvfp4)")
+    ap.add_argument("--decode", action="store_true",
+                    help="also time each cache on the prompt and one token, and print the decode's ms per token "
+                         "(the prompt's time subtracted; medians)")
     ap.add_argument("--fused", action="store_true",
                     help="decode through kvp_attend_decode (attn_implementation \"kvpool\"; CUDA pool)")
     a = ap.parse_args()
@@ -102,8 +105,13 @@ def main():
         warm.close()
         # the two caches' timed runs alternate, so that a drift of the machine (clocks, other
         # work) falls on both medians alike
-        tpss, ref_tpss = [], []
+        tpss, ref_tpss, first, ref_first = [], [], [], []
         for _ in range(max(1, a.repeat)):
+            if a.decode:  # the prompt and one token: seconds a run (run gives rows x tokens per second)
+                ref_first.append(a.batch / run(model, ids, DynamicCache(), 1)[1])
+                c1 = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
+                first.append(a.batch / run(m, ids, c1, 1)[1])
+                c1.close()
             ref, t = run(model, ids, DynamicCache(), a.new_tokens)
             ref_tpss.append(t)
             cache = KvpoolCache(pool, mode="step" if a.policy else "stream", fused=a.fused)
@@ -121,6 +129,17 @@ def main():
         print(f"tokens/s{' (medians of %d runs)' % a.repeat if a.repeat > 1 else ''}: KvpoolCache {tps:.1f}, "
               f"DynamicCache {ref_tps:.1f} ({tps / ref_tps:.2f}x); "
               f"first {same} of {a.new_tokens} tokens identical to DynamicCache's")
+        if a.decode and a.new_tokens > 1:
+            n = a.batch * a.new_tokens  # run's tokens per second count every row
+
+            def per_token(rates, ones):  # ms a decode step: a whole run's median seconds less the prompt's
+                whole = statistics.median(n / r for r in rates)
+                return (whole - statistics.median(ones)) / (a.new_tokens - 1) * 1e3
+
+            dec, ref_dec = per_token(tpss, first), per_token(ref_tpss, ref_first)
+            print(f"decode (prompt and first token subtracted): KvpoolCache {dec:.3f} ms a step, DynamicCache "
+                  f"{ref_dec:.3f} ({ref_dec / dec:.2f}x); prompt and first token {statistics.median(first) * 1e3:.1f} "
+                  f"vs {statistics.median(ref_first) * 1e3:.1f} ms")
         print(f"pool: allocated {s['bytes.allocated']['current']:,} B (peak {s['bytes.allocated']['peak']:,}), "
               f"requested {s['bytes.requested']['current']:,} B, bf16-equivalent "
               f"{s['bytes.bf16_equivalent']['current']:,} B: {s['savings.ratio']:.2f}x smaller, "
