@@ -9,6 +9,11 @@
 #   KVP_GPU_CHECK_STEPS="tests sanitize bench torch" (default: all four)
 #   KVP_GPU_SPEC=qvg      narrows the suites' codec sweeps (see Makefile)
 #   KVP_BENCH_ONLY=qvg,attend   narrows the benchmark (kvpool-bench-gpu)
+#   KVP_GPU_SAN_BINS="attend codecs"   the suites the sanitize step runs (names
+#                         without check_gpu_; default: all), and
+#   KVP_GPU_SAN_TOOLS="memcheck"       its tools (default: memcheck racecheck),
+#                         to split the sanitize step across runs when each is
+#                         time-limited
 #
 # Builds first (make -j, the GPU suites and kvpool-bench-gpu). Exit status:
 # nonzero when a suite or a sanitizer run failed.
@@ -35,7 +40,10 @@ for step in $steps; do
   sanitize)
     : >"$out/sanitize.log"
     for t in $gpu_bin; do
-      for tool in memcheck racecheck; do
+      if [ -n "${KVP_GPU_SAN_BINS:-}" ]; then
+        case " $KVP_GPU_SAN_BINS " in *" ${t##*check_gpu_} "*) ;; *) continue ;; esac
+      fi
+      for tool in ${KVP_GPU_SAN_TOOLS:-memcheck racecheck}; do
         extra=""
         [ $tool = memcheck ] && extra="--leak-check full"
         case $t in *check_gpu_region) extra="$extra --report-api-errors no" ;; esac
