@@ -383,18 +383,34 @@ __attribute__((target("avx2,avx512f"))) static void km_score_avx512(const km_col
 
 /* Scores (nr x cc->kp) of nr <= KM_TILE rows (src + rows[r] * d, or row r
  * of src when rows is NULL) by the ISA in force. */
+#if KVP__HAVE_AVX2
+/* km_score_rows' copy of -2 x (exact) with AVX2, eight elements a step */
+__attribute__((target("avx2"))) static void km_neg2_avx2(float *restrict xb, const float *src, const uint32_t *rows,
+                                                        uint32_t nr, uint32_t d) {
+  const __m256 m2 = _mm256_set1_ps(-2.0f);
+  for (uint32_t r = 0; r < nr; r++) {
+    const float *xr = src + (size_t)(rows ? rows[r] : r) * d;
+    float *o = xb + (size_t)r * d;
+    for (uint32_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(m2, _mm256_loadu_ps(xr + i)));
+  }
+}
+#endif
+
 static void km_score_rows(kvp__km *km, const km_cols *cc, const float *src, const uint32_t *rows, uint32_t nr,
                           float *restrict score) {
-  uint32_t d = km->d;
+  uint32_t d = km->d; /* a multiple of 8 */
   float *restrict xb = km->xb;
-  for (uint32_t r = 0; r < nr; r++) {
-    const float *restrict xr = src + (size_t)(rows ? rows[r] : r) * d;
-    float *restrict o = xb + (size_t)r * d;
-    for (uint32_t i = 0; i < d; i += 8) /* d % 8 == 0: chunks of 8 vectorize */
-      for (uint32_t l = 0; l < 8; l++) o[i + l] = -2.0f * xr[i + l];
-  }
 #if KVP__HAVE_AVX2
   int isa = kvp__codec_isa();
+  if (isa >= KVP__ISA_AVX2) km_neg2_avx2(xb, src, rows, nr, d);
+  else
+#endif
+    for (uint32_t r = 0; r < nr; r++) {
+      const float *restrict xr = src + (size_t)(rows ? rows[r] : r) * d;
+      float *restrict o = xb + (size_t)r * d;
+      for (uint32_t i = 0; i < d; i++) o[i] = -2.0f * xr[i];
+    }
+#if KVP__HAVE_AVX2
   if (isa >= KVP__ISA_AVX512) km_score_avx512(cc, d, xb, nr, score);
   else if (isa >= KVP__ISA_AVX2) km_score_avx2(cc, d, xb, nr, score);
   else
@@ -470,6 +486,28 @@ static void km_gather_cols(kvp__km *km, uint32_t nc, size_t cp) {
   }
 }
 
+#if KVP__HAVE_AVX2
+/* km_cluster's candidates with AVX-512: the j < k with j == a or !(sa[j] >
+ * tf) (a NaN score included), ascending, into idx; returns how many, or
+ * stops at some count above k / 2 (the caller then scores against all). */
+__attribute__((target("avx2,avx512f"))) static uint32_t km_cands_avx512(const float *sa, uint32_t k, uint32_t a,
+                                                                      float tf, uint32_t *idx) {
+  const __m512 t = _mm512_set1_ps(tf);
+  const __m512i av = _mm512_set1_epi32((int)a), step = _mm512_set1_epi32(16);
+  __m512i j = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  uint32_t nc = 0;
+  for (uint32_t j0 = 0; j0 < k; j0 += 16, j = _mm512_add_epi32(j, step)) {
+    __mmask16 in = (__mmask16)(k - j0 >= 16 ? 0xFFFFu : (1u << (k - j0)) - 1u);
+    __m512 v = _mm512_maskz_loadu_ps(in, sa + j0);
+    __mmask16 keep = _mm512_mask_cmp_ps_mask(in, v, t, _CMP_NGT_UQ) | _mm512_mask_cmpeq_epi32_mask(in, j, av);
+    _mm512_mask_compressstoreu_epi32(idx + nc, keep, j);
+    nc += (uint32_t)__builtin_popcount(keep);
+    if (2 * nc > k) break;
+  }
+  return nc;
+}
+#endif
+
 /* The rows rows[0..nr) of reference centroid a against the centroids that
  * can win (see above). Returns 0, scoring nothing, when those are more
  * than half of k: the caller scores the rows against all. */
@@ -492,8 +530,12 @@ static int km_cluster(kvp__km *km, uint32_t a, const float *x, const uint32_t *r
   tau += 0x1p-50 * (thr2 + km->cnd[a] + ec) + 0x1p-140;
   float tf = (float)(tau + fabs(tau) * 0x1p-22);
   const float *sa = km->ccs + (size_t)a * kp;
-  for (uint32_t j = 0; j < k; j++)
-    if (j == a || !(sa[j] > tf)) km->idx[nc++] = j;
+#if KVP__HAVE_AVX2
+  if (kvp__codec_isa() >= KVP__ISA_AVX512) nc = km_cands_avx512(sa, k, a, tf, km->idx);
+  else
+#endif
+    for (uint32_t j = 0; j < k; j++)
+      if (j == a || !(sa[j] > tf)) km->idx[nc++] = j;
   if (2 * nc > k) return 0;
   if (nc == 1) { /* only a can win: the labels stay, ub (moved) still holds */
     if (fresh) *changed += nr;
@@ -628,6 +670,24 @@ static inline float km_seed_thr(const kvp__km *km, float w) {
 }
 
 
+#if KVP__HAVE_AVX2
+/* km_seed_layout's transposed copy with AVX-512: per block and channel,
+ * one gather of its 16 rows' element (padding rows, perm = n: zero).
+ * Needs n d < 2^31 (32-bit element offsets). */
+__attribute__((target("avx2,avx512f"))) static void km_layout_avx512(kvp__km *km, const float *x, uint32_t np) {
+  uint32_t n = km->n, d = km->d;
+  const __m512i nv = _mm512_set1_epi32((int)n), dv = _mm512_set1_epi32((int)d);
+  for (uint32_t b = 0; b < np / KM_BLK; b++) {
+    __m512i pr = _mm512_loadu_si512(km->perm + (size_t)b * KM_BLK);
+    __mmask16 in = _mm512_cmplt_epu32_mask(pr, nv);
+    __m512i off = _mm512_mullo_epi32(_mm512_maskz_mov_epi32(in, pr), dv);
+    float *dst = km->xt + (size_t)b * d * KM_BLK;
+    for (uint32_t i = 0; i < d; i++)
+      _mm512_storeu_ps(dst + (size_t)i * KM_BLK, _mm512_mask_i32gather_ps(_mm512_setzero_ps(), in, off, x + i, 4));
+  }
+}
+#endif
+
 static void km_seed_layout(kvp__km *km, const float *x, int by_label) {
   uint32_t n = km->n, d = km->d, np = km->nblk * KM_BLK;
   if (by_label) { /* counting sort by label; stable, so ties keep row order */
@@ -644,6 +704,12 @@ static void km_seed_layout(kvp__km *km, const float *x, int by_label) {
     km->wtp[p] = km->perm[p] < n && by_label ? km_seed_thr(km, km->w[km->perm[p]]) : -INFINITY;
     km->wp[p] = km->perm[p] < n && by_label ? km->w[km->perm[p]] : -INFINITY;
   }
+#if KVP__HAVE_AVX2
+  if (kvp__codec_isa() >= KVP__ISA_AVX512 && (uint64_t)n * d < (1ull << 31)) {
+    km_layout_avx512(km, x, np);
+    return;
+  }
+#endif
   for (uint32_t p = 0; p < np; p++) {
     float *dst = km->xt + (size_t)(p / KM_BLK) * d * KM_BLK + p % KM_BLK;
     const float *src = x + (size_t)km->perm[p] * d;
