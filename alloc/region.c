@@ -5,8 +5,12 @@
  * Host backend: one anonymous private mapping of the region, 2 MiB aligned
  * (over-map by 2 MiB, unmap the ragged ends), with MADV_HUGEPAGE asked for.
  * Pages are faulted in lazily by whoever writes payload, or all at create
- * with KVP_POOL_PREFAULT (MAP_POPULATE), as a device allocation is backed
- * at once; device-level usage reports the resident bytes of the range
+ * with KVP_POOL_PREFAULT, as a device allocation is backed at once: after
+ * the MADV_HUGEPAGE (MAP_POPULATE would fault the range in 4 KiB pages
+ * before the advice, and every payload write would then walk 4 KiB page
+ * tables: a decode token's 2 x H rows lie in as many pages), by
+ * MADV_POPULATE_WRITE, or a write to each page where the kernel has no
+ * such advice; device-level usage reports the resident bytes of the range
  * (mincore), which is what the process really spends on the region.
  *
  * Dry backend (KVP_POOL_DRY, for host and CUDA pools alike): the same
@@ -66,12 +70,25 @@ static int map_aligned(kvp__region *r, int prot, int how, const char *what) {
   return KVP_OK;
 }
 
+/* Fault the whole region in, writable (KVP_POOL_PREFAULT), after the huge
+ * page advice so that it can take effect. */
+static void host_prefault(kvp__region *r) {
+#ifdef MADV_POPULATE_WRITE
+  if (madvise(r->map_base, r->map_bytes, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  long pg = sysconf(_SC_PAGESIZE);
+  size_t page = pg > 0 ? (size_t)pg : 4096;
+  volatile unsigned char *p = r->map_base;
+  for (size_t off = 0; off < r->map_bytes; off += page) p[off] = 0; /* fresh anonymous memory: zero already */
+}
+
 static int host_reserve(kvp__region *r) {
-  int how = MAP_PRIVATE | MAP_ANONYMOUS | (r->flags & KVP_POOL_PREFAULT ? MAP_POPULATE : MAP_NORESERVE);
+  int how = MAP_PRIVATE | MAP_ANONYMOUS | (r->flags & KVP_POOL_PREFAULT ? 0 : MAP_NORESERVE);
   int rc = map_aligned(r, PROT_READ | PROT_WRITE, how, "host region");
 #ifdef MADV_HUGEPAGE
   if (!rc) madvise(r->map_base, r->map_bytes, MADV_HUGEPAGE); /* advisory; failure is fine */
 #endif
+  if (!rc && (r->flags & KVP_POOL_PREFAULT)) host_prefault(r);
   return rc;
 }
 

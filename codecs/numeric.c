@@ -457,6 +457,70 @@ KVP__INLINE void store_nt32(unsigned char *d, const void *x) { memcpy(d, x, 32);
 typedef uint16_t scatter_v16 __attribute__((vector_size(32)));
 typedef uint32_t scatter_v32 __attribute__((vector_size(32)));
 
+/* 32 bytes from x to d: a plain store, or around the caches. */
+KVP__INLINE void scatter_store32(unsigned char *d, const void *x, int nt) {
+  if (nt) store_nt32(d, x);
+  else memcpy(d, x, 32);
+}
+
+/* The nv whole vectors of one row, four a turn (the loop's own instructions
+ * over four copies), then the rest; *acc ORs every lane's exponent test.
+ * Inlined with nt a constant, so the turn is 4 loads, 4 stores and 3
+ * operations a vector. */
+KVP__INLINE void scatter_row16(unsigned char *d, const unsigned char *s, size_t nv, scatter_v16 e, scatter_v16 *acc,
+                               int nt) {
+  scatter_v16 a = *acc;
+  size_t i = 0;
+  for (; i + 4 <= nv; i += 4) {
+    scatter_v16 x0, x1, x2, x3;
+    memcpy(&x0, s + 32 * i, 32);
+    memcpy(&x1, s + 32 * i + 32, 32);
+    memcpy(&x2, s + 32 * i + 64, 32);
+    memcpy(&x3, s + 32 * i + 96, 32);
+    scatter_store32(d + 32 * i, &x0, nt);
+    scatter_store32(d + 32 * i + 32, &x1, nt);
+    scatter_store32(d + 32 * i + 64, &x2, nt);
+    scatter_store32(d + 32 * i + 96, &x3, nt);
+    a |= (scatter_v16)((x0 & e) == e) | (scatter_v16)((x1 & e) == e) | (scatter_v16)((x2 & e) == e) |
+         (scatter_v16)((x3 & e) == e);
+  }
+  for (; i < nv; i++) {
+    scatter_v16 x;
+    memcpy(&x, s + 32 * i, 32);
+    scatter_store32(d + 32 * i, &x, nt);
+    a |= (scatter_v16)((x & e) == e);
+  }
+  *acc = a;
+}
+KVP__INLINE void scatter_row32(unsigned char *d, const unsigned char *s, size_t nv, scatter_v32 e, scatter_v32 *acc,
+                               int nt) {
+  scatter_v32 a = *acc;
+  size_t i = 0;
+  for (; i + 4 <= nv; i += 4) {
+    scatter_v32 x0, x1, x2, x3;
+    memcpy(&x0, s + 32 * i, 32);
+    memcpy(&x1, s + 32 * i + 32, 32);
+    memcpy(&x2, s + 32 * i + 64, 32);
+    memcpy(&x3, s + 32 * i + 96, 32);
+    scatter_store32(d + 32 * i, &x0, nt);
+    scatter_store32(d + 32 * i + 32, &x1, nt);
+    scatter_store32(d + 32 * i + 64, &x2, nt);
+    scatter_store32(d + 32 * i + 96, &x3, nt);
+    a |= (scatter_v32)((x0 & e) == e) | (scatter_v32)((x1 & e) == e) | (scatter_v32)((x2 & e) == e) |
+         (scatter_v32)((x3 & e) == e);
+  }
+  for (; i < nv; i++) {
+    scatter_v32 x;
+    memcpy(&x, s + 32 * i, 32);
+    scatter_store32(d + 32 * i, &x, nt);
+    a |= (scatter_v32)((x & e) == e);
+  }
+  *acc = a;
+}
+
+/* Every row's whole vectors, the element width and the store kind chosen
+ * once per call (outside the loops over tokens and heads); then the bytes
+ * of each row past its last whole vector, one element at a time. */
 KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t src_stride, size_t w, uint32_t ex,
                              size_t n, size_t nh, size_t row_bytes, int nt, int *bad),
             (dst, src, src_stride, w, ex, n, nh, row_bytes, nt, bad)) {
@@ -464,55 +528,20 @@ KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t 
   scatter_v16 acc16 = {0}, e16 = {0};
   scatter_v32 acc32 = {0}, e32 = {0};
   e16 += (uint16_t)ex, e32 += ex;
+#define SCATTER_ROWS(row, acc, e, NT)                                                                          \
+  for (size_t t = 0; t < n; t++)                                                                               \
+    for (size_t h = 0; h < nh; h++)                                                                            \
+      row((unsigned char *)dst[h] + t * row_bytes, src + t * src_stride + h * row_bytes, nv, e, &acc, NT)
+  if (w == 2 && nt) SCATTER_ROWS(scatter_row16, acc16, e16, 1);
+  else if (w == 2) SCATTER_ROWS(scatter_row16, acc16, e16, 0);
+  else if (nt) SCATTER_ROWS(scatter_row32, acc32, e32, 1);
+  else SCATTER_ROWS(scatter_row32, acc32, e32, 0);
+#undef SCATTER_ROWS
   uint32_t tail_bad = 0;
-  for (size_t t = 0; t < n; t++)
+  for (size_t t = 0; nv * 32 < row_bytes && t < n; t++)
     for (size_t h = 0; h < nh; h++) {
       unsigned char *d = (unsigned char *)dst[h] + t * row_bytes;
       const unsigned char *s = src + t * src_stride + h * row_bytes;
-      size_t i = 0;
-      if (w == 2) { /* two vectors a turn (half the loop's own instructions), then the odd one */
-        for (; i + 2 <= nv; i += 2) {
-          scatter_v16 x, y;
-          memcpy(&x, s + 32 * i, 32);
-          memcpy(&y, s + 32 * i + 32, 32);
-          if (nt) {
-            store_nt32(d + 32 * i, &x);
-            store_nt32(d + 32 * i + 32, &y);
-          } else {
-            memcpy(d + 32 * i, &x, 32);
-            memcpy(d + 32 * i + 32, &y, 32);
-          }
-          acc16 |= (scatter_v16)((x & e16) == e16) | (scatter_v16)((y & e16) == e16);
-        }
-        for (; i < nv; i++) {
-          scatter_v16 x;
-          memcpy(&x, s + 32 * i, 32);
-          if (nt) store_nt32(d + 32 * i, &x);
-          else memcpy(d + 32 * i, &x, 32);
-          acc16 |= (scatter_v16)((x & e16) == e16);
-        }
-      } else {
-        for (; i + 2 <= nv; i += 2) {
-          scatter_v32 x, y;
-          memcpy(&x, s + 32 * i, 32);
-          memcpy(&y, s + 32 * i + 32, 32);
-          if (nt) {
-            store_nt32(d + 32 * i, &x);
-            store_nt32(d + 32 * i + 32, &y);
-          } else {
-            memcpy(d + 32 * i, &x, 32);
-            memcpy(d + 32 * i + 32, &y, 32);
-          }
-          acc32 |= (scatter_v32)((x & e32) == e32) | (scatter_v32)((y & e32) == e32);
-        }
-        for (; i < nv; i++) {
-          scatter_v32 x;
-          memcpy(&x, s + 32 * i, 32);
-          if (nt) store_nt32(d + 32 * i, &x);
-          else memcpy(d + 32 * i, &x, 32);
-          acc32 |= (scatter_v32)((x & e32) == e32);
-        }
-      }
       for (size_t b = nv * 32; b < row_bytes; b += w) {
         uint32_t u;
         if (w == 2) {

@@ -63,23 +63,26 @@ typedef struct kvp__binding {
  * Layout (a 64-byte aligned block, as the metadata arena's 320-byte class
  * gives): what a walk over many blocks reads first, K's and V's pages of
  * one index side by side, the writer's bookkeeping last:
- *   0    pos0 cap_tokens n_tokens raw npages
+ *   0    pos0 cap_tokens n_tokens raw npages sealed
  *   16   pg[0][K]   48 pg[0][V] (its off and requested_bytes in line 0)
  *   80   pg[1][K]  112 pg[1][V] (off, requested_bytes in line 1) ... pg[3][V]
- *   272  owners refs sealed orphan check_epoch owners_seen oprev onext chunk
+ *   272  owners refs orphan check_epoch owners_seen oprev onext chunk
  * so kvp_attend_decode's table (pages/attend_table.c) reads one line of a
  * block of one page a side (raw) and two of one of two (a codec's codes
- * and scales). */
+ * and scales), and a decode token's fill of an OPEN tail (pages/stream.c:
+ * append_fill) one line per head: whether it takes the token (raw,
+ * sealed, n_tokens, cap_tokens) and where its rows go (pg[0][K].off,
+ * pg[0][V].off). */
 typedef struct kvp__block {
   uint32_t pos0;          /* position of token 0 */
   uint32_t cap_tokens;    /* capacity: the pages hold this many tokens */
   uint32_t n_tokens;      /* tokens written (writer only while OPEN) */
   bool raw;               /* pages of the RAW tail binding */
   uint8_t npages[2];      /* pages per side */
+  bool sealed;            /* full or closed: takes no more tokens */
   kvp__page pg[KVP_CODEC_MAX_PAGES][2]; /* [codec page][K, V] */
   uint32_t owners;        /* streams referencing it (writer only) */
   _Atomic uint32_t refs;  /* owners + view pins; freed when 0 */
-  bool sealed;            /* full or closed: takes no more tokens */
   bool orphan;            /* no owner left, kept by pins (on pool->orphans) */
   uint32_t check_epoch;   /* kvp_check visit mark */
   uint32_t owners_seen;   /* kvp_check: brefs found this check */

@@ -473,8 +473,9 @@ static bool fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t step
  * so, sends the append on to the screened general path, which fails with
  * its message (or sanitizes, KVP_POOL_SANITIZE) and writes the rows again:
  * the rows this path copied lie past the tails' counts, where no reader
- * looks, so nothing visible changed. After the publication the next
- * token's rows are prefetched (prefetch_next_rows). */
+ * looks, so nothing visible changed. The rows' lines are asked for before
+ * the copy (prefetch_dsts), and after the publication the next token's
+ * (prefetch_next_rows). */
 enum { FILL_HEADS = 64 }; /* heads per kernel call (their destinations on the stack) */
 
 /* The next row of the K and V pages of each OPEN tail of heads [h0, h0 +
@@ -492,21 +493,45 @@ static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh,
   return true;
 }
 
-/* Ask for the lines of the rows the tail's next token goes to, for writing:
- * that token comes one step later and finds them in the cache instead of
- * memory. A decode token writes 2 x H rows into as many pages, every line
- * of them cold (written once, and only now): what the copy waits on is
- * those lines' fetch, which this moves off the next append's path.
- * Within the pages only (a full tail asks for nothing). */
+/* Ask for the lines of bytes at p, for writing, four a turn (a decode
+ * token asks for 2 x H x 4 lines of 256-byte rows twice: the loop's own
+ * instructions stay a quarter of the prefetches'). */
 enum { FILL_LINE = 64 }; /* bytes per prefetch: a cache line */
-/* Inlined into its caller: a function whose only effect is a prefetch is
+KVP__INLINE void prefetch_w(const unsigned char *p, size_t bytes) {
+  size_t o = 0;
+  for (; o + 4 * FILL_LINE <= bytes; o += 4 * FILL_LINE) {
+    __builtin_prefetch(p + o, 1, 3);
+    __builtin_prefetch(p + o + FILL_LINE, 1, 3);
+    __builtin_prefetch(p + o + 2 * FILL_LINE, 1, 3);
+    __builtin_prefetch(p + o + 3 * FILL_LINE, 1, 3);
+  }
+  for (; o < bytes; o += FILL_LINE) __builtin_prefetch(p + o, 1, 3);
+}
+
+/* The rows of a decode token go to 2 x H pages, into lines written once
+ * and only now: cold, so what the copy waits on is their fetch (the write
+ * allocates each line). Two prefetches move it off the copy's path:
+ *   now   every destination line of the append is asked for before the
+ *         first store (prefetch_dsts), so the fetches overlap instead of
+ *         queueing behind the store buffer one line at a time;
+ *   next  after the publication, the lines of the row the tail's next
+ *         token goes to (prefetch_next_rows): that token comes one step
+ *         later and finds them nearer (within the pages only: a full tail
+ *         asks for nothing).
+ * Without the first the stores wait on their lines one after another;
+ * without the second each line is a round trip to memory.
+ * Inlined into their caller: a function whose only effect is a prefetch is
  * side-effect free to gcc's IPA (pure-const), and a call to it dead. */
+KVP__INLINE void prefetch_dsts(void *const *dk, void *const *dv, uint32_t nh, size_t k_bytes, size_t v_bytes) {
+  for (uint32_t j = 0; j < nh; j++) {
+    prefetch_w(dk[j], k_bytes);
+    prefetch_w(dv[j], v_bytes);
+  }
+}
 KVP__INLINE void prefetch_next_rows(const kvp_pool *pool, const kvp__block *b, size_t rk, size_t rv) {
   if (b->n_tokens >= b->cap_tokens) return;
-  const unsigned char *k = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + b->n_tokens * rk;
-  const unsigned char *v = (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + b->n_tokens * rv;
-  for (size_t o = 0; o < rk; o += FILL_LINE) __builtin_prefetch(k + o, 1, 3);
-  for (size_t o = 0; o < rv; o += FILL_LINE) __builtin_prefetch(v + o, 1, 3);
+  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + b->n_tokens * rk, rk);
+  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + b->n_tokens * rv, rv);
 }
 
 /* The fast path: true when it stored the layer (published), false when the
@@ -524,6 +549,7 @@ static bool append_fill(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
     uint32_t nh = H - h0 < FILL_HEADS ? H - h0 : FILL_HEADS;
     void *dk[FILL_HEADS], *dv[FILL_HEADS];
     if (!fill_dsts(pool, st, h0, nh, n, pass, dk, dv)) return false;
+    prefetch_dsts(dk, dv, nh, n * rk, n * rv);
     finite &= kvp__rows_scatter_finite(dk, (const unsigned char *)kv->k + h0 * rk, H * rk, pool->cfg.k_dtype, n, nh, D);
     finite &= kvp__rows_scatter_finite(dv, (const unsigned char *)kv->v + h0 * rv, H * rv, pool->cfg.v_dtype, n, nh, D);
   }

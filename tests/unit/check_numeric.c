@@ -439,7 +439,8 @@ END_TEST
  * destinations, every row copied bit for bit whatever the verdict, and the
  * verdict false exactly when a NaN or +-Inf was in the rows: one planted in
  * turn at the first and the last element of every row (the last row of the
- * last head included), with the largest finite values around it. Bytes
+ * last head included) and inside each of its whole 32-byte vectors, with
+ * the largest finite values around it. Bytes
  * past each destination row stay as they were. The same for the variant
  * with non-temporal stores (kvp__rows_scatter_finite_nt: rows of whole
  * 32-byte vectors into aligned destinations, plain stores otherwise). */
@@ -471,14 +472,16 @@ START_TEST(scatter_finite_every_isa) {
             }
             void *d[MAXH];
             for (size_t h = 0; h < nh; h++) d[h] = dst[h];
-            /* plant: -1 none, else the element's index within the nh x n rows: first and last of each */
-            for (long plant = -1; plant < (long)(n * nh * 2); plant++) {
+            /* plant: -1 none, else (row, spot) of the nh x n rows; spots: the first element, the last, and one
+             * inside each whole 32-byte vector (the kernel ORs several vectors' tests a turn: each must count) */
+            size_t spots = 2 + row / 32;
+            for (long plant = -1; plant < (long)(n * nh * spots); plant++) {
               size_t t = 0, h = 0, at = 0;
               uint32_t keep = 0;
               if (plant >= 0) {
-                size_t r = (size_t)plant / 2;
+                size_t r = (size_t)plant / spots, spot = (size_t)plant % spots;
                 t = r / nh, h = r % nh;
-                at = t * stride + h * row + ((size_t)plant % 2 ? row - w : 0);
+                at = t * stride + h * row + (spot == 0 ? 0 : spot == 1 ? row - w : (spot - 2) * 32 + 16);
                 memcpy(&keep, src + at, w);
                 memcpy(src + at, &bad[(size_t)plant % 3], w);
               }
