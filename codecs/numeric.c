@@ -467,8 +467,9 @@ KVP__INLINE void scatter_store32(unsigned char *d, const void *x, int nt) {
  * over four copies), then the rest; *acc ORs every lane's exponent test.
  * Inlined with nt a constant, so the turn is 4 loads, 4 stores and 3
  * operations a vector. */
-KVP__INLINE void scatter_row16(unsigned char *d, const unsigned char *s, size_t nv, scatter_v16 e, scatter_v16 *acc,
-                               int nt) {
+KVP__INLINE void scatter_row16(unsigned char *d, const unsigned char *s, size_t nv, const scatter_v16 *ep,
+                               scatter_v16 *acc, int nt) {
+  const scatter_v16 e = *ep; /* by address: a 32-byte vector argument has no stable ABI without AVX */
   scatter_v16 a = *acc;
   size_t i = 0;
   for (; i + 4 <= nv; i += 4) {
@@ -492,8 +493,9 @@ KVP__INLINE void scatter_row16(unsigned char *d, const unsigned char *s, size_t 
   }
   *acc = a;
 }
-KVP__INLINE void scatter_row32(unsigned char *d, const unsigned char *s, size_t nv, scatter_v32 e, scatter_v32 *acc,
-                               int nt) {
+KVP__INLINE void scatter_row32(unsigned char *d, const unsigned char *s, size_t nv, const scatter_v32 *ep,
+                               scatter_v32 *acc, int nt) {
+  const scatter_v32 e = *ep; /* by address: a 32-byte vector argument has no stable ABI without AVX */
   scatter_v32 a = *acc;
   size_t i = 0;
   for (; i + 4 <= nv; i += 4) {
@@ -531,7 +533,7 @@ KVP__KERNEL(scatter_screen, (void *const *dst, const unsigned char *src, size_t 
 #define SCATTER_ROWS(row, acc, e, NT)                                                                          \
   for (size_t t = 0; t < n; t++)                                                                               \
     for (size_t h = 0; h < nh; h++)                                                                            \
-      row((unsigned char *)dst[h] + t * row_bytes, src + t * src_stride + h * row_bytes, nv, e, &acc, NT)
+      row((unsigned char *)dst[h] + t * row_bytes, src + t * src_stride + h * row_bytes, nv, &e, &acc, NT)
   if (w == 2 && nt) SCATTER_ROWS(scatter_row16, acc16, e16, 1);
   else if (w == 2) SCATTER_ROWS(scatter_row16, acc16, e16, 0);
   else if (nt) SCATTER_ROWS(scatter_row32, acc32, e32, 1);

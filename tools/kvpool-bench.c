@@ -20,7 +20,8 @@
  *                       scales and a 4-byte META per scale, head and side),
  *                       with jemalloc's rounding of those sizes (nallocx).
  *   scaling_*_ns        alloc+free pairs (page mix), decode append per (seq,
- *                       layer) and kvp_read per token at 8, 64, 512 and 8192
+ *                       layer) and kvp_read per token (from memory: caches
+ *                       swept before each read round) at 8, 64, 512 and 8192
  *                       live sequences, and alloc+free and a dry decode append
  *                       on 1 GiB .. 1 TiB dry regions; baseline: the first
  *                       row of each axis, same run (target: within 1.5x).
@@ -429,9 +430,24 @@ typedef struct scale_fig {
   double append, read; /* ns per (seq, layer) decode append; ns per token read (NAN on a dry pool) */
 } scale_fig;
 
+/* Read through 64 MiB (twice this host class's last-level cache) so what
+ * the next timing reads comes from memory. */
+static void evict_caches(void) {
+  enum { EV_BYTES = 64 << 20 };
+  static unsigned char *buf;
+  if (!buf && (buf = malloc(EV_BYTES))) memset(buf, 1, EV_BYTES);
+  if (!buf) return;
+  unsigned long sum = 0;
+  for (size_t i = 0; i < EV_BYTES; i += 64) sum += buf[i];
+  __asm__ volatile("" : : "r"(sum));
+}
+
 /* nseq live sequences of SPRE tokens (L = 2, H = 2, D = 128, bf16, 16-token
  * blocks); timed: decode steps of SPICK sequences spread over all of them,
- * then kvp_read of head 0 of each of those (normal pools only). */
+ * then kvp_read of head 0 of each of those (normal pools only), each read
+ * round after evict_caches: with 8 sequences the rows would otherwise be
+ * cache-resident and with 8,192 not, and the row ratio would measure the
+ * caches rather than what the number of sequences costs kvpool. */
 static scale_fig scale_seqs(uint32_t nseq, uint64_t region, int dry, int rounds, int steps) {
   kvp_config c;
   kvp_config_init(&c);
@@ -475,6 +491,7 @@ static scale_fig scale_seqs(uint32_t nseq, uint64_t region, int dry, int rounds,
     if (r >= 0) a[r] = (now_ns() - t0) / ((double)steps * npick * SL);
     if (dry) continue;
     uint64_t toks = 0;
+    evict_caches();
     t0 = now_ns();
     for (uint32_t i = 0; i < npick; i++) {
       kvp_read_req q = {sizeof q, 0, KVP_DTYPE_BF16, ko, vo, pos, cap, 0, NULL};
