@@ -47,6 +47,7 @@
  *            an encoded copy replaces it;
  *   nnew     new blocks: full ones encoded with the layer's codec, the last
  *            one (stream mode, partial) an OPEN raw block. */
+enum { PLAN_INLINE = 32 }; /* entries of a plan's arrays held in the plan itself */
 typedef struct append_plan {
   uint32_t fill;          /* tokens into the OPEN tail */
   bool reseal;            /* the tail is sealed into an encoded block */
@@ -61,6 +62,10 @@ typedef struct append_plan {
   kvp__bref **brefs;      /* [H * nnew] */
   kvp__run *run;          /* new run, or NULL to extend the last */
   bool run_always;        /* take a run even if the last one extends now (evictions come first) */
+  /* blocks and brefs when they fit (a decode token opening a block per
+   * head): no metadata allocation for them; not zeroed by plan_shape */
+  kvp__block *blocks_in[PLAN_INLINE];
+  kvp__bref *brefs_in[PLAN_INLINE];
 } append_plan;
 
 static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
@@ -71,7 +76,7 @@ static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
   kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
   bool stream = s->mode == KVP_SEQ_STREAM;
   bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough;
-  memset(pl, 0, sizeof *pl);
+  memset(pl, 0, offsetof(append_plan, blocks_in));
   pl->skip = stream ? NULL : skip; /* stream-mode tails stay the same across heads */
   for (uint32_t h = 0; pl->skip && h < H; h++) pl->nskip += skipped(pl, h);
   if (stream && tail && !tail->blk->sealed) {
@@ -101,16 +106,18 @@ static void stored_mask(const kvp_pool *pool, const append_plan *pl, uint64_t *m
     if (!skipped(pl, h)) mask[h / 64] |= 1ull << (h % 64);
 }
 
-/* The plan's per-head arrays. A decode token that only fills the OPEN tail
- * takes no new block, so both arrays are empty: an empty one is a shared
- * sentinel (never read or written), not an allocation: two metadata
- * allocations and frees less per such append. */
+/* The plan's per-head arrays, zeroed. A decode token that only fills the
+ * OPEN tail takes no new block, so both arrays are empty: an empty one is
+ * a shared sentinel (never read or written); one that opens a block per
+ * head uses the plan's own room (in); only larger ones (a prefill's many
+ * blocks) are metadata allocations. */
 static void *plan_none[1];
-static void *plan_array(kvp_pool *pool, size_t bytes) {
-  return bytes ? kvp__meta_calloc(&pool->meta, bytes) : (void *)plan_none;
+static void *plan_array(kvp_pool *pool, void *in, size_t in_bytes, size_t bytes) {
+  if (!bytes) return (void *)plan_none;
+  return bytes <= in_bytes ? memset(in, 0, bytes) : kvp__meta_calloc(&pool->meta, bytes);
 }
-static void plan_array_free(kvp_pool *pool, void *p, size_t bytes) {
-  if (bytes) kvp__meta_free(&pool->meta, p, bytes);
+static void plan_array_free(kvp_pool *pool, void *p, const void *in, size_t bytes) {
+  if (bytes && p != in) kvp__meta_free(&pool->meta, p, bytes);
 }
 
 static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
@@ -119,8 +126,8 @@ static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
     if (pl->blocks[i]) kvp__block_destroy(pool, pl->blocks[i]);
   for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
   if (pl->run) kvp__run_free_now(pool, pl->run);
-  plan_array_free(pool, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks);
-  plan_array_free(pool, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
+  plan_array_free(pool, pl->blocks, pl->blocks_in, (size_t)H * pl->nb * sizeof *pl->blocks);
+  plan_array_free(pool, pl->brefs, pl->brefs_in, (size_t)H * pl->nnew * sizeof *pl->brefs);
   pl->blocks = NULL, pl->brefs = NULL, pl->run = NULL; /* undone: a second undo does nothing */
 }
 
@@ -150,8 +157,8 @@ static int plan_take_pages(kvp_pool *pool, kvp__seq *s, uint32_t layer, append_p
 static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, bt = kvp__layer_bt(pool, layer, s->mode);
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1;
-  pl->blocks = plan_array(pool, (size_t)H * pl->nb * sizeof *pl->blocks);
-  pl->brefs = plan_array(pool, (size_t)H * pl->nnew * sizeof *pl->brefs);
+  pl->blocks = plan_array(pool, pl->blocks_in, sizeof pl->blocks_in, (size_t)H * pl->nb * sizeof *pl->blocks);
+  pl->brefs = plan_array(pool, pl->brefs_in, sizeof pl->brefs_in, (size_t)H * pl->nnew * sizeof *pl->brefs);
   pl->run = NULL;
   bool ok = pl->blocks && pl->brefs;
   uint64_t mask[KVP_MAX_KV_HEADS / 64];
@@ -388,8 +395,8 @@ static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, a
   /* rows into the OPEN tails only, the last run extended, no eviction: no
    * change of structure (the pool's generation stays: pages.h) */
   pool->w_fill = !pl->nnew && !pl->reseal && !run && (!tx || (!tx->before.n && !tx->after.n));
-  plan_array_free(pool, pl->blocks, (size_t)H * pl->nb * sizeof *pl->blocks);
-  plan_array_free(pool, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs);
+  plan_array_free(pool, pl->blocks, pl->blocks_in, (size_t)H * pl->nb * sizeof *pl->blocks);
+  plan_array_free(pool, pl->brefs, pl->brefs_in, (size_t)H * pl->nnew * sizeof *pl->brefs);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);
   kvp__append_tx_after_publish(pool, s, tx);
 }
@@ -692,7 +699,9 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   if (fill_only(pool, s, layer, step, tx)) {
-    append_plan fill = {.fill = s->cur_tokens};
+    append_plan fill; /* the header only: the arrays' room stays unused */
+    memset(&fill, 0, offsetof(append_plan, blocks_in));
+    fill.fill = s->cur_tokens;
     if ((rc = fill_data(pool, s, layer, pos, kv, &fill))) return rc; /* rows past the tails' counts: unseen */
     publish(pool, s, layer, pos, &fill, tx);
     return KVP_OK;
