@@ -468,14 +468,32 @@ static inline uint32_t rec_tokens(const unsigned char *recs, uint32_t rb, uint32
   return m1 + 1u;
 }
 
+/* The end of the split that begins at record r0 < end, as make_splits'
+ * scan finds it, from prefix sums instead of the records: cum[x] the
+ * tokens of bh's records before x (x < end), total all of them. The scan
+ * stops at the first r > r0 where 2 (cum[r] + m_r) > 2 target + m_r, that
+ * is cum[r] + cum[r + 1] > 2 target (cum[end] = total): increasing in r, so
+ * a binary search gives the same r. */
+static uint32_t split_end(const uint32_t *cum, uint32_t r0, uint32_t end, uint64_t total, uint64_t target) {
+  uint32_t lo = r0 + 1, hi = end; /* the answer lies in [lo, hi]; hi = end: none stops it */
+  while (lo < hi) {
+    uint32_t mid = lo + (hi - lo) / 2;
+    uint64_t next = mid + 1 < end ? cum[mid + 1] : total;
+    if ((uint64_t)cum[mid] + next > 2 * target) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
 /* Splits of the table: recs_at[bh] .. recs_at[bh + 1] are bh's records,
  * tok_of[bh] their tokens. Writes them at out, bh's first at bh_split0[bh],
  * and returns their number (at most splits_bound's); *slots: the
  * partial-result slots used. A bh of one split (most: those of at most
- * chunk tokens) takes all its records unread; the others' are read once. */
+ * chunk tokens) takes all its records unread; the others' are read once,
+ * or, given pre (a kept table's prefix sums: split_end), not at all. */
 static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_at, const uint32_t *recs_at,
-                            const uint64_t *tok_of, uint32_t nbh, uint32_t chunk, kvp__asplit *out,
-                            uint32_t *bh_split0, uint32_t *slots) {
+                            const uint64_t *tok_of, const uint32_t *pre, uint32_t nbh, uint32_t chunk,
+                            kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
   uint32_t n = 0, nslot = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
     uint32_t first = n, r = recs_at[bh], end = recs_at[bh + 1];
@@ -493,10 +511,14 @@ static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_
     do {
       uint32_t r0 = r;
       uint64_t target = total * (n - first + 1) / parts;
-      for (; r < end; r++) {
-        uint64_t m = rec_tokens(recs, rb, m1_at, r);
-        if (r != r0 && 2 * (cum + m) > 2 * target + m) break;
-        cum += m;
+      if (pre) {
+        r = split_end(pre, r0, end, total, target);
+      } else {
+        for (; r < end; r++) {
+          uint64_t m = rec_tokens(recs, rb, m1_at, r);
+          if (r != r0 && 2 * (cum + m) > 2 * target + m) break;
+          cum += m;
+        }
       }
       out[n++] = (kvp__asplit){r0, r - r0, bh, 0};
     } while (r < end);
@@ -593,7 +615,7 @@ static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint
 /* The splits and the split index after nrec records at buf->p (recs_at,
  * tok_of: table_walk's), and t's outputs. bh_split0: nbh + 1 scratch. */
 static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
-                        const uint64_t *tok_of, uint32_t *bh_split0, uint64_t bytes_read) {
+                        const uint64_t *tok_of, const uint32_t *pre, uint32_t *bh_split0, uint64_t bytes_read) {
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh], nslot;
   uint64_t tokens = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
@@ -606,7 +628,7 @@ static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t
   if (rc) return rc;
   unsigned char *p = buf->p;
   memset(p + rec_bytes, 0, off_splits - rec_bytes);
-  uint32_t nsplit = make_splits(p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, nbh, chunk,
+  uint32_t nsplit = make_splits(p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, pre, nbh, chunk,
                                 (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
   t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
   t->off_splits = off_splits;
@@ -635,7 +657,7 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   cursor c;
   bool shared;
   rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, &shared, &c);
-  if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
+  if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
   kvp__meta_free(NULL, tok_of, scratch);
   return rc;
 }
@@ -669,10 +691,12 @@ typedef struct kvp__acache {
   uint32_t *recs_at;     /* [nbh + 1] */
   uint64_t *tok_of;      /* [nbh] */
   atail *tails;          /* [nbh] */
+  uint32_t *pre;         /* [nrec]: the tokens of a record's bh before it (its last record's growth
+                            changes none of them): make_splits without reading the records */
   uint64_t whole_bytes;  /* bytes_read's parts, tails included */
   double part_bytes;
   uint64_t bytes;        /* metadata bytes held (the arrays above) */
-  uint64_t seqs_cap, recs_cap, bh_cap; /* entries the arrays hold */
+  uint64_t seqs_cap, recs_cap, bh_cap, pre_cap; /* entries the arrays hold (recs: bytes) */
 } kvp__acache;
 
 static _Atomic uint64_t *kept_total(kvp_pool *pool) { return &pool->acache_bytes; }
@@ -683,9 +707,10 @@ static void kept_drop(kvp_pool *pool, kvp__acache *k) {
   kvp__meta_free(&pool->meta, k->recs_at, (k->bh_cap + 1) * sizeof *k->recs_at);
   kvp__meta_free(&pool->meta, k->tok_of, k->bh_cap * sizeof *k->tok_of);
   kvp__meta_free(&pool->meta, k->tails, k->bh_cap * sizeof *k->tails);
+  kvp__meta_free(&pool->meta, k->pre, k->pre_cap * sizeof *k->pre);
   atomic_fetch_sub_explicit(kept_total(pool), k->bytes, memory_order_relaxed);
-  k->seqs = NULL, k->recs = NULL, k->recs_at = NULL, k->tok_of = NULL, k->tails = NULL;
-  k->bytes = k->seqs_cap = k->recs_cap = k->bh_cap = 0;
+  k->seqs = NULL, k->recs = NULL, k->recs_at = NULL, k->tok_of = NULL, k->tails = NULL, k->pre = NULL;
+  k->bytes = k->seqs_cap = k->recs_cap = k->bh_cap = k->pre_cap = 0;
   k->valid = false;
 }
 
@@ -719,13 +744,14 @@ static kvp__acache *kept_of(kvp_pool *pool, uint32_t layer) {
 static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, const unsigned char *recs, uint32_t rb,
                        const uint32_t *recs_at, const uint64_t *tok_of, const atail *tails, uint64_t gen,
                        const cursor *c) {
-  uint32_t nbh = t->batch * pool->cfg.n_kv_heads;
-  uint64_t rec_bytes = (uint64_t)recs_at[nbh] * rb;
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh];
+  uint64_t rec_bytes = (uint64_t)nrec * rb;
   k->valid = false;
-  if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh) {
+  if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh || k->pre_cap < nrec) {
     uint64_t sc = t->batch > k->seqs_cap ? t->batch : k->seqs_cap, rc = rec_bytes > k->recs_cap ? rec_bytes + rec_bytes / 8 : k->recs_cap,
-             bc = nbh > k->bh_cap ? nbh : k->bh_cap;
-    uint64_t need = sc * sizeof *k->seqs + rc + (bc + 1) * sizeof *k->recs_at + bc * (sizeof *k->tok_of + sizeof *k->tails);
+             bc = nbh > k->bh_cap ? nbh : k->bh_cap, pc = nrec > k->pre_cap ? nrec + nrec / 8 : k->pre_cap;
+    uint64_t need = sc * sizeof *k->seqs + rc + (bc + 1) * sizeof *k->recs_at + bc * (sizeof *k->tok_of + sizeof *k->tails) +
+                    (pc ? pc : 1) * sizeof *k->pre;
     kept_drop(pool, k);
     if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
       atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
@@ -737,8 +763,9 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
     k->recs_at = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->recs_at);
     k->tok_of = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tok_of + 8);
     k->tails = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tails + 8);
-    k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc;
-    if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails) {
+    k->pre = kvp__meta_alloc(&pool->meta, (pc ? pc : 1) * sizeof *k->pre);
+    k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc, k->pre_cap = pc ? pc : 1;
+    if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails || !k->pre) {
       kept_drop(pool, k);
       return false;
     }
@@ -748,6 +775,11 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
   memcpy(k->recs_at, recs_at, (nbh + 1) * sizeof *k->recs_at);
   memcpy(k->tok_of, tok_of, nbh * sizeof *k->tok_of);
   memcpy(k->tails, tails, nbh * sizeof *k->tails);
+  uint32_t m1_at = m1_at_of(form_of(rb));
+  for (uint32_t bh = 0; bh < nbh; bh++) {
+    uint32_t acc = 0;
+    for (uint32_t r = recs_at[bh]; r < recs_at[bh + 1]; r++) k->pre[r] = acc, acc += rec_tokens(recs, rb, m1_at, r);
+  }
   k->gen = gen, k->batch = t->batch, k->kind = t->kind;
   k->whole_bytes = c->whole_bytes, k->part_bytes = c->part_bytes;
   k->valid = true;
@@ -807,14 +839,15 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
     if (!(rc = reserve(buf, 0, rec_bytes))) {
       kept_advance(pool, k, rb);
       memcpy(buf->p, k->recs, rec_bytes);
-      rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, bh_split0, k->whole_bytes + (uint64_t)k->part_bytes);
+      rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, k->pre, bh_split0,
+                        k->whole_bytes + (uint64_t)k->part_bytes);
       *hit = !rc;
     }
   } else {
     cursor c;
     bool shared;
     rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, &shared, &c);
-    if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
+    if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
     if (!rc && !shared && !(gen & 1)) kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c);
     else k->valid = false;
   }

@@ -22,6 +22,7 @@
 
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -599,7 +600,7 @@ END_TEST
 typedef struct race {
   kvp_pool *p;
   _Atomic int stop;
-  uint64_t tables;
+  _Atomic uint64_t tables;
 } race;
 
 static void *reader(void *arg) {
@@ -614,7 +615,7 @@ static void *reader(void *arg) {
     kvp__rcu_read_lock();
     int rc = r->tables % 2 ? kvp__attend_build_kept(r->p, &t, &buf, &hit) : kvp__attend_build(r->p, &t, &buf);
     ck_assert(rc == KVP_OK || rc == KVP_ENOENT); /* a sequence between its free and its add again */
-    if (!rc) check_invariants(r->p, &t, buf.p, 0), r->tables++;
+    if (!rc) check_invariants(r->p, &t, buf.p, 0), atomic_fetch_add(&r->tables, 1);
     kvp__rcu_read_unlock();
   }
   free(buf.p);
@@ -628,7 +629,13 @@ START_TEST(table_under_writer) {
   pthread_t th;
   ck_assert_int_eq(pthread_create(&th, NULL, reader, &r), 0);
   uint64_t rng = 7;
-  for (int i = 0; i < 400; i++) {
+  /* the reader has run once; then the writer goes on past its 400
+   * operations until the reader built a table beside them (a loaded host
+   * may not schedule it sooner), at most 20,000 */
+  while (!atomic_load(&r.tables)) sched_yield();
+  uint64_t first = atomic_load(&r.tables);
+  int i = 0;
+  for (; i < 400 || (atomic_load(&r.tables) == first && i < 20000); i++) {
     uint64_t id = 1 + t_rand(&rng) % 4;
     uint32_t what = (uint32_t)(t_rand(&rng) % 10);
     if (what < 6) {
@@ -647,7 +654,7 @@ START_TEST(table_under_writer) {
   }
   atomic_store(&r.stop, 1);
   pthread_join(th, NULL);
-  ck_assert_uint_gt(r.tables, 0);
+  ck_assert_msg(atomic_load(&r.tables) > first, "no table was built beside %d writer operations", i);
   ck_pool(p);
   kvp_pool_destroy(p);
 }
