@@ -283,7 +283,7 @@ typedef struct kvp_usage {
   X(COUNTER, store_restore_bytes, "store.restore_bytes", "blob bytes read from a store (restore, prefix fetch)") \
   X(COUNTER, store_prefix_tokens, "store.prefix_tokens", "prompt tokens attached from a store's published prefix blocks") \
   X(VALUE, device_control_bytes, "device.control_bytes", "device memory a CUDA pool holds beside its region (status words, job stage, codec tables, qvg workspace)") \
-  X(VALUE, host_pinned_bytes, "host.pinned_bytes", "pinned host memory a CUDA pool holds (status copy, job stage, block-table stages, store staging)")
+  X(VALUE, host_pinned_bytes, "host.pinned_bytes", "pinned host memory a CUDA pool holds (status copy, job stage, block-table stages, kept attention tables' records, store staging)")
 
 typedef struct kvp_stats {
   size_t struct_size; /* bytes; set by the caller (sizeof(kvp_stats)) */

@@ -22,7 +22,13 @@
  * last record, so the table is kept per layer and, while the pool's
  * structure has not changed (pages.h: sgen) and the batch is the same,
  * reused with those records redone (kvp__attend_build_kept): a call's host
- * part is then a copy of the records, not a walk of every block.
+ * part is then a copy of the records, not a walk of every block. Where the
+ * kernel reads its records in place (the zero-copy kinds above), the kept
+ * records are pinned and read where they are: the call redoes the last
+ * records there and places the splits by prefix sums, and only the splits
+ * and the index cross. The kept table stays held (t.hold) until the kernels
+ * are enqueued; an event recorded after them is waited for before its
+ * records change again.
  *
  * Page lifetime: the kernels are enqueued before the read lock is left, and
  * pages retired after that are reused only after an RCU grace period and a
@@ -132,8 +138,9 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
     a.scale = req->scale;
     a.out_dtype = req->out_dtype, a.n_q_heads = req->n_q_heads, a.n_kv_heads = H, a.head_dim = D;
     a.batch = req->batch, a.n_splits = t.nsplit, a.reduce = t.nslot > 0;
-    rc = kvp__dev_attend_run(pool, &g, t.table_bytes, &a, req->stream);
+    rc = kvp__dev_attend_run(pool, &g, t.table_bytes, &a, req->stream, t.recs_host, t.done);
   }
+  kvp__attend_kept_release(pool, &t); /* a kept table read in place: its work is enqueued */
   kvp__dev_gather_end(pool, &g);
   kvp__rcu_read_unlock();
   return rc;

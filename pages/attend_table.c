@@ -615,20 +615,23 @@ static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint
 /* The splits and the split index after nrec records at buf->p (recs_at,
  * tok_of: table_walk's), and t's outputs. bh_split0: nbh + 1 scratch. */
 static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
-                        const uint64_t *tok_of, const uint32_t *pre, uint32_t *bh_split0, uint64_t bytes_read) {
+                        const uint64_t *tok_of, const uint32_t *pre, uint32_t *bh_split0, uint64_t bytes_read,
+                        bool in_place) {
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh], nslot;
   uint64_t tokens = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
   uint64_t ch = t->split_tokens;
   if (!ch) ch = wave_chunk(tok_of, nbh, tokens, t->slots);
   uint32_t chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
-  uint64_t rec_bytes = (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16), idx_bytes = (nbh + 1) * 4ull;
+  /* in_place: the records stay where they are (pre given): splits and index alone */
+  uint64_t rec_bytes = in_place ? 0 : (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16),
+           idx_bytes = (nbh + 1) * 4ull;
   uint64_t most = off_splits + splits_bound(recs_at, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
   int rc = reserve(buf, rec_bytes, most);
   if (rc) return rc;
   unsigned char *p = buf->p;
   memset(p + rec_bytes, 0, off_splits - rec_bytes);
-  uint32_t nsplit = make_splits(p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, pre, nbh, chunk,
+  uint32_t nsplit = make_splits(in_place ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, pre, nbh, chunk,
                                 (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
   t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
   t->off_splits = off_splits;
@@ -642,6 +645,7 @@ static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t
 static void table_reset(kvp__atable *t) {
   t->nrec = t->nsplit = t->nslot = 0;
   t->off_splits = t->off_bh = t->table_bytes = t->token_heads = t->bytes_read = 0;
+  t->recs_host = NULL, t->done = NULL, t->hold = NULL;
 }
 
 int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
@@ -657,7 +661,9 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   cursor c;
   bool shared;
   rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, &shared, &c);
-  if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
+  if (!rc)
+    rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
+                      false);
   kvp__meta_free(NULL, tok_of, scratch);
   return rc;
 }
@@ -670,9 +676,16 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
  * So each layer keeps the last table it built (its records, per bh their
  * first record, tokens and last record's block, run and range), labelled
  * with the generation read before the walk; a call for the same batch
- * under the same generation copies the records, redoes each last record
- * from its run's end (loaded with acquire, as the walk loads it) and
- * makes the splits: O(records) sequential bytes, not O(blocks) loads.
+ * under the same generation redoes each last record from its run's end
+ * (loaded with acquire, as the walk loads it) and places the splits from
+ * the records' kept prefix sums (split_end: the scan's splits, found by
+ * binary search). Where the kernel reads its records in place (pages on a
+ * device: kvp__kern_attend_zero_copy) the kept records are pinned and the
+ * call goes no further: O(sequences x heads + splits). Otherwise it copies
+ * them to the caller's buffer: O(records) sequential bytes, not O(blocks)
+ * loads. Records read in place change only after the event recorded
+ * behind the kernels that read them (done) has passed, and the kept table
+ * stays held until that event is recorded (kvp__attend_kept_release).
  * A generation that moved during the walk is read as a different label
  * by the next call, which builds again; an odd one (a writer in) neither
  * serves nor labels. The kept table names blocks that stay linked while
@@ -697,13 +710,29 @@ typedef struct kvp__acache {
   double part_bytes;
   uint64_t bytes;        /* metadata bytes held (the arrays above) */
   uint64_t seqs_cap, recs_cap, bh_cap, pre_cap; /* entries the arrays hold (recs: bytes) */
+  bool pinned;           /* recs is pinned host memory (kvp__dev_kept_alloc): read in place */
+  void *done;            /* event after the last work that reads recs in place, or NULL (no device) */
+  void *old[8];          /* outgrown pinned records, freed at pool destroy (cudaFreeHost may wait for
+                            the whole device: never on a call's path while room remains here) */
+  uint64_t old_bytes[8];
+  uint32_t n_old;
 } kvp__acache;
 
 static _Atomic uint64_t *kept_total(kvp_pool *pool) { return &pool->acache_bytes; }
 
-static void kept_drop(kvp_pool *pool, kvp__acache *k) {
+/* k's records freed (after the work that reads them in place). */
+static void kept_recs_free(kvp_pool *pool, kvp__acache *k, bool now) {
+  if (!k->recs) return;
+  kvp__dev_event_wait(k->done);
+  if (!k->pinned) kvp__meta_free(&pool->meta, k->recs, k->recs_cap);
+  else if (!now && k->n_old < 8) k->old_bytes[k->n_old] = k->recs_cap, k->old[k->n_old++] = k->recs;
+  else kvp__dev_kept_free(pool, k->recs, k->recs_cap);
+  k->recs = NULL, k->pinned = false;
+}
+
+static void kept_drop(kvp_pool *pool, kvp__acache *k, bool now) {
   kvp__meta_free(&pool->meta, k->seqs, k->seqs_cap * sizeof *k->seqs);
-  kvp__meta_free(&pool->meta, k->recs, k->recs_cap);
+  kept_recs_free(pool, k, now);
   kvp__meta_free(&pool->meta, k->recs_at, (k->bh_cap + 1) * sizeof *k->recs_at);
   kvp__meta_free(&pool->meta, k->tok_of, k->bh_cap * sizeof *k->tok_of);
   kvp__meta_free(&pool->meta, k->tails, k->bh_cap * sizeof *k->tails);
@@ -719,7 +748,9 @@ void kvp__attend_kept_fini(kvp_pool *pool) {
   for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
     kvp__acache *k = pool->acache[l];
     if (!k) continue;
-    kept_drop(pool, k);
+    kept_drop(pool, k, true);
+    for (uint32_t i = 0; i < k->n_old; i++) kvp__dev_kept_free(pool, k->old[i], k->old_bytes[i]);
+    kvp__dev_event_free(pool, k->done);
     kvp__meta_free(&pool->meta, k, sizeof *k);
   }
   kvp__meta_free(&pool->meta, pool->acache, pool->cfg.n_layers * sizeof *pool->acache);
@@ -734,7 +765,9 @@ static kvp__acache *kept_of(kvp_pool *pool, uint32_t layer) {
   kvp__acache *n = kvp__meta_calloc(&pool->meta, sizeof *n);
   if (!n) return NULL;
   kvp__mutex_init(&n->lock);
+  n->done = pool->dev ? kvp__dev_event_new(pool) : NULL; /* none: records in metadata, copied per call */
   if (atomic_compare_exchange_strong_explicit(slot, &k, n, memory_order_acq_rel, memory_order_acquire)) return n;
+  kvp__dev_event_free(pool, n->done);
   kvp__meta_free(&pool->meta, n, sizeof *n);
   return k;
 }
@@ -747,26 +780,29 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh];
   uint64_t rec_bytes = (uint64_t)nrec * rb;
   k->valid = false;
+  kvp__dev_event_wait(k->done); /* the records may still be read in place */
   if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh || k->pre_cap < nrec) {
     uint64_t sc = t->batch > k->seqs_cap ? t->batch : k->seqs_cap, rc = rec_bytes > k->recs_cap ? rec_bytes + rec_bytes / 8 : k->recs_cap,
              bc = nbh > k->bh_cap ? nbh : k->bh_cap, pc = nrec > k->pre_cap ? nrec + nrec / 8 : k->pre_cap;
-    uint64_t need = sc * sizeof *k->seqs + rc + (bc + 1) * sizeof *k->recs_at + bc * (sizeof *k->tok_of + sizeof *k->tails) +
-                    (pc ? pc : 1) * sizeof *k->pre;
-    kept_drop(pool, k);
+    uint64_t need = sc * sizeof *k->seqs + rc + (bc + 1) * sizeof *k->recs_at +
+                    bc * (sizeof *k->tok_of + sizeof *k->tails) + (pc ? pc : 1) * sizeof *k->pre;
+    kept_drop(pool, k, false);
     if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
       atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
       return false;
     }
     k->bytes = need;
     k->seqs = kvp__meta_alloc(&pool->meta, sc * sizeof *k->seqs);
-    k->recs = kvp__meta_alloc(&pool->meta, rc ? rc : 16);
+    k->recs = k->done ? kvp__dev_kept_alloc(pool, rc ? rc : 16) : NULL; /* pinned: read in place */
+    k->pinned = k->recs != NULL;
+    if (!k->recs) k->recs = kvp__meta_alloc(&pool->meta, rc ? rc : 16);
     k->recs_at = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->recs_at);
     k->tok_of = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tok_of + 8);
     k->tails = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tails + 8);
     k->pre = kvp__meta_alloc(&pool->meta, (pc ? pc : 1) * sizeof *k->pre);
     k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc, k->pre_cap = pc ? pc : 1;
     if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails || !k->pre) {
-      kept_drop(pool, k);
+      kept_drop(pool, k, false);
       return false;
     }
   }
@@ -836,24 +872,47 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
   uint64_t gen = atomic_load(&pool->sgen); /* odd: a writer is in; the kept table is neither used nor kept */
   if (!(gen & 1) && kept_matches(k, t, gen)) {
     uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
-    if (!(rc = reserve(buf, 0, rec_bytes))) {
+    kvp__dev_event_wait(k->done); /* the kernels that read the records in place ended */
+    if (k->pinned && kvp__kern_attend_zero_copy(t->kind, pool->cfg.head_dim)) {
+      /* read in place: the tails redone there, the splits and the index
+       * built; held until the caller's kernels are enqueued and done is
+       * recorded after them (kvp__attend_kept_release) */
+      kept_advance(pool, k, rb);
+      rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, k->pre, bh_split0,
+                        k->whole_bytes + (uint64_t)k->part_bytes, true);
+      *hit = !rc;
+      if (!rc) {
+        t->recs_host = k->recs, t->done = k->done, t->hold = k;
+        kvp__meta_free(NULL, tok_of, scratch);
+        return KVP_OK;
+      }
+    } else if (!(rc = reserve(buf, 0, rec_bytes))) {
       kept_advance(pool, k, rb);
       memcpy(buf->p, k->recs, rec_bytes);
       rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, k->pre, bh_split0,
-                        k->whole_bytes + (uint64_t)k->part_bytes);
+                        k->whole_bytes + (uint64_t)k->part_bytes, false);
       *hit = !rc;
     }
   } else {
     cursor c;
     bool shared;
     rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, &shared, &c);
-    if (!rc) rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes);
+    if (!rc)
+      rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
+                        false);
     if (!rc && !shared && !(gen & 1)) kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c);
     else k->valid = false;
   }
   kvp__meta_free(NULL, tok_of, scratch);
   kvp__mutex_unlock(&k->lock);
   return rc;
+}
+
+void kvp__attend_kept_release(kvp_pool *pool, kvp__atable *t) {
+  (void)pool;
+  kvp__acache *k = t->hold;
+  t->hold = NULL;
+  if (k) kvp__mutex_unlock(&k->lock);
 }
 
 #endif

@@ -573,6 +573,57 @@ void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64
   *pinned_bytes += kvp__xfer_pinned_bytes(pool); /* the store tier's staging */
 }
 
+/* ---- kept attention tables' records (pages/attend_table.c) ---------------- */
+
+void *kvp__dev_kept_alloc(kvp_pool *pool, uint64_t bytes) {
+  struct kvp__dev *d = pool->dev;
+  void *p = NULL;
+  int prev;
+  if (!d || dev_enter(pool, &prev)) return NULL;
+  if (cudaMallocHost(&p, bytes) != cudaSuccess) {
+    cudaGetLastError();
+    p = NULL;
+  } else {
+    __atomic_add_fetch(&d->pinned_bytes, bytes, __ATOMIC_RELAXED);
+  }
+  dev_leave(pool, prev);
+  return p;
+}
+
+void kvp__dev_kept_free(kvp_pool *pool, void *p, uint64_t bytes) {
+  if (!p) return;
+  int prev;
+  dev_enter(pool, &prev);
+  cudaFreeHost(p);
+  dev_leave(pool, prev);
+  __atomic_sub_fetch(&pool->dev->pinned_bytes, bytes, __ATOMIC_RELAXED);
+}
+
+void *kvp__dev_event_new(kvp_pool *pool) {
+  cudaEvent_t e = NULL;
+  int prev;
+  if (!pool->dev || dev_enter(pool, &prev)) return NULL;
+  if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+    cudaGetLastError();
+    e = NULL;
+  }
+  dev_leave(pool, prev);
+  return e;
+}
+
+void kvp__dev_event_free(kvp_pool *pool, void *ev) {
+  if (!ev) return;
+  int prev;
+  dev_enter(pool, &prev);
+  cudaEventSynchronize((cudaEvent_t)ev);
+  cudaEventDestroy((cudaEvent_t)ev);
+  dev_leave(pool, prev);
+}
+
+void kvp__dev_event_wait(void *ev) {
+  if (ev && cudaEventSynchronize((cudaEvent_t)ev) != cudaSuccess) cudaGetLastError();
+}
+
 /* ---- decode attention ------------------------------------------------------ */
 
 uint32_t kvp__dev_sm_count(const kvp_pool *pool) { return pool->dev ? pool->dev->sms : 1; }
@@ -584,7 +635,7 @@ uint32_t kvp__dev_attend_slots(const kvp_pool *pool, const kvp__kparams p[4]) {
 }
 
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
-                        void *stream) {
+                        void *stream, const void *recs_host, void *done) {
   struct kvp__dev *d = pool->dev;
   cudaStream_t s = (cudaStream_t)stream;
   int prev, rc = dev_enter(pool, &prev);
@@ -592,11 +643,23 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
   /* A table in the pinned stage that the layer's kernel reads in batches
    * stays there (the kernel reads it over the bus while it runs, where a
    * copy first would add its whole time): only the splits and their index
-   * cross. The stage is then free again when the kernels end. */
+   * cross. The stage is then free again when the kernels end. Records
+   * elsewhere (recs_host: a kept table's, pinned) are read in place the
+   * same way; g's buffer then holds the splits and the index alone, and
+   * done is recorded after the kernels. */
   kvp__attend_args x = *a;
   uint64_t from = 0;
   void *mapped = NULL;
-  if (g->staged && kvp__kern_attend_zero_copy(kvp__kern_attend_kind(a->p), a->head_dim)) {
+  cudaError_t e;
+  if (recs_host) {
+    void *kr = NULL;
+    if ((e = cudaHostGetDevicePointer(&kr, (void *)recs_host, 0)) != cudaSuccess) {
+      cudaGetLastError();
+      dev_leave(pool, prev);
+      return cuda_fail(e, "attention: the kept table's pinned records");
+    }
+    x.recs = kr;
+  } else if (g->staged && kvp__kern_attend_zero_copy(kvp__kern_attend_kind(a->p), a->head_dim)) {
     if (cudaHostGetDevicePointer(&mapped, g->recs, 0) == cudaSuccess) {
       from = (uint64_t)((const char *)a->splits - (const char *)a->recs);
       x.recs = mapped;
@@ -605,8 +668,8 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
       cudaGetLastError();
     }
   }
-  cudaError_t e = cudaMemcpyAsync((char *)a->recs + from, (const char *)g->recs + from, table_bytes - from,
-                                  cudaMemcpyHostToDevice, s);
+  e = cudaMemcpyAsync((char *)a->recs + from, (const char *)g->recs + from, table_bytes - from,
+                      cudaMemcpyHostToDevice, s);
   if (e == cudaSuccess && g->staged && !mapped) e = cudaEventRecord(slot_of(d, g)->done, s);
   if (e != cudaSuccess) rc = cuda_fail(e, "attention: the block table's copy");
   if (!rc) {
@@ -615,6 +678,11 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
   }
   if (mapped && (e = cudaEventRecord(slot_of(d, g)->done, s)) != cudaSuccess && !rc)
     rc = cuda_fail(e, "attention: the block table's release");
+  if (done && (e = cudaEventRecord((cudaEvent_t)done, s)) != cudaSuccess) {
+    cudaStreamSynchronize(s); /* no event to wait for: the kernels end before the records may change */
+    cudaGetLastError();
+    if (!rc) rc = cuda_fail(e, "attention: the kept table's release");
+  }
   dev_leave(pool, prev);
   return rc;
 }

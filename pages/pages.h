@@ -651,9 +651,22 @@ void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
 int kvp__dev_gather_reserve(kvp_pool *pool, kvp__dev_gather *g, uint64_t used_bytes, uint64_t need_bytes);
 /* Decode attention (pages/attend.c builds, this runs): the first
  * table_bytes of g's records (records, splits, split index) copied to
- * a->recs in one transfer, then kernels/attend.cu's launches. */
+ * a->recs in one transfer, then kernels/attend.cu's launches. With
+ * recs_host (a kept table's pinned records, t->recs_host) the kernels read
+ * the records there, g's table holds the splits and the index alone, and
+ * done (t->done) is recorded after them. */
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
-                        void *stream);
+                        void *stream, const void *recs_host, void *done);
+/* A kept attention table's pinned records (read in place by the kernels),
+ * and the event of the last work that reads them; NULL without a device
+ * or memory. kvp__dev_event_free waits for the event first;
+ * kvp__dev_event_wait ignores errors (a failed record leaves the event as
+ * it was: done). */
+void *kvp__dev_kept_alloc(kvp_pool *pool, uint64_t bytes);
+void kvp__dev_kept_free(kvp_pool *pool, void *p, uint64_t bytes);
+void *kvp__dev_event_new(kvp_pool *pool);
+void kvp__dev_event_free(kvp_pool *pool, void *ev);
+void kvp__dev_event_wait(void *ev);
 /* pages/attend_table.c: the attention's block table, built on the host
  * (any pool with 64-byte aligned pages: a CUDA region, or a dry one). */
 typedef struct kvp__abuf {
@@ -678,6 +691,14 @@ typedef struct kvp__atable {
   uint64_t table_bytes;         /* bytes of the whole table */
   uint64_t token_heads;         /* (token, KV head) pairs recorded */
   uint64_t bytes_read;          /* page bytes the kernel reads */
+  /* a kept table read in place (kvp__attend_build_kept): its records are
+   * at recs_host (pinned) and the table built holds the splits and the
+   * index alone (off_splits 0); the kept table stays held, unchanged,
+   * until kvp__attend_kept_release, and done must be recorded after the
+   * last work that reads the records. NULL otherwise. */
+  const void *recs_host;
+  void *done;
+  void *hold;
 } kvp__atable;
 /* The kernels' parameters of layer's four bindings (K codec, K tail, V
  * codec, V tail); KVP_ENOTSUP names a codec the kernel cannot read. */
@@ -695,6 +716,8 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf);
  * KVP__ACACHE_MAX_BYTES of records a pool, in its metadata bytes). *hit:
  * whether the kept table served. Any pool kvp__attend_build takes. */
 int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool *hit);
+/* Let go of the kept table t holds (t->hold), after its work is enqueued. */
+void kvp__attend_kept_release(kvp_pool *pool, kvp__atable *t);
 /* The kept tables' memory (pool destroy). */
 void kvp__attend_kept_fini(kvp_pool *pool);
 /* Device and pinned host bytes the control block holds (stats). */

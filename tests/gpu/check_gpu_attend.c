@@ -255,6 +255,37 @@ START_TEST(geometry) {
 }
 END_TEST
 
+/* Decode steps between the calls: each layer's kept table is read in
+ * place (pinned records, the tails redone there) while tokens fill OPEN
+ * blocks, and rebuilt when a block fills; every call against the
+ * reference. */
+START_TEST(decode_steps_kept_in_place) {
+  static const char *const sp[] = {"kv=bf16", "kv=fp8", "kv=nvfp4", "kv=kivi:bits=2:group=16"};
+  if (gpu_spec_off(sp[_i])) return;
+  fixture f;
+  fx_open(&f, sp[_i], 2, 4, 128, 64ull << 20, 64);
+  static const uint32_t len[] = {20, 33, 47, 64};
+  uint64_t seqs[4];
+  for (uint32_t i = 0; i < 4; i++) fx_seq(&f, seqs[i] = 30 + i, len[i]);
+  kvp_stats s0 = {.struct_size = sizeof s0}, s1 = {.struct_size = sizeof s1};
+  ck_ok(kvp_stats_get(f.pool, &s0));
+  double worst = 0;
+  for (int step = 0; step < 40; step++) {
+    for (uint32_t i = 0; i < 4; i++) fx_step(&f, seqs[i], 1);
+    for (uint32_t layer = 0; layer < 2; layer++) {
+      run a = {.split_tokens = step % 3 ? 0 : 16, .out_dtype = KVP_DTYPE_F32};
+      attend_vs_ref(&f, layer, seqs, 4, 16, &a);
+      worst = fmax(worst, a.worst);
+    }
+  }
+  ck_ok(kvp_stats_get(f.pool, &s1));
+  ck_assert_uint_gt(s1.host_pinned_bytes, s0.host_pinned_bytes); /* the kept records, pinned */
+  printf("%-28s 40 decode steps, kept tables in place: max rel error %.2e, %llu pinned bytes more\n", sp[_i], worst,
+         (unsigned long long)(s1.host_pinned_bytes - s0.host_pinned_bytes));
+  fx_close(&f);
+}
+END_TEST
+
 /* 128K tokens of one sequence (llama-3-8b's layer geometry): the automatic
  * split spreads it over the device. */
 START_TEST(long_context) {
@@ -334,6 +365,7 @@ int main(void) {
   tcase_add_loop_test(tc, codecs_vs_reference, 0, NSPECS);
   tcase_add_test(tc, geometry);
   tcase_add_test(tc, long_context);
+  tcase_add_loop_test(tc, decode_steps_kept_in_place, 0, 4);
   tcase_add_test(tc, refusals);
   suite_add_tcase(s, tc);
   return gpu_run(s, CK_NORMAL);
