@@ -134,11 +134,9 @@ __attribute__((target("avx2"))) static inline __m256 finish8_avx2(const synth_ge
   __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(1.0f / 65536.0f));
   z = _mm256_mul_ps(_mm256_sub_ps(z, _mm256_set1_ps(2.0f)), _mm256_set1_ps(1.7320508f));
   __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(t32, _mm256_set1_epi32(127)), _mm256_setzero_si256());
-  if (!_mm256_testz_si256(hit, hit)) {
-    __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t32, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
-    __m256 zt = _mm256_mul_ps(z, _mm256_add_ps(_mm256_set1_ps(2.0f), _mm256_mul_ps(_mm256_set1_ps(3.0f), u)));
-    z = _mm256_blendv_ps(z, zt, _mm256_castsi256_ps(hit));
-  }
+  __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t32, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
+  __m256 zt = _mm256_mul_ps(z, _mm256_add_ps(_mm256_set1_ps(2.0f), _mm256_mul_ps(_mm256_set1_ps(3.0f), u)));
+  z = _mm256_blendv_ps(z, zt, _mm256_castsi256_ps(hit)); /* branch-free: a vector in 16 has a hit */
   return _mm256_add_ps(_mm256_loadu_ps(g->bias + c), _mm256_mul_ps(_mm256_loadu_ps(g->scale + c), z));
 }
 
@@ -192,12 +190,11 @@ KVP__T512 static void gen_rows_avx512(const synth_gen *g, uint32_t pos0, uint32_
       __m512i t32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(mix64_avx512(r0))),
                                        _mm512_cvtepi64_epi32(mix64_avx512(r1)), 1);
       __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), k16), two), sq3);
+      /* the heavy tail, branch-free: one lane in 128 takes it, so a vector
+       * of 16 in 8 (a branch on it would be mispredicted that often) */
       __mmask16 hit = _mm512_testn_epi32_mask(t32, _mm512_set1_epi32(127));
-      if (hit) {
-        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(t32, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
-        __m512 zt = _mm512_mul_ps(z, _mm512_add_ps(two, _mm512_mul_ps(_mm512_set1_ps(3.0f), u)));
-        z = _mm512_mask_blend_ps(hit, z, zt);
-      }
+      __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(t32, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
+      z = _mm512_mask_mul_ps(z, hit, z, _mm512_add_ps(two, _mm512_mul_ps(_mm512_set1_ps(3.0f), u)));
       z = _mm512_mul_ps(_mm512_loadu_ps(g->scale + c), z);
       _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(g->bias + c), z));
     }
