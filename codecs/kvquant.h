@@ -98,6 +98,10 @@ int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *
  * than m past the threshold, more than cap, or an answer of zero, whose
  * sign only the heaps' order fixes) runs the heaps over its column. */
 #define KVP__KVQ_SAMPLE_EVERY 16u
+/* The sample's thresholds come from sorted lists 8 channels a vector (AVX2)
+ * where the head dim is a multiple of 8 and hm is at most this; from the
+ * heaps elsewhere. Either gives the same thresholds. */
+#define KVP__KVQ_SAMPLE_LISTS_MAX 64u
 typedef struct kvp__kvq_head {
   kvp__kvq_fit *f;           /* the side */
   uint32_t h, n, seen;       /* head; rows in all; rows taken so far */

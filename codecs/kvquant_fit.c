@@ -32,10 +32,15 @@
  *     cannot vouch for it (too few or too many candidates, an answer of
  *     zero, whose sign the heaps' order fixes) the heaps run over the
  *     channel's column as before.
+ *   - the sample's screen thresholds by sorted lists, 8 channels a vector
+ *     (sample_lists_avx2: a min/max ladder, no branch but "does any lane
+ *     go in"), where the heaps cost a mispredicted branch a level: the
+ *     hm-th extreme either way.
  *   - the histogram by a row kernel that keeps the scores in registers and
  *     stores per value only its bin and clipped value, then adds them in
  *     the base code's order (the adds are the cost: about one random store
- *     each).
+ *     each). Each lane keeps its two largest scores, so a row's first two
+ *     outliers come from one pass (the encoder's k = ceil(0.01 x 128) = 2).
  *   - the codebook's distances 4 bins at a time, over the bins that hold
  *     weight (listed once, not scanned each round).
  * Invariant: the ISA changes how many lanes run, never a result: every
@@ -370,6 +375,46 @@ __attribute__((target("avx2"))) static int rows_avx2(kvp__kvq_head *hs, const fl
   return KVP_OK;
 }
 
+/* The sample's thresholds by sorted lists instead of heaps (D a multiple of
+ * 8, hm <= KVP__KVQ_SAMPLE_LISTS_MAX): each group of 8 channels keeps, one lane a
+ * channel, the hm smallest values so far ascending (lo) and the hm largest
+ * descending (hi), laid out [D / 8][hm][8] in hs->lo, hs->hi. A row's 8
+ * values go in by a branch-free ladder, every entry at once:
+ *   L'[i] = max(L[i - 1], min(L[i], v)),  L'[0] = min(L[0], v)
+ * (hi: min and max swapped), skipped when no lane beats the last entry.
+ * The last entry is then the hm-th extreme, the value the heaps' root
+ * holds whatever the order (a zero's sign aside, which no screen sees). */
+__attribute__((target("avx2"))) static void sample_lists_avx2(kvp__kvq_head *hs, const float *s, size_t s_stride,
+                                                           uint32_t ns) {
+  const uint32_t D = hs->f->head_dim, hm = hs->hm, hop = sample_hop(ns);
+  for (size_t i = 0; i < (size_t)D * hm; i++) hs->lo[i] = INFINITY, hs->hi[i] = -INFINITY;
+  for (uint32_t i = 0, q = 0; i < ns; i++, q = (uint32_t)(((uint64_t)q + hop) % ns)) {
+    const float *xr = s + (size_t)q * s_stride;
+    for (uint32_t g = 0; g < D / 8; g++) {
+      __m256 v = _mm256_loadu_ps(xr + 8 * g);
+      float *lo = hs->lo + (size_t)g * hm * 8, *hi = hs->hi + (size_t)g * hm * 8;
+      if (_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(lo + 8 * (hm - 1)), _CMP_LT_OQ))) {
+        for (uint32_t j = hm - 1; j > 0; j--)
+          _mm256_storeu_ps(lo + 8 * j, _mm256_max_ps(_mm256_loadu_ps(lo + 8 * (j - 1)),
+                                                     _mm256_min_ps(_mm256_loadu_ps(lo + 8 * j), v)));
+        _mm256_storeu_ps(lo, _mm256_min_ps(_mm256_loadu_ps(lo), v));
+      }
+      if (_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hi + 8 * (hm - 1)), _CMP_GT_OQ))) {
+        for (uint32_t j = hm - 1; j > 0; j--)
+          _mm256_storeu_ps(hi + 8 * j, _mm256_min_ps(_mm256_loadu_ps(hi + 8 * (j - 1)),
+                                                     _mm256_max_ps(_mm256_loadu_ps(hi + 8 * j), v)));
+        _mm256_storeu_ps(hi, _mm256_max_ps(_mm256_loadu_ps(hi), v));
+      }
+    }
+  }
+  for (uint32_t c = 0; c < D; c++) {
+    size_t last = ((size_t)(c / 8) * hm + hm - 1) * 8 + c % 8;
+    hs->lo_root[c] = hs->lo[last];
+    hs->hi_root[c] = hs->hi[last];
+  }
+  hs->hlen = hm;
+}
+
 /* The sample's heaps: heaps_row with the screen 8 channels at a time. */
 __attribute__((target("avx2"))) static void sample_avx2(kvp__kvq_head *hs, const float *s, size_t s_stride,
                                                        uint32_t ns) {
@@ -445,7 +490,8 @@ void kvp__kvq_head_sample(kvp__kvq_head *hs, const float *s, size_t s_stride) {
   uint32_t ns = (hs->n + hs->every - 1) / hs->every;
 #if KVP__HAVE_AVX2
   if (kvp__codec_isa() >= KVP__ISA_AVX2) {
-    sample_avx2(hs, s, s_stride, ns);
+    if (hs->f->head_dim % 8 == 0 && hs->hm <= KVP__KVQ_SAMPLE_LISTS_MAX) sample_lists_avx2(hs, s, s_stride, ns);
+    else sample_avx2(hs, s, s_stride, ns);
     return;
   }
 #endif
@@ -619,6 +665,20 @@ __attribute__((target("avx2"))) static inline float hmin8(__m256 v) {
     vat = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vat), _mm256_castsi256_ps(ci), gt_));             \
   } while (0)
 
+/* ARGMAX_STEP keeping each lane's two largest (m1 at a1, then m2 at a2,
+ * the lower channel first among equal scores): the lane's channels come
+ * in ascending order, so a score displaces an entry only when strictly
+ * larger. */
+#define ARGMAX2_STEP(m1, a1, m2, a2, s, ci)                                                                          \
+  do {                                                                                                               \
+    __m256 g1_ = _mm256_cmp_ps(s, m1, _CMP_GT_OQ), g2_ = _mm256_cmp_ps(s, m2, _CMP_GT_OQ);                           \
+    m2 = _mm256_blendv_ps(_mm256_blendv_ps(m2, s, g2_), m1, g1_);                                                    \
+    a2 = _mm256_castps_si256(_mm256_blendv_ps(                                                                       \
+        _mm256_blendv_ps(_mm256_castsi256_ps(a2), _mm256_castsi256_ps(ci), g2_), _mm256_castsi256_ps(a1), g1_));     \
+    m1 = _mm256_blendv_ps(m1, s, g1_);                                                                               \
+    a1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a1), _mm256_castsi256_ps(ci), g1_));              \
+  } while (0)
+
 /* The largest of the lanes and the first channel with it (lanes a and b:
  * two accumulators over alternate vectors), then the scalar tail's
  * channels [Dv, D) with scores st[0 .. D - Dv). */
@@ -658,16 +718,15 @@ static inline int picked1(uint32_t c, const uint16_t *top, uint32_t k) {
 /* The outliers of a row, as kvp__kvq_top picks them (the k largest scores
  * |x - off| inv, ties to the lower channel): k times the first channel of
  * the largest score not yet picked, the scores recomputed each time (the
- * same operations, so the same values); top ascending. first: the first
- * pick, which the caller found. */
+ * same operations, so the same values); top ascending. top[0 .. j0):
+ * the first picks, which the caller found. */
 __attribute__((target("avx2"))) static void top_avx2(const float *xr, const float *off, const float *inv, uint32_t D,
-                                                     uint32_t k, uint32_t first, uint16_t *top) {
+                                                     uint32_t k, uint32_t j0, uint16_t *top) {
   const uint32_t Dv = D & ~7u;
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), none = _mm256_set1_ps(-1.0f);
   const __m256i step = _mm256_set1_epi32(8);
   float st[8];
-  top[0] = (uint16_t)first;
-  for (uint32_t j = 1; j < k; j++) {
+  for (uint32_t j = j0; j < k; j++) {
     __m256 va = none, vb = none;
     __m256i ata = _mm256_setzero_si256(), atb = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     uint32_t c = 0;
@@ -735,16 +794,25 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
   uint16_t *top = hs->top;
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), none = _mm256_set1_ps(-1.0f);
   const __m256i step = _mm256_set1_epi32(8);
-  __m256 va = none, vb = none;
-  __m256i ata = _mm256_setzero_si256(), atb = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
-    __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
-    __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
-    if (keep) _mm256_storeu_ps(score + c, s);
-    if (c & 8) ARGMAX_STEP(vb, atb, s, ci); /* two accumulators: half the dependent chain */
-    else ARGMAX_STEP(va, ata, s, ci);
-    if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c); /* K: n = d inv */
-  }
+  __m256 va = none, vb = none, va2 = none, vb2 = none;
+  __m256i ata = _mm256_setzero_si256(), atb = ata, ata2 = ata, atb2 = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if (k >= 2 && !keep) /* each lane's two largest: the first two picks from one pass */
+    for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
+      __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
+      __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
+      if (c & 8) ARGMAX2_STEP(vb, atb, vb2, atb2, s, ci);
+      else ARGMAX2_STEP(va, ata, va2, ata2, s, ci);
+      if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c);
+    }
+  else
+    for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
+      __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
+      __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
+      if (keep) _mm256_storeu_ps(score + c, s);
+      if (c & 8) ARGMAX_STEP(vb, atb, s, ci); /* two accumulators: half the dependent chain */
+      else ARGMAX_STEP(va, ata, s, ci);
+      if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c); /* K: n = d inv */
+    }
   for (uint32_t c = Dv; c < D; c++) {
     float d = xr[c] - off[c];
     st[c - Dv] = score[c] = fabsf(d) * inv[c];
@@ -754,8 +822,23 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
    * and no K value is NaN, whatever |x - off| (up to inf) */
   if (keep) {
     kvp__kvq_top(score, D, k, top);
+  } else if (k == 1) {
+    top[0] = (uint16_t)argmax_finish(va, ata, vb, atb, st, Dv, D);
   } else if (k) {
-    top_avx2(xr, off, inv, D, k, argmax_finish(va, ata, vb, atb, st, Dv, D), top);
+    uint32_t c1 = argmax_finish(va, ata, vb, atb, st, Dv, D);
+    /* the second: the best of the lanes, each without c1 (the lane that
+     * had c1 first offers its second), and of the tail without c1 */
+    __m256i v1 = _mm256_set1_epi32((int)c1);
+    __m256 ha = _mm256_castsi256_ps(_mm256_cmpeq_epi32(ata, v1)), hb = _mm256_castsi256_ps(_mm256_cmpeq_epi32(atb, v1));
+    va = _mm256_blendv_ps(va, va2, ha);
+    ata = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ata), _mm256_castsi256_ps(ata2), ha));
+    vb = _mm256_blendv_ps(vb, vb2, hb);
+    atb = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(atb), _mm256_castsi256_ps(atb2), hb));
+    if (c1 >= Dv) st[c1 - Dv] = -1.0f;
+    uint32_t c2 = argmax_finish(va, ata, vb, atb, st, Dv, D);
+    top[0] = (uint16_t)(c1 < c2 ? c1 : c2);
+    top[1] = (uint16_t)(c1 < c2 ? c2 : c1);
+    if (k > 2) top_avx2(xr, off, inv, D, k, 2, top);
   }
   if (kv) { /* the dense values' middle and half-width, then n and its bin */
     const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
