@@ -924,6 +924,8 @@ void kvp__kvq_head_end(kvp__kvq_head *hs, const float *x, const float *w, size_t
   for (uint32_t t = 0; t < hs->n; t++) {
     const float *xr = x + (size_t)t * x_stride, *wr = w ? w + (size_t)t * x_stride : NULL;
 #if KVP__HAVE_AVX2
+    if (t + 4 < hs->n) /* the row 4 ahead, a line at a time: the rows come from memory, not cache */
+      for (uint32_t c = 0; c < D; c += 16) __builtin_prefetch(xr + 4 * x_stride + c);
     if (vec && !row_avx2(hs, xr, wr, k)) continue;
 #endif
     fit_token(f, h, xr, wr, k, hs->score, hs->top);
