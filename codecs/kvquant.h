@@ -111,12 +111,12 @@ typedef struct kvp__kvq_head {
   uint32_t hm, hlen;         /* heap size (m, or j for the sample); values in each heap */
   float *lo, *hi;            /* [D][hm]: max-heap of the hm smallest, min-heap of the hm largest */
   float *lo_root, *hi_root;  /* [D]: lo[c][0], hi[c][0]; after the sample, the screen's thresholds */
-  uint32_t cap;              /* candidates each side can hold (16 spare entries past it) */
-  uint32_t ncand[2];         /* candidates taken per side (cap + 1: more than cap) */
-  float *cand_v[2];          /* [cap + 16]: values below lo_root (side 0), above hi_root (1), in row order */
-  int32_t *cand_c[2];        /* [cap + 16]: their channels */
-  float *sorted;             /* [cap]: one side's candidates by channel */
-  uint32_t *cnt;             /* [D + 1]: the counting sort's */
+  uint32_t cap;              /* candidates the list can hold, both sides (16 spare entries past it) */
+  uint32_t ncand;            /* candidates taken (cap + 1: more than cap) */
+  float *cand_v;             /* [cap + 16]: values below lo_root or above hi_root, in row order */
+  int32_t *cand_c;           /* [cap + 16]: their keys: channel c below lo_root, D + c above hi_root */
+  float *sorted;             /* [cap]: the candidates by key */
+  uint32_t *cnt;             /* [2 D + 1]: the counting sort's */
   float *replay;             /* [2 m]: one channel's heaps, for a replay */
   float *score, *nrm;        /* [D]: a row's outlier scores, clipped normalized values */
   void *mem;                 /* the scratch's one allocation */

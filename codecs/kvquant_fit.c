@@ -57,11 +57,12 @@
  *                        the sample's j)
  *   lo_root[D] hi_root[D]  their roots; after the sample, the thresholds
  *   score[D] nrm[D]      a row's outlier scores and clipped normalized values
- *   cand_v[2][cap + 16]  candidates below lo_root, above hi_root (row order)
- *   sorted[cap]          one side's candidates by channel
+ *   cand_v[cap + 16]     candidates below lo_root or above hi_root (row order)
+ *   sorted[cap]          the candidates by key
  *   replay[2 m]          one channel's heaps, for a replay
- *   cand_c[2][cap + 16]  the candidates' channels (i32)
- *   cnt[D + 1]           the counting sort's (u32)
+ *   cand_c[cap + 16]     the candidates' keys (i32): c below lo_root, D + c
+ *                        above (lo_root <= hi_root: one side or none)
+ *   cnt[2 D + 1]         the counting sort's (u32)
  *   bin[D]               a row's bins, byte offsets into the histogram (i32)
  *   top[D]               a row's outlier channels (u16)
  */
@@ -209,20 +210,20 @@ static int row_check(const kvp__kvq_head *hs, const float *x, const float *w) {
   return KVP_OK;
 }
 
-/* The screen of one row (every > 0): the values below lo_root, then those
- * above hi_root, channels ascending, onto the candidates; past cap, only
- * the count. */
+/* The screen of one row (every > 0): the values below lo_root or above
+ * hi_root, channels ascending, onto the candidates with their keys; past
+ * cap, only the count. */
 static void screen_row(kvp__kvq_head *hs, const float *xr) {
-  for (uint32_t side = 0; side < 2; side++) {
-    uint32_t k = hs->ncand[side];
-    const float *th = side ? hs->hi_root : hs->lo_root;
-    for (uint32_t c = 0; c < hs->f->head_dim; c++)
-      if (side ? xr[c] > th[c] : xr[c] < th[c]) {
-        if (k < hs->cap) hs->cand_v[side][k] = xr[c], hs->cand_c[side][k] = (int32_t)c;
-        k += k <= hs->cap;
-      }
-    hs->ncand[side] = k;
+  const uint32_t D = hs->f->head_dim;
+  uint32_t k = hs->ncand;
+  for (uint32_t c = 0; c < D; c++) {
+    int hi = xr[c] > hs->hi_root[c];
+    if (hi || xr[c] < hs->lo_root[c]) {
+      if (k < hs->cap) hs->cand_v[k] = xr[c], hs->cand_c[k] = (int32_t)(c + (hi ? D : 0));
+      k += k <= hs->cap;
+    }
   }
+  hs->ncand = k;
 }
 
 static int rows_base(kvp__kvq_head *hs, const float *x, const float *w, size_t stride, uint32_t nrows) {
@@ -269,64 +270,62 @@ static void compress_init(void) {
 }
 
 /* screen_row 8 channels at a time from channel c0 (a multiple of 8): the
- * passing lanes, packed, are stored whole (8 values, 8 channels) at the
- * side's count, which then grows by their number; the spare entries past
- * cap take the tail of a store. Branch-free: a store costs less than the
- * mispredicted branch that would skip it. */
+ * passing lanes, packed, are stored whole (8 values, 8 keys) at the
+ * count, which then grows by their number; the spare entries past cap
+ * take the tail of a store. Branch-free: a store costs less than the
+ * mispredicted branch that would skip it; both sides in one list: half
+ * the stores of a list per side. */
 __attribute__((target("avx2"))) static void screen_avx2(kvp__kvq_head *hs, const float *xr, uint32_t c0) {
   const uint32_t D = hs->f->head_dim, Dv = D & ~7u, cap = hs->cap;
-  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1];
+  const float *lo = hs->lo_root, *hi = hs->hi_root;
+  float *cv = hs->cand_v;
+  int32_t *cc = hs->cand_c;
+  uint32_t k = hs->ncand;
   __m256i ci = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)c0));
-  const __m256i step = _mm256_set1_epi32(8);
+  const __m256i step = _mm256_set1_epi32(8), vD = _mm256_set1_epi32((int)D);
   for (uint32_t c = c0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
     __m256 v = _mm256_loadu_ps(xr + c);
-    unsigned m0 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hs->lo_root + c), _CMP_LT_OQ));
-    unsigned m1 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hs->hi_root + c), _CMP_GT_OQ));
-    __m256i p0 = _mm256_loadu_si256((const __m256i *)compress_idx[m0]);
-    __m256i p1 = _mm256_loadu_si256((const __m256i *)compress_idx[m1]);
-    uint32_t a0 = k0 < cap ? k0 : cap, a1 = k1 < cap ? k1 : cap; /* past cap: the spare, over and over */
-    _mm256_storeu_ps(hs->cand_v[0] + a0, _mm256_permutevar8x32_ps(v, p0));
-    _mm256_storeu_si256((__m256i *)(hs->cand_c[0] + a0), _mm256_permutevar8x32_epi32(ci, p0));
-    _mm256_storeu_ps(hs->cand_v[1] + a1, _mm256_permutevar8x32_ps(v, p1));
-    _mm256_storeu_si256((__m256i *)(hs->cand_c[1] + a1), _mm256_permutevar8x32_epi32(ci, p1));
-    k0 += (uint32_t)__builtin_popcount(m0);
-    k1 += (uint32_t)__builtin_popcount(m1);
+    __m256 g0 = _mm256_cmp_ps(v, _mm256_loadu_ps(lo + c), _CMP_LT_OQ);
+    __m256 g1 = _mm256_cmp_ps(v, _mm256_loadu_ps(hi + c), _CMP_GT_OQ);
+    unsigned mk = (unsigned)_mm256_movemask_ps(_mm256_or_ps(g0, g1));
+    __m256i key = _mm256_add_epi32(ci, _mm256_and_si256(_mm256_castps_si256(g1), vD));
+    __m256i p = _mm256_loadu_si256((const __m256i *)compress_idx[mk]);
+    uint32_t a = k < cap ? k : cap; /* past cap: the spare, over and over */
+    _mm256_storeu_ps(cv + a, _mm256_permutevar8x32_ps(v, p));
+    _mm256_storeu_si256((__m256i *)(cc + a), _mm256_permutevar8x32_epi32(key, p));
+    k += (uint32_t)__builtin_popcount(mk);
   }
   for (uint32_t c = Dv; c < D; c++) {
-    if (xr[c] < hs->lo_root[c]) {
-      if (k0 < cap) hs->cand_v[0][k0] = xr[c], hs->cand_c[0][k0] = (int32_t)c;
-      k0++;
-    }
-    if (xr[c] > hs->hi_root[c]) {
-      if (k1 < cap) hs->cand_v[1][k1] = xr[c], hs->cand_c[1][k1] = (int32_t)c;
-      k1++;
+    int up = xr[c] > hi[c];
+    if (up || xr[c] < lo[c]) {
+      if (k < cap) cv[k] = xr[c], cc[k] = (int32_t)(c + (up ? D : 0));
+      k++;
     }
   }
-  hs->ncand[0] = k0 < cap ? k0 : cap + 1; /* saturate: cap + 1 says overflow */
-  hs->ncand[1] = k1 < cap ? k1 : cap + 1;
+  hs->ncand = k < cap ? k : cap + 1; /* saturate: cap + 1 says overflow */
 }
 
 /* screen_avx2 16 channels at a time, packed by AVX-512's compress (half
  * the stores), then the rest by screen_avx2. */
 __attribute__((target("avx2,avx512f,avx512dq,avx512vl"))) static void screen_avx512(kvp__kvq_head *hs, const float *xr) {
-  const uint32_t D16 = hs->f->head_dim & ~15u, cap = hs->cap;
-  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1];
+  const uint32_t D = hs->f->head_dim, D16 = D & ~15u, cap = hs->cap;
+  const float *lo = hs->lo_root, *hi = hs->hi_root;
+  float *cv = hs->cand_v;
+  int32_t *cc = hs->cand_c;
+  uint32_t k = hs->ncand;
   __m512i ci = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
+  const __m512i step = _mm512_set1_epi32(16), vD = _mm512_set1_epi32((int)D);
   for (uint32_t c = 0; c < D16; c += 16, ci = _mm512_add_epi32(ci, step)) {
     __m512 v = _mm512_loadu_ps(xr + c);
-    __mmask16 m0 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hs->lo_root + c), _CMP_LT_OQ);
-    __mmask16 m1 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hs->hi_root + c), _CMP_GT_OQ);
-    uint32_t a0 = k0 < cap ? k0 : cap, a1 = k1 < cap ? k1 : cap;
-    _mm512_storeu_ps(hs->cand_v[0] + a0, _mm512_maskz_compress_ps(m0, v));
-    _mm512_storeu_si512(hs->cand_c[0] + a0, _mm512_maskz_compress_epi32(m0, ci));
-    _mm512_storeu_ps(hs->cand_v[1] + a1, _mm512_maskz_compress_ps(m1, v));
-    _mm512_storeu_si512(hs->cand_c[1] + a1, _mm512_maskz_compress_epi32(m1, ci));
-    k0 += (uint32_t)__builtin_popcount(m0);
-    k1 += (uint32_t)__builtin_popcount(m1);
+    __mmask16 m0 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(lo + c), _CMP_LT_OQ);
+    __mmask16 m1 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hi + c), _CMP_GT_OQ);
+    __mmask16 mk = (__mmask16)(m0 | m1);
+    uint32_t a = k < cap ? k : cap;
+    _mm512_storeu_ps(cv + a, _mm512_maskz_compress_ps(mk, v));
+    _mm512_storeu_si512(cc + a, _mm512_maskz_compress_epi32(mk, _mm512_mask_add_epi32(ci, m1, ci, vD)));
+    k += (uint32_t)__builtin_popcount(mk);
   }
-  hs->ncand[0] = k0 < cap ? k0 : cap + 1;
-  hs->ncand[1] = k1 < cap ? k1 : cap + 1;
+  hs->ncand = k < cap ? k : cap + 1;
   screen_avx2(hs, xr, D16);
 }
 
@@ -450,10 +449,10 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   size_t ns = every ? (n + every - 1) / every : 0;               /* sample rows */
   size_t j = every ? (2 * (m + 1) + every - 1) / every + 8 : 0; /* thresholds' expected rank: about 2 m + 8 every */
   if (!every || n < 64 * every || 8 * j > ns) every = j = 0;   /* little to screen out: the heaps over every row */
-  size_t hm = every ? j : m, cap = every ? D * (2 * j * every + 64) : 0; /* about twice the candidates expected */
+  size_t hm = every ? j : m, cap = every ? 2 * D * (2 * j * every + 64) : 0; /* about twice the candidates expected */
   /* f32, i32, u32, u16: each aligned; the sizes cannot overflow (m <= n / 4 + 1 < 2^30, D <= 2^12) */
-  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 4 * D + 2 * (cap + spare) + cap + (every ? 2 * m : 0);
-  size_t bytes = nf * 4 + 2 * (cap + spare) * 4 + (D + 1) * 4 + D * 4 + D * 2;
+  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 4 * D + (cap + spare) + cap + (every ? 2 * m : 0);
+  size_t bytes = nf * 4 + (cap + spare) * 4 + (2 * D + 1) * 4 + D * 4 + D * 2;
   void *mem = malloc(bytes);
   if (!mem) return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
   *hs = (kvp__kvq_head){.f = f, .h = h, .n = n, .m = (uint32_t)m, .every = (uint32_t)every, .hm = (uint32_t)hm,
@@ -465,14 +464,12 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   hs->hi_root = hs->lo_root + D;
   hs->score = hs->hi_root + D;
   hs->nrm = hs->score + D;
-  hs->cand_v[0] = hs->nrm + D;
-  hs->cand_v[1] = hs->cand_v[0] + cap + spare;
-  hs->sorted = hs->cand_v[1] + cap + spare;
+  hs->cand_v = hs->nrm + D;
+  hs->sorted = hs->cand_v + cap + spare;
   hs->replay = hs->sorted + cap;
-  hs->cand_c[0] = (int32_t *)(hs->replay + (every ? 2 * m : 0));
-  hs->cand_c[1] = hs->cand_c[0] + cap + spare;
-  hs->cnt = (uint32_t *)(hs->cand_c[1] + cap + spare);
-  hs->bin = (int32_t *)(hs->cnt + D + 1);
+  hs->cand_c = (int32_t *)(hs->replay + (every ? 2 * m : 0));
+  hs->cnt = (uint32_t *)(hs->cand_c + cap + spare);
+  hs->bin = (int32_t *)(hs->cnt + 2 * D + 1);
   hs->top = (uint16_t *)(hs->bin + D);
 #if KVP__HAVE_AVX2
   pthread_once(&compress_once, compress_init);
@@ -576,27 +573,27 @@ static void replay(kvp__kvq_head *hs, const float *x, size_t stride, uint32_t c,
   *hi_out = hi[0];
 }
 
-/* Every channel's m-th smallest (side 0) or largest (side 1) sample into
- * out[D]; NAN where the candidates cannot tell (the caller replays). With
- * the sample, the candidates hold every value past the thresholds: when at
- * least m of a channel's are past it, its m-th extreme of every value is
- * among them, and is the m-th extreme of them. A nonzero float equal to it
- * has its bits, so any exact selection gives the heaps' answer; a zero
- * (whose sign only the heaps' order fixes), a threshold the sample
- * misplaced, or candidates past cap give NAN. */
-static void select_side(kvp__kvq_head *hs, uint32_t side, float *out) {
-  uint32_t D = hs->f->head_dim, m = hs->m, k = hs->ncand[side], *cnt = hs->cnt;
-  for (uint32_t c = 0; c < D; c++) out[c] = NAN;
+/* Every channel's m-th smallest sample into lo_out[D] and m-th largest
+ * into hi_out[D]; NAN where the candidates cannot tell (the caller
+ * replays). With the sample, the candidates hold every value past the
+ * thresholds: when at least m of a channel's are past one, its m-th
+ * extreme of every value is among them, and is the m-th extreme of them.
+ * A nonzero float equal to it has its bits, so any exact selection gives
+ * the heaps' answer; a zero (whose sign only the heaps' order fixes), a
+ * threshold the sample misplaced, or candidates past cap give NAN. */
+static void select_sides(kvp__kvq_head *hs, float *lo_out, float *hi_out) {
+  uint32_t D = hs->f->head_dim, m = hs->m, k = hs->ncand, *cnt = hs->cnt;
+  for (uint32_t c = 0; c < D; c++) lo_out[c] = hi_out[c] = NAN;
   if (k > hs->cap) return;
-  memset(cnt, 0, (D + 1) * sizeof *cnt); /* by channel, in order: a counting sort */
-  for (uint32_t i = 0; i < k; i++) cnt[hs->cand_c[side][i] + 1]++;
-  for (uint32_t c = 0; c < D; c++) cnt[c + 1] += cnt[c];
-  for (uint32_t i = 0; i < k; i++) hs->sorted[cnt[hs->cand_c[side][i]]++] = hs->cand_v[side][i];
-  for (uint32_t c = 0, at = 0; c < D; at = cnt[c++]) { /* cnt[c]: the end of channel c's run now */
-    uint32_t nc = cnt[c] - at;
+  memset(cnt, 0, (2 * D + 1) * sizeof *cnt); /* by key (side, channel), in order: a counting sort */
+  for (uint32_t i = 0; i < k; i++) cnt[hs->cand_c[i] + 1]++;
+  for (uint32_t q = 0; q < 2 * D; q++) cnt[q + 1] += cnt[q];
+  for (uint32_t i = 0; i < k; i++) hs->sorted[cnt[hs->cand_c[i]]++] = hs->cand_v[i];
+  for (uint32_t q = 0, at = 0; q < 2 * D; at = cnt[q++]) { /* cnt[q]: the end of key q's run now */
+    uint32_t nc = cnt[q] - at, side = q >= D;
     if (nc < m) continue;
-    float v = select_kth(hs->sorted + at, nc, side ? nc - m : m - 1, (uint32_t *)hs->cand_c[side]);
-    if (v != 0) out[c] = v;
+    float v = select_kth(hs->sorted + at, nc, side ? nc - m : m - 1, (uint32_t *)hs->cand_c);
+    if (v != 0) (side ? hi_out : lo_out)[q - (side ? D : 0)] = v;
   }
 }
 
@@ -901,8 +898,7 @@ void kvp__kvq_head_end(kvp__kvq_head *hs, const float *x, const float *w, size_t
   int finite = 1;
   float *lo_v = hs->score, *hi_v = hs->nrm; /* scratch until the histogram */
   if (hs->every) {
-    select_side(hs, 0, lo_v);
-    select_side(hs, 1, hi_v);
+    select_sides(hs, lo_v, hi_v);
   } else
     for (uint32_t c = 0; c < D; c++) lo_v[c] = hs->lo[(size_t)c * hs->hm], hi_v[c] = hs->hi[(size_t)c * hs->hm];
   for (uint32_t c = 0; c < D; c++) {
