@@ -57,7 +57,7 @@ typedef struct kvp__kvq_fit {
   float *off, *rng;                 /* [H * D], filled by fit_head */
   float *inv;                       /* [H * D]: 1 / rng */
   uint8_t *done;                    /* [H]: head fitted */
-  double *hist;                     /* [KVP__KVQ_BINS + 1][2]: weight and weighted sum per bin of [-1, 1]; the
+  double *hist;                     /* [KVP__KVQ_BINS + 1][2]: weighted sum and weight per bin of [-1, 1]; the
                                        last one a spare the vector path sends outliers to, never read */
 } kvp__kvq_fit;
 

@@ -14,7 +14,7 @@
  *      left out; K: n = (x - off) / rng; V: n = (x - mid) / half with mid,
  *      half the middle and half-width of the row's dense values. n clipped
  *      to [-1, 1] into bin b = floor((n + 1) / 2 BINS) (at most BINS - 1):
- *        hist[b][0] += w,  hist[b][1] += w n   (double; w = 1 without weights)
+ *        hist[b][1] += w,  hist[b][0] += w n   (double; w = 1 without weights)
  *      in row order, channels ascending: the sums round in that order.
  *   codebook: 2^b centroids seeded at the weighted quantiles (i + 1/2) /
  *   2^b of the histogram, each bin a point at its weighted mean; at most 100
@@ -599,13 +599,18 @@ static void select_sides(kvp__kvq_head *hs, float *lo_out, float *hi_out) {
 
 /* ---- pass 2: the histogram --------------------------------------------------------- */
 
+/* A bin's pair: the weighted sum first, so that one cvtss2sd makes the
+ * pair [n, 1] to add from a float n and the constant [., 1]. */
+#define HIST_WN 0 /* sum of w n */
+#define HIST_W 1  /* sum of w */
+
 static void hist_add(kvp__kvq_fit *f, float n, float w) {
   if (n < -1.0f) n = -1.0f;
   if (n > 1.0f) n = 1.0f;
   uint32_t b = (uint32_t)((n + 1.0f) * 0.5f * KVP__KVQ_BINS);
   if (b >= KVP__KVQ_BINS) b = KVP__KVQ_BINS - 1;
-  f->hist[2 * b] += w;
-  f->hist[2 * b + 1] += (double)w * n;
+  f->hist[2 * b + HIST_W] += w;
+  f->hist[2 * b + HIST_WN] += (double)w * n;
 }
 
 /* The normalized dense values of one token into the histogram. */
@@ -868,23 +873,22 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
     if (bad) return 1;
   }
   for (uint32_t j = 0; j < k; j++) boff[top[j]] = (int32_t)KVP__KVQ_BINS << 4; /* the spare */
-  /* the adds, channels ascending: [w, w n] onto the bin's pair */
+  /* the adds, channels ascending: [w n, w] onto the bin's pair */
   char *hist = (char *)f->hist;
   size_t c = 0, nD = D;
   if (!wr) {
-    const __m128d w1 = _mm_set_sd(1.0);
+    const __m128d w1 = _mm_set_pd(1.0, 0.0); /* [., 1]: cvtss2sd sets the low lane, keeps the 1 */
 #define ADD1(i)                                                                                                      \
   _mm_storeu_pd((double *)(hist + boff[i]),                                                                          \
-                _mm_add_pd(_mm_loadu_pd((double *)(hist + boff[i])),                                                 \
-                           _mm_unpacklo_pd(w1, _mm_cvtss_sd(w1, _mm_load_ss(nrm + (i))))))
+                _mm_add_pd(_mm_loadu_pd((double *)(hist + boff[i])), _mm_cvtss_sd(w1, _mm_load_ss(nrm + (i)))))
     for (; c + 4 <= nD; c += 4) ADD1(c), ADD1(c + 1), ADD1(c + 2), ADD1(c + 3);
     for (; c < nD; c++) ADD1(c);
 #undef ADD1
   } else {
     for (; c < nD; c++) {
       double *p = (double *)(hist + boff[c]);
-      p[0] += wr[c];
-      p[1] += (double)wr[c] * nrm[c];
+      p[HIST_W] += wr[c];
+      p[HIST_WN] += (double)wr[c] * nrm[c];
     }
   }
   return 0;
@@ -981,7 +985,7 @@ int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
   uint32_t K = 1u << f->bits, B = KVP__KVQ_BINS;
   const double *hist = f->hist;
   double total = 0, c[KVP__KVQ_LUT_MAX];
-  for (uint32_t b = 0; b < B; b++) total += hist[2 * b];
+  for (uint32_t b = 0; b < B; b++) total += hist[2 * b + HIST_W];
   if (!(total > 0)) {
     kvp__kvq_uniform_lut(f->bits, lut);
     return KVP_OK;
@@ -990,9 +994,9 @@ int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
   double acc = 0;
   uint32_t i = 0;
   for (uint32_t b = 0; b < B && i < K; b++) {
-    acc += hist[2 * b];
-    while (i < K && acc >= (i + 0.5) / K * total)
-      c[i++] = hist[2 * b] > 0 ? hist[2 * b + 1] / hist[2 * b] : -1.0 + (b + 0.5) * 2.0 / B;
+    double w = hist[2 * b + HIST_W], wn = hist[2 * b + HIST_WN];
+    acc += w;
+    while (i < K && acc >= (i + 0.5) / K * total) c[i++] = w > 0 ? wn / w : -1.0 + (b + 0.5) * 2.0 / B;
   }
   while (i < K) c[i] = c[i - 1], i++;
   /* the bins that hold weight, in order: point (weighted mean), weight, weighted sum */
@@ -1002,7 +1006,8 @@ int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
   uint8_t *label = (uint8_t *)(pwx + B), *prev = label + B;
   uint32_t np = 0;
   for (uint32_t b = 0; b < B; b++)
-    if (hist[2 * b] > 0) pts[np] = hist[2 * b + 1] / hist[2 * b], pw[np] = hist[2 * b], pwx[np] = hist[2 * b + 1], np++;
+    if (hist[2 * b + HIST_W] > 0)
+      pw[np] = hist[2 * b + HIST_W], pwx[np] = hist[2 * b + HIST_WN], pts[np] = pwx[np] / pw[np], np++;
   for (int round = 0; round < 100; round++) {
 #if KVP__HAVE_AVX2
     if (kvp__codec_isa() >= KVP__ISA_AVX2) assign_avx2(pts, np, c, K, label);
