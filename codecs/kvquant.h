@@ -118,9 +118,9 @@ typedef struct kvp__kvq_head {
   float *sorted;             /* [cap]: the candidates by key */
   uint32_t *cnt;             /* [2 D + 1]: the counting sort's */
   float *replay;             /* [2 m]: one channel's heaps, for a replay */
-  float *score, *nrm;        /* [D]: a row's outlier scores, clipped normalized values */
+  float *score, *nrm;        /* [D], [2][D]: a row's outlier scores; two rows' clipped normalized values */
   void *mem;                 /* the scratch's one allocation */
-  int32_t *bin;              /* [D]: their bins, as byte offsets into hist */
+  int32_t *bin;              /* [2][D]: their bins, as byte offsets into hist */
   uint16_t *top;             /* [D]: the row's outlier channels */
 } kvp__kvq_head;
 int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *hs);

@@ -56,14 +56,14 @@
  *   lo[D][hm] hi[D][hm]  heaps of the hm smallest and largest (hm = m, or
  *                        the sample's j)
  *   lo_root[D] hi_root[D]  their roots; after the sample, the thresholds
- *   score[D] nrm[D]      a row's outlier scores and clipped normalized values
+ *   score[D] nrm[2][D]   a row's outlier scores; two rows' clipped normalized values
  *   cand_v[cap + 16]     candidates below lo_root or above hi_root (row order)
  *   sorted[cap]          the candidates by key
  *   replay[2 m]          one channel's heaps, for a replay
  *   cand_c[cap + 16]     the candidates' keys (i32): c below lo_root, D + c
  *                        above (lo_root <= hi_root: one side or none)
  *   cnt[2 D + 1]         the counting sort's (u32)
- *   bin[D]               a row's bins, byte offsets into the histogram (i32)
+ *   bin[2][D]            two rows' bins, byte offsets into the histogram (i32)
  *   top[D]               a row's outlier channels (u16)
  */
 #include "builtin.h"
@@ -451,8 +451,8 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   if (!every || n < 64 * every || 8 * j > ns) every = j = 0;   /* little to screen out: the heaps over every row */
   size_t hm = every ? j : m, cap = every ? 2 * D * (2 * j * every + 64) : 0; /* about twice the candidates expected */
   /* f32, i32, u32, u16: each aligned; the sizes cannot overflow (m <= n / 4 + 1 < 2^30, D <= 2^12) */
-  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 4 * D + (cap + spare) + cap + (every ? 2 * m : 0);
-  size_t bytes = nf * 4 + (cap + spare) * 4 + (2 * D + 1) * 4 + D * 4 + D * 2;
+  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 5 * D + (cap + spare) + cap + (every ? 2 * m : 0);
+  size_t bytes = nf * 4 + (cap + spare) * 4 + (2 * D + 1) * 4 + 2 * D * 4 + D * 2;
   void *mem = malloc(bytes);
   if (!mem) return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
   *hs = (kvp__kvq_head){.f = f, .h = h, .n = n, .m = (uint32_t)m, .every = (uint32_t)every, .hm = (uint32_t)hm,
@@ -464,13 +464,13 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   hs->hi_root = hs->lo_root + D;
   hs->score = hs->hi_root + D;
   hs->nrm = hs->score + D;
-  hs->cand_v = hs->nrm + D;
+  hs->cand_v = hs->nrm + 2 * D;
   hs->sorted = hs->cand_v + cap + spare;
   hs->replay = hs->sorted + cap;
   hs->cand_c = (int32_t *)(hs->replay + (every ? 2 * m : 0));
   hs->cnt = (uint32_t *)(hs->cand_c + cap + spare);
   hs->bin = (int32_t *)(hs->cnt + 2 * D + 1);
-  hs->top = (uint16_t *)(hs->bin + D);
+  hs->top = (uint16_t *)(hs->bin + 2 * D);
 #if KVP__HAVE_AVX2
   pthread_once(&compress_once, compress_init);
 #endif
@@ -671,14 +671,13 @@ __attribute__((target("avx2"))) static inline float hmin8(__m256 v) {
  * the lower channel first among equal scores): the lane's channels come
  * in ascending order, so a score displaces an entry only when strictly
  * larger. */
-#define ARGMAX2_STEP(m1, a1, m2, a2, s, ci)                                                                          \
+#define ARGMAX2_STEP(m1, a1, m2, a2, s, ci) /* a1, a2, ci: __m256 holding the channels' bits */                       \
   do {                                                                                                               \
     __m256 g1_ = _mm256_cmp_ps(s, m1, _CMP_GT_OQ), g2_ = _mm256_cmp_ps(s, m2, _CMP_GT_OQ);                           \
-    m2 = _mm256_blendv_ps(_mm256_blendv_ps(m2, s, g2_), m1, g1_);                                                    \
-    a2 = _mm256_castps_si256(_mm256_blendv_ps(                                                                       \
-        _mm256_blendv_ps(_mm256_castsi256_ps(a2), _mm256_castsi256_ps(ci), g2_), _mm256_castsi256_ps(a1), g1_));     \
-    m1 = _mm256_blendv_ps(m1, s, g1_);                                                                               \
-    a1 = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(a1), _mm256_castsi256_ps(ci), g1_));              \
+    m2 = _mm256_blendv_ps(_mm256_blendv_ps(m2, s, g2_), m1, g1_);                                                                \
+    a2 = _mm256_blendv_ps(_mm256_blendv_ps(a2, ci, g2_), a1, g1_);                                                               \
+    m1 = _mm256_blendv_ps(m1, s, g1_);                                                                                     \
+    a1 = _mm256_blendv_ps(a1, ci, g1_);                                                                                    \
   } while (0)
 
 /* The largest of the lanes and the first channel with it (lanes a and b:
@@ -783,30 +782,33 @@ static inline void bin_one(float n, float *nrm, int32_t *boff) { /* bin_avx2 of 
   *boff = (int32_t)b << 4;
 }
 
-/* One row, 8 channels at a time: 0, or 1 when it must go through
- * fit_token (V: a NaN among its values, from a degenerate dense range;
- * nothing added then). The adds are fit_token's, in its order; an
- * outlier's go to the spare bin. */
-__attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const float *xr, const float *wr, uint32_t k) {
+/* One row, 8 channels at a time, up to its adds: each value's clipped n
+ * into nrm[D] and bin into boff[D], an outlier's the spare bin. 0, or 1
+ * when the row must go through fit_token (V: a NaN among its values, from
+ * a degenerate dense range). */
+__attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const float *xr, uint32_t k, float *nrm,
+                                                    int32_t *boff) {
   const kvp__kvq_fit *f = hs->f;
   const uint32_t D = f->head_dim, Dv = D & ~7u, kv = f->kv, keep = k > VEC_TOPK_MAX;
   const float *off = f->off + (size_t)hs->h * D, *inv = f->inv + (size_t)hs->h * D;
-  float *score = hs->score, *nrm = hs->nrm, st[8];
-  int32_t *boff = hs->bin;
+  float *score = hs->score, st[8];
   uint16_t *top = hs->top;
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), none = _mm256_set1_ps(-1.0f);
   const __m256i step = _mm256_set1_epi32(8);
   __m256 va = none, vb = none, va2 = none, vb2 = none;
   __m256i ata = _mm256_setzero_si256(), atb = ata, ata2 = ata, atb2 = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  if (k >= 2 && !keep) /* each lane's two largest: the first two picks from one pass */
+  if (k >= 2 && !keep) { /* each lane's two largest: the first two picks from one pass */
+    __m256 fa = _mm256_setzero_ps(), fa2 = fa, fb = fa, fb2 = fa;
     for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
       __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
-      __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
-      if (c & 8) ARGMAX2_STEP(vb, atb, vb2, atb2, s, ci);
-      else ARGMAX2_STEP(va, ata, va2, ata2, s, ci);
+      __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv), cf = _mm256_castsi256_ps(ci);
+      if (c & 8) ARGMAX2_STEP(vb, fb, vb2, fb2, s, cf);
+      else ARGMAX2_STEP(va, fa, va2, fa2, s, cf);
       if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c);
     }
-  else
+    ata = _mm256_castps_si256(fa), ata2 = _mm256_castps_si256(fa2);
+    atb = _mm256_castps_si256(fb), atb2 = _mm256_castps_si256(fb2);
+  } else
     for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
       __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
       __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
@@ -873,9 +875,15 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
     if (bad) return 1;
   }
   for (uint32_t j = 0; j < k; j++) boff[top[j]] = (int32_t)KVP__KVQ_BINS << 4; /* the spare */
-  /* the adds, channels ascending: [w n, w] onto the bin's pair */
+  return 0;
+}
+
+/* A row's adds, fit_token's in its order (channels ascending): [w n, w]
+ * onto each value's bin pair, from row_avx2's nrm and boff. */
+__attribute__((target("avx2"))) static void row_adds(kvp__kvq_fit *f, const float *nrm, const int32_t *boff,
+                                                     const float *wr) {
   char *hist = (char *)f->hist;
-  size_t c = 0, nD = D;
+  size_t c = 0, nD = f->head_dim;
   if (!wr) {
     const __m128d w1 = _mm_set_pd(1.0, 0.0); /* [., 1]: cvtss2sd sets the low lane, keeps the 1 */
 #define ADD1(i)                                                                                                      \
@@ -891,7 +899,6 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
       p[HIST_WN] += (double)wr[c] * nrm[c];
     }
   }
-  return 0;
 }
 #endif
 
@@ -921,16 +928,30 @@ void kvp__kvq_head_end(kvp__kvq_head *hs, const float *x, const float *w, size_t
   int vec = 0;
   (void)finite;
 #endif
+  /* The vector rows a step apart: row t is prepared (its bins, its
+   * outliers: reductions whose latency the adds would wait for), then row
+   * t - 1's adds run, then row t's fit_token if it needs one; the adds keep
+   * their order. Buffers alternate between two halves of nrm and bin. */
+  const float *pend_wr = NULL;
+  int pend = -1; /* the half holding a row prepared and not added, or -1 */
   for (uint32_t t = 0; t < hs->n; t++) {
     const float *xr = x + (size_t)t * x_stride, *wr = w ? w + (size_t)t * x_stride : NULL;
 #if KVP__HAVE_AVX2
-    if (t + 4 < hs->n) /* the row 4 ahead, a line at a time: the rows come from memory, not cache */
-      for (uint32_t c = 0; c < D; c += 16) __builtin_prefetch(xr + 4 * x_stride + c);
-    if (vec && !row_avx2(hs, xr, wr, k)) continue;
+    if (vec) {
+      if (t + 4 < hs->n) /* the row 4 ahead, a line at a time: the rows come from memory, not cache */
+        for (uint32_t c = 0; c < D; c += 16) __builtin_prefetch(xr + 4 * x_stride + c);
+      int b = (int)(t & 1), bad = row_avx2(hs, xr, k, hs->nrm + b * D, hs->bin + b * D);
+      if (pend >= 0) row_adds(f, hs->nrm + pend * D, hs->bin + pend * D, pend_wr);
+      pend = bad ? -1 : b, pend_wr = wr;
+      if (!bad) continue;
+    }
 #endif
     fit_token(f, h, xr, wr, k, hs->score, hs->top);
   }
-  (void)vec;
+#if KVP__HAVE_AVX2
+  if (pend >= 0) row_adds(f, hs->nrm + pend * D, hs->bin + pend * D, pend_wr);
+#endif
+  (void)vec, (void)pend, (void)pend_wr;
   f->done[h] = 1;
   kvp__kvq_head_abort(hs);
 }

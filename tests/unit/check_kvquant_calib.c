@@ -42,7 +42,10 @@ static float tunit(uint64_t *st) { return (float)(t_rand(st) >> 40) * (1.0f / 16
  * steps of 0.25 (ties), and every 4th channel zeros of both signs but for
  * a few values (both thresholds zeros, the sign theirs); 3: every 16th row
  * far above the rest (a sample of every 16th row sees only those); 4:
- * every 3rd channel constant (scores of 0 that tie), the others smooth. */
+ * every 3rd channel constant (scores of 0 that tie), the others smooth; 5:
+ * every 3rd row of 0, a, 2a (a = 2^-130: V's dense half-width a, whose
+ * reciprocal overflows, so (a - mid) / half is NaN: the vector path hands
+ * the row to the base code), the others smooth. */
 static float tval(uint64_t *st, int pattern, uint32_t t, uint32_t c) {
   float g = (tunit(st) + tunit(st) + tunit(st) + tunit(st) - 2.0f) * 1.7f;
   uint32_t r = (uint32_t)(t_rand(st) % 64);
@@ -60,6 +63,7 @@ static float tval(uint64_t *st, int pattern, uint32_t t, uint32_t c) {
     if (c % 4 == 0) return t_rand(st) % 512 < 2 ? g : r % 2 ? 0.0f : -0.0f;
     return (float)(int)(g * 2) * 0.25f;
   case 4: return c % 3 == 0 ? 1.5f : g;
+  case 5: return t % 3 == 0 ? (float)(r % 3) * 0x1p-130f : g;
   default: return t % 16 == 0 ? 100.0f + g : g;
   }
 }
@@ -157,6 +161,7 @@ static const add_case ADD_VEC[] = {
     {1, 2, 20, 3, 0.10, 2000, 1, 27, 0x540b0f3au},  /* k = 2, a tail of 4 channels (the heaps' sample) */
     {1, 3, 64, 4, 0.04, 3000, 3, 28, 0xb50b38e0u},  /* k = 3, a misleading sample: replays */
     {1, 1, 16, 3, 0.10, 1, 4, 29, 0x433e488du},     /* k = 2, one row */
+    {1, 2, 16, 3, 0.10, 600, 5, 31, 0xe64138f2u},   /* k = 2, V rows the vector path hands back */
 };
 #define NADD_VEC (sizeof ADD_VEC / sizeof *ADD_VEC)
 
