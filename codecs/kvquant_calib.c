@@ -277,11 +277,29 @@ static int scratch_alloc(synth_scratch *sc, uint64_t n, uint32_t D) {
   return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu synthetic tokens", (unsigned long long)n);
 }
 
+/* Rows p .. p + rows - 1 of a sequence into at (D floats a row), r0 the
+ * first one's index among all the head's rows; with a sample (every > 0)
+ * its rows, whose index is a multiple of every, are not generated again:
+ * copied from smp (gathered, a row each) or, smp NULL, already in place. */
+static void gen_chunk(const synth_gen *g, uint32_t p, uint32_t rows, float *at, uint32_t D, uint64_t r0,
+                      uint32_t every, const float *smp) {
+  for (uint32_t t = 0; t < rows;) {
+    uint64_t r = r0 + t, to_sample = every ? (every - r % every) % every : rows; /* rows before the next sample row */
+    uint32_t run = to_sample < rows - t ? (uint32_t)to_sample : rows - t;
+    gen_rows(g, p + t, run, at + (size_t)t * D, D);
+    t += run;
+    if (t < rows) { /* a sample row */
+      if (smp) memcpy(at + (size_t)t * D, smp + (r0 + t) / every * D, D * sizeof(float));
+      t++;
+    }
+  }
+}
+
 /* Every head of side f from n_seqs x seq_tokens synthetic tokens (seeds
  * seed .. seed + n_seqs - 1, positions 0..). The sample rows come first,
  * gathered (or in place, for a sampling stride under the default), then
- * the rows in chunks, each screened while in cache. On failure f is as it
- * was. */
+ * the rows in chunks, each screened while in cache (the sample's rows
+ * taken, not generated twice). On failure f is as it was. */
 static int synth_side(kvp__kvq_fit *f, uint32_t layer, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens,
                       synth_scratch *sc) {
   uint32_t D = f->head_dim, n = n_seqs * seq_tokens;
@@ -308,7 +326,8 @@ static int synth_side(kvp__kvq_fit *f, uint32_t layer, uint64_t seed, uint32_t n
       for (uint32_t p = 0; !rc && p < seq_tokens; p += SYNTH_CHUNK) {
         uint32_t rows = seq_tokens - p < SYNTH_CHUNK ? seq_tokens - p : SYNTH_CHUNK;
         float *at = x + ((size_t)s * seq_tokens + p) * D;
-        gen_rows(g, p, rows, at, D);
+        gen_chunk(g, p, rows, at, D, (uint64_t)s * seq_tokens + p, hs.every,
+                  hs.every >= KVP__KVQ_SAMPLE_EVERY ? sc->smp : NULL);
         rc = kvp__kvq_head_rows(&hs, at, NULL, D, rows);
       }
     }

@@ -132,8 +132,9 @@ static int n_isas(void) {
   return n;
 }
 
-/* The sampling strides: the default, then the heaps over every row. */
-static const uint32_t SAMPLING[] = {KVP__KVQ_SAMPLE_EVERY, 0};
+/* The sampling strides: the default, a denser one (the synthetic fit keeps
+ * its sample rows in place then), and the heaps over every row. */
+static const uint32_t SAMPLING[] = {KVP__KVQ_SAMPLE_EVERY, 4, 0};
 
 /* Pinned from the plain fitter (the commit before the fast paths). */
 static const add_case ADD[] = {
