@@ -374,11 +374,11 @@ __attribute__((target("avx2"))) static int rows_avx2(kvp__kvq_head *hs, const fl
   return KVP_OK;
 }
 
-/* The sample's thresholds by sorted lists instead of heaps (D a multiple of
- * 8, hm <= KVP__KVQ_SAMPLE_LISTS_MAX): each group of 8 channels keeps, one lane a
- * channel, the hm smallest values so far ascending (lo) and the hm largest
- * descending (hi), laid out [D / 8][hm][8] in hs->lo, hs->hi. A row's 8
- * values go in by a branch-free ladder, every entry at once:
+/* The sample's thresholds by sorted lists instead of heaps (D a multiple
+ * of 8, hm <= KVP__KVQ_SAMPLE_LISTS_MAX): each group of 8 channels keeps,
+ * one lane a channel, the hm smallest values so far ascending (lo) and the
+ * hm largest descending (hi), laid out [D / 8][hm][8] in hs->lo, hs->hi.
+ * A row's 8 values go in by a branch-free ladder, every entry at once:
  *   L'[i] = max(L[i - 1], min(L[i], v)),  L'[0] = min(L[0], v)
  * (hi: min and max swapped), skipped when no lane beats the last entry.
  * The last entry is then the hm-th extreme, the value the heaps' root
@@ -671,13 +671,13 @@ __attribute__((target("avx2"))) static inline float hmin8(__m256 v) {
  * the lower channel first among equal scores): the lane's channels come
  * in ascending order, so a score displaces an entry only when strictly
  * larger. */
-#define ARGMAX2_STEP(m1, a1, m2, a2, s, ci) /* a1, a2, ci: __m256 holding the channels' bits */                       \
+#define ARGMAX2_STEP(m1, a1, m2, a2, s, ci) /* a1, a2, ci: __m256 holding the channels' bits */                      \
   do {                                                                                                               \
     __m256 g1_ = _mm256_cmp_ps(s, m1, _CMP_GT_OQ), g2_ = _mm256_cmp_ps(s, m2, _CMP_GT_OQ);                           \
-    m2 = _mm256_blendv_ps(_mm256_blendv_ps(m2, s, g2_), m1, g1_);                                                                \
-    a2 = _mm256_blendv_ps(_mm256_blendv_ps(a2, ci, g2_), a1, g1_);                                                               \
-    m1 = _mm256_blendv_ps(m1, s, g1_);                                                                                     \
-    a1 = _mm256_blendv_ps(a1, ci, g1_);                                                                                    \
+    m2 = _mm256_blendv_ps(_mm256_blendv_ps(m2, s, g2_), m1, g1_);                                                    \
+    a2 = _mm256_blendv_ps(_mm256_blendv_ps(a2, ci, g2_), a1, g1_);                                                   \
+    m1 = _mm256_blendv_ps(m1, s, g1_);                                                                               \
+    a1 = _mm256_blendv_ps(a1, ci, g1_);                                                                              \
   } while (0)
 
 /* The largest of the lanes and the first channel with it (lanes a and b:
@@ -796,7 +796,8 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), none = _mm256_set1_ps(-1.0f);
   const __m256i step = _mm256_set1_epi32(8);
   __m256 va = none, vb = none, va2 = none, vb2 = none;
-  __m256i ata = _mm256_setzero_si256(), atb = ata, ata2 = ata, atb2 = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  __m256i ata = _mm256_setzero_si256(), atb = ata, ata2 = ata, atb2 = ata;
+  __m256i ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   if (k >= 2 && !keep) { /* each lane's two largest: the first two picks from one pass */
     __m256 fa = _mm256_setzero_ps(), fa2 = fa, fb = fa, fb2 = fa;
     for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {

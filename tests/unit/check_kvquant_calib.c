@@ -313,8 +313,9 @@ START_TEST(synth_same_on_every_isa) {
         ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
         kvp__kvq_synth(9 + d, 3, 5, kv, 1000, n, D, got, D);
         for (size_t i = 0; i < (size_t)n * D; i++)
-          ck_assert_msg(memcmp(&ref[i], &got[i], sizeof(float)) == 0, "D %u kv %u ISA %d: row %zu channel %zu: %a, base %a",
-                        D, kv, isa, i / D, i % D, (double)got[i], (double)ref[i]);
+          ck_assert_msg(memcmp(&ref[i], &got[i], sizeof(float)) == 0,
+                        "D %u kv %u ISA %d: row %zu channel %zu: %a, base %a", D, kv, isa, i / D, i % D,
+                        (double)got[i], (double)ref[i]);
       }
     }
   kvp__codec_isa_set(was);
