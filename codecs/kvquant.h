@@ -57,7 +57,7 @@ typedef struct kvp__kvq_fit {
   float *off, *rng;                 /* [H * D], filled by fit_head */
   float *inv;                       /* [H * D]: 1 / rng */
   uint8_t *done;                    /* [H]: head fitted */
-  double *hist;                     /* [KVP__KVQ_BINS + 1][2]: weight and weighted sum per bin of [-1, 1]; the
+  double *hist;                     /* [KVP__KVQ_BINS + 1][2]: weighted sum and weight per bin of [-1, 1]; the
                                        last one a spare the vector path sends outliers to, never read */
 } kvp__kvq_fit;
 
@@ -98,6 +98,10 @@ int kvp__kvq_fit_head(kvp__kvq_fit *f, uint32_t h, const float *x, const float *
  * than m past the threshold, more than cap, or an answer of zero, whose
  * sign only the heaps' order fixes) runs the heaps over its column. */
 #define KVP__KVQ_SAMPLE_EVERY 16u
+/* The sample's thresholds come from sorted lists 8 channels a vector (AVX2)
+ * where the head dim is a multiple of 8 and hm is at most this; from the
+ * heaps elsewhere. Either gives the same thresholds. */
+#define KVP__KVQ_SAMPLE_LISTS_MAX 64u
 typedef struct kvp__kvq_head {
   kvp__kvq_fit *f;           /* the side */
   uint32_t h, n, seen;       /* head; rows in all; rows taken so far */
@@ -107,16 +111,16 @@ typedef struct kvp__kvq_head {
   uint32_t hm, hlen;         /* heap size (m, or j for the sample); values in each heap */
   float *lo, *hi;            /* [D][hm]: max-heap of the hm smallest, min-heap of the hm largest */
   float *lo_root, *hi_root;  /* [D]: lo[c][0], hi[c][0]; after the sample, the screen's thresholds */
-  uint32_t cap;              /* candidates each side can hold (16 spare entries past it) */
-  uint32_t ncand[2];         /* candidates taken per side (cap + 1: more than cap) */
-  float *cand_v[2];          /* [cap + 16]: values below lo_root (side 0), above hi_root (1), in row order */
-  int32_t *cand_c[2];        /* [cap + 16]: their channels */
-  float *sorted;             /* [cap]: one side's candidates by channel */
-  uint32_t *cnt;             /* [D + 1]: the counting sort's */
+  uint32_t cap;              /* candidates the list can hold, both sides (16 spare entries past it) */
+  uint32_t ncand;            /* candidates taken (cap + 1: more than cap) */
+  float *cand_v;             /* [cap + 16]: values below lo_root or above hi_root, in row order */
+  int32_t *cand_c;           /* [cap + 16]: their keys: channel c below lo_root, D + c above hi_root */
+  float *sorted;             /* [cap]: the candidates by key */
+  uint32_t *cnt;             /* [2 D + 1]: the counting sort's */
   float *replay;             /* [2 m]: one channel's heaps, for a replay */
-  float *score, *nrm;        /* [D]: a row's outlier scores, clipped normalized values */
+  float *score, *nrm;        /* [D], [2][D]: a row's outlier scores; two rows' clipped normalized values */
   void *mem;                 /* the scratch's one allocation */
-  int32_t *bin;              /* [D]: their bins, as byte offsets into hist */
+  int32_t *bin;              /* [2][D]: their bins, as byte offsets into hist */
   uint16_t *top;             /* [D]: the row's outlier channels */
 } kvp__kvq_head;
 int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *hs);

@@ -100,7 +100,13 @@ static void gen_row_base(const synth_gen *g, uint64_t tk, uint32_t c0, float *ro
 /* The vector generators compute gen_row_base's bits: the four 16-bit
  * uniforms are summed as integers (every partial sum below 2^18 is exact
  * in f32, so the sum is the one the scalar adds make), then scaled, and
- * every float operation is the scalar one (no FMA). */
+ * every rounding operation is the scalar one (no FMA). Two of the scalar
+ * steps are exact and folded: s 2^-16 - 2 = (s - 2^17) 2^-16 exactly (18
+ * bits), so z = (float)(s - 2^17) (1.7320508 2^-16), one rounding, the
+ * scalar's; and 3 (a 2^-24) = (float)a (3 2^-24), likewise (a < 2^24;
+ * scaling by a power of two is exact away from subnormals). */
+#define GAUSS_K (1.7320508f * 0x1p-16f) /* gauss4's scale, the 2^-16 folded in */
+#define TAIL_K (3.0f * 0x1p-24f)        /* the tail's 3, unit24's 2^-24 folded in */
 #if KVP__HAVE_AVX2
 /* a * c mod 2^64 per 64-bit lane, from 32 x 32 -> 64 products */
 __attribute__((target("avx2"))) static inline __m256i mul64c_avx2(__m256i a, uint64_t c) {
@@ -131,14 +137,12 @@ __attribute__((target("avx2"))) static inline __m256i sum16_avx2(__m256i r) {
 /* z, the tail's low 32 bits -> the 8 values */
 __attribute__((target("avx2"))) static inline __m256 finish8_avx2(const synth_gen *g, uint32_t c, __m256i sum,
                                                                   __m256i t32) {
-  __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(1.0f / 65536.0f));
-  z = _mm256_mul_ps(_mm256_sub_ps(z, _mm256_set1_ps(2.0f)), _mm256_set1_ps(1.7320508f));
+  __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(sum, _mm256_set1_epi32(1 << 17))),
+                           _mm256_set1_ps(GAUSS_K));
   __m256i hit = _mm256_cmpeq_epi32(_mm256_and_si256(t32, _mm256_set1_epi32(127)), _mm256_setzero_si256());
-  if (!_mm256_testz_si256(hit, hit)) {
-    __m256 u = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t32, 8)), _mm256_set1_ps(1.0f / 16777216.0f));
-    __m256 zt = _mm256_mul_ps(z, _mm256_add_ps(_mm256_set1_ps(2.0f), _mm256_mul_ps(_mm256_set1_ps(3.0f), u)));
-    z = _mm256_blendv_ps(z, zt, _mm256_castsi256_ps(hit));
-  }
+  __m256 u3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(t32, 8)), _mm256_set1_ps(TAIL_K));
+  __m256 zt = _mm256_mul_ps(z, _mm256_add_ps(_mm256_set1_ps(2.0f), u3));
+  z = _mm256_blendv_ps(z, zt, _mm256_castsi256_ps(hit)); /* branch-free: a vector in 16 has a hit */
   return _mm256_add_ps(_mm256_loadu_ps(g->bias + c), _mm256_mul_ps(_mm256_loadu_ps(g->scale + c), z));
 }
 
@@ -171,6 +175,22 @@ KVP__T512 static inline __m512i mix64_avx512(__m512i z) {
   return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 
+/* The low 32 bits of the 64-bit lanes of a, then of b (as 16 x 32) */
+KVP__T512 static inline __m512i lo32_avx512(__m512i a, __m512i b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  return _mm512_permutex2var_epi32(a, even, b);
+}
+
+/* The four 16-bit fields' sum of each 64-bit lane of a, then of b (as 16
+ * x 32): the halves paired first, so each add does 16 lanes */
+KVP__T512 static inline __m512i sum16x2_avx512(__m512i a, __m512i b) {
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  const __m512i ff = _mm512_set1_epi32(0xFFFF);
+  __m512i lo = lo32_avx512(a, b), hi = _mm512_permutex2var_epi32(a, odd, b);
+  return _mm512_add_epi32(_mm512_add_epi32(_mm512_and_si512(lo, ff), _mm512_srli_epi32(lo, 16)),
+                          _mm512_add_epi32(_mm512_and_si512(hi, ff), _mm512_srli_epi32(hi, 16)));
+}
+
 /* The four 16-bit fields' sum of each 64-bit lane of r, as 8 x 32 */
 KVP__T512 static inline __m256i sum16_avx512(__m512i r) {
   __m512i v = _mm512_add_epi32(_mm512_and_si512(r, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(r, 16));
@@ -180,7 +200,7 @@ KVP__T512 static inline __m256i sum16_avx512(__m512i r) {
 /* 16 channels at a time (two vectors of 64-bit lanes, the floats in one) */
 KVP__T512 static void gen_rows_avx512(const synth_gen *g, uint32_t pos0, uint32_t n, float *dst, size_t stride) {
   const uint32_t D16 = g->D & ~15u, Dv = g->D & ~7u;
-  const __m512 k16 = _mm512_set1_ps(1.0f / 65536.0f), two = _mm512_set1_ps(2.0f), sq3 = _mm512_set1_ps(1.7320508f);
+  const __m512 gk = _mm512_set1_ps(GAUSS_K), two = _mm512_set1_ps(2.0f), tk3 = _mm512_set1_ps(TAIL_K);
   for (uint32_t t = 0; t < n; t++) {
     uint64_t tk = (uint64_t)(pos0 + t) * 0x9E3779B97F4A7C15ull;
     __m512i vtk = _mm512_set1_epi64((int64_t)tk);
@@ -188,16 +208,13 @@ KVP__T512 static void gen_rows_avx512(const synth_gen *g, uint32_t pos0, uint32_
     for (uint32_t c = 0; c < D16; c += 16) {
       __m512i r0 = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c), vtk));
       __m512i r1 = mix64_avx512(_mm512_xor_si512(_mm512_loadu_si512(g->ch + c + 8), vtk));
-      __m512i sum = _mm512_inserti64x4(_mm512_castsi256_si512(sum16_avx512(r0)), sum16_avx512(r1), 1);
-      __m512i t32 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(mix64_avx512(r0))),
-                                       _mm512_cvtepi64_epi32(mix64_avx512(r1)), 1);
-      __m512 z = _mm512_mul_ps(_mm512_sub_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), k16), two), sq3);
+      __m512i sum = sum16x2_avx512(r0, r1), t32 = lo32_avx512(mix64_avx512(r0), mix64_avx512(r1));
+      __m512 z = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, _mm512_set1_epi32(1 << 17))), gk);
+      /* the heavy tail, branch-free: one lane in 128 takes it, so a vector
+       * of 16 in 8 (a branch on it would be mispredicted that often) */
       __mmask16 hit = _mm512_testn_epi32_mask(t32, _mm512_set1_epi32(127));
-      if (hit) {
-        __m512 u = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(t32, 8)), _mm512_set1_ps(1.0f / 16777216.0f));
-        __m512 zt = _mm512_mul_ps(z, _mm512_add_ps(two, _mm512_mul_ps(_mm512_set1_ps(3.0f), u)));
-        z = _mm512_mask_blend_ps(hit, z, zt);
-      }
+      __m512 u3 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(t32, 8)), tk3);
+      z = _mm512_mask_mul_ps(z, hit, z, _mm512_add_ps(two, u3));
       z = _mm512_mul_ps(_mm512_loadu_ps(g->scale + c), z);
       _mm512_storeu_ps(row + c, _mm512_add_ps(_mm512_loadu_ps(g->bias + c), z));
     }
@@ -260,11 +277,29 @@ static int scratch_alloc(synth_scratch *sc, uint64_t n, uint32_t D) {
   return kvp__err(KVP_ENOMEM, "kvquant calibration: %llu synthetic tokens", (unsigned long long)n);
 }
 
+/* Rows p .. p + rows - 1 of a sequence into at (D floats a row), r0 the
+ * first one's index among all the head's rows; with a sample (every > 0)
+ * its rows, whose index is a multiple of every, are not generated again:
+ * copied from smp (gathered, a row each) or, smp NULL, already in place. */
+static void gen_chunk(const synth_gen *g, uint32_t p, uint32_t rows, float *at, uint32_t D, uint64_t r0,
+                      uint32_t every, const float *smp) {
+  for (uint32_t t = 0; t < rows;) {
+    uint64_t r = r0 + t, to_sample = every ? (every - r % every) % every : rows; /* rows before the next sample row */
+    uint32_t run = to_sample < rows - t ? (uint32_t)to_sample : rows - t;
+    gen_rows(g, p + t, run, at + (size_t)t * D, D);
+    t += run;
+    if (t < rows) { /* a sample row */
+      if (smp) memcpy(at + (size_t)t * D, smp + (r0 + t) / every * D, D * sizeof(float));
+      t++;
+    }
+  }
+}
+
 /* Every head of side f from n_seqs x seq_tokens synthetic tokens (seeds
  * seed .. seed + n_seqs - 1, positions 0..). The sample rows come first,
  * gathered (or in place, for a sampling stride under the default), then
- * the rows in chunks, each screened while in cache. On failure f is as it
- * was. */
+ * the rows in chunks, each screened while in cache (the sample's rows
+ * taken, not generated twice). On failure f is as it was. */
 static int synth_side(kvp__kvq_fit *f, uint32_t layer, uint64_t seed, uint32_t n_seqs, uint32_t seq_tokens,
                       synth_scratch *sc) {
   uint32_t D = f->head_dim, n = n_seqs * seq_tokens;
@@ -291,7 +326,8 @@ static int synth_side(kvp__kvq_fit *f, uint32_t layer, uint64_t seed, uint32_t n
       for (uint32_t p = 0; !rc && p < seq_tokens; p += SYNTH_CHUNK) {
         uint32_t rows = seq_tokens - p < SYNTH_CHUNK ? seq_tokens - p : SYNTH_CHUNK;
         float *at = x + ((size_t)s * seq_tokens + p) * D;
-        gen_rows(g, p, rows, at, D);
+        gen_chunk(g, p, rows, at, D, (uint64_t)s * seq_tokens + p, hs.every,
+                  hs.every >= KVP__KVQ_SAMPLE_EVERY ? sc->smp : NULL);
         rc = kvp__kvq_head_rows(&hs, at, NULL, D, rows);
       }
     }

@@ -14,7 +14,7 @@
  *      left out; K: n = (x - off) / rng; V: n = (x - mid) / half with mid,
  *      half the middle and half-width of the row's dense values. n clipped
  *      to [-1, 1] into bin b = floor((n + 1) / 2 BINS) (at most BINS - 1):
- *        hist[b][0] += w,  hist[b][1] += w n   (double; w = 1 without weights)
+ *        hist[b][1] += w,  hist[b][0] += w n   (double; w = 1 without weights)
  *      in row order, channels ascending: the sums round in that order.
  *   codebook: 2^b centroids seeded at the weighted quantiles (i + 1/2) /
  *   2^b of the histogram, each bin a point at its weighted mean; at most 100
@@ -32,10 +32,15 @@
  *     cannot vouch for it (too few or too many candidates, an answer of
  *     zero, whose sign the heaps' order fixes) the heaps run over the
  *     channel's column as before.
+ *   - the sample's screen thresholds by sorted lists, 8 channels a vector
+ *     (sample_lists_avx2: a min/max ladder, no branch but "does any lane
+ *     go in"), where the heaps cost a mispredicted branch a level: the
+ *     hm-th extreme either way.
  *   - the histogram by a row kernel that keeps the scores in registers and
  *     stores per value only its bin and clipped value, then adds them in
  *     the base code's order (the adds are the cost: about one random store
- *     each).
+ *     each). Each lane keeps its two largest scores, so a row's first two
+ *     outliers come from one pass (the encoder's k = ceil(0.01 x 128) = 2).
  *   - the codebook's distances 4 bins at a time, over the bins that hold
  *     weight (listed once, not scanned each round).
  * Invariant: the ISA changes how many lanes run, never a result: every
@@ -51,13 +56,14 @@
  *   lo[D][hm] hi[D][hm]  heaps of the hm smallest and largest (hm = m, or
  *                        the sample's j)
  *   lo_root[D] hi_root[D]  their roots; after the sample, the thresholds
- *   score[D] nrm[D]      a row's outlier scores and clipped normalized values
- *   cand_v[2][cap + 16]  candidates below lo_root, above hi_root (row order)
- *   sorted[cap]          one side's candidates by channel
+ *   score[D] nrm[2][D]   a row's outlier scores; two rows' clipped normalized values
+ *   cand_v[cap + 16]     candidates below lo_root or above hi_root (row order)
+ *   sorted[cap]          the candidates by key
  *   replay[2 m]          one channel's heaps, for a replay
- *   cand_c[2][cap + 16]  the candidates' channels (i32)
- *   cnt[D + 1]           the counting sort's (u32)
- *   bin[D]               a row's bins, byte offsets into the histogram (i32)
+ *   cand_c[cap + 16]     the candidates' keys (i32): c below lo_root, D + c
+ *                        above (lo_root <= hi_root: one side or none)
+ *   cnt[2 D + 1]         the counting sort's (u32)
+ *   bin[2][D]            two rows' bins, byte offsets into the histogram (i32)
  *   top[D]               a row's outlier channels (u16)
  */
 #include "builtin.h"
@@ -204,20 +210,20 @@ static int row_check(const kvp__kvq_head *hs, const float *x, const float *w) {
   return KVP_OK;
 }
 
-/* The screen of one row (every > 0): the values below lo_root, then those
- * above hi_root, channels ascending, onto the candidates; past cap, only
- * the count. */
+/* The screen of one row (every > 0): the values below lo_root or above
+ * hi_root, channels ascending, onto the candidates with their keys; past
+ * cap, only the count. */
 static void screen_row(kvp__kvq_head *hs, const float *xr) {
-  for (uint32_t side = 0; side < 2; side++) {
-    uint32_t k = hs->ncand[side];
-    const float *th = side ? hs->hi_root : hs->lo_root;
-    for (uint32_t c = 0; c < hs->f->head_dim; c++)
-      if (side ? xr[c] > th[c] : xr[c] < th[c]) {
-        if (k < hs->cap) hs->cand_v[side][k] = xr[c], hs->cand_c[side][k] = (int32_t)c;
-        k += k <= hs->cap;
-      }
-    hs->ncand[side] = k;
+  const uint32_t D = hs->f->head_dim;
+  uint32_t k = hs->ncand;
+  for (uint32_t c = 0; c < D; c++) {
+    int hi = xr[c] > hs->hi_root[c];
+    if (hi || xr[c] < hs->lo_root[c]) {
+      if (k < hs->cap) hs->cand_v[k] = xr[c], hs->cand_c[k] = (int32_t)(c + (hi ? D : 0));
+      k += k <= hs->cap;
+    }
   }
+  hs->ncand = k;
 }
 
 static int rows_base(kvp__kvq_head *hs, const float *x, const float *w, size_t stride, uint32_t nrows) {
@@ -264,64 +270,62 @@ static void compress_init(void) {
 }
 
 /* screen_row 8 channels at a time from channel c0 (a multiple of 8): the
- * passing lanes, packed, are stored whole (8 values, 8 channels) at the
- * side's count, which then grows by their number; the spare entries past
- * cap take the tail of a store. Branch-free: a store costs less than the
- * mispredicted branch that would skip it. */
+ * passing lanes, packed, are stored whole (8 values, 8 keys) at the
+ * count, which then grows by their number; the spare entries past cap
+ * take the tail of a store. Branch-free: a store costs less than the
+ * mispredicted branch that would skip it; both sides in one list: half
+ * the stores of a list per side. */
 __attribute__((target("avx2"))) static void screen_avx2(kvp__kvq_head *hs, const float *xr, uint32_t c0) {
   const uint32_t D = hs->f->head_dim, Dv = D & ~7u, cap = hs->cap;
-  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1];
+  const float *lo = hs->lo_root, *hi = hs->hi_root;
+  float *cv = hs->cand_v;
+  int32_t *cc = hs->cand_c;
+  uint32_t k = hs->ncand;
   __m256i ci = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)c0));
-  const __m256i step = _mm256_set1_epi32(8);
+  const __m256i step = _mm256_set1_epi32(8), vD = _mm256_set1_epi32((int)D);
   for (uint32_t c = c0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
     __m256 v = _mm256_loadu_ps(xr + c);
-    unsigned m0 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hs->lo_root + c), _CMP_LT_OQ));
-    unsigned m1 = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hs->hi_root + c), _CMP_GT_OQ));
-    __m256i p0 = _mm256_loadu_si256((const __m256i *)compress_idx[m0]);
-    __m256i p1 = _mm256_loadu_si256((const __m256i *)compress_idx[m1]);
-    uint32_t a0 = k0 < cap ? k0 : cap, a1 = k1 < cap ? k1 : cap; /* past cap: the spare, over and over */
-    _mm256_storeu_ps(hs->cand_v[0] + a0, _mm256_permutevar8x32_ps(v, p0));
-    _mm256_storeu_si256((__m256i *)(hs->cand_c[0] + a0), _mm256_permutevar8x32_epi32(ci, p0));
-    _mm256_storeu_ps(hs->cand_v[1] + a1, _mm256_permutevar8x32_ps(v, p1));
-    _mm256_storeu_si256((__m256i *)(hs->cand_c[1] + a1), _mm256_permutevar8x32_epi32(ci, p1));
-    k0 += (uint32_t)__builtin_popcount(m0);
-    k1 += (uint32_t)__builtin_popcount(m1);
+    __m256 g0 = _mm256_cmp_ps(v, _mm256_loadu_ps(lo + c), _CMP_LT_OQ);
+    __m256 g1 = _mm256_cmp_ps(v, _mm256_loadu_ps(hi + c), _CMP_GT_OQ);
+    unsigned mk = (unsigned)_mm256_movemask_ps(_mm256_or_ps(g0, g1));
+    __m256i key = _mm256_add_epi32(ci, _mm256_and_si256(_mm256_castps_si256(g1), vD));
+    __m256i p = _mm256_loadu_si256((const __m256i *)compress_idx[mk]);
+    uint32_t a = k < cap ? k : cap; /* past cap: the spare, over and over */
+    _mm256_storeu_ps(cv + a, _mm256_permutevar8x32_ps(v, p));
+    _mm256_storeu_si256((__m256i *)(cc + a), _mm256_permutevar8x32_epi32(key, p));
+    k += (uint32_t)__builtin_popcount(mk);
   }
   for (uint32_t c = Dv; c < D; c++) {
-    if (xr[c] < hs->lo_root[c]) {
-      if (k0 < cap) hs->cand_v[0][k0] = xr[c], hs->cand_c[0][k0] = (int32_t)c;
-      k0++;
-    }
-    if (xr[c] > hs->hi_root[c]) {
-      if (k1 < cap) hs->cand_v[1][k1] = xr[c], hs->cand_c[1][k1] = (int32_t)c;
-      k1++;
+    int up = xr[c] > hi[c];
+    if (up || xr[c] < lo[c]) {
+      if (k < cap) cv[k] = xr[c], cc[k] = (int32_t)(c + (up ? D : 0));
+      k++;
     }
   }
-  hs->ncand[0] = k0 < cap ? k0 : cap + 1; /* saturate: cap + 1 says overflow */
-  hs->ncand[1] = k1 < cap ? k1 : cap + 1;
+  hs->ncand = k < cap ? k : cap + 1; /* saturate: cap + 1 says overflow */
 }
 
 /* screen_avx2 16 channels at a time, packed by AVX-512's compress (half
  * the stores), then the rest by screen_avx2. */
 __attribute__((target("avx2,avx512f,avx512dq,avx512vl"))) static void screen_avx512(kvp__kvq_head *hs, const float *xr) {
-  const uint32_t D16 = hs->f->head_dim & ~15u, cap = hs->cap;
-  uint32_t k0 = hs->ncand[0], k1 = hs->ncand[1];
+  const uint32_t D = hs->f->head_dim, D16 = D & ~15u, cap = hs->cap;
+  const float *lo = hs->lo_root, *hi = hs->hi_root;
+  float *cv = hs->cand_v;
+  int32_t *cc = hs->cand_c;
+  uint32_t k = hs->ncand;
   __m512i ci = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i step = _mm512_set1_epi32(16);
+  const __m512i step = _mm512_set1_epi32(16), vD = _mm512_set1_epi32((int)D);
   for (uint32_t c = 0; c < D16; c += 16, ci = _mm512_add_epi32(ci, step)) {
     __m512 v = _mm512_loadu_ps(xr + c);
-    __mmask16 m0 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hs->lo_root + c), _CMP_LT_OQ);
-    __mmask16 m1 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hs->hi_root + c), _CMP_GT_OQ);
-    uint32_t a0 = k0 < cap ? k0 : cap, a1 = k1 < cap ? k1 : cap;
-    _mm512_storeu_ps(hs->cand_v[0] + a0, _mm512_maskz_compress_ps(m0, v));
-    _mm512_storeu_si512(hs->cand_c[0] + a0, _mm512_maskz_compress_epi32(m0, ci));
-    _mm512_storeu_ps(hs->cand_v[1] + a1, _mm512_maskz_compress_ps(m1, v));
-    _mm512_storeu_si512(hs->cand_c[1] + a1, _mm512_maskz_compress_epi32(m1, ci));
-    k0 += (uint32_t)__builtin_popcount(m0);
-    k1 += (uint32_t)__builtin_popcount(m1);
+    __mmask16 m0 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(lo + c), _CMP_LT_OQ);
+    __mmask16 m1 = _mm512_cmp_ps_mask(v, _mm512_loadu_ps(hi + c), _CMP_GT_OQ);
+    __mmask16 mk = (__mmask16)(m0 | m1);
+    uint32_t a = k < cap ? k : cap;
+    _mm512_storeu_ps(cv + a, _mm512_maskz_compress_ps(mk, v));
+    _mm512_storeu_si512(cc + a, _mm512_maskz_compress_epi32(mk, _mm512_mask_add_epi32(ci, m1, ci, vD)));
+    k += (uint32_t)__builtin_popcount(mk);
   }
-  hs->ncand[0] = k0 < cap ? k0 : cap + 1;
-  hs->ncand[1] = k1 < cap ? k1 : cap + 1;
+  hs->ncand = k < cap ? k : cap + 1;
   screen_avx2(hs, xr, D16);
 }
 
@@ -370,6 +374,46 @@ __attribute__((target("avx2"))) static int rows_avx2(kvp__kvq_head *hs, const fl
   return KVP_OK;
 }
 
+/* The sample's thresholds by sorted lists instead of heaps (D a multiple
+ * of 8, hm <= KVP__KVQ_SAMPLE_LISTS_MAX): each group of 8 channels keeps,
+ * one lane a channel, the hm smallest values so far ascending (lo) and the
+ * hm largest descending (hi), laid out [D / 8][hm][8] in hs->lo, hs->hi.
+ * A row's 8 values go in by a branch-free ladder, every entry at once:
+ *   L'[i] = max(L[i - 1], min(L[i], v)),  L'[0] = min(L[0], v)
+ * (hi: min and max swapped), skipped when no lane beats the last entry.
+ * The last entry is then the hm-th extreme, the value the heaps' root
+ * holds whatever the order (a zero's sign aside, which no screen sees). */
+__attribute__((target("avx2"))) static void sample_lists_avx2(kvp__kvq_head *hs, const float *s, size_t s_stride,
+                                                           uint32_t ns) {
+  const uint32_t D = hs->f->head_dim, hm = hs->hm, hop = sample_hop(ns);
+  for (size_t i = 0; i < (size_t)D * hm; i++) hs->lo[i] = INFINITY, hs->hi[i] = -INFINITY;
+  for (uint32_t i = 0, q = 0; i < ns; i++, q = (uint32_t)(((uint64_t)q + hop) % ns)) {
+    const float *xr = s + (size_t)q * s_stride;
+    for (uint32_t g = 0; g < D / 8; g++) {
+      __m256 v = _mm256_loadu_ps(xr + 8 * g);
+      float *lo = hs->lo + (size_t)g * hm * 8, *hi = hs->hi + (size_t)g * hm * 8;
+      if (_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(lo + 8 * (hm - 1)), _CMP_LT_OQ))) {
+        for (uint32_t j = hm - 1; j > 0; j--)
+          _mm256_storeu_ps(lo + 8 * j, _mm256_max_ps(_mm256_loadu_ps(lo + 8 * (j - 1)),
+                                                     _mm256_min_ps(_mm256_loadu_ps(lo + 8 * j), v)));
+        _mm256_storeu_ps(lo, _mm256_min_ps(_mm256_loadu_ps(lo), v));
+      }
+      if (_mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_loadu_ps(hi + 8 * (hm - 1)), _CMP_GT_OQ))) {
+        for (uint32_t j = hm - 1; j > 0; j--)
+          _mm256_storeu_ps(hi + 8 * j, _mm256_min_ps(_mm256_loadu_ps(hi + 8 * (j - 1)),
+                                                     _mm256_max_ps(_mm256_loadu_ps(hi + 8 * j), v)));
+        _mm256_storeu_ps(hi, _mm256_max_ps(_mm256_loadu_ps(hi), v));
+      }
+    }
+  }
+  for (uint32_t c = 0; c < D; c++) {
+    size_t last = ((size_t)(c / 8) * hm + hm - 1) * 8 + c % 8;
+    hs->lo_root[c] = hs->lo[last];
+    hs->hi_root[c] = hs->hi[last];
+  }
+  hs->hlen = hm;
+}
+
 /* The sample's heaps: heaps_row with the screen 8 channels at a time. */
 __attribute__((target("avx2"))) static void sample_avx2(kvp__kvq_head *hs, const float *s, size_t s_stride,
                                                        uint32_t ns) {
@@ -405,10 +449,10 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   size_t ns = every ? (n + every - 1) / every : 0;               /* sample rows */
   size_t j = every ? (2 * (m + 1) + every - 1) / every + 8 : 0; /* thresholds' expected rank: about 2 m + 8 every */
   if (!every || n < 64 * every || 8 * j > ns) every = j = 0;   /* little to screen out: the heaps over every row */
-  size_t hm = every ? j : m, cap = every ? D * (2 * j * every + 64) : 0; /* about twice the candidates expected */
+  size_t hm = every ? j : m, cap = every ? 2 * D * (2 * j * every + 64) : 0; /* about twice the candidates expected */
   /* f32, i32, u32, u16: each aligned; the sizes cannot overflow (m <= n / 4 + 1 < 2^30, D <= 2^12) */
-  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 4 * D + 2 * (cap + spare) + cap + (every ? 2 * m : 0);
-  size_t bytes = nf * 4 + 2 * (cap + spare) * 4 + (D + 1) * 4 + D * 4 + D * 2;
+  size_t spare = every ? 16 : 0, nf = 2 * D * hm + 5 * D + (cap + spare) + cap + (every ? 2 * m : 0);
+  size_t bytes = nf * 4 + (cap + spare) * 4 + (2 * D + 1) * 4 + 2 * D * 4 + D * 2;
   void *mem = malloc(bytes);
   if (!mem) return kvp__err(KVP_ENOMEM, "kvquant calibration: %u samples", n);
   *hs = (kvp__kvq_head){.f = f, .h = h, .n = n, .m = (uint32_t)m, .every = (uint32_t)every, .hm = (uint32_t)hm,
@@ -420,15 +464,13 @@ int kvp__kvq_head_begin(kvp__kvq_fit *f, uint32_t h, uint32_t n, kvp__kvq_head *
   hs->hi_root = hs->lo_root + D;
   hs->score = hs->hi_root + D;
   hs->nrm = hs->score + D;
-  hs->cand_v[0] = hs->nrm + D;
-  hs->cand_v[1] = hs->cand_v[0] + cap + spare;
-  hs->sorted = hs->cand_v[1] + cap + spare;
+  hs->cand_v = hs->nrm + 2 * D;
+  hs->sorted = hs->cand_v + cap + spare;
   hs->replay = hs->sorted + cap;
-  hs->cand_c[0] = (int32_t *)(hs->replay + (every ? 2 * m : 0));
-  hs->cand_c[1] = hs->cand_c[0] + cap + spare;
-  hs->cnt = (uint32_t *)(hs->cand_c[1] + cap + spare);
-  hs->bin = (int32_t *)(hs->cnt + D + 1);
-  hs->top = (uint16_t *)(hs->bin + D);
+  hs->cand_c = (int32_t *)(hs->replay + (every ? 2 * m : 0));
+  hs->cnt = (uint32_t *)(hs->cand_c + cap + spare);
+  hs->bin = (int32_t *)(hs->cnt + 2 * D + 1);
+  hs->top = (uint16_t *)(hs->bin + 2 * D);
 #if KVP__HAVE_AVX2
   pthread_once(&compress_once, compress_init);
 #endif
@@ -445,7 +487,8 @@ void kvp__kvq_head_sample(kvp__kvq_head *hs, const float *s, size_t s_stride) {
   uint32_t ns = (hs->n + hs->every - 1) / hs->every;
 #if KVP__HAVE_AVX2
   if (kvp__codec_isa() >= KVP__ISA_AVX2) {
-    sample_avx2(hs, s, s_stride, ns);
+    if (hs->f->head_dim % 8 == 0 && hs->hm <= KVP__KVQ_SAMPLE_LISTS_MAX) sample_lists_avx2(hs, s, s_stride, ns);
+    else sample_avx2(hs, s, s_stride, ns);
     return;
   }
 #endif
@@ -530,39 +573,44 @@ static void replay(kvp__kvq_head *hs, const float *x, size_t stride, uint32_t c,
   *hi_out = hi[0];
 }
 
-/* Every channel's m-th smallest (side 0) or largest (side 1) sample into
- * out[D]; NAN where the candidates cannot tell (the caller replays). With
- * the sample, the candidates hold every value past the thresholds: when at
- * least m of a channel's are past it, its m-th extreme of every value is
- * among them, and is the m-th extreme of them. A nonzero float equal to it
- * has its bits, so any exact selection gives the heaps' answer; a zero
- * (whose sign only the heaps' order fixes), a threshold the sample
- * misplaced, or candidates past cap give NAN. */
-static void select_side(kvp__kvq_head *hs, uint32_t side, float *out) {
-  uint32_t D = hs->f->head_dim, m = hs->m, k = hs->ncand[side], *cnt = hs->cnt;
-  for (uint32_t c = 0; c < D; c++) out[c] = NAN;
+/* Every channel's m-th smallest sample into lo_out[D] and m-th largest
+ * into hi_out[D]; NAN where the candidates cannot tell (the caller
+ * replays). With the sample, the candidates hold every value past the
+ * thresholds: when at least m of a channel's are past one, its m-th
+ * extreme of every value is among them, and is the m-th extreme of them.
+ * A nonzero float equal to it has its bits, so any exact selection gives
+ * the heaps' answer; a zero (whose sign only the heaps' order fixes), a
+ * threshold the sample misplaced, or candidates past cap give NAN. */
+static void select_sides(kvp__kvq_head *hs, float *lo_out, float *hi_out) {
+  uint32_t D = hs->f->head_dim, m = hs->m, k = hs->ncand, *cnt = hs->cnt;
+  for (uint32_t c = 0; c < D; c++) lo_out[c] = hi_out[c] = NAN;
   if (k > hs->cap) return;
-  memset(cnt, 0, (D + 1) * sizeof *cnt); /* by channel, in order: a counting sort */
-  for (uint32_t i = 0; i < k; i++) cnt[hs->cand_c[side][i] + 1]++;
-  for (uint32_t c = 0; c < D; c++) cnt[c + 1] += cnt[c];
-  for (uint32_t i = 0; i < k; i++) hs->sorted[cnt[hs->cand_c[side][i]]++] = hs->cand_v[side][i];
-  for (uint32_t c = 0, at = 0; c < D; at = cnt[c++]) { /* cnt[c]: the end of channel c's run now */
-    uint32_t nc = cnt[c] - at;
+  memset(cnt, 0, (2 * D + 1) * sizeof *cnt); /* by key (side, channel), in order: a counting sort */
+  for (uint32_t i = 0; i < k; i++) cnt[hs->cand_c[i] + 1]++;
+  for (uint32_t q = 0; q < 2 * D; q++) cnt[q + 1] += cnt[q];
+  for (uint32_t i = 0; i < k; i++) hs->sorted[cnt[hs->cand_c[i]]++] = hs->cand_v[i];
+  for (uint32_t q = 0, at = 0; q < 2 * D; at = cnt[q++]) { /* cnt[q]: the end of key q's run now */
+    uint32_t nc = cnt[q] - at, side = q >= D;
     if (nc < m) continue;
-    float v = select_kth(hs->sorted + at, nc, side ? nc - m : m - 1, (uint32_t *)hs->cand_c[side]);
-    if (v != 0) out[c] = v;
+    float v = select_kth(hs->sorted + at, nc, side ? nc - m : m - 1, (uint32_t *)hs->cand_c);
+    if (v != 0) (side ? hi_out : lo_out)[q - (side ? D : 0)] = v;
   }
 }
 
 /* ---- pass 2: the histogram --------------------------------------------------------- */
+
+/* A bin's pair: the weighted sum first, so that one cvtss2sd makes the
+ * pair [n, 1] to add from a float n and the constant [., 1]. */
+#define HIST_WN 0 /* sum of w n */
+#define HIST_W 1  /* sum of w */
 
 static void hist_add(kvp__kvq_fit *f, float n, float w) {
   if (n < -1.0f) n = -1.0f;
   if (n > 1.0f) n = 1.0f;
   uint32_t b = (uint32_t)((n + 1.0f) * 0.5f * KVP__KVQ_BINS);
   if (b >= KVP__KVQ_BINS) b = KVP__KVQ_BINS - 1;
-  f->hist[2 * b] += w;
-  f->hist[2 * b + 1] += (double)w * n;
+  f->hist[2 * b + HIST_W] += w;
+  f->hist[2 * b + HIST_WN] += (double)w * n;
 }
 
 /* The normalized dense values of one token into the histogram. */
@@ -619,6 +667,19 @@ __attribute__((target("avx2"))) static inline float hmin8(__m256 v) {
     vat = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vat), _mm256_castsi256_ps(ci), gt_));             \
   } while (0)
 
+/* ARGMAX_STEP keeping each lane's two largest (m1 at a1, then m2 at a2,
+ * the lower channel first among equal scores): the lane's channels come
+ * in ascending order, so a score displaces an entry only when strictly
+ * larger. */
+#define ARGMAX2_STEP(m1, a1, m2, a2, s, ci) /* a1, a2, ci: __m256 holding the channels' bits */                      \
+  do {                                                                                                               \
+    __m256 g1_ = _mm256_cmp_ps(s, m1, _CMP_GT_OQ), g2_ = _mm256_cmp_ps(s, m2, _CMP_GT_OQ);                           \
+    m2 = _mm256_blendv_ps(_mm256_blendv_ps(m2, s, g2_), m1, g1_);                                                    \
+    a2 = _mm256_blendv_ps(_mm256_blendv_ps(a2, ci, g2_), a1, g1_);                                                   \
+    m1 = _mm256_blendv_ps(m1, s, g1_);                                                                               \
+    a1 = _mm256_blendv_ps(a1, ci, g1_);                                                                              \
+  } while (0)
+
 /* The largest of the lanes and the first channel with it (lanes a and b:
  * two accumulators over alternate vectors), then the scalar tail's
  * channels [Dv, D) with scores st[0 .. D - Dv). */
@@ -658,16 +719,15 @@ static inline int picked1(uint32_t c, const uint16_t *top, uint32_t k) {
 /* The outliers of a row, as kvp__kvq_top picks them (the k largest scores
  * |x - off| inv, ties to the lower channel): k times the first channel of
  * the largest score not yet picked, the scores recomputed each time (the
- * same operations, so the same values); top ascending. first: the first
- * pick, which the caller found. */
+ * same operations, so the same values); top ascending. top[0 .. j0):
+ * the first picks, which the caller found. */
 __attribute__((target("avx2"))) static void top_avx2(const float *xr, const float *off, const float *inv, uint32_t D,
-                                                     uint32_t k, uint32_t first, uint16_t *top) {
+                                                     uint32_t k, uint32_t j0, uint16_t *top) {
   const uint32_t Dv = D & ~7u;
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), none = _mm256_set1_ps(-1.0f);
   const __m256i step = _mm256_set1_epi32(8);
   float st[8];
-  top[0] = (uint16_t)first;
-  for (uint32_t j = 1; j < k; j++) {
+  for (uint32_t j = j0; j < k; j++) {
     __m256 va = none, vb = none;
     __m256i ata = _mm256_setzero_si256(), atb = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     uint32_t c = 0;
@@ -722,29 +782,42 @@ static inline void bin_one(float n, float *nrm, int32_t *boff) { /* bin_avx2 of 
   *boff = (int32_t)b << 4;
 }
 
-/* One row, 8 channels at a time: 0, or 1 when it must go through
- * fit_token (V: a NaN among its values, from a degenerate dense range;
- * nothing added then). The adds are fit_token's, in its order; an
- * outlier's go to the spare bin. */
-__attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const float *xr, const float *wr, uint32_t k) {
+/* One row, 8 channels at a time, up to its adds: each value's clipped n
+ * into nrm[D] and bin into boff[D], an outlier's the spare bin. 0, or 1
+ * when the row must go through fit_token (V: a NaN among its values, from
+ * a degenerate dense range). */
+__attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const float *xr, uint32_t k, float *nrm,
+                                                    int32_t *boff) {
   const kvp__kvq_fit *f = hs->f;
   const uint32_t D = f->head_dim, Dv = D & ~7u, kv = f->kv, keep = k > VEC_TOPK_MAX;
   const float *off = f->off + (size_t)hs->h * D, *inv = f->inv + (size_t)hs->h * D;
-  float *score = hs->score, *nrm = hs->nrm, st[8];
-  int32_t *boff = hs->bin;
+  float *score = hs->score, st[8];
   uint16_t *top = hs->top;
   const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)), none = _mm256_set1_ps(-1.0f);
   const __m256i step = _mm256_set1_epi32(8);
-  __m256 va = none, vb = none;
-  __m256i ata = _mm256_setzero_si256(), atb = ata, ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
-    __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
-    __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
-    if (keep) _mm256_storeu_ps(score + c, s);
-    if (c & 8) ARGMAX_STEP(vb, atb, s, ci); /* two accumulators: half the dependent chain */
-    else ARGMAX_STEP(va, ata, s, ci);
-    if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c); /* K: n = d inv */
-  }
+  __m256 va = none, vb = none, va2 = none, vb2 = none;
+  __m256i ata = _mm256_setzero_si256(), atb = ata, ata2 = ata, atb2 = ata;
+  __m256i ci = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if (k >= 2 && !keep) { /* each lane's two largest: the first two picks from one pass */
+    __m256 fa = _mm256_setzero_ps(), fa2 = fa, fb = fa, fb2 = fa;
+    for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
+      __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
+      __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv), cf = _mm256_castsi256_ps(ci);
+      if (c & 8) ARGMAX2_STEP(vb, fb, vb2, fb2, s, cf);
+      else ARGMAX2_STEP(va, fa, va2, fa2, s, cf);
+      if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c);
+    }
+    ata = _mm256_castps_si256(fa), ata2 = _mm256_castps_si256(fa2);
+    atb = _mm256_castps_si256(fb), atb2 = _mm256_castps_si256(fb2);
+  } else
+    for (uint32_t c = 0; c < Dv; c += 8, ci = _mm256_add_epi32(ci, step)) {
+      __m256 d = _mm256_sub_ps(_mm256_loadu_ps(xr + c), _mm256_loadu_ps(off + c)), iv = _mm256_loadu_ps(inv + c);
+      __m256 s = _mm256_mul_ps(_mm256_and_ps(d, absm), iv);
+      if (keep) _mm256_storeu_ps(score + c, s);
+      if (c & 8) ARGMAX_STEP(vb, atb, s, ci); /* two accumulators: half the dependent chain */
+      else ARGMAX_STEP(va, ata, s, ci);
+      if (!kv) bin_avx2(_mm256_mul_ps(d, iv), nrm + c, boff + c); /* K: n = d inv */
+    }
   for (uint32_t c = Dv; c < D; c++) {
     float d = xr[c] - off[c];
     st[c - Dv] = score[c] = fabsf(d) * inv[c];
@@ -754,8 +827,23 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
    * and no K value is NaN, whatever |x - off| (up to inf) */
   if (keep) {
     kvp__kvq_top(score, D, k, top);
+  } else if (k == 1) {
+    top[0] = (uint16_t)argmax_finish(va, ata, vb, atb, st, Dv, D);
   } else if (k) {
-    top_avx2(xr, off, inv, D, k, argmax_finish(va, ata, vb, atb, st, Dv, D), top);
+    uint32_t c1 = argmax_finish(va, ata, vb, atb, st, Dv, D);
+    /* the second: the best of the lanes, each without c1 (the lane that
+     * had c1 first offers its second), and of the tail without c1 */
+    __m256i v1 = _mm256_set1_epi32((int)c1);
+    __m256 ha = _mm256_castsi256_ps(_mm256_cmpeq_epi32(ata, v1)), hb = _mm256_castsi256_ps(_mm256_cmpeq_epi32(atb, v1));
+    va = _mm256_blendv_ps(va, va2, ha);
+    ata = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(ata), _mm256_castsi256_ps(ata2), ha));
+    vb = _mm256_blendv_ps(vb, vb2, hb);
+    atb = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(atb), _mm256_castsi256_ps(atb2), hb));
+    if (c1 >= Dv) st[c1 - Dv] = -1.0f;
+    uint32_t c2 = argmax_finish(va, ata, vb, atb, st, Dv, D);
+    top[0] = (uint16_t)(c1 < c2 ? c1 : c2);
+    top[1] = (uint16_t)(c1 < c2 ? c2 : c1);
+    if (k > 2) top_avx2(xr, off, inv, D, k, 2, top);
   }
   if (kv) { /* the dense values' middle and half-width, then n and its bin */
     const __m256 inf = _mm256_set1_ps(INFINITY), ninf = _mm256_set1_ps(-INFINITY);
@@ -788,26 +876,30 @@ __attribute__((target("avx2"))) static int row_avx2(kvp__kvq_head *hs, const flo
     if (bad) return 1;
   }
   for (uint32_t j = 0; j < k; j++) boff[top[j]] = (int32_t)KVP__KVQ_BINS << 4; /* the spare */
-  /* the adds, channels ascending: [w, w n] onto the bin's pair */
+  return 0;
+}
+
+/* A row's adds, fit_token's in its order (channels ascending): [w n, w]
+ * onto each value's bin pair, from row_avx2's nrm and boff. */
+__attribute__((target("avx2"))) static void row_adds(kvp__kvq_fit *f, const float *nrm, const int32_t *boff,
+                                                     const float *wr) {
   char *hist = (char *)f->hist;
-  size_t c = 0, nD = D;
+  size_t c = 0, nD = f->head_dim;
   if (!wr) {
-    const __m128d w1 = _mm_set_sd(1.0);
+    const __m128d w1 = _mm_set_pd(1.0, 0.0); /* [., 1]: cvtss2sd sets the low lane, keeps the 1 */
 #define ADD1(i)                                                                                                      \
   _mm_storeu_pd((double *)(hist + boff[i]),                                                                          \
-                _mm_add_pd(_mm_loadu_pd((double *)(hist + boff[i])),                                                 \
-                           _mm_unpacklo_pd(w1, _mm_cvtss_sd(w1, _mm_load_ss(nrm + (i))))))
+                _mm_add_pd(_mm_loadu_pd((double *)(hist + boff[i])), _mm_cvtss_sd(w1, _mm_load_ss(nrm + (i)))))
     for (; c + 4 <= nD; c += 4) ADD1(c), ADD1(c + 1), ADD1(c + 2), ADD1(c + 3);
     for (; c < nD; c++) ADD1(c);
 #undef ADD1
   } else {
     for (; c < nD; c++) {
       double *p = (double *)(hist + boff[c]);
-      p[0] += wr[c];
-      p[1] += (double)wr[c] * nrm[c];
+      p[HIST_W] += wr[c];
+      p[HIST_WN] += (double)wr[c] * nrm[c];
     }
   }
-  return 0;
 }
 #endif
 
@@ -818,8 +910,7 @@ void kvp__kvq_head_end(kvp__kvq_head *hs, const float *x, const float *w, size_t
   int finite = 1;
   float *lo_v = hs->score, *hi_v = hs->nrm; /* scratch until the histogram */
   if (hs->every) {
-    select_side(hs, 0, lo_v);
-    select_side(hs, 1, hi_v);
+    select_sides(hs, lo_v, hi_v);
   } else
     for (uint32_t c = 0; c < D; c++) lo_v[c] = hs->lo[(size_t)c * hs->hm], hi_v[c] = hs->hi[(size_t)c * hs->hm];
   for (uint32_t c = 0; c < D; c++) {
@@ -838,14 +929,30 @@ void kvp__kvq_head_end(kvp__kvq_head *hs, const float *x, const float *w, size_t
   int vec = 0;
   (void)finite;
 #endif
+  /* The vector rows a step apart: row t is prepared (its bins, its
+   * outliers: reductions whose latency the adds would wait for), then row
+   * t - 1's adds run, then row t's fit_token if it needs one; the adds keep
+   * their order. Buffers alternate between two halves of nrm and bin. */
+  const float *pend_wr = NULL;
+  int pend = -1; /* the half holding a row prepared and not added, or -1 */
   for (uint32_t t = 0; t < hs->n; t++) {
     const float *xr = x + (size_t)t * x_stride, *wr = w ? w + (size_t)t * x_stride : NULL;
 #if KVP__HAVE_AVX2
-    if (vec && !row_avx2(hs, xr, wr, k)) continue;
+    if (vec) {
+      if (t + 4 < hs->n) /* the row 4 ahead, a line at a time: the rows come from memory, not cache */
+        for (uint32_t c = 0; c < D; c += 16) __builtin_prefetch(xr + 4 * x_stride + c);
+      int b = (int)(t & 1), bad = row_avx2(hs, xr, k, hs->nrm + b * D, hs->bin + b * D);
+      if (pend >= 0) row_adds(f, hs->nrm + pend * D, hs->bin + pend * D, pend_wr);
+      pend = bad ? -1 : b, pend_wr = wr;
+      if (!bad) continue;
+    }
 #endif
     fit_token(f, h, xr, wr, k, hs->score, hs->top);
   }
-  (void)vec;
+#if KVP__HAVE_AVX2
+  if (pend >= 0) row_adds(f, hs->nrm + pend * D, hs->bin + pend * D, pend_wr);
+#endif
+  (void)vec, (void)pend, (void)pend_wr;
   f->done[h] = 1;
   kvp__kvq_head_abort(hs);
 }
@@ -900,7 +1007,7 @@ int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
   uint32_t K = 1u << f->bits, B = KVP__KVQ_BINS;
   const double *hist = f->hist;
   double total = 0, c[KVP__KVQ_LUT_MAX];
-  for (uint32_t b = 0; b < B; b++) total += hist[2 * b];
+  for (uint32_t b = 0; b < B; b++) total += hist[2 * b + HIST_W];
   if (!(total > 0)) {
     kvp__kvq_uniform_lut(f->bits, lut);
     return KVP_OK;
@@ -909,9 +1016,9 @@ int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
   double acc = 0;
   uint32_t i = 0;
   for (uint32_t b = 0; b < B && i < K; b++) {
-    acc += hist[2 * b];
-    while (i < K && acc >= (i + 0.5) / K * total)
-      c[i++] = hist[2 * b] > 0 ? hist[2 * b + 1] / hist[2 * b] : -1.0 + (b + 0.5) * 2.0 / B;
+    double w = hist[2 * b + HIST_W], wn = hist[2 * b + HIST_WN];
+    acc += w;
+    while (i < K && acc >= (i + 0.5) / K * total) c[i++] = w > 0 ? wn / w : -1.0 + (b + 0.5) * 2.0 / B;
   }
   while (i < K) c[i] = c[i - 1], i++;
   /* the bins that hold weight, in order: point (weighted mean), weight, weighted sum */
@@ -921,7 +1028,8 @@ int kvp__kvq_fit_lut(const kvp__kvq_fit *f, float *lut) {
   uint8_t *label = (uint8_t *)(pwx + B), *prev = label + B;
   uint32_t np = 0;
   for (uint32_t b = 0; b < B; b++)
-    if (hist[2 * b] > 0) pts[np] = hist[2 * b + 1] / hist[2 * b], pw[np] = hist[2 * b], pwx[np] = hist[2 * b + 1], np++;
+    if (hist[2 * b + HIST_W] > 0)
+      pw[np] = hist[2 * b + HIST_W], pwx[np] = hist[2 * b + HIST_WN], pts[np] = pwx[np] / pw[np], np++;
   for (int round = 0; round < 100; round++) {
 #if KVP__HAVE_AVX2
     if (kvp__codec_isa() >= KVP__ISA_AVX2) assign_avx2(pts, np, c, K, label);

@@ -8,6 +8,12 @@
  *     periodic samples) and kvp_kvquant_calib_synthetic, pinned from the
  *     fitter before the fast paths (per-channel heaps over every row,
  *     scalar code, one row at a time): every path must write those bytes;
+ *   - more golden files for vector paths added later (a row's first two
+ *     outliers picked in one pass, the sample's sorted lists): head dims a
+ *     multiple of 8 or not, ties, constant channels, one row; pinned from
+ *     the base code (ISA 0, which those paths leave alone);
+ *   - the synthetic generator's floats the same on every ISA, bit for bit
+ *     (head dims of 16-channel vectors, 8-channel ones and a scalar tail);
  *   - the same bytes on every ISA (base, AVX2, AVX-512), with the sampled
  *     thresholds and with the heaps over every row, and for every worker
  *     count of synthetic;
@@ -35,7 +41,11 @@ static float tunit(uint64_t *st) { return (float)(t_rand(st) >> 40) * (1.0f / 16
  * zeros of both signs, ties at +-0.5, +-1e38, a channel of subnormals; 2:
  * steps of 0.25 (ties), and every 4th channel zeros of both signs but for
  * a few values (both thresholds zeros, the sign theirs); 3: every 16th row
- * far above the rest (a sample of every 16th row sees only those). */
+ * far above the rest (a sample of every 16th row sees only those); 4:
+ * every 3rd channel constant (scores of 0 that tie), the others smooth; 5:
+ * every 3rd row of 0, a, 2a (a = 2^-130: V's dense half-width a, whose
+ * reciprocal overflows, so (a - mid) / half is NaN: the vector path hands
+ * the row to the base code), the others smooth. */
 static float tval(uint64_t *st, int pattern, uint32_t t, uint32_t c) {
   float g = (tunit(st) + tunit(st) + tunit(st) + tunit(st) - 2.0f) * 1.7f;
   uint32_t r = (uint32_t)(t_rand(st) % 64);
@@ -52,6 +62,8 @@ static float tval(uint64_t *st, int pattern, uint32_t t, uint32_t c) {
   case 2:
     if (c % 4 == 0) return t_rand(st) % 512 < 2 ? g : r % 2 ? 0.0f : -0.0f;
     return (float)(int)(g * 2) * 0.25f;
+  case 4: return c % 3 == 0 ? 1.5f : g;
+  case 5: return t % 3 == 0 ? (float)(r % 3) * 0x1p-130f : g;
   default: return t % 16 == 0 ? 100.0f + g : g;
   }
 }
@@ -120,8 +132,9 @@ static int n_isas(void) {
   return n;
 }
 
-/* The sampling strides: the default, then the heaps over every row. */
-static const uint32_t SAMPLING[] = {KVP__KVQ_SAMPLE_EVERY, 0};
+/* The sampling strides: the default, a denser one (the synthetic fit keeps
+ * its sample rows in place then), and the heaps over every row. */
+static const uint32_t SAMPLING[] = {KVP__KVQ_SAMPLE_EVERY, 4, 0};
 
 /* Pinned from the plain fitter (the commit before the fast paths). */
 static const add_case ADD[] = {
@@ -135,8 +148,25 @@ static const add_case ADD[] = {
 };
 #define NADD (sizeof ADD / sizeof *ADD)
 
-START_TEST(add_matches_golden) {
-  const add_case *a = &ADD[_i];
+/* Pinned from the base code (ISA 0) when the vector paths for two or more
+ * outliers a row and the sample's sorted lists came; the commit before
+ * them wrote the same bytes on every ISA. k: outliers a row. */
+static const add_case ADD_VEC[] = {
+    {1, 2, 32, 3, 0.05, 2000, 0, 21, 0xf697d8b7u},  /* k = 2, sampled */
+    {1, 2, 32, 3, 0.05, 2000, 1, 22, 0x57f0eeffu},  /* k = 2, ties, zeros, 1e38 */
+    {1, 2, 64, 2, 0.03, 2000, 2, 23, 0x7ec34190u},  /* k = 2, quantized: ties (4 channels a lane), replays */
+    {1, 2, 128, 3, 0.01, 3000, 2, 30, 0x6fd55735u}, /* k = 2, quantized, the benchmark's head dim */
+    {1, 2, 32, 3, 0.05, 2000, 4, 24, 0x4a6b04ebu},  /* k = 2, constant channels: scores that tie at 0 */
+    {1, 2, 24, 3, 0.10, 8000, 1, 25, 0xb05282deu},  /* k = 3, an odd number of vectors, lists of 59 */
+    {1, 2, 8, 3, 0.25, 2000, 4, 26, 0xc689c19bu},   /* k = 2 in one vector */
+    {1, 2, 20, 3, 0.10, 2000, 1, 27, 0x540b0f3au},  /* k = 2, a tail of 4 channels (the heaps' sample) */
+    {1, 3, 64, 4, 0.04, 3000, 3, 28, 0xb50b38e0u},  /* k = 3, a misleading sample: replays */
+    {1, 1, 16, 3, 0.10, 1, 4, 29, 0x433e488du},     /* k = 2, one row */
+    {1, 2, 16, 3, 0.10, 600, 5, 31, 0xe64138f2u},   /* k = 2, V rows the vector path hands back */
+};
+#define NADD_VEC (sizeof ADD_VEC / sizeof *ADD_VEC)
+
+static void add_golden(const add_case *a, int i) {
   char path[64];
   tmp_name(path, sizeof path);
   int was = kvp__codec_isa(), nisa = n_isas();
@@ -150,13 +180,18 @@ START_TEST(add_matches_golden) {
       ck_ok(kvp_kvquant_calib_write(c, path));
       kvp_kvquant_calib_destroy(c);
       uint32_t crc = file_crc(path, file_bytes(a->L, a->H, a->D, a->bits));
-      ck_assert_msg(crc == a->crc, "case %d, ISA %d, sampling %u: crc %08x, pinned %08x", _i, isa, SAMPLING[s], crc,
+      ck_assert_msg(crc == a->crc, "case %d, ISA %d, sampling %u: crc %08x, pinned %08x", i, isa, SAMPLING[s], crc,
                     a->crc);
     }
   kvp__kvq_fit_set_sampling(KVP__KVQ_SAMPLE_EVERY);
   kvp__codec_isa_set(was);
   unlink(path);
 }
+
+START_TEST(add_matches_golden) { add_golden(&ADD[_i], _i); }
+END_TEST
+
+START_TEST(add_vec_matches_golden) { add_golden(&ADD_VEC[_i], _i); }
 END_TEST
 
 typedef struct synth_case {
@@ -220,6 +255,75 @@ START_TEST(fallbacks_taken) {
 }
 END_TEST
 
+/* The sample's thresholds (the screens) from the sorted lists of the
+ * vector ISAs equal the heaps' of the base code, a zero's sign aside.
+ * They decide no byte of a file (a screen too tight or too loose only
+ * sends channels to the replay), so the golden files cannot see them. */
+START_TEST(sample_lists_match_heaps) {
+  static const struct {
+    uint32_t D, n;
+    double frac;
+    int pattern;
+  } C[] = {{128, 4096, 0.01, 0}, {32, 2000, 0.05, 1}, {64, 3000, 0.04, 3}, {24, 8000, 0.10, 2}, {16, 2000, 0.05, 4}};
+  int was = kvp__codec_isa(), top = n_isas() - 1;
+  if (top < KVP__ISA_AVX2) return; /* no vector ISA here: nothing to compare */
+  for (size_t i = 0; i < sizeof C / sizeof *C; i++) {
+    uint32_t D = C[i].D, n = C[i].n;
+    float *x = malloc((size_t)n * D * sizeof *x), lo[2][128], hi[2][128];
+    ck_assert_ptr_nonnull(x);
+    uint64_t st = 40 + i;
+    for (uint32_t t = 0; t < n; t++)
+      for (uint32_t c = 0; c < D; c++) x[(size_t)t * D + c] = tval(&st, C[i].pattern, t, c);
+    kvp__kvq_fit f;
+    ck_ok(kvp__kvq_fit_init(&f, 1, D, 3, 0, C[i].frac));
+    for (int v = 0; v < 2; v++) {
+      ck_assert_int_eq(kvp__codec_isa_set(v ? top : 0), v ? top : 0);
+      kvp__kvq_head hs;
+      ck_ok(kvp__kvq_head_begin(&f, 0, n, &hs));
+      ck_assert_msg(hs.every && hs.hm <= KVP__KVQ_SAMPLE_LISTS_MAX && D % 8 == 0, "case %zu: lists not taken", i);
+      kvp__kvq_head_sample(&hs, x, (size_t)hs.every * D);
+      memcpy(lo[v], hs.lo_root, D * sizeof(float));
+      memcpy(hi[v], hs.hi_root, D * sizeof(float));
+      kvp__kvq_head_abort(&hs);
+    }
+    for (uint32_t c = 0; c < D; c++)
+      ck_assert_msg(lo[0][c] == lo[1][c] && hi[0][c] == hi[1][c], "case %zu channel %u: heaps [%g, %g], lists [%g, %g]",
+                    i, c, (double)lo[0][c], (double)hi[0][c], (double)lo[1][c], (double)hi[1][c]);
+    kvp__kvq_fit_free(&f);
+    free(x);
+  }
+  kvp__codec_isa_set(was);
+}
+END_TEST
+
+/* kvp__kvq_synth on every ISA equals the base code bit for bit: 4096
+ * rows of D channels hold thousands of the heavy tail's values (1 in 128). */
+START_TEST(synth_same_on_every_isa) {
+  static const uint32_t DIMS[] = {128, 136, 44, 20, 7};
+  const uint32_t n = 4096;
+  int was = kvp__codec_isa(), nisa = n_isas();
+  float *ref = malloc((size_t)n * 136 * sizeof *ref), *got = malloc((size_t)n * 136 * sizeof *got);
+  ck_assert(ref && got);
+  for (size_t d = 0; d < sizeof DIMS / sizeof *DIMS; d++)
+    for (uint32_t kv = 0; kv < 2; kv++) {
+      uint32_t D = DIMS[d];
+      ck_assert_int_eq(kvp__codec_isa_set(0), 0);
+      kvp__kvq_synth(9 + d, 3, 5, kv, 1000, n, D, ref, D);
+      for (int isa = 1; isa < nisa; isa++) {
+        ck_assert_int_eq(kvp__codec_isa_set(isa), isa);
+        kvp__kvq_synth(9 + d, 3, 5, kv, 1000, n, D, got, D);
+        for (size_t i = 0; i < (size_t)n * D; i++)
+          ck_assert_msg(memcmp(&ref[i], &got[i], sizeof(float)) == 0,
+                        "D %u kv %u ISA %d: row %zu channel %zu: %a, base %a", D, kv, isa, i / D, i % D,
+                        (double)got[i], (double)ref[i]);
+      }
+    }
+  kvp__codec_isa_set(was);
+  free(ref);
+  free(got);
+}
+END_TEST
+
 START_TEST(synthetic_all_or_nothing) {
   kvp_kvquant_calib *c;
   ck_ok(kvp_kvquant_calib_create(3, 2, 16, 3, 0.01, &c));
@@ -248,8 +352,11 @@ static Suite *suite(void) {
   TCase *tc = tcase_create("golden");
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, add_matches_golden, 0, (int)NADD);
+  tcase_add_loop_test(tc, add_vec_matches_golden, 0, (int)NADD_VEC);
   tcase_add_loop_test(tc, synthetic_matches_golden, 0, (int)NSYN);
   tcase_add_test(tc, fallbacks_taken);
+  tcase_add_test(tc, sample_lists_match_heaps);
+  tcase_add_test(tc, synth_same_on_every_isa);
   suite_add_tcase(s, tc);
   tc = tcase_create("api");
   tcase_add_test(tc, synthetic_all_or_nothing);
