@@ -466,59 +466,37 @@ KVP__INLINE void scatter_store32(unsigned char *d, const void *x, int nt) {
 /* The nv whole vectors of one row, four a turn (the loop's own instructions
  * over four copies), then the rest; *acc ORs every lane's exponent test.
  * Inlined with nt a constant, so the turn is 4 loads, 4 stores and 3
- * operations a vector. */
-KVP__INLINE void scatter_row16(unsigned char *d, const unsigned char *s, size_t nv, const scatter_v16 *ep,
-                               scatter_v16 *acc, int nt) {
-  const scatter_v16 e = *ep; /* by address: a 32-byte vector argument has no stable ABI without AVX */
-  scatter_v16 a = *acc;
-  size_t i = 0;
-  for (; i + 4 <= nv; i += 4) {
-    scatter_v16 x0, x1, x2, x3;
-    memcpy(&x0, s + 32 * i, 32);
-    memcpy(&x1, s + 32 * i + 32, 32);
-    memcpy(&x2, s + 32 * i + 64, 32);
-    memcpy(&x3, s + 32 * i + 96, 32);
-    scatter_store32(d + 32 * i, &x0, nt);
-    scatter_store32(d + 32 * i + 32, &x1, nt);
-    scatter_store32(d + 32 * i + 64, &x2, nt);
-    scatter_store32(d + 32 * i + 96, &x3, nt);
-    a |= (scatter_v16)((x0 & e) == e) | (scatter_v16)((x1 & e) == e) | (scatter_v16)((x2 & e) == e) |
-         (scatter_v16)((x3 & e) == e);
+ * operations a vector. One definition per element width (V: the lanes'
+ * type); the mask comes by address: a 32-byte vector argument has no
+ * stable ABI without AVX. */
+#define SCATTER_ROW(name, V)                                                                                      \
+  KVP__INLINE void name(unsigned char *d, const unsigned char *s, size_t nv, const V *ep, V *acc, int nt) {       \
+    const V e = *ep;                                                                                              \
+    V a = *acc;                                                                                                   \
+    size_t i = 0;                                                                                                 \
+    for (; i + 4 <= nv; i += 4) {                                                                                 \
+      V x0, x1, x2, x3;                                                                                           \
+      memcpy(&x0, s + 32 * i, 32);                                                                                \
+      memcpy(&x1, s + 32 * i + 32, 32);                                                                           \
+      memcpy(&x2, s + 32 * i + 64, 32);                                                                           \
+      memcpy(&x3, s + 32 * i + 96, 32);                                                                           \
+      scatter_store32(d + 32 * i, &x0, nt);                                                                       \
+      scatter_store32(d + 32 * i + 32, &x1, nt);                                                                  \
+      scatter_store32(d + 32 * i + 64, &x2, nt);                                                                  \
+      scatter_store32(d + 32 * i + 96, &x3, nt);                                                                  \
+      a |= (V)((x0 & e) == e) | (V)((x1 & e) == e) | (V)((x2 & e) == e) | (V)((x3 & e) == e);                     \
+    }                                                                                                             \
+    for (; i < nv; i++) {                                                                                         \
+      V x;                                                                                                        \
+      memcpy(&x, s + 32 * i, 32);                                                                                 \
+      scatter_store32(d + 32 * i, &x, nt);                                                                        \
+      a |= (V)((x & e) == e);                                                                                     \
+    }                                                                                                             \
+    *acc = a;                                                                                                     \
   }
-  for (; i < nv; i++) {
-    scatter_v16 x;
-    memcpy(&x, s + 32 * i, 32);
-    scatter_store32(d + 32 * i, &x, nt);
-    a |= (scatter_v16)((x & e) == e);
-  }
-  *acc = a;
-}
-KVP__INLINE void scatter_row32(unsigned char *d, const unsigned char *s, size_t nv, const scatter_v32 *ep,
-                               scatter_v32 *acc, int nt) {
-  const scatter_v32 e = *ep; /* by address: a 32-byte vector argument has no stable ABI without AVX */
-  scatter_v32 a = *acc;
-  size_t i = 0;
-  for (; i + 4 <= nv; i += 4) {
-    scatter_v32 x0, x1, x2, x3;
-    memcpy(&x0, s + 32 * i, 32);
-    memcpy(&x1, s + 32 * i + 32, 32);
-    memcpy(&x2, s + 32 * i + 64, 32);
-    memcpy(&x3, s + 32 * i + 96, 32);
-    scatter_store32(d + 32 * i, &x0, nt);
-    scatter_store32(d + 32 * i + 32, &x1, nt);
-    scatter_store32(d + 32 * i + 64, &x2, nt);
-    scatter_store32(d + 32 * i + 96, &x3, nt);
-    a |= (scatter_v32)((x0 & e) == e) | (scatter_v32)((x1 & e) == e) | (scatter_v32)((x2 & e) == e) |
-         (scatter_v32)((x3 & e) == e);
-  }
-  for (; i < nv; i++) {
-    scatter_v32 x;
-    memcpy(&x, s + 32 * i, 32);
-    scatter_store32(d + 32 * i, &x, nt);
-    a |= (scatter_v32)((x & e) == e);
-  }
-  *acc = a;
-}
+SCATTER_ROW(scatter_row16, scatter_v16)
+SCATTER_ROW(scatter_row32, scatter_v32)
+#undef SCATTER_ROW
 
 /* Every row's whole vectors, the element width and the store kind chosen
  * once per call (outside the loops over tokens and heads); then the bytes
