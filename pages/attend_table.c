@@ -18,6 +18,10 @@
  *   off_bh       nbh + 1 uint32: bh's first split (bh_split0), then nsplit
  *   table_bytes
  *
+ * except for a kept table read in place (t->recs_host: its records stay in
+ * the kept table's pinned memory), whose buffer holds the splits and the
+ * index alone (off_splits = 0).
+ *
  * Invariants: sum over bh's records of (m1 + 1) = the tokens head h of
  * seqs[b] retains in the layer = tok(bh); token_heads = sum of tok(bh).
  * bh's splits are consecutive runs of its records that cover them in order,
