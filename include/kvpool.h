@@ -536,9 +536,15 @@ KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req);
  * pool's pinned stage, only its split index is copied and the kernel reads
  * the records from the stage as it runs; the stage is reused once the
  * kernels ended); the kernels are enqueued on stream and the call returns
- * (pages evicted meanwhile are reused only after the device drained). Too
- * small a workspace: KVP_ENOSPC with workspace_needed set, nothing
- * enqueued. */
+ * (pages evicted meanwhile are reused only after the device drained). A
+ * layer keeps its last table: a call for the same batch while the pool's
+ * structure has not changed (only tokens into OPEN blocks since) redoes
+ * each head's last record and, where the kernel reads records in place,
+ * copies only the splits and their index (the records stay in pinned host
+ * memory the pool holds, counted in host.pinned_bytes), so its
+ * workspace_needed is smaller than that of a call that builds: size the
+ * workspace for the larger, or grow it on KVP_ENOSPC. Too small a
+ * workspace: KVP_ENOSPC with workspace_needed set, nothing enqueued. */
 typedef struct kvp_attend_req {
   size_t struct_size;         /* sizeof(kvp_attend_req) */
   uint32_t layer;             /* in */
