@@ -473,17 +473,17 @@ static inline uint32_t rec_tokens(const unsigned char *recs, uint32_t rb, uint32
 }
 
 /* The end of the split that begins at record r0 < end, as make_splits'
- * scan finds it, from prefix sums instead of the records: cum[x] the
+ * scan finds it, from prefix sums instead of the records: pre[x] the
  * tokens of bh's records before x (x < end), total all of them. The scan
- * stops at the first r > r0 where 2 (cum[r] + m_r) > 2 target + m_r, that
- * is cum[r] + cum[r + 1] > 2 target (cum[end] = total): increasing in r, so
+ * stops at the first r > r0 where 2 (pre[r] + m_r) > 2 target + m_r, that
+ * is pre[r] + pre[r + 1] > 2 target (pre[end] = total): increasing in r, so
  * a binary search gives the same r. */
-static uint32_t split_end(const uint32_t *cum, uint32_t r0, uint32_t end, uint64_t total, uint64_t target) {
+static uint32_t split_end(const uint32_t *pre, uint32_t r0, uint32_t end, uint64_t total, uint64_t target) {
   uint32_t lo = r0 + 1, hi = end; /* the answer lies in [lo, hi]; hi = end: none stops it */
   while (lo < hi) {
     uint32_t mid = lo + (hi - lo) / 2;
-    uint64_t next = mid + 1 < end ? cum[mid + 1] : total;
-    if ((uint64_t)cum[mid] + next > 2 * target) hi = mid;
+    uint64_t next = mid + 1 < end ? pre[mid + 1] : total;
+    if ((uint64_t)pre[mid] + next > 2 * target) hi = mid;
     else lo = mid + 1;
   }
   return lo;

@@ -68,6 +68,9 @@ typedef struct append_plan {
   kvp__bref *brefs_in[PLAN_INLINE];
 } append_plan;
 
+/* A plan's fields zeroed, its arrays' room left as it is. */
+static void plan_clear(append_plan *pl) { memset(pl, 0, offsetof(append_plan, blocks_in)); }
+
 static bool skipped(const append_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
 
 static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const uint64_t *skip,
@@ -76,7 +79,7 @@ static void plan_shape(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
   kvp__bref *tail = kvp__seq_stream(pool, s, layer, 0)->tail;
   bool stream = s->mode == KVP_SEQ_STREAM;
   bool pass = pool->bind[2 * layer].passthrough && pool->bind[2 * layer + 1].passthrough;
-  memset(pl, 0, offsetof(append_plan, blocks_in));
+  plan_clear(pl);
   pl->skip = stream ? NULL : skip; /* stream-mode tails stay the same across heads */
   for (uint32_t h = 0; pl->skip && h < H; h++) pl->nskip += skipped(pl, h);
   if (stream && tail && !tail->blk->sealed) {
@@ -699,8 +702,8 @@ static int append_layer(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_k
   int rc;
   uint32_t step = atomic_load_explicit(&s->n_steps, memory_order_relaxed) - 1, pos = s->step_pos[step];
   if (fill_only(pool, s, layer, step, tx)) {
-    append_plan fill; /* the header only: the arrays' room stays unused */
-    memset(&fill, 0, offsetof(append_plan, blocks_in));
+    append_plan fill;
+    plan_clear(&fill);
     fill.fill = s->cur_tokens;
     if ((rc = fill_data(pool, s, layer, pos, kv, &fill))) return rc; /* rows past the tails' counts: unseen */
     publish(pool, s, layer, pos, &fill, tx);
