@@ -221,6 +221,9 @@ class KvpoolCache(Cache):
         self._ids_c = None  # seq_ids as the ctypes array kvp_attend_decode takes, built for _ids_of
         self._ids_of: Optional[List[int]] = None
         self._dev = torch.device("cuda", pool.device) if pool.memory == "cuda" else None
+        self._dev_index = pool.device if pool.memory == "cuda" else -1  # Tensor.get_device() of pool memory
+        self._shape = (pool.layers, pool.kv_heads, pool.head_dim)
+        self._ref = weakref.ref(self)
         if self.fused:
             register()
 
@@ -276,11 +279,12 @@ class KvpoolCache(Cache):
         quantized caches)."""
         pool = self.pool
         B, H, S, D = key_states.shape
-        if H != pool.kv_heads or D != pool.head_dim:
+        L, PH, PD = self._shape
+        if H != PH or D != PD:
             raise ValueError(f"KvpoolCache: K/V [{B}, {H}, {S}, {D}] do not match the pool's "
-                             f"{pool.kv_heads} KV heads of {pool.head_dim}")
-        if layer_idx >= pool.layers:
-            raise ValueError(f"KvpoolCache: layer {layer_idx} of a pool of {pool.layers} layers")
+                             f"{PH} KV heads of {PD}")
+        if layer_idx >= L:
+            raise ValueError(f"KvpoolCache: layer {layer_idx} of a pool of {L} layers")
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states)
@@ -291,25 +295,23 @@ class KvpoolCache(Cache):
             self._in_step, self._step_tokens = True, S
         elif not self._in_step or S != self._step_tokens:
             raise RuntimeError(f"KvpoolCache: layer {layer_idx} updated outside the step layer 0 began")
-        on_device = pool.memory == "cuda"
+        on_device = self._dev_index >= 0
         # K/V made here are contiguous [S, H, D] in the pool's dtypes; on the pool's device (or
         # the host) their addresses go straight to kvp_append, else pool.append says what is wrong
-        direct = self._direct(key_states.device) if on_device else True  # host pool: made on the CPU here
-        stream = _arrays.cuda_stream(pool.device) if direct and on_device else None
-        for b, seq in enumerate(self.seq_ids):
-            k = key_states[b].transpose(0, 1)  # [S, H, D]
-            v = value_states[b].transpose(0, 1)
-            if on_device:
-                k = k.to(self._host_dtype).contiguous()
-                v = v.to(self._v_dtype).contiguous()
-            else:
-                k = k.to("cpu", self._host_dtype).contiguous()
-                v = v.to("cpu", self._v_dtype).contiguous()
-            if direct:
-                pool._append_ptrs(seq, layer_idx, k.data_ptr(), v.data_ptr(), stream)
-            else:
-                pool.append(seq, layer_idx, k, v)
-        if layer_idx == pool.layers - 1:
+        direct = (key_states.get_device() == self._dev_index) if on_device else True  # host pool: made on the CPU here
+        stream = _arrays.cuda_stream(self._dev_index) if direct and on_device else None
+        if S == 1 and direct and on_device and value_states.get_device() == self._dev_index and \
+                key_states.dtype == self._host_dtype and value_states.dtype == self._v_dtype and \
+                key_states.is_contiguous() and value_states.is_contiguous():
+            # a decode step's contiguous [B, H, 1, D]: row b's K/V are the [1, H, D] rows
+            # kvp_append takes, B H D elements apart, with no tensor made
+            kp, vp = key_states.data_ptr(), value_states.data_ptr()
+            kst, vst = H * D * key_states.element_size(), H * D * value_states.element_size()
+            for b, seq in enumerate(self.seq_ids):
+                pool._append_ptrs(seq, layer_idx, kp + b * kst, vp + b * vst, stream)
+        else:
+            self._append_rows(key_states, value_states, layer_idx, direct, stream)
+        if layer_idx == L - 1:
             for seq in self.seq_ids:
                 pool.step_end(seq)
             self._in_step = False
@@ -317,7 +319,7 @@ class KvpoolCache(Cache):
         # fused: a decode step whose attention is kvpool_attention (seen in an earlier step:
         # another implementation would attend over the placeholders) reads the pool itself
         fused = self.fused and self._attention_seen and S == 1 and direct
-        _last.state = (weakref.ref(self), layer_idx, fused)
+        _last.state = (self._ref, layer_idx, fused)
         if fused:
             self._retained[layer_idx] = self._seen[layer_idx]  # read back if a mask needs it
             layer.keys = layer.values = None
@@ -334,28 +336,46 @@ class KvpoolCache(Cache):
         layer.keys, layer.values = keys, values
         return keys, values
 
+    def _append_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, direct: bool,
+                     stream: Optional[int]) -> None:
+        """Append ``[batch, kv_heads, S, head_dim]`` K/V row by row, each made a contiguous
+        ``[S, kv_heads, head_dim]`` in the pool's dtypes (on the host for a host pool)."""
+        pool = self.pool
+        on_device = self._dev_index >= 0
+        for b, seq in enumerate(self.seq_ids):
+            k = key_states[b].transpose(0, 1)  # [S, H, D]
+            v = value_states[b].transpose(0, 1)
+            if on_device:
+                k = k.to(self._host_dtype).contiguous()
+                v = v.to(self._v_dtype).contiguous()
+            else:
+                k = k.to("cpu", self._host_dtype).contiguous()
+                v = v.to("cpu", self._v_dtype).contiguous()
+            if direct:
+                pool._append_ptrs(seq, layer_idx, k.data_ptr(), v.data_ptr(), stream)
+            else:
+                pool.append(seq, layer_idx, k, v)
+
     def _attend(self, layer_idx: int, query: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
         """kvp_attend_decode of the step's query ``[batch, q_heads, 1, D]``: ``[batch, 1,
         q_heads, D]`` in the query's dtype."""
         self.fused_calls += 1
-        q = query[:, :, 0, :]
-        if q.dtype != torch.bfloat16 or not q.is_contiguous():
-            q = q.to(torch.bfloat16).contiguous()
-        B, Hq, D = q.shape
-        pool = self.pool
-        if B != len(self.seq_ids) or D != pool.head_dim or q.device != self._dev:
-            raise ValueError(f"KvpoolCache: query [{B}, {Hq}, 1, {D}] on {q.device} for {len(self.seq_ids)} rows of "
-                             f"head_dim {pool.head_dim} on {self._dev}")
+        B, Hq, S, D = query.shape
+        if B != len(self.seq_ids) or D != self._shape[2] or S != 1 or query.get_device() != self._dev_index:
+            raise ValueError(f"KvpoolCache: query [{B}, {Hq}, {S}, {D}] on {query.device} for {len(self.seq_ids)} "
+                             f"rows of head_dim {self._shape[2]} on {self._dev}")
+        # a contiguous bf16 [B, Hq, 1, D] is the [B][Hq][D] rows kvp_attend_decode reads
+        q = query if query.dtype == torch.bfloat16 and query.is_contiguous() else \
+            query[:, :, 0, :].to(torch.bfloat16).contiguous()
         ids = self._ids_c
         if ids is None or self._ids_of is not self.seq_ids:  # rows remapped (beam search) or new
             ids = self._ids_c = (ctypes.c_uint64 * B)(*self.seq_ids)
             self._ids_of = self.seq_ids
-        out = torch.empty_like(q)
-        pool._attend_ptrs(layer_idx, ids, B, Hq, q.data_ptr(), out.data_ptr(),
-                          float(scaling) if scaling is not None else D ** -0.5, _arrays.cuda_stream(pool.device))
-        if out.dtype != query.dtype:
-            out = out.to(query.dtype)
-        return out.unsqueeze(1)
+        out = torch.empty((B, 1, Hq, D), dtype=torch.bfloat16, device=self._dev)  # its rows: [B][Hq][D]
+        self.pool._attend_ptrs(layer_idx, ids, B, Hq, q.data_ptr(), out.data_ptr(),
+                               float(scaling) if scaling is not None else D ** -0.5,
+                               _arrays.cuda_stream(self._dev_index))
+        return out if query.dtype == torch.bfloat16 else out.to(query.dtype)
 
     def _gather(self, layer_idx: int, dtype: torch.dtype, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every row's and head's retained tokens of a layer: one kvp_read per (row, head)."""
