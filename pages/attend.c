@@ -84,14 +84,22 @@ static int attend_check(kvp_pool *pool, const kvp_attend_req *q) {
 
 static uint64_t align_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
 
-/* The table grows in the gather's buffer: the pinned stage while it can. */
+/* The table grows in the gather's buffer: the pinned stage while it can.
+ * The stage is taken when the table first needs room (a kept table read in
+ * place needs none: it takes no stage and waits for none). */
 typedef struct stage_ctx {
   kvp_pool *pool;
   kvp__dev_gather *g;
+  bool begun; /* g is begun (kvp__dev_gather_begin): end it */
 } stage_ctx;
 
 static int stage_grow(kvp__abuf *buf, uint64_t used, uint64_t need) {
   stage_ctx *c = buf->ctx;
+  if (!c->begun) {
+    int rc = kvp__dev_gather_begin(c->pool, c->g, NULL);
+    if (rc) return rc;
+    c->begun = true;
+  }
   int rc = kvp__dev_gather_reserve(c->pool, c->g, used, need);
   buf->p = (unsigned char *)c->g->recs;
   buf->cap_bytes = c->g->cap * sizeof(kvp__gjob);
@@ -111,13 +119,12 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
                    .split_tokens = req->split_tokens, .slots = kvp__dev_attend_slots(pool, a.p)};
   kvp__dev_gather g;
   memset(&g, 0, sizeof g);
-  stage_ctx sc = {pool, &g};
+  stage_ctx sc = {pool, &g, false};
   kvp__rcu_read_lock();
-  rc = kvp__dev_gather_begin(pool, &g, NULL);
-  kvp__abuf buf = {(unsigned char *)g.recs, g.cap * sizeof(kvp__gjob), stage_grow, &sc};
+  kvp__abuf buf = {NULL, 0, stage_grow, &sc};
   bool kept; /* whether the layer's kept table served */
-  if (!rc) rc = kvp__attend_build_kept(pool, &t, &buf, &kept);
-  uint64_t off_part = align_up(t.table_bytes, 256);
+  rc = kvp__attend_build_kept(pool, &t, &buf, &kept);
+  uint64_t off_part = t.tab_dev ? 0 : align_up(t.table_bytes, 256); /* in place: the workspace holds partials alone */
   if (!rc) {
     req->workspace_needed = off_part + (uint64_t)t.nslot * G * (2 + D) * sizeof(float);
     req->n_splits = t.nsplit, req->token_heads = t.token_heads, req->bytes_read = t.bytes_read;
@@ -138,10 +145,10 @@ KVP_API int kvp_attend_decode(kvp_pool *pool, kvp_attend_req *req) {
     a.scale = req->scale;
     a.out_dtype = req->out_dtype, a.n_q_heads = req->n_q_heads, a.n_kv_heads = H, a.head_dim = D;
     a.batch = req->batch, a.n_splits = t.nsplit, a.reduce = t.nslot > 0;
-    rc = kvp__dev_attend_run(pool, &g, t.table_bytes, &a, req->stream, t.recs_host, t.done);
+    rc = kvp__dev_attend_run(pool, &g, t.table_bytes, &a, req->stream, &t);
   }
   kvp__attend_kept_release(pool, &t); /* a kept table read in place: its work is enqueued */
-  kvp__dev_gather_end(pool, &g);
+  if (sc.begun) kvp__dev_gather_end(pool, &g);
   kvp__rcu_read_unlock();
   return rc;
 }

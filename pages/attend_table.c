@@ -18,9 +18,9 @@
  *   off_bh       nbh + 1 uint32: bh's first split (bh_split0), then nsplit
  *   table_bytes
  *
- * except for a kept table read in place (t->recs_host: its records stay in
- * the kept table's pinned memory), whose buffer holds the splits and the
- * index alone (off_splits = 0).
+ * except for a kept table read in place (t->tab_dev): its records stay in
+ * the kept table's pinned memory, and its splits and index (off_splits = 0)
+ * are written to the kept table's pinned tab, not to the buffer given.
  *
  * Invariants: sum over bh's records of (m1 + 1) = the tokens head h of
  * seqs[b] retains in the layer = tok(bh); token_heads = sum of tok(bh).
@@ -489,15 +489,30 @@ static uint32_t split_end(const uint32_t *pre, uint32_t r0, uint32_t end, uint64
   return lo;
 }
 
+/* Whether h is split_end's answer (its condition holds at h or h = end,
+ * and not at h - 1 unless h - 1 = r0): O(1), where a decode step leaves
+ * most splits where they were. */
+static bool split_is_end(const uint32_t *pre, uint32_t r0, uint32_t end, uint64_t total, uint64_t target, uint32_t h) {
+  if (h <= r0 || h > end) return false;
+  if (h < end && (uint64_t)pre[h] + (h + 1 < end ? pre[h + 1] : total) <= 2 * target) return false;
+  return h - 1 == r0 || (uint64_t)pre[h - 1] + (h < end ? pre[h] : total) <= 2 * target;
+}
+
 /* Splits of the table: recs_at[bh] .. recs_at[bh + 1] are bh's records,
  * tok_of[bh] their tokens. Writes them at out, bh's first at bh_split0[bh],
  * and returns their number (at most splits_bound's); *slots: the
  * partial-result slots used. A bh of one split (most: those of at most
  * chunk tokens) takes all its records unread; the others' are read once,
- * or, given pre (a kept table's prefix sums: split_end), not at all. */
+ * or, given pre (a kept table's prefix sums: split_end), not at all; hint
+ * (or NULL) the ends of the kept table's last splits, bh's from
+ * hint->split0[bh]: the i-th split's end there is taken where split_is_end
+ * says it is the answer, the search made otherwise (the same splits). */
+typedef struct split_hint {
+  const uint32_t *split0, *end;
+} split_hint;
 static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_at, const uint32_t *recs_at,
-                            const uint64_t *tok_of, const uint32_t *pre, uint32_t nbh, uint32_t chunk,
-                            kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
+                            const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint, uint32_t nbh,
+                            uint32_t chunk, kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
   uint32_t n = 0, nslot = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
     uint32_t first = n, r = recs_at[bh], end = recs_at[bh + 1];
@@ -516,7 +531,9 @@ static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_
       uint32_t r0 = r;
       uint64_t target = total * (n - first + 1) / parts;
       if (pre) {
-        r = split_end(pre, r0, end, total, target);
+        uint32_t i = hint ? hint->split0[bh] + (n - first) : 0,
+                 h = hint && i < hint->split0[bh + 1] ? hint->end[i] : 0;
+        r = h && split_is_end(pre, r0, end, total, target, h) ? h : split_end(pre, r0, end, total, target);
       } else {
         for (; r < end; r++) {
           uint64_t m = rec_tokens(recs, rb, m1_at, r);
@@ -619,8 +636,8 @@ static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint
 /* The splits and the split index after nrec records at buf->p (recs_at,
  * tok_of: table_walk's), and t's outputs. bh_split0: nbh + 1 scratch. */
 static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
-                        const uint64_t *tok_of, const uint32_t *pre, uint32_t *bh_split0, uint64_t bytes_read,
-                        bool in_place) {
+                        const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint, uint32_t *bh_split0,
+                        uint64_t bytes_read, bool in_place) {
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh], nslot;
   uint64_t tokens = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
@@ -635,7 +652,7 @@ static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t
   if (rc) return rc;
   unsigned char *p = buf->p;
   memset(p + rec_bytes, 0, off_splits - rec_bytes);
-  uint32_t nsplit = make_splits(in_place ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, pre, nbh, chunk,
+  uint32_t nsplit = make_splits(in_place ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, pre, hint, nbh, chunk,
                                 (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
   t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
   t->off_splits = off_splits;
@@ -649,7 +666,7 @@ static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t
 static void table_reset(kvp__atable *t) {
   t->nrec = t->nsplit = t->nslot = 0;
   t->off_splits = t->off_bh = t->table_bytes = t->token_heads = t->bytes_read = 0;
-  t->recs_host = NULL, t->done = NULL, t->hold = NULL;
+  t->recs_dev = t->tab_dev = NULL, t->done = NULL, t->hold = NULL;
 }
 
 int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
@@ -666,7 +683,7 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   bool shared;
   rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, &shared, &c);
   if (!rc)
-    rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
+    rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
                       false);
   kvp__meta_free(NULL, tok_of, scratch);
   return rc;
@@ -684,8 +701,10 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
  * (loaded with acquire, as the walk loads it) and places the splits from
  * the records' kept prefix sums (split_end: the scan's splits, found by
  * binary search). Where the kernel reads its records in place (pages on a
- * device: kvp__kern_attend_zero_copy) the kept records are pinned and the
- * call goes no further: O(sequences x heads + splits). Otherwise it copies
+ * device: kvp__kern_attend_zero_copy) the kept records are pinned, the
+ * splits and index are written beside them (tab, pinned too: the kernels
+ * read the whole table in place, no copy and no stage) and the call goes
+ * no further: O(sequences x heads + splits). Otherwise it copies
  * them to the caller's buffer: O(records) sequential bytes, not O(blocks)
  * loads. Records read in place change only after the event recorded
  * behind the kernels that read them (done) has passed, and the kept table
@@ -710,11 +729,19 @@ typedef struct kvp__acache {
   atail *tails;          /* [nbh] */
   uint32_t *pre;         /* [nrec]: the tokens of a record's bh before it (its last record's growth
                             changes none of them): make_splits without reading the records */
+  uint32_t *hint0, *hint_end; /* [nbh + 1], [hint_cap]: the last table's splits, bh's first and each
+                            one's end record (make_splits' hint), when hinted */
+  bool hinted;
+  uint64_t hint_cap;
   uint64_t whole_bytes;  /* bytes_read's parts, tails included */
   double part_bytes;
   uint64_t bytes;        /* metadata bytes held (the arrays above) */
   uint64_t seqs_cap, recs_cap, bh_cap, pre_cap; /* entries the arrays hold (recs: bytes) */
   bool pinned;           /* recs is pinned host memory (kvp__dev_kept_alloc): read in place */
+  unsigned char *tab;    /* pinned: recs then its splits and index (table_finish in place), after recs */
+  uint64_t tab_cap;      /* bytes at tab: (records + bh) splits and (bh + 1) index words */
+  void *recs_dev, *tab_dev; /* recs and tab as the device addresses them */
+  uint64_t pin_bytes;    /* the pinned buffer's bytes (recs_cap + tab_cap, aligned) */
   void *done;            /* event after the last work that reads recs in place, or NULL (no device) */
   void *old[8];          /* outgrown pinned records, freed at pool destroy (cudaFreeHost may wait for
                             the whole device: never on a call's path while room remains here) */
@@ -729,9 +756,9 @@ static void kept_recs_free(kvp_pool *pool, kvp__acache *k, bool now) {
   if (!k->recs) return;
   kvp__dev_event_wait(k->done);
   if (!k->pinned) kvp__meta_free(&pool->meta, k->recs, k->recs_cap);
-  else if (!now && k->n_old < 8) k->old_bytes[k->n_old] = k->recs_cap, k->old[k->n_old++] = k->recs;
-  else kvp__dev_kept_free(pool, k->recs, k->recs_cap);
-  k->recs = NULL, k->pinned = false;
+  else if (!now && k->n_old < 8) k->old_bytes[k->n_old] = k->pin_bytes, k->old[k->n_old++] = k->recs;
+  else kvp__dev_kept_free(pool, k->recs, k->pin_bytes);
+  k->recs = k->tab = NULL, k->recs_dev = k->tab_dev = NULL, k->pinned = false, k->tab_cap = k->pin_bytes = 0;
 }
 
 static void kept_drop(kvp_pool *pool, kvp__acache *k, bool now) {
@@ -741,10 +768,13 @@ static void kept_drop(kvp_pool *pool, kvp__acache *k, bool now) {
   kvp__meta_free(&pool->meta, k->tok_of, k->bh_cap * sizeof *k->tok_of);
   kvp__meta_free(&pool->meta, k->tails, k->bh_cap * sizeof *k->tails);
   kvp__meta_free(&pool->meta, k->pre, k->pre_cap * sizeof *k->pre);
+  kvp__meta_free(&pool->meta, k->hint0, (k->bh_cap + 1) * sizeof *k->hint0);
+  kvp__meta_free(&pool->meta, k->hint_end, k->hint_cap * sizeof *k->hint_end);
   atomic_fetch_sub_explicit(kept_total(pool), k->bytes, memory_order_relaxed);
   k->seqs = NULL, k->recs = NULL, k->recs_at = NULL, k->tok_of = NULL, k->tails = NULL, k->pre = NULL;
-  k->bytes = k->seqs_cap = k->recs_cap = k->bh_cap = k->pre_cap = 0;
-  k->valid = false;
+  k->hint0 = k->hint_end = NULL;
+  k->bytes = k->seqs_cap = k->recs_cap = k->bh_cap = k->pre_cap = k->hint_cap = 0;
+  k->valid = k->hinted = false;
 }
 
 void kvp__attend_kept_fini(kvp_pool *pool) {
@@ -783,13 +813,20 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
                        const cursor *c) {
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh];
   uint64_t rec_bytes = (uint64_t)nrec * rb;
+  /* the splits and index of a call in place: at most a split per record or bh (splits_bound) */
+  uint64_t tab_bytes = ((uint64_t)nrec + nbh) * sizeof(kvp__asplit) + (nbh + 1ull) * sizeof(uint32_t);
   k->valid = false;
   kvp__dev_event_wait(k->done); /* the records may still be read in place */
-  if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh || k->pre_cap < nrec) {
+  if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh || k->pre_cap < nrec ||
+      k->hint_cap < (uint64_t)nrec + nbh || (k->pinned && k->tab_cap < tab_bytes)) {
     uint64_t sc = t->batch > k->seqs_cap ? t->batch : k->seqs_cap, rc = rec_bytes > k->recs_cap ? rec_bytes + rec_bytes / 8 : k->recs_cap,
              bc = nbh > k->bh_cap ? nbh : k->bh_cap, pc = nrec > k->pre_cap ? nrec + nrec / 8 : k->pre_cap;
-    uint64_t need = sc * sizeof *k->seqs + rc + (bc + 1) * sizeof *k->recs_at +
-                    bc * (sizeof *k->tok_of + sizeof *k->tails) + (pc ? pc : 1) * sizeof *k->pre;
+    /* splits_bound's most: a split per record or bh */
+    uint64_t rc_al = align_up(rc ? rc : 16, 64), hc = (rc ? rc : 16) / rb + bc,
+             tc = k->done ? hc * sizeof(kvp__asplit) + (bc + 1) * sizeof(uint32_t) : 0;
+    uint64_t need = sc * sizeof *k->seqs + rc + tc + (bc + 1) * (sizeof *k->recs_at + sizeof *k->hint0) +
+                    bc * (sizeof *k->tok_of + sizeof *k->tails) + (pc ? pc : 1) * sizeof *k->pre +
+                    hc * sizeof *k->hint_end;
     kept_drop(pool, k, false);
     if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
       atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
@@ -797,15 +834,25 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
     }
     k->bytes = need;
     k->seqs = kvp__meta_alloc(&pool->meta, sc * sizeof *k->seqs);
-    k->recs = k->done ? kvp__dev_kept_alloc(pool, rc ? rc : 16) : NULL; /* pinned: read in place */
-    k->pinned = k->recs != NULL;
+    k->recs = k->done ? kvp__dev_kept_alloc(pool, rc_al + tc) : NULL; /* pinned: read in place */
+    if (k->recs) {
+      k->tab = k->recs + rc_al, k->tab_cap = tc, k->pin_bytes = rc_al + tc;
+      k->recs_dev = kvp__dev_mapped(pool, k->recs), k->tab_dev = kvp__dev_mapped(pool, k->tab);
+      k->pinned = k->recs_dev && k->tab_dev;
+      if (!k->pinned) { /* not mapped: kept in metadata, copied per call */
+        kvp__dev_kept_free(pool, k->recs, k->pin_bytes);
+        k->recs = k->tab = NULL, k->recs_dev = k->tab_dev = NULL, k->tab_cap = k->pin_bytes = 0;
+      }
+    }
     if (!k->recs) k->recs = kvp__meta_alloc(&pool->meta, rc ? rc : 16);
     k->recs_at = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->recs_at);
     k->tok_of = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tok_of + 8);
     k->tails = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tails + 8);
     k->pre = kvp__meta_alloc(&pool->meta, (pc ? pc : 1) * sizeof *k->pre);
-    k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc, k->pre_cap = pc ? pc : 1;
-    if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails || !k->pre) {
+    k->hint0 = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->hint0);
+    k->hint_end = kvp__meta_alloc(&pool->meta, hc * sizeof *k->hint_end);
+    k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc, k->pre_cap = pc ? pc : 1, k->hint_cap = hc;
+    if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails || !k->pre || !k->hint0 || !k->hint_end) {
       kept_drop(pool, k, false);
       return false;
     }
@@ -824,6 +871,15 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
   k->whole_bytes = c->whole_bytes, k->part_bytes = c->part_bytes;
   k->valid = true;
   return true;
+}
+
+/* The splits just placed (nsplit at sp, bh's from bh_split0[bh]) as the
+ * next call's hint. */
+static void kept_hint(kvp__acache *k, uint32_t nbh, const kvp__asplit *sp, uint32_t nsplit, const uint32_t *bh_split0) {
+  k->hinted = nsplit <= k->hint_cap && nbh <= k->bh_cap;
+  if (!k->hinted) return;
+  memcpy(k->hint0, bh_split0, (nbh + 1) * sizeof *k->hint0);
+  for (uint32_t s = 0; s < nsplit; s++) k->hint_end[s] = sp[s].rec0 + sp[s].nrec;
 }
 
 /* Whether k holds the table of t's batch under generation gen. */
@@ -875,37 +931,38 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
   uint32_t *recs_at = (uint32_t *)(tails + nbh), *bh_split0 = recs_at + nbh + 1;
   uint64_t gen = atomic_load(&pool->sgen); /* odd: a writer is in; the kept table is neither used nor kept */
   if (!(gen & 1) && kept_matches(k, t, gen)) {
+    /* in place: the tails redone there and the splits and index built in
+     * tab (room for splits_bound's: kept_store), held until the caller's
+     * kernels are enqueued and done is recorded after them
+     * (kvp__attend_kept_release); otherwise the records are copied to buf */
+    bool in_place = k->pinned && kvp__kern_attend_zero_copy(t->kind, pool->cfg.head_dim);
+    kvp__abuf tb = {k->tab, k->tab_cap, NULL, NULL}, *out = in_place ? &tb : buf;
     uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
-    kvp__dev_event_wait(k->done); /* the kernels that read the records in place ended */
-    if (k->pinned && kvp__kern_attend_zero_copy(t->kind, pool->cfg.head_dim)) {
-      /* read in place: the tails redone there, the splits and the index
-       * built; held until the caller's kernels are enqueued and done is
-       * recorded after them (kvp__attend_kept_release) */
+    kvp__dev_event_wait(k->done); /* the kernels that read the kept table in place ended */
+    if (in_place || !(rc = reserve(buf, 0, rec_bytes))) {
       kept_advance(pool, k, rb);
-      rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, k->pre, bh_split0,
-                        k->whole_bytes + (uint64_t)k->part_bytes, true);
+      if (!in_place) memcpy(buf->p, k->recs, rec_bytes);
+      split_hint h = {k->hint0, k->hint_end};
+      rc = table_finish(pool, t, out, rb, k->recs_at, k->tok_of, k->pre, k->hinted ? &h : NULL, bh_split0,
+                        k->whole_bytes + (uint64_t)k->part_bytes, in_place);
       *hit = !rc;
-      if (!rc) {
-        t->recs_host = k->recs, t->done = k->done, t->hold = k;
+      if (!rc) kept_hint(k, nbh, (const kvp__asplit *)(out->p + t->off_splits), t->nsplit, bh_split0);
+      if (!rc && in_place) {
+        t->recs_dev = k->recs_dev, t->tab_dev = k->tab_dev, t->done = k->done, t->hold = k;
         kvp__meta_free(NULL, tok_of, scratch);
         return KVP_OK;
       }
-    } else if (!(rc = reserve(buf, 0, rec_bytes))) {
-      kept_advance(pool, k, rb);
-      memcpy(buf->p, k->recs, rec_bytes);
-      rc = table_finish(pool, t, buf, rb, k->recs_at, k->tok_of, k->pre, bh_split0,
-                        k->whole_bytes + (uint64_t)k->part_bytes, false);
-      *hit = !rc;
     }
   } else {
     cursor c;
     bool shared;
     rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, &shared, &c);
     if (!rc)
-      rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
+      rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
                         false);
-    if (!rc && !shared && !(gen & 1)) kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c);
-    else k->valid = false;
+    if (rc || shared || (gen & 1)) k->valid = false;
+    else if (kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c))
+      kept_hint(k, nbh, (const kvp__asplit *)(buf->p + t->off_splits), t->nsplit, bh_split0);
   }
   kvp__meta_free(NULL, tok_of, scratch);
   kvp__mutex_unlock(&k->lock);

@@ -590,6 +590,18 @@ void *kvp__dev_kept_alloc(kvp_pool *pool, uint64_t bytes) {
   return p;
 }
 
+void *kvp__dev_mapped(kvp_pool *pool, void *host) {
+  void *p = NULL;
+  int prev;
+  if (!pool->dev || !host || dev_enter(pool, &prev)) return NULL;
+  if (cudaHostGetDevicePointer(&p, host, 0) != cudaSuccess) {
+    cudaGetLastError();
+    p = NULL;
+  }
+  dev_leave(pool, prev);
+  return p;
+}
+
 void kvp__dev_kept_free(kvp_pool *pool, void *p, uint64_t bytes) {
   if (!p) return;
   int prev;
@@ -635,7 +647,7 @@ uint32_t kvp__dev_attend_slots(const kvp_pool *pool, const kvp__kparams p[4]) {
 }
 
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
-                        void *stream, const void *recs_host, void *done) {
+                        void *stream, const kvp__atable *t) {
   struct kvp__dev *d = pool->dev;
   cudaStream_t s = (cudaStream_t)stream;
   int prev, rc = dev_enter(pool, &prev);
@@ -643,22 +655,20 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
   /* A table in the pinned stage that the layer's kernel reads in batches
    * stays there (the kernel reads it over the bus while it runs, where a
    * copy first would add its whole time): only the splits and their index
-   * cross. The stage is then free again when the kernels end. Records
-   * elsewhere (recs_host: a kept table's, pinned) are read in place the
-   * same way; g's buffer then holds the splits and the index alone, and
-   * done is recorded after the kernels. */
+   * cross. The stage is then free again when the kernels end. A kept
+   * table's (t->recs_dev, t->tab_dev: pinned and mapped) are read in place
+   * whole, records, splits and index: nothing crosses and no stage is
+   * held; t->done is recorded after the kernels. */
   kvp__attend_args x = *a;
   uint64_t from = 0;
   void *mapped = NULL;
-  cudaError_t e;
-  if (recs_host) {
-    void *kr = NULL;
-    if ((e = cudaHostGetDevicePointer(&kr, (void *)recs_host, 0)) != cudaSuccess) {
-      cudaGetLastError();
-      dev_leave(pool, prev);
-      return cuda_fail(e, "attention: the kept table's pinned records");
-    }
-    x.recs = kr;
+  cudaError_t e = cudaSuccess;
+  void *done = t->done;
+  if (t->tab_dev) {
+    x.recs = t->recs_dev;
+    x.splits = (const kvp__asplit *)t->tab_dev;
+    x.bh_split0 = (const uint32_t *)((const char *)t->tab_dev + t->off_bh);
+    table_bytes = 0;
   } else if (g->staged && kvp__kern_attend_zero_copy(kvp__kern_attend_kind(a->p), a->head_dim)) {
     if (cudaHostGetDevicePointer(&mapped, g->recs, 0) == cudaSuccess) {
       from = (uint64_t)((const char *)a->splits - (const char *)a->recs);
@@ -668,8 +678,9 @@ int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes
       cudaGetLastError();
     }
   }
-  e = cudaMemcpyAsync((char *)a->recs + from, (const char *)g->recs + from, table_bytes - from,
-                      cudaMemcpyHostToDevice, s);
+  if (table_bytes > from)
+    e = cudaMemcpyAsync((char *)a->recs + from, (const char *)g->recs + from, table_bytes - from,
+                        cudaMemcpyHostToDevice, s);
   if (e == cudaSuccess && g->staged && !mapped) e = cudaEventRecord(slot_of(d, g)->done, s);
   if (e != cudaSuccess) rc = cuda_fail(e, "attention: the block table's copy");
   if (!rc) {

@@ -649,20 +649,21 @@ void kvp__dev_gather_end(kvp_pool *pool, kvp__dev_gather *g);
 /* Room in g's table for need_bytes, its first used_bytes kept (bytes, for
  * tables of other records than kvp__gjob: the attention's); ENOMEM. */
 int kvp__dev_gather_reserve(kvp_pool *pool, kvp__dev_gather *g, uint64_t used_bytes, uint64_t need_bytes);
+struct kvp__atable;
 /* Decode attention (pages/attend.c builds, this runs): the first
  * table_bytes of g's records (records, splits, split index) copied to
- * a->recs in one transfer, then kernels/attend.cu's launches. With
- * recs_host (a kept table's pinned records, t->recs_host) the kernels read
- * the records there, g's table holds the splits and the index alone, and
- * done (t->done) is recorded after them. */
+ * a->recs in one transfer, then kernels/attend.cu's launches. A kept
+ * table read in place (t->tab_dev) is read where it is, records, splits
+ * and index (g holds nothing), and t->done is recorded after the kernels. */
 int kvp__dev_attend_run(kvp_pool *pool, kvp__dev_gather *g, uint64_t table_bytes, const kvp__attend_args *a,
-                        void *stream, const void *recs_host, void *done);
-/* A kept attention table's pinned records (read in place by the kernels),
- * and the event of the last work that reads them; NULL without a device
- * or memory. kvp__dev_event_free waits for the event first;
- * kvp__dev_event_wait ignores errors (a failed record leaves the event as
- * it was: done). */
+                        void *stream, const struct kvp__atable *t);
+/* A kept attention table's pinned memory (read in place by the kernels),
+ * its address on the device (kvp__dev_mapped), and the event of the last
+ * work that reads it; NULL without a device or memory.
+ * kvp__dev_event_free waits for the event first; kvp__dev_event_wait
+ * ignores errors (a failed record leaves the event as it was: done). */
 void *kvp__dev_kept_alloc(kvp_pool *pool, uint64_t bytes);
+void *kvp__dev_mapped(kvp_pool *pool, void *host);
 void kvp__dev_kept_free(kvp_pool *pool, void *p, uint64_t bytes);
 void *kvp__dev_event_new(kvp_pool *pool);
 void kvp__dev_event_free(kvp_pool *pool, void *ev);
@@ -691,12 +692,13 @@ typedef struct kvp__atable {
   uint64_t table_bytes;         /* bytes of the whole table */
   uint64_t token_heads;         /* (token, KV head) pairs recorded */
   uint64_t bytes_read;          /* page bytes the kernel reads */
-  /* a kept table read in place (kvp__attend_build_kept): its records are
-   * at recs_host (pinned) and the table built holds the splits and the
-   * index alone (off_splits 0); the kept table stays held, unchanged,
+  /* a kept table read in place (kvp__attend_build_kept): its records
+   * (recs_dev) and its splits and index (tab_dev, the index at off_bh;
+   * off_splits 0) are pinned host memory at these device addresses, and
+   * the buffer given holds nothing; the kept table stays held, unchanged,
    * until kvp__attend_kept_release, and done must be recorded after the
-   * last work that reads the records. NULL otherwise. */
-  const void *recs_host;
+   * last work that reads them. NULL otherwise. */
+  const void *recs_dev, *tab_dev;
   void *done;
   void *hold;
 } kvp__atable;

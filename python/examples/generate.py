@@ -35,7 +35,8 @@ def build_model(a, device):
     if a.model:
         return AutoModelForCausalLM.from_pretrained(a.model, torch_dtype=torch.bfloat16).to(device).eval()
     torch.manual_seed(a.seed)
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=a.q_heads * a.head_dim, intermediate_size=4 * a.q_heads * a.head_dim,
+    hidden = a.q_heads * a.head_dim
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=getattr(a, "intermediate", 0) or 4 * hidden,
                       num_hidden_layers=a.layers, num_attention_heads=a.q_heads, num_key_value_heads=a.kv_heads,
                       head_dim=a.head_dim, max_position_embeddings=max(4096, a.prompt_len + a.new_tokens),
                       attn_implementation="sdpa")
@@ -61,6 +62,7 @@ def main():
     ap.add_argument("--q-heads", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--intermediate", type=int, default=0, help="MLP width (default 4 x q_heads x head_dim)")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
