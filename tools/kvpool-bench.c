@@ -2,8 +2,11 @@
  * kvpool-bench - benchmarks as ratios against a baseline measured in the same
  * run. Prints a table, then one JSON object per figure (one per line).
  *
- *   kvpool-bench [--quick] [--json] [--codecs] [--qvg] [--calib] [--heatkv] [--alloc]
+ *   kvpool-bench [--quick] [--json] [--codecs] [--qvg] [--calib] [--heatkv] [--alloc] [--seqs] [--read]
  *
+ * --seqs prints only the append and read figures (and the dry appends);
+ * --read only read_ns_per_token and read_vs_pages_memcpy, on the same pool
+ * filled by the same appends (untimed).
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
  * qvg_encode_mbs, kvquant_calib_s); --qvg only qvg_encode_mbs; --calib only
  * kvquant_calib_s.
@@ -66,6 +69,7 @@
  * baseline so drift hits both alike. Public header only.
  */
 #include <jemalloc/jemalloc.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -248,8 +252,11 @@ static double paged_memcpy_ns(const uint16_t *k, const uint16_t *v, int steps) {
   return dt;
 }
 
-static seq_figs bench_seqs(int rounds, int steps) {
-  seq_figs f;
+/* read_only: the decode steps are appended as for the timed figures (the
+ * read finds the same layout), untimed; the figures other than the read are
+ * left out (NAN). */
+static seq_figs bench_seqs(int rounds, int steps, int read_only) {
+  seq_figs f = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
   double a[32], b[32];
   size_t tok_bytes = (size_t)BH * BD * 2;
   uint16_t *k = malloc(4096 * tok_bytes), *v = malloc(4096 * tok_bytes), *sink = malloc(2 * 4096 * tok_bytes);
@@ -267,12 +274,14 @@ static seq_figs bench_seqs(int rounds, int steps) {
     for (int st = 0; st < steps; st++)
       for (uint64_t s = 0; s < NSEQ; s++) one_step(p, s, 1, k + st % 64 * BH * BD, v + st % 64 * BH * BD);
     a[r] = (now_ns() - t0) / ((double)steps * NSEQ * BL);
-    b[r] = memcpy2_ns(sink, k, sink_v, v, tok_bytes, 20000);
+    if (!read_only) b[r] = memcpy2_ns(sink, k, sink_v, v, tok_bytes, 20000);
   }
-  f.decode = median(a, rounds);
-  f.decode_base = median(b, rounds);
-  for (int r = 0; r < rounds; r++) b[r] = paged_memcpy_ns(k, v, steps);
-  f.decode_paged = median(b, rounds);
+  if (!read_only) {
+    f.decode = median(a, rounds);
+    f.decode_base = median(b, rounds);
+    for (int r = 0; r < rounds; r++) b[r] = paged_memcpy_ns(k, v, steps);
+    f.decode_paged = median(b, rounds);
+  }
   /* read: every head of one (seq, layer), per token */
   uint32_t cap = PREFILL + (uint32_t)(rounds * steps) + 16;
   uint32_t *pos = malloc(cap * sizeof *pos);
@@ -301,6 +310,10 @@ static seq_figs bench_seqs(int rounds, int steps) {
   f.read_pages = median(c, rounds);
   free(pos), free(ko), free(vo);
   kvp_pool_destroy(p);
+  if (read_only) {
+    free(k), free(v), free(sink);
+    return f;
+  }
   /* VAR scale: 4096 tokens per (seq, layer), step mode, 4096-token blocks */
   kvp_seq_config sc;
   kvp_seq_config_init(&sc);
@@ -962,11 +975,12 @@ static void print_kvquant_calib(int quick, int json_only) {
 }
 
 #define BENCH_USAGE                                                                                      \
-  "usage: kvpool-bench [--quick] [--json] [--codecs | --qvg | --calib | --heatkv | --alloc | --seqs | --store |\n"   \
-  "                     --prefix]\n"                                                                    \
+  "usage: kvpool-bench [--quick] [--json] [--codecs | --qvg | --calib | --heatkv | --alloc | --seqs | --read |\n"   \
+  "                     --store | --prefix]\n"                                                                    \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
   "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
-  "  figures alone; --calib: the kvquant calibration figure alone (--codecs prints it too);\n"        \
+  "  figures alone; --read: the two kvp_read figures alone (the same pool and appends as --seqs);\n"  \
+  "  --calib: the kvquant calibration figure alone (--codecs prints it too);\n"        \
   "  --qvg: the qvg host encode figure alone (--codecs prints it too);\n"          \
   "  --prefix: the prefix attach figure alone (--store prints it too)\n"
 
@@ -1160,29 +1174,34 @@ static int print_store(int quick, int json_only) {
   return 0;
 }
 
-static void print_seqs(int rounds, int quick, int json_only) {
-  seq_figs f = bench_seqs(rounds, quick ? 16 : 64);
-  if (!json_only) {
+/* read_only (--read): the two kvp_read rows alone. */
+static void print_seqs(int rounds, int quick, int json_only, int read_only) {
+  seq_figs f = bench_seqs(rounds, quick ? 16 : 64, read_only);
+  if (!json_only && !read_only) {
     printf("%-34s %10.1f ns %10.1f ns %9.2fx   (per (seq, layer), H=%d D=%d bf16, %d seqs; memcpy of the same bytes)\n",
            "decode append", f.decode, f.decode_base, f.decode / f.decode_base, BH, BD, NSEQ);
     printf("%-34s %10.1f ns %10.1f ns %9.2fx   (the same rows into one 16-token page per (seq, layer, head, side))\n",
            "decode append vs paged memcpy", f.decode, f.decode_paged, f.decode / f.decode_paged);
     printf("%-34s %10.1f us %10.1f us %9.2fx   (4096-token scale, per (seq, layer), step mode)\n", "VAR scale append",
            f.var / 1e3, f.var_base / 1e3, f.var / f.var_base);
+  }
+  if (!json_only) {
     printf("%-34s %10.2f ns %10.2f ns %9.2fx   (per retained token, K and V of one head; memcpy of as many bytes "
            "from one hot buffer)\n", "kvp_read", f.read, f.read_base, f.read / f.read_base);
     printf("%-34s %10.2f ns %10.2f ns %9.2fx   (memcpy of the same rows from the same pages, block by block, as warm "
            "as kvp_read finds them)\n", "kvp_read vs its pages' memcpy", f.read, f.read_pages, f.read / f.read_pages);
   }
-  printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
-         "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
-         f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
-  printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
-         "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
-         f.decode, f.decode_paged, f.decode / f.decode_paged);
-  printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
-         "\"ratio\":%.3f,\"tokens\":4096}\n",
-         f.var, f.var_base, f.var / f.var_base);
+  if (!read_only) {
+    printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
+           "\"ratio\":%.3f,\"heads\":%d,\"head_dim\":%d}\n",
+           f.decode, f.decode_base, f.decode / f.decode_base, BH, BD);
+    printf("{\"figure\":\"decode_append_vs_paged_memcpy\",\"kvpool\":%.2f,\"baseline\":\"paged memcpy\","
+           "\"baseline_value\":%.2f,\"ratio\":%.3f}\n",
+           f.decode, f.decode_paged, f.decode / f.decode_paged);
+    printf("{\"figure\":\"var_append_ns\",\"kvpool\":%.1f,\"baseline\":\"memcpy\",\"baseline_value\":%.1f,"
+           "\"ratio\":%.3f,\"tokens\":4096}\n",
+           f.var, f.var_base, f.var / f.var_base);
+  }
   printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
          "\"ratio\":%.3f}\n",
          f.read, f.read_base, f.read / f.read_base);
@@ -1192,7 +1211,7 @@ static void print_seqs(int rounds, int quick, int json_only) {
 }
 
 int main(int argc, char **argv) {
-  int quick = 0, json_only = 0, codecs_only = 0, qvg_only = 0, calib_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0;
+  int quick = 0, json_only = 0, codecs_only = 0, qvg_only = 0, calib_only = 0, heatkv_only = 0, alloc_only = 0, store_only = 0, seqs_only = 0, prefix_only = 0, read_only = 0;
   for (int i = 1; i < argc; i++) {
     if (!strcmp(argv[i], "--quick")) quick = 1;
     else if (!strcmp(argv[i], "--json")) json_only = 1;
@@ -1203,6 +1222,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--alloc")) alloc_only = 1;
     else if (!strcmp(argv[i], "--store")) store_only = 1;
     else if (!strcmp(argv[i], "--seqs")) seqs_only = 1;
+    else if (!strcmp(argv[i], "--read")) read_only = 1;
     else if (!strcmp(argv[i], "--prefix")) prefix_only = 1;
     else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
       fputs(BENCH_USAGE, stdout);
@@ -1212,8 +1232,9 @@ int main(int argc, char **argv) {
       return 2;
     }
   }
-  if (codecs_only + qvg_only + calib_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only > 1) {
-    fprintf(stderr, "kvpool-bench: --codecs, --qvg, --calib, --heatkv, --alloc, --seqs, --store and --prefix each select one part: "
+  if (codecs_only + qvg_only + calib_only + heatkv_only + alloc_only + store_only + seqs_only + prefix_only + read_only > 1) {
+    fprintf(stderr, "kvpool-bench: --codecs, --qvg, --calib, --heatkv, --alloc, --seqs, --read, --store and --prefix each "
+                    "select one part: "
                     "give one (or none: all)\n"
                     BENCH_USAGE);
     return 2;
@@ -1245,8 +1266,13 @@ int main(int argc, char **argv) {
   const int rounds = quick ? 3 : 11;
   if (seqs_only) {
     if (!json_only) printf("%-34s %12s %12s %10s\n", "figure", "kvpool", "baseline", "ratio");
-    print_seqs(rounds, quick, json_only);
+    print_seqs(rounds, quick, json_only, 0);
     print_dry(rounds, json_only);
+    return 0;
+  }
+  if (read_only) {
+    if (!json_only) printf("%-34s %12s %12s %10s\n", "figure", "kvpool", "baseline", "ratio");
+    print_seqs(rounds, quick, json_only, 1);
     return 0;
   }
   const uint32_t nops = quick ? 200000 : 2000000, nlive = 4096;
@@ -1299,7 +1325,7 @@ int main(int argc, char **argv) {
   print_scaling(quick, json_only);
   if (alloc_only) return 0;
 
-  print_seqs(rounds, quick, json_only);
+  print_seqs(rounds, quick, json_only, 0);
   print_dry(rounds, json_only);
   print_codecs(quick, json_only);
   print_kvquant_calib(quick, json_only);
