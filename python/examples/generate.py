@@ -43,6 +43,34 @@ def build_model(a, device):
     return LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
 
 
+def host_timers():
+    """Wrap each cache's per-layer calls with wall-clock timers: the update (append), the attention
+    (kvp_attend_decode through KvpoolCache, or sdpa over DynamicCache's tensors) and the ctypes calls
+    inside. Returns {name: [seconds per call]}; host time, the device's work runs on meanwhile."""
+    import collections
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from kvpool import hf, pool as kpool
+    times = collections.defaultdict(list)
+
+    def timed(name, f):
+        def w(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return f(*args, **kwargs)
+            finally:
+                times[name].append(time.perf_counter() - t)
+        return w
+
+    hf.KvpoolCache.update = timed("KvpoolCache.update", hf.KvpoolCache.update)
+    kpool.Pool._append_ptrs = timed("  kvp_append (ctypes)", kpool.Pool._append_ptrs)
+    AttentionInterface.register("kvpool", timed("kvpool attention", hf.kvpool_attention))
+    kpool.Pool._attend_ptrs = timed("  kvp_attend_decode (ctypes)", kpool.Pool._attend_ptrs)
+    DynamicCache.update = timed("DynamicCache.update", DynamicCache.update)
+    AttentionInterface.register("sdpa", timed("sdpa attention", sdpa_attention_forward))
+    return times
+
+
 def run(model, ids, cache, new_tokens):
     if ids.is_cuda:
         torch.cuda.synchronize()
@@ -80,6 +108,8 @@ def main():
                          "(the prompt's time subtracted; medians)")
     ap.add_argument("--fused", action="store_true",
                     help="decode through kvp_attend_decode (attn_implementation \"kvpool\"; CUDA pool)")
+    ap.add_argument("--host-times", action="store_true",
+                    help="print the host time of each cache's per-layer calls (medians per call, all runs)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(a, device)
@@ -88,6 +118,7 @@ def main():
         register_kvpool_attention()
         fused_model = copy.deepcopy(model)
         fused_model.config._attn_implementation = "kvpool"
+    times = host_timers() if a.host_times else None
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     g = torch.Generator().manual_seed(a.seed + 1)
@@ -152,6 +183,10 @@ def main():
                 print(f"  {t:10s} {u['allocated_bytes']:>14,} B allocated in {u['pages']:,} pages")
         if device == "cuda":
             print(f"torch.cuda.memory_allocated: {torch.cuda.memory_allocated():,} B")
+        if times:
+            print("host time per call (medians; the prompt's calls among them):")
+            for name, ts in times.items():
+                print(f"  {name:30s} {statistics.median(ts) * 1e6:8.1f} us  ({len(ts):,} calls)")
         cache.close()
 
 
