@@ -65,6 +65,7 @@ typedef struct kvp__km {
   double *ub;        /* n: upper bound on ||x_t - c_label[t]|| */
   double *xn2, *xn;  /* n: upper bounds on ||x_t||^2 and ||x_t|| */
   int xok;           /* every ||x_t||^2 < 2^100 (the bounds' range) */
+  int neg2c;         /* ct holds -2 c (xok, and every ||c_j||^2 < 2^100), else c */
   double m2, m;      /* upper bounds on max ||c_j||^2 and max ||c_j|| */
   double eps;        /* 4 (d + 2) 2^-24: the scores' relative error bound */
   uint32_t *act;     /* n: the rows grouped by label */
