@@ -99,6 +99,7 @@ int kvp__km_init(kvp__km *km, uint32_t n, uint32_t d, uint32_t k) {
   km->wp = malloc((size_t)km->nblk * 16 * sizeof *km->wp);
   km->ccl = malloc(k * sizeof *km->ccl);
   km->prune = 1;
+  km->inplace = 1;
   km->eps = 4.0 * (d + 2) * 0x1p-24;
   if (km->cent && km->ct && km->cn && km->sum && km->count && km->w && km->label && km->xt && km->acc && km->xb &&
       km->cold && km->mv && km->cnd && km->ub && km->xn2 && km->xn && km->act && km->full && km->start && km->pos &&
@@ -272,7 +273,7 @@ static void km_prepare(kvp__km *km) {
  * lie; else c, and a tile first copies -2 x into km->xb (the banner). */
 static void km_fill_ct(kvp__km *km) {
   uint32_t d = km->d, kp = km->kp;
-  km->neg2c = km->m2 < 0x1p100 && km->xok;
+  km->neg2c = km->inplace && km->m2 < 0x1p100 && km->xok;
   const float f = km->neg2c ? -2.0f : 1.0f;
   for (uint32_t j = 0; j < km->k; j++) {
     const float *c = km->cent + (size_t)j * d;

@@ -80,6 +80,7 @@ typedef struct kvp__km {
   float *wp;         /* nblk x 16: w by position (-inf in the padding) */
   float *ccl;        /* k: lower bounds on the squared distances of the newest seed to the others */
   int prune;         /* 1 (the default): score only candidates, skip rows seeds cannot move */
+  int inplace;       /* 1 (the default): -2 c columns where allowed (neg2c); 0: always the -2 x copy */
   uint64_t nseed;    /* blocks of 16 rows k-means++ summed so far (tests) */
   uint64_t nscored;  /* scores computed so far, padding columns included (tests) */
 } kvp__km;
