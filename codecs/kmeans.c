@@ -14,8 +14,12 @@
  * so each row of ct is loaded once per tile and the inner loop (fixed
  * KVP__KM_LANES columns, restrict pointers) vectorizes at -O2 without
  * reassociating a sum: every score is accumulated in the order i = 0..d-1.
- * A tile first copies -2 x of its rows into km->xb (exact), so the SIMD
- * kernels broadcast each factor straight from memory. Padding columns
+ * While every row and centroid is in the bounds' range (below), ct holds
+ * -2 c instead and the kernels broadcast each x[r][i] from the row where
+ * it lies: -2 x and -2 c are exact, so x (-2 c) and (-2 x) c are the same
+ * real product and round alike. Otherwise a tile first copies -2 x of its
+ * rows into km->xb (exact), so the SIMD kernels broadcast each factor
+ * straight from memory. Padding columns
  * score +inf and are never chosen. With AVX2 (codecs/kernels.h's choice)
  * km_score_avx2 keeps four rows x sixteen columns of scores in registers
  * over every i; with AVX-512, km_score_avx512 sixteen (then four) rows x
@@ -95,6 +99,7 @@ int kvp__km_init(kvp__km *km, uint32_t n, uint32_t d, uint32_t k) {
   km->wp = malloc((size_t)km->nblk * 16 * sizeof *km->wp);
   km->ccl = malloc(k * sizeof *km->ccl);
   km->prune = 1;
+  km->inplace = 1;
   km->eps = 4.0 * (d + 2) * 0x1p-24;
   if (km->cent && km->ct && km->cn && km->sum && km->count && km->w && km->label && km->xt && km->acc && km->xb &&
       km->cold && km->mv && km->cnd && km->ub && km->xn2 && km->xn && km->act && km->full && km->start && km->pos &&
@@ -243,7 +248,7 @@ typedef struct km_cols {
   size_t kp;       /* columns, a multiple of KVP__KM_LANES */
 } km_cols;
 
-/* ct and cn from cent; cnd, m2 and m for the bounds. */
+/* cn from cent; cnd, m2 and m for the bounds. */
 static void km_prepare(kvp__km *km) {
   uint32_t d = km->d, kp = km->kp;
   double m2 = 0.0;
@@ -252,10 +257,7 @@ static void km_prepare(kvp__km *km) {
   for (uint32_t j = 0; j < km->k; j++) {
     const float *c = km->cent + (size_t)j * d;
     float nrm = 0.0f;
-    for (uint32_t i = 0; i < d; i++) {
-      km->ct[(size_t)i * kp + j] = c[i];
-      nrm += c[i] * c[i];
-    }
+    for (uint32_t i = 0; i < d; i++) nrm += c[i] * c[i];
     km->cn[j] = nrm;
     km->cnd[j] *= 1.0 - KM_REL; /* a lower bound on ||c_j||^2 */
     m2 = km->cnd[j] > m2 || isnan(km->cnd[j]) ? km->cnd[j] : m2; /* a NaN sticks */
@@ -264,15 +266,30 @@ static void km_prepare(kvp__km *km) {
   km->m = sqrt(km->m2) * (1.0 + KM_REL);
 }
 
+/* ct from cent, after km_prepare and km_norms: -2 c when every row and
+ * centroid is in the bounds' range (|x_i|, |c_i| < 2^50: -2 x and -2 c
+ * exact and finite, so x (-2 c) and (-2 x) c are one real product, one
+ * rounding, the same bits), and the tiles then score the rows where they
+ * lie; else c, and a tile first copies -2 x into km->xb (the banner). */
+static void km_fill_ct(kvp__km *km) {
+  uint32_t d = km->d, kp = km->kp;
+  km->neg2c = km->inplace && km->m2 < 0x1p100 && km->xok;
+  const float f = km->neg2c ? -2.0f : 1.0f;
+  for (uint32_t j = 0; j < km->k; j++) {
+    const float *c = km->cent + (size_t)j * d;
+    for (uint32_t i = 0; i < d; i++) km->ct[(size_t)i * kp + j] = f * c[i];
+  }
+}
+
 /* score (rows x kp) of a tile: xb holds -2 x of its rows (rows x d,
  * exact: a product by a power of two), see the banner. */
-static void km_score(const km_cols *cc, size_t d, const float *restrict xb, uint32_t rows, float *restrict score) {
+static void km_score(const km_cols *cc, size_t d, const float *const *xp, uint32_t rows, float *restrict score) {
   size_t kp = cc->kp;
   for (size_t r = 0; r < rows; r++) memcpy(score + r * kp, cc->cn, kp * sizeof *score);
   for (size_t i = 0; i < d; i++) {
     const float *restrict c = cc->ct + i * kp;
     for (size_t r = 0; r < rows; r++) {
-      float a = xb[r * d + i];
+      float a = xp[r][i];
       float *restrict s = score + r * kp;
       for (size_t j = 0; j < kp; j += KVP__KM_LANES) /* size_t: no wrap, so the lanes vectorize */
         for (size_t l = 0; l < KVP__KM_LANES; l++) s[j + l] += a * c[j + l];
@@ -296,13 +313,13 @@ static uint32_t km_best(const float *s, uint32_t k) {
  * of ct and broadcasts four elements of xb for 64 multiply-adds. The same
  * operations as km_score, in the same order per score (a multiply, then
  * an add: no FMA), so the same bits. */
-__attribute__((target("avx2"))) static void km_score_avx2(const km_cols *cc, size_t d, const float *restrict xb,
+__attribute__((target("avx2"))) static void km_score_avx2(const km_cols *cc, size_t d, const float *const *xp,
                                                          uint32_t rows, float *restrict score) {
   size_t kp = cc->kp;
   for (size_t r0 = 0; r0 < rows; r0 += 4) {
     size_t nr = rows - r0 < 4 ? rows - r0 : 4;
     const float *xr[4];
-    for (size_t r = 0; r < 4; r++) xr[r] = xb + (r0 + (r < nr ? r : 0)) * d;
+    for (size_t r = 0; r < 4; r++) xr[r] = xp[r0 + (r < nr ? r : 0)];
     for (size_t j = 0; j < kp; j += 16) {
       __m256 n0 = _mm256_loadu_ps(cc->cn + j), n1 = _mm256_loadu_ps(cc->cn + j + 8);
       __m256 a00 = n0, a01 = n1, a10 = n0, a11 = n1, a20 = n0, a21 = n1, a30 = n0, a31 = n1;
@@ -363,18 +380,18 @@ __attribute__((target("avx2"))) static uint32_t km_best_avx2(const float *s, uin
     for (size_t r = 0; r < nr; r++) _mm512_storeu_ps(score + (r0 + r) * kp + j, a[r]);                              \
   }
 __attribute__((target("avx2,avx512f"))) static void km_score_avx512(const km_cols *cc, size_t d,
-                                                                    const float *restrict xb, uint32_t rows,
+                                                                    const float *const *xp, uint32_t rows,
                                                                     float *restrict score) {
   size_t kp = cc->kp, r0 = 0;
   const float *xr[16];
   for (; r0 + 16 <= rows; r0 += 16) {
     size_t nr = 16;
-    for (size_t r = 0; r < 16; r++) xr[r] = xb + (r0 + r) * d;
+    for (size_t r = 0; r < 16; r++) xr[r] = xp[r0 + r];
     KM_SCORE512(16)
   }
   for (; r0 < rows; r0 += 4) {
     size_t nr = rows - r0 < 4 ? rows - r0 : 4;
-    for (size_t r = 0; r < 4; r++) xr[r] = xb + (r0 + (r < nr ? r : 0)) * d;
+    for (size_t r = 0; r < 4; r++) xr[r] = xp[r0 + (r < nr ? r : 0)];
     KM_SCORE512(4)
   }
 }
@@ -400,22 +417,30 @@ static void km_score_rows(kvp__km *km, const km_cols *cc, const float *src, cons
                           float *restrict score) {
   uint32_t d = km->d; /* a multiple of 8 */
   float *restrict xb = km->xb;
+  const float *xp[KM_TILE]; /* the factors of each row: the row itself (ct holds -2 c), or its -2 x in xb */
 #if KVP__HAVE_AVX2
   int isa = kvp__codec_isa();
-  if (isa >= KVP__ISA_AVX2) km_neg2_avx2(xb, src, rows, nr, d);
-  else
 #endif
-    for (uint32_t r = 0; r < nr; r++) {
-      const float *restrict xr = src + (size_t)(rows ? rows[r] : r) * d;
-      float *restrict o = xb + (size_t)r * d;
-      for (uint32_t i = 0; i < d; i++) o[i] = -2.0f * xr[i];
-    }
+  if (km->neg2c) {
+    for (uint32_t r = 0; r < nr; r++) xp[r] = src + (size_t)(rows ? rows[r] : r) * d;
+  } else {
+    for (uint32_t r = 0; r < nr; r++) xp[r] = xb + (size_t)r * d;
 #if KVP__HAVE_AVX2
-  if (isa >= KVP__ISA_AVX512) km_score_avx512(cc, d, xb, nr, score);
-  else if (isa >= KVP__ISA_AVX2) km_score_avx2(cc, d, xb, nr, score);
+    if (isa >= KVP__ISA_AVX2) km_neg2_avx2(xb, src, rows, nr, d);
+    else
+#endif
+      for (uint32_t r = 0; r < nr; r++) {
+        const float *restrict xr = src + (size_t)(rows ? rows[r] : r) * d;
+        float *restrict o = xb + (size_t)r * d;
+        for (uint32_t i = 0; i < d; i++) o[i] = -2.0f * xr[i];
+      }
+  }
+#if KVP__HAVE_AVX2
+  if (isa >= KVP__ISA_AVX512) km_score_avx512(cc, d, xp, nr, score);
+  else if (isa >= KVP__ISA_AVX2) km_score_avx2(cc, d, xp, nr, score);
   else
 #endif
-    km_score(cc, d, xb, nr, score);
+    km_score(cc, d, xp, nr, score);
   km->nscored += (uint64_t)nr * cc->kp;
 }
 
@@ -455,7 +480,10 @@ static void km_center_scores(kvp__km *km, const km_cols *all) {
   }
 }
 
-/* ct2, cn2: columns idx[0..nc) of ct and cn, zero and +inf up to cp. */
+/* ct2, cn2: columns idx[0..nc) of ct and cn, zero and +inf up to cp. Up
+ * to KM_FEW_COLS columns (a structured block's usual two to nine) come
+ * from the centroids' rows, read in order, rather than by gathers. */
+#define KM_FEW_COLS 8u
 #if KVP__HAVE_AVX2
 __attribute__((target("avx2,avx512f"))) static void km_gather_cols_avx512(kvp__km *km, uint32_t nc, size_t cp) {
   size_t d = km->d, kp = km->kp;
@@ -472,6 +500,15 @@ __attribute__((target("avx2,avx512f"))) static void km_gather_cols_avx512(kvp__k
 static void km_gather_cols(kvp__km *km, uint32_t nc, size_t cp) {
   size_t d = km->d, kp = km->kp;
   for (size_t m = 0; m < cp; m++) km->cn2[m] = m < nc ? km->cn[km->idx[m]] : INFINITY;
+  if (nc <= KM_FEW_COLS) { /* a few columns: zeros, then each centroid's row into its column (km_fill_ct's values) */
+    const float f = km->neg2c ? -2.0f : 1.0f;
+    memset(km->ct2, 0, d * cp * sizeof *km->ct2);
+    for (size_t m = 0; m < nc; m++) {
+      const float *c = km->cent + (size_t)km->idx[m] * d;
+      for (size_t i = 0; i < d; i++) km->ct2[i * cp + m] = f * c[i];
+    }
+    return;
+  }
 #if KVP__HAVE_AVX2
   if (kvp__codec_isa() >= KVP__ISA_AVX512) {
     km_gather_cols_avx512(km, nc, cp);
@@ -554,6 +591,7 @@ uint32_t kvp__km_assign(kvp__km *km, const float *x, int fresh) {
   km_cols all = {km->ct, km->cn, km->kp};
   int prune = km->bx == x && km->prune && km_moves(km);
   if (km->bx != x) km_norms(km, x), km->bx = x;
+  km_fill_ct(km);
   if (prune) {
     memset(km->start, 0, (k + 1) * sizeof *km->start); /* rows by reference centroid */
     for (uint32_t t = 0; t < n; t++) {

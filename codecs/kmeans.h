@@ -65,6 +65,7 @@ typedef struct kvp__km {
   double *ub;        /* n: upper bound on ||x_t - c_label[t]|| */
   double *xn2, *xn;  /* n: upper bounds on ||x_t||^2 and ||x_t|| */
   int xok;           /* every ||x_t||^2 < 2^100 (the bounds' range) */
+  int neg2c;         /* ct holds -2 c (xok, and every ||c_j||^2 < 2^100), else c */
   double m2, m;      /* upper bounds on max ||c_j||^2 and max ||c_j|| */
   double eps;        /* 4 (d + 2) 2^-24: the scores' relative error bound */
   uint32_t *act;     /* n: the rows grouped by label */
@@ -79,6 +80,7 @@ typedef struct kvp__km {
   float *wp;         /* nblk x 16: w by position (-inf in the padding) */
   float *ccl;        /* k: lower bounds on the squared distances of the newest seed to the others */
   int prune;         /* 1 (the default): score only candidates, skip rows seeds cannot move */
+  int inplace;       /* 1 (the default): -2 c columns where allowed (neg2c); 0: always the -2 x copy */
   uint64_t nseed;    /* blocks of 16 rows k-means++ summed so far (tests) */
   uint64_t nscored;  /* scores computed so far, padding columns included (tests) */
 } kvp__km;

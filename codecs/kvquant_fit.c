@@ -383,12 +383,19 @@ __attribute__((target("avx2"))) static int rows_avx2(kvp__kvq_head *hs, const fl
  * (hi: min and max swapped), skipped when no lane beats the last entry.
  * The last entry is then the hm-th extreme, the value the heaps' root
  * holds whatever the order (a zero's sign aside, which no screen sees). */
+#define SAMPLE_AHEAD 8u /* sample rows prefetched ahead */
 __attribute__((target("avx2"))) static void sample_lists_avx2(kvp__kvq_head *hs, const float *s, size_t s_stride,
                                                            uint32_t ns) {
   const uint32_t D = hs->f->head_dim, hm = hs->hm, hop = sample_hop(ns);
   for (size_t i = 0; i < (size_t)D * hm; i++) hs->lo[i] = INFINITY, hs->hi[i] = -INFINITY;
+  /* the rows come in hop order, which no hardware prefetcher follows: a
+   * row from memory (an add's samples, every 16th row) is asked for
+   * SAMPLE_AHEAD rows before its turn */
+  uint32_t qa = (uint32_t)((uint64_t)SAMPLE_AHEAD * hop % ns);
   for (uint32_t i = 0, q = 0; i < ns; i++, q = (uint32_t)(((uint64_t)q + hop) % ns)) {
-    const float *xr = s + (size_t)q * s_stride;
+    const float *xr = s + (size_t)q * s_stride, *xa = s + (size_t)qa * s_stride;
+    for (uint32_t c = 0; c < D; c += 16) __builtin_prefetch(xa + c);
+    qa = (uint32_t)(((uint64_t)qa + hop) % ns);
     for (uint32_t g = 0; g < D / 8; g++) {
       __m256 v = _mm256_loadu_ps(xr + 8 * g);
       float *lo = hs->lo + (size_t)g * hm * 8, *hi = hs->hi + (size_t)g * hm * 8;

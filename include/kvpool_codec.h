@@ -314,7 +314,10 @@ KVP_API const kvp_codec_vtable *kvp_codec_get(uint32_t id);
  *
  * Errors: KVP_EINVAL (argument, non-finite sample, head added twice or
  * missing, file not writable; named in kvp_last_error), KVP_ENOMEM. A failed
- * add or synthetic adds nothing. Not thread-safe on one object.
+ * add or synthetic adds nothing. Not thread-safe on one object, but for
+ * one exception: adds of different (layer, side) pairs may run on
+ * different threads at once (each pair is fitted apart; the file is the
+ * same as from one thread), with no other call on the object meanwhile.
  * ---------------------------------------------------------------------- */
 #define KVP_KVQUANT_CALIB_MAX_THREADS 64u
 typedef struct kvp_kvquant_calib kvp_kvquant_calib; /* opaque */

@@ -20,7 +20,9 @@
  *   - the sampled thresholds' fallbacks (a sample that misplaces them, an
  *     answer of zero) are taken, and give the heaps' bits;
  *   - synthetic is all or nothing: a head added before is refused, naming
- *     it, with nothing fitted; set_threads checks its argument.
+ *     it, with nothing fitted; set_threads checks its argument;
+ *   - adds of different (layer, side) pairs on two threads at once write
+ *     the bytes one thread writes.
  * (Allocation and thread-start failures: tests/unit/check_fault.c.)
  */
 #include "../../codecs/kernels.h"
@@ -29,6 +31,7 @@
 #include "testutil.h"
 
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -347,6 +350,60 @@ START_TEST(synthetic_all_or_nothing) {
 }
 END_TEST
 
+/* Adds of different (layer, side) pairs on two threads at once (the
+ * header allows it) write the file one thread writes. */
+typedef struct pair_adds {
+  kvp_kvquant_calib *c;
+  uint32_t first;  /* the pairs 2 l + kv this thread adds: first, first + 2, ... */
+  int rc;
+} pair_adds;
+
+enum { PL = 4, PH = 2, PD = 32, PT = 1500 };
+
+static int add_pair(kvp_kvquant_calib *c, uint32_t i) {
+  float *x = malloc((size_t)PT * PD * sizeof *x);
+  int rc = x ? KVP_OK : KVP_ENOMEM;
+  for (uint32_t h = 0; !rc && h < PH; h++) {
+    uint64_t st = 100 + i * PH + h;
+    for (uint32_t t = 0; t < PT * PD; t++) x[t] = tval(&st, 0, t / PD, t % PD);
+    rc = kvp_kvquant_calib_add(c, i / 2, h, i % 2, x, NULL, PD, PT);
+  }
+  free(x);
+  return rc;
+}
+
+static void *pair_thread(void *arg) {
+  pair_adds *p = arg;
+  for (uint32_t i = p->first; !p->rc && i < 2 * PL; i += 2) p->rc = add_pair(p->c, i);
+  return NULL;
+}
+
+START_TEST(add_pairs_concurrently) {
+  char path[64];
+  tmp_name(path, sizeof path);
+  uint32_t crc[2];
+  for (int par = 0; par < 2; par++) {
+    kvp_kvquant_calib *c;
+    ck_ok(kvp_kvquant_calib_create(PL, PH, PD, 3, 0.03, &c));
+    if (par) {
+      pair_adds a = {c, 0, 0}, b = {c, 1, 0};
+      pthread_t t;
+      ck_assert_int_eq(pthread_create(&t, NULL, pair_thread, &b), 0);
+      pair_thread(&a);
+      pthread_join(t, NULL);
+      ck_ok(a.rc);
+      ck_ok(b.rc);
+    } else
+      for (uint32_t i = 0; i < 2 * PL; i++) ck_ok(add_pair(c, i));
+    ck_ok(kvp_kvquant_calib_write(c, path));
+    kvp_kvquant_calib_destroy(c);
+    crc[par] = file_crc(path, file_bytes(PL, PH, PD, 3));
+  }
+  ck_assert_msg(crc[0] == crc[1], "two threads wrote crc %08x, one %08x", crc[1], crc[0]);
+  unlink(path);
+}
+END_TEST
+
 static Suite *suite(void) {
   Suite *s = suite_create("kvquant_calib");
   TCase *tc = tcase_create("golden");
@@ -360,6 +417,7 @@ static Suite *suite(void) {
   suite_add_tcase(s, tc);
   tc = tcase_create("api");
   tcase_add_test(tc, synthetic_all_or_nothing);
+  tcase_add_test(tc, add_pairs_concurrently);
   suite_add_tcase(s, tc);
   return s;
 }

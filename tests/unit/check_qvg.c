@@ -594,8 +594,9 @@ END_TEST
  * and a last assignment (qvg_stage_out's order), agree bit for bit, in
  * every ISA, on structured and noise rows, coincident rows (ties), k = 1,
  * a block shorter than a tile, and rows scaled by 2^-70 (underflow) and
- * 2^60 (beyond the bounds' range: nothing skipped). On the structured rows
- * most scores and most of k-means++'s blocks are skipped. */
+ * 2^60 (beyond the bounds' range: nothing skipped); and scores from the
+ * rows in place against -2 c agree with those from the -2 x copy. On the
+ * structured rows most scores and most of k-means++'s blocks are skipped. */
 START_TEST(km_candidates_same_labels) {
   static const struct {
     uint32_t n, k, iters;
@@ -614,20 +615,30 @@ START_TEST(km_candidates_same_labels) {
   int was = kvp__codec_isa();
   for (int isa = KVP__ISA_BASE; isa <= KVP__ISA_AVX512; isa++) {
     if (kvp__codec_isa_set(isa) != isa) continue; /* (a level this CPU lacks) */
-    kvp__km a, b;
+    kvp__km a, b, cp; /* cp: pruned, but scores from the -2 x copy (the rows in place in a) */
     ck_assert_int_eq(kvp__km_init(&a, n, d, k), 0);
     ck_assert_int_eq(kvp__km_init(&b, n, d, k), 0);
+    ck_assert_int_eq(kvp__km_init(&cp, n, d, k), 0);
     b.prune = 0;
-    kvp__km_seed(&a, x, 0, 5), kvp__km_seed(&b, x, 0, 5);
+    cp.inplace = 0;
+    kvp__km_seed(&a, x, 0, 5), kvp__km_seed(&b, x, 0, 5), kvp__km_seed(&cp, x, 0, 5);
     ck_assert_mem_eq(a.cent, b.cent, (size_t)k * d * 4);
     ck_assert_mem_eq(a.w, b.w, (size_t)n * 4);
-    ck_assert_uint_eq(kvp__km_lloyd(&a, x, kc[_i].iters), kvp__km_lloyd(&b, x, kc[_i].iters));
+    uint32_t ch = kvp__km_lloyd(&a, x, kc[_i].iters);
+    ck_assert_uint_eq(ch, kvp__km_lloyd(&b, x, kc[_i].iters));
+    ck_assert_uint_eq(ch, kvp__km_lloyd(&cp, x, kc[_i].iters));
+    ck_assert_int_eq(a.neg2c, kc[_i].scale != 60); /* in place but beyond the bounds' range */
+    ck_assert_int_eq(cp.neg2c, 0);
     for (int pass = 0; pass < 2; pass++) {
       ck_assert_mem_eq(a.cent, b.cent, (size_t)k * d * 4);
       ck_assert_mem_eq(a.label, b.label, n);
+      ck_assert_mem_eq(a.cent, cp.cent, (size_t)k * d * 4);
+      ck_assert_mem_eq(a.label, cp.label, n);
       for (size_t e = 0; e < (size_t)k * d; e++) /* qvg_stage_out's rounding, then its assignment */
-        a.cent[e] = b.cent[e] = kvp__bf16_to_f32(kvp__bf16_from_f32(a.cent[e]));
-      ck_assert_uint_eq(kvp__km_assign(&a, x, 0), kvp__km_assign(&b, x, 0));
+        a.cent[e] = b.cent[e] = cp.cent[e] = kvp__bf16_to_f32(kvp__bf16_from_f32(a.cent[e]));
+      uint32_t na = kvp__km_assign(&a, x, 0);
+      ck_assert_uint_eq(na, kvp__km_assign(&b, x, 0));
+      ck_assert_uint_eq(na, kvp__km_assign(&cp, x, 0));
     }
     if (isa == was)
       printf("km pruning case %d (n=%u k=%u): %.1f%% of the scores, %.1f%% of the k-means++ blocks\n", _i, n, k,
@@ -638,7 +649,7 @@ START_TEST(km_candidates_same_labels) {
                     b.nseed);
     }
     if (kc[_i].scale == 60) ck_assert_uint_eq(a.nscored, b.nscored);
-    kvp__km_free(&a), kvp__km_free(&b);
+    kvp__km_free(&a), kvp__km_free(&b), kvp__km_free(&cp);
   }
   kvp__codec_isa_set(was);
   free(x);
