@@ -64,7 +64,8 @@ def host_timers():
 
     hf.KvpoolCache.update = timed("KvpoolCache.update", hf.KvpoolCache.update)
     kpool.Pool._append_ptrs = timed("  kvp_append (ctypes)", kpool.Pool._append_ptrs)
-    AttentionInterface.register("kvpool", timed("kvpool attention", hf.kvpool_attention))
+    hf.kvpool_attention = timed("kvpool attention", hf.kvpool_attention)  # what hf.register() registers
+    AttentionInterface.register("kvpool", hf.kvpool_attention)
     kpool.Pool._attend_ptrs = timed("  kvp_attend_decode (ctypes)", kpool.Pool._attend_ptrs)
     DynamicCache.update = timed("DynamicCache.update", DynamicCache.update)
     AttentionInterface.register("sdpa", timed("sdpa attention", sdpa_attention_forward))
