@@ -738,7 +738,7 @@ typedef struct kvp__acache {
   uint64_t bytes;        /* metadata bytes held (the arrays above) */
   uint64_t seqs_cap, recs_cap, bh_cap, pre_cap; /* entries the arrays hold (recs: bytes) */
   bool pinned;           /* recs is pinned host memory (kvp__dev_kept_alloc): read in place */
-  unsigned char *tab;    /* pinned: recs then its splits and index (table_finish in place), after recs */
+  unsigned char *tab;    /* pinned, after recs in one buffer: a call in place's splits and index */
   uint64_t tab_cap;      /* bytes at tab: (records + bh) splits and (bh + 1) index words */
   void *recs_dev, *tab_dev; /* recs and tab as the device addresses them */
   uint64_t pin_bytes;    /* the pinned buffer's bytes (recs_cap + tab_cap, aligned) */

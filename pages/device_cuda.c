@@ -46,7 +46,9 @@
  * read theirs in place (kvp__dev_attend_run): a call waits only for the
  * kernels of the call GSTAGES before it, so the host runs that many
  * layers' calls ahead of the device instead of draining its queue at each
- * (the serving engine's own launches go on queueing meanwhile). */
+ * (the serving engine's own launches go on queueing meanwhile). A kept
+ * attention table read in place takes none: it waits only for its own
+ * layer's kernels of the call before (pages/attend_table.c). */
 #define GSTAGES 4
 typedef struct gstage_slot {
   pthread_mutex_t lock;           /* held by the gather that builds in the stage */
