@@ -833,6 +833,7 @@ static Suite *suite(void) {
   tcase_add_loop_test(tc, random_vs_reference, 0, NFMT);
   suite_add_tcase(s, tc);
   tc = tcase_create("rows");
+  tcase_set_timeout(tc, 120); /* every ISA's scatter over a sweep of shapes: seconds, more on a loaded host */
   tcase_add_loop_test(tc, rows_match_scalars, 0, NFMT);
   tcase_add_test(tc, rows_by_dtype);
   tcase_add_test(tc, find_nan_per_dtype);
