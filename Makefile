@@ -263,8 +263,10 @@ $(B)/kvpool-stat: tools/kvpool-stat.c
 	$(CC) $(PUB_CFLAGS) -o $@ $< -ljansson -lm $(LDFLAGS)
 
 # The bench links jemalloc directly for its baseline.
-$(B)/kvpool-bench: tools/kvpool-bench.c tools/bench_calib.c tools/bench_calib.h tools/pagemix.h $(SO) $(PUB_HDRS)
-	$(CC) $(PUB_CFLAGS) -o $@ $< tools/bench_calib.c -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -lm $(LDFLAGS)
+BENCH_PARTS := tools/bench_calib.c tools/bench_store.c
+$(B)/kvpool-bench: tools/kvpool-bench.c $(BENCH_PARTS) $(BENCH_PARTS:.c=.h) tools/bench_util.h tools/pagemix.h \
+  tools/redis_srv.h $(SO) $(PUB_HDRS)
+	$(CC) $(PUB_CFLAGS) -o $@ $< $(BENCH_PARTS) -L$(B) -Wl,-rpath,'$$ORIGIN' -lkvpool $(JEMALLOC_LIBS) -lm $(LDFLAGS)
 
 # Decode appends in a loop, for callgrind and perf (the instructions per append the notes give).
 $(B)/kvpool-prof-append: tools/kvpool-prof-append.c $(SO) $(PUB_HDRS)

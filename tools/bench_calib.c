@@ -12,27 +12,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "bench_calib.h"
-#include "kvpool_codec.h"
 #include "pagemix.h"
-
-static double now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
-
-static void die(const char *what, int rc) {
-  fprintf(stderr, "kvpool-bench: %s: %s (%s)\n", what, kvp_strerror(rc), kvp_last_error());
-  exit(1);
-}
-
-/* About N(0, 1): the sum of four uniforms, centred and scaled. */
-static float bench_gauss(uint64_t *s) {
-  double u = 0;
-  for (int i = 0; i < 4; i++) u += (double)(pagemix_rand(s) >> 11) * 0x1p-53;
-  return (float)((u - 2.0) * 1.7320508075688772);
-}
+#include "bench_calib.h"
+#include "bench_util.h"
+#include "kvpool_codec.h"
 
 /* One layer's calibration samples as an engine hands them over, f32
  * [side][head][T][D]: per channel a bias and a scale (K: one channel in 32
