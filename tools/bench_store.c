@@ -38,15 +38,6 @@ static kvp_pool *store_pool(const char *codecs) {
   return p;
 }
 
-static void one_step_n(kvp_pool *p, uint64_t seq, uint32_t n, const uint16_t *k, const uint16_t *v) {
-  int rc = kvp_step_begin(p, seq, n, 0);
-  if (rc) die("kvp_step_begin", rc);
-  kvp_kv kv = {k, v, NULL};
-  for (uint32_t l = 0; l < ST_L; l++)
-    if ((rc = kvp_append(p, seq, l, &kv))) die("kvp_append", rc);
-  if ((rc = kvp_step_end(p, seq))) die("kvp_step_end", rc);
-}
-
 /* One 32K-token sequence (prefill in chunks), with its prompt's ids when tokens. */
 static void store_fill(kvp_pool *p, uint64_t seq, const uint32_t *tokens, const uint16_t *k, const uint16_t *v) {
   kvp_seq_config sc;
@@ -55,7 +46,7 @@ static void store_fill(kvp_pool *p, uint64_t seq, const uint32_t *tokens, const 
   sc.n_tokens = tokens ? ST_TOK + 1 : 0;
   int rc = kvp_seq_add(p, seq, &sc);
   if (rc) die("kvp_seq_add", rc);
-  for (uint32_t t = 0; t < ST_TOK; t += ST_CHUNK) one_step_n(p, seq, ST_CHUNK, k, v);
+  for (uint32_t t = 0; t < ST_TOK; t += ST_CHUNK) bench_step(p, seq, ST_CHUNK, ST_L, k, v);
 }
 
 static store_fig bench_store_codec(kvp_store *st, const char *codecs, int rounds, const uint16_t *k,

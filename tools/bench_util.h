@@ -39,6 +39,18 @@ static inline void die(const char *what, int rc) {
   exit(1);
 }
 
+/* One step of n tokens in each of layers layers of seq, the same K/V rows
+ * [n][heads][head_dim] appended to every layer. */
+static inline void bench_step(kvp_pool *p, uint64_t seq, uint32_t n, uint32_t layers, const uint16_t *k,
+                              const uint16_t *v) {
+  int rc = kvp_step_begin(p, seq, n, 0);
+  if (rc) die("kvp_step_begin", rc);
+  kvp_kv kv = {k, v, NULL};
+  for (uint32_t l = 0; l < layers; l++)
+    if ((rc = kvp_append(p, seq, l, &kv))) die("kvp_append", rc);
+  if ((rc = kvp_step_end(p, seq))) die("kvp_step_end", rc);
+}
+
 /* n finite bf16 values of uniform bits (1.0 .. 2.0). */
 static inline void fill_bf16(uint16_t *x, size_t n, uint64_t seed) {
   for (size_t i = 0; i < n; i++) x[i] = (uint16_t)(0x3c00 + (pagemix_rand(&seed) & 0x1ff)); /* finite values */

@@ -167,12 +167,7 @@ static kvp_pool *seq_pool(uint32_t block_tokens, uint64_t region) {
 }
 
 static void one_step(kvp_pool *p, uint64_t seq, uint32_t n, const uint16_t *k, const uint16_t *v) {
-  int rc = kvp_step_begin(p, seq, n, 0);
-  if (rc) die("kvp_step_begin", rc);
-  kvp_kv kv = {k, v, NULL};
-  for (uint32_t l = 0; l < BL; l++)
-    if ((rc = kvp_append(p, seq, l, &kv))) die("kvp_append", rc);
-  if ((rc = kvp_step_end(p, seq))) die("kvp_step_end", rc);
+  bench_step(p, seq, n, BL, k, v);
 }
 
 /* The baseline of a K and V move: memcpy of each, bytes apiece. */
