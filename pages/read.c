@@ -16,7 +16,14 @@
  * kvp_read's cost is the copy: per block and side, rows the raw codec
  * stores in the output dtype (host region) are one memcpy of m x D x esize
  * bytes from the page at row t0; other rows go through the codec's decode.
- * Its walk requests the bref and block two blocks ahead (walk_ranges).
+ * Its walk requests the bref and block two blocks ahead (walk_ranges). On a
+ * host region the walk and the copy take turns by batches: the walk notes
+ * up to READ_BATCH_RANGES ranges (block, [a, e), the source and bytes of
+ * each copied side), then the batch is read in order, each copied side's
+ * payload requested READ_AHEAD_BYTES ahead of its memcpy:
+ *   walk r0 .. r63 | request r0, r1; copy r0 | request r2; copy r1 | ...
+ * The output is the same as a walk that reads each range as it reaches it:
+ * rows in walk order at out_tokens, and a failure stops at its range.
  */
 #include "../codecs/numeric.h"
 #include "pages.h"
@@ -81,79 +88,181 @@ uint64_t kvp__walk_ranges(kvp__seq *s, const kvp_pool *pool, uint32_t layer, uin
 
 /* ---- kvp_read ------------------------------------------------------------ */
 
+/* A host read walks up to READ_BATCH_RANGES ranges, then moves their rows,
+ * each range's payload requested READ_AHEAD_BYTES ahead of its copy (see
+ * read_batch_run). */
+#define READ_BATCH_RANGES 64u
+#define READ_AHEAD_BYTES 8192u
+
+/* One range of a host read's batch. */
+typedef struct read_ent {
+  kvp__block *b;               /* the block, live under the read lock */
+  uint32_t a, e;               /* positions [a, e) read from it */
+  const unsigned char *src[2]; /* K, V: the stored rows one memcpy moves (read_is_copy), or NULL */
+  size_t copy_bytes[2];        /* K, V: bytes of that memcpy, 0 where the side is decoded or not read */
+} read_ent;
+
 typedef struct read_ctx {
   kvp_pool *pool;
   uint32_t layer;
   kvp_read_req *req;
+  size_t orow;         /* bytes of an output row: head_dim x esize(out_dtype) */
   uint64_t out_tokens; /* rows written so far */
   int rc;              /* first failure */
 #ifdef KVP_HAVE_CUDA
   kvp__dev_batch *db;  /* CUDA region: the decode jobs */
 #endif
+  uint32_t n;          /* host: ranges walked, not yet read */
+  uint32_t ahead_ent;  /* host: where the payload requests stand: entry, */
+  int ahead_kv;        /* its side (K 0, V 1), */
+  size_t ahead_bytes;  /* and the bytes of that side requested */
+  read_ent ent[READ_BATCH_RANGES]; /* host: the ranges walked, in output order */
 } read_ctx;
 
-/* One block's rows [a, e) of the head, K and V, at the output's next row.
- * Host rows stored in the output dtype by the raw codec (every OPEN block,
- * and sealed blocks of raw layers) are one memcpy: what raw's decode does,
- * without its call. */
-static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
-  read_ctx *c = vctx;
+/* Whether side kv of b is, on a host region, one memcpy of the stored rows:
+ * rows stored in the output dtype by the raw codec (every OPEN block, and
+ * sealed blocks of raw layers), unless the layer's codec presents its raw
+ * rows (decode_raw_at). What raw's decode does, without its call. */
+static inline bool read_is_copy(const kvp_pool *pool, uint32_t layer, int kv, const kvp__block *b, kvp_dtype out) {
+  const kvp__binding *bd = kvp__block_binding(pool, layer, kv, b);
+  return bd->vt == &kvp__codec_raw && kvp__raw_store_dtype(bd->inst) == out &&
+         !(b->raw && pool->bind[2 * layer + kv].vt->decode_raw_at);
+}
+
+/* Side kv of b's rows [a, e) into dst: a host copy, a device job, or the
+ * codec's decode. 0 or the error, recorded. */
+static int read_side(read_ctx *c, int kv, kvp__block *b, uint32_t a, uint32_t e, unsigned char *dst) {
   kvp_pool *pool = c->pool;
   kvp_read_req *q = c->req;
   uint32_t t0 = a - b->pos0, m = e - a, D = pool->cfg.head_dim;
-  void *outs[2] = {q->k_out, q->v_out};
-  bool host = pool->cfg.memory != KVP_MEM_CUDA;
-  for (int kv = 0; kv < 2; kv++) {
-    if (!outs[kv]) continue;
-    const kvp__binding *bd = kvp__block_binding(pool, c->layer, kv, b);
-    size_t orow = (size_t)D * kvp__dtype_bytes(q->out_dtype);
-    unsigned char *dst = (unsigned char *)outs[kv] + c->out_tokens * orow;
-    int rc;
-    if (host && bd->vt == &kvp__codec_raw && kvp__raw_store_dtype(bd->inst) == q->out_dtype &&
-        !(b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at)) {
-      memcpy(dst, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * orow, (size_t)m * orow);
-      continue;
-    }
-    if (pool->cfg.memory == KVP_MEM_CUDA) {
+  size_t orow = c->orow;
+  const kvp__binding *bd = kvp__block_binding(pool, c->layer, kv, b);
+  int rc;
+  if (pool->cfg.memory == KVP_MEM_CUDA) {
 #ifdef KVP_HAVE_CUDA
-      kvp_codec_dev_job j = {.dst = dst, .stride_bytes = orow, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
-                             .t0 = t0, .m = m, .head = q->head, .pos0 = b->pos0};
-      for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
-      rc = kvp__dev_read_add(pool, c->db, bd, kv, &j, q->out_dtype, q->stream);
+    kvp_codec_dev_job j = {.dst = dst, .stride_bytes = orow, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
+                           .t0 = t0, .m = m, .head = q->head, .pos0 = b->pos0};
+    for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+    rc = kvp__dev_read_add(pool, c->db, bd, kv, &j, q->out_dtype, q->stream);
 #else
-      rc = kvp__err(KVP_ENOTSUP, "read: built without CUDA");
+    rc = kvp__err(KVP_ENOTSUP, "read: built without CUDA");
 #endif
-    } else if (b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at) { /* the codec presents its raw rows */
-      const kvp__binding *lb = &pool->bind[2 * c->layer + kv];
-      size_t row = (size_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
+  } else if (read_is_copy(pool, c->layer, kv, b, q->out_dtype)) {
+    memcpy(dst, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * orow, (size_t)m * orow);
+    rc = 0;
+  } else if (b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at) { /* the codec presents its raw rows */
+    const kvp__binding *lb = &pool->bind[2 * c->layer + kv];
+    size_t row = (size_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
+    kvp_codec_block where = {q->head, b->pos0};
+    rc = lb->vt->decode_raw_at(lb->inst, &where, t0, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * row, row,
+                               m, dst, orow, q->out_dtype);
+    if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to present raw rows of layer %u %c (status %d)", lb->vt->name,
+                          c->layer, "KV"[kv], rc);
+  } else {
+    const void *pages[KVP_CODEC_MAX_PAGES];
+    for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+    /* an encoded block's count is fixed; a raw OPEN block's still grows (raw decode ignores it) */
+    uint32_t n = kvp__block_n(b);
+    if (bd->vt->decode_at) {
       kvp_codec_block where = {q->head, b->pos0};
-      rc = lb->vt->decode_raw_at(lb->inst, &where, t0, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * row, row,
-                                 m, dst, orow, q->out_dtype);
-      if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to present raw rows of layer %u %c (status %d)", lb->vt->name,
-                            c->layer, "KV"[kv], rc);
+      rc = bd->vt->decode_at(bd->inst, &where, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
     } else {
-      const void *pages[KVP_CODEC_MAX_PAGES];
-      for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
-      /* an encoded block's count is fixed; a raw OPEN block's still grows (raw decode ignores it) */
-      uint32_t n = kvp__block_n(b);
-      if (bd->vt->decode_at) {
-        kvp_codec_block where = {q->head, b->pos0};
-        rc = bd->vt->decode_at(bd->inst, &where, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
-      } else {
-        rc = bd->vt->decode(bd->inst, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
-      }
-      if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to decode layer %u %c (status %d)", bd->vt->name, c->layer,
-                            "KV"[kv], rc);
+      rc = bd->vt->decode(bd->inst, pages, n, b->cap_tokens, t0, m, dst, orow, q->out_dtype);
     }
-    if (rc) {
-      c->rc = rc;
-      return 1;
-    }
+    if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to decode layer %u %c (status %d)", bd->vt->name, c->layer,
+                          "KV"[kv], rc);
   }
-  if (q->positions_out)
-    for (uint32_t i = 0; i < m; i++) q->positions_out[c->out_tokens + i] = a + i;
-  c->out_tokens += m;
+  if (rc) c->rc = rc;
+  return rc;
+}
+
+/* The rows [a, e) were written at the output's next row: their positions. */
+static void read_advance(read_ctx *c, uint32_t a, uint32_t e) {
+  uint32_t *pos = c->req->positions_out;
+  if (pos)
+    for (uint32_t i = a; i < e; i++) pos[c->out_tokens + i - a] = i;
+  c->out_tokens += e - a;
+}
+
+/* One block's rows [a, e) of the head, K and V, at the output's next row
+ * (the CUDA region's walk step). */
+static int read_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
+  read_ctx *c = vctx;
+  void *outs[2] = {c->req->k_out, c->req->v_out};
+  for (int kv = 0; kv < 2; kv++)
+    if (outs[kv] && read_side(c, kv, b, a, e, (unsigned char *)outs[kv] + c->out_tokens * c->orow)) return 1;
+  read_advance(c, a, e);
   return 0;
+}
+
+/* Request the batch's next bytes of copied payload, in copy order, to L2,
+ * one line at a time. The saturating countdown of bytes is a chain of a few
+ * cycles a line, and that spacing is what makes the requests count here: the
+ * same lines requested back to back (a plain loop over o) moved no faster
+ * than none (kvpool-bench --read, EPYC host). Inline where it is used: GCC
+ * takes a function whose only effects are prefetches for one without
+ * effects, and drops calls to it. */
+static ALWAYS_INLINE void read_request(read_ctx *c, size_t bytes) {
+  while (bytes && c->ahead_ent < c->n) {
+    const read_ent *t = &c->ent[c->ahead_ent];
+    const unsigned char *p = t->src[c->ahead_kv];
+    size_t span = t->copy_bytes[c->ahead_kv];
+    for (; c->ahead_bytes < span && bytes; c->ahead_bytes += 64, bytes = bytes > 64 ? bytes - 64 : 0)
+      __builtin_prefetch(p + c->ahead_bytes, 0, 1);
+    if (c->ahead_bytes < span) return;
+    c->ahead_bytes = 0;
+    if (!(c->ahead_kv ^= 1)) c->ahead_ent++;
+  }
+}
+
+/* Read the ranges walked, in order: a copied side is one memcpy, its
+ * payload requested READ_AHEAD_BYTES ahead (the next range's, for 16-token
+ * bf16 blocks of D = 128); other sides go through read_side.
+ *
+ * Why: pages lie apart, so the hardware prefetcher, which stops at a 4 KiB
+ * page, starts cold on each, and a memcpy of a page waits on its misses a
+ * few lines at a time. Requests to L2 (prefetcht2 on x86) are held many
+ * more at once than L1 misses, so a range requested ahead arrives at the
+ * memory's speed; requests to L1 (prefetcht0) take the L1 miss slots the
+ * copy needs and were slower than none. The walk runs first, by batches, so
+ * the copy's look-ahead has the next ranges at hand and the walk's chain of
+ * misses (bref, block) is not spread between the copies: batches of 2 or 4
+ * ranges read slower than 64 (kvpool-bench --read). */
+static int read_batch_run(read_ctx *c) {
+  void *outs[2] = {c->req->k_out, c->req->v_out};
+  int stop = 0;
+  c->ahead_ent = 0, c->ahead_kv = 0, c->ahead_bytes = 0;
+  read_request(c, READ_AHEAD_BYTES);
+  for (uint32_t i = 0; i < c->n && !stop; i++) {
+    read_ent *t = &c->ent[i];
+    read_request(c, t->copy_bytes[0] + t->copy_bytes[1]);
+    for (int kv = 0; kv < 2 && !stop; kv++) {
+      if (!outs[kv]) continue;
+      unsigned char *dst = (unsigned char *)outs[kv] + c->out_tokens * c->orow;
+      if (t->copy_bytes[kv])
+        memcpy(dst, t->src[kv], t->copy_bytes[kv]);
+      else
+        stop = read_side(c, kv, t->b, t->a, t->e, dst);
+    }
+    if (!stop) read_advance(c, t->a, t->e);
+  }
+  c->n = 0;
+  return stop;
+}
+
+/* The host walk's step: note the range and what of it is one memcpy; read
+ * the batch once it is full. */
+static int read_batch_add(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
+  read_ctx *c = vctx;
+  const kvp_read_req *q = c->req;
+  read_ent *t = &c->ent[c->n++];
+  *t = (read_ent){.b = b, .a = a, .e = e};
+  for (int kv = 0; kv < 2; kv++)
+    if ((kv ? q->v_out : q->k_out) && read_is_copy(c->pool, c->layer, kv, b, q->out_dtype)) {
+      t->src[kv] = (const unsigned char *)kvp__page_addr(&c->pool->alloc, &b->pg[0][kv]) + (a - b->pos0) * c->orow;
+      t->copy_bytes[kv] = (size_t)(e - a) * c->orow;
+    }
+  return c->n == READ_BATCH_RANGES ? read_batch_run(c) : 0;
 }
 
 static int read_check(kvp_pool *pool, uint32_t layer, const kvp_read_req *q) {
@@ -190,13 +299,19 @@ KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req 
     return kvp__err(KVP_ENOSPC, "read seq %llu layer %u head %u: needs %llu tokens, capacity_tokens is %u",
                     (unsigned long long)seq, layer, req->head, (unsigned long long)need, req->capacity_tokens);
   }
-  read_ctx c = {.pool = pool, .layer = layer, .req = req, .out_tokens = 0, .rc = KVP_OK};
+  read_ctx c = {.pool = pool, .layer = layer, .req = req, .orow = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(req->out_dtype),
+                .out_tokens = 0, .rc = KVP_OK, .n = 0};
 #ifdef KVP_HAVE_CUDA
   kvp__dev_batch db;
   kvp__dev_batch_init(&db, 256, NULL);
   c.db = &db;
 #endif
-  walk_ranges(s, pool, layer, req->head, need, read_range, &c, true);
+  if (pool->cfg.memory == KVP_MEM_CUDA) {
+    walk_ranges(s, pool, layer, req->head, need, read_range, &c, true);
+  } else {
+    walk_ranges(s, pool, layer, req->head, need, read_batch_add, &c, true);
+    if (!c.rc && c.n) read_batch_run(&c);
+  }
 #ifdef KVP_HAVE_CUDA
   if (pool->cfg.memory == KVP_MEM_CUDA) {
     int rc2 = kvp__dev_read_flush(pool, &db, req->out_dtype, req->stream);

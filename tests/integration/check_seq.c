@@ -3,10 +3,12 @@
  * input (each error with its status, a message naming the culprit, and no
  * change to the pool), views pinned across evictions and frees, fork
  * sharing sealed blocks and copying open ones, NaN input, reads across
- * block edges and evicted holes in each raw copy path.
+ * block edges and evicted holes in each raw copy path, and reads of many
+ * blocks (several of kvp_read's batches) mixing copied and decoded sides.
  */
 #include <check.h>
 #include <math.h>
+#include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -438,6 +440,86 @@ START_TEST(read_crosses_blocks_and_holes) {
 }
 END_TEST
 
+/* A read long enough to be walked and copied in several batches (well past
+ * 64 blocks a head), holes at and inside batch edges, a head whose read
+ * starts late, and sealed blocks whose K goes through a codec (loop 1:
+ * k=int8) while V and the OPEN tail are copied: rows and positions as
+ * appended (K within int8's step where encoded), K alone and V alone the
+ * same bytes as K and V read together, nothing written past the last row. */
+static float bf16f(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+START_TEST(read_batches_keep_rows_and_positions) {
+  enum { NSTEP = 40, CAP = 1200 };
+  kvp_config c;
+  kvp_config_init(&c);
+  c.n_layers = L;
+  c.n_kv_heads = H;
+  c.head_dim = D;
+  c.region_bytes = 16ull << 20;
+  c.block_tokens = BT;
+  c.codecs = _i ? "k=int8" : NULL;
+  kvp_pool *p;
+  ck_ok(kvp_pool_create(&c, &p));
+  kvgen_init(&G);
+  ck_ok(kvp_seq_add(p, 7, NULL));
+  uint32_t p0[NSTEP + 1], n = 0;
+  for (uint32_t st = 0; st < NSTEP; st++) { /* 600 tokens, then 39 steps of 1..13 */
+    uint32_t m = st ? 1 + st % 13 : 600;
+    p0[st] = n;
+    step(p, 7, n, m);
+    n += m;
+  }
+  p0[NSTEP] = n;
+  const uint32_t gone0[] = {3, 9, 10, 25}, gone1[] = {0, 31};
+  for (unsigned i = 0; i < sizeof gone0 / sizeof gone0[0]; i++) ck_ok(kvp_evict(p, 7, 1, 0, gone0[i]));
+  for (unsigned i = 0; i < sizeof gone1 / sizeof gone1[0]; i++) ck_ok(kvp_evict(p, 7, 1, 1, gone1[i]));
+  ck_ok(kvp_check(p));
+  static uint16_t ko[3][CAP * D], vo[3][CAP * D];
+  static uint32_t pos[3][CAP];
+  for (uint32_t h = 0; h < H; h++) {
+    uint32_t want[CAP], nwant = 0; /* positions retained, in order */
+    for (uint32_t st = 0; st < NSTEP; st++) {
+      bool gone = false;
+      for (unsigned i = 0; i < (h ? 2u : 4u); i++) gone |= (h ? gone1[i] : gone0[i]) == st;
+      for (uint32_t x = p0[st]; !gone && x < p0[st + 1]; x++) want[nwant++] = x;
+    }
+    for (int mode = 0; mode < 3; mode++) { /* K and V, K alone, V alone */
+      memset(ko[mode], 0xee, sizeof ko[mode]), memset(vo[mode], 0xee, sizeof vo[mode]);
+      kvp_read_req q = {sizeof q, h, KVP_DTYPE_BF16, mode != 2 ? ko[mode] : NULL, mode != 1 ? vo[mode] : NULL,
+                        pos[mode], CAP, 0, NULL};
+      ck_ok(kvp_read(p, 7, 1, &q));
+      ck_assert_uint_eq(q.n_tokens, nwant);
+      ck_assert_mem_eq(pos[mode], want, nwant * sizeof want[0]);
+      ck_assert_uint_eq(ko[mode][nwant * D], 0xeeee); /* nothing past the last row */
+      ck_assert_uint_eq(vo[mode][nwant * D], 0xeeee);
+    }
+    ck_assert_mem_eq(ko[1], ko[0], (size_t)nwant * D * 2);
+    ck_assert_mem_eq(vo[2], vo[0], (size_t)nwant * D * 2);
+    ck_assert_uint_eq(vo[1][0], 0xeeee);
+    ck_assert_uint_eq(ko[2][0], 0xeeee);
+    for (uint32_t i = 0; i < nwant; i++) {
+      float amax = 0;
+      for (uint32_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(bf16f(kvgen_value(&G, 7, 1, h, want[i], d, 0))));
+      for (uint32_t d = 0; d < D; d++) {
+        uint16_t wk = kvgen_value(&G, 7, 1, h, want[i], d, 0), wv = kvgen_value(&G, 7, 1, h, want[i], d, 1);
+        ck_assert_msg(vo[0][i * D + d] == wv, "head %u row %u dim %u V: %04x, want %04x", h, i, d, vo[0][i * D + d], wv);
+        if (!_i)
+          ck_assert_msg(ko[0][i * D + d] == wk, "head %u row %u dim %u K: %04x, want %04x", h, i, d, ko[0][i * D + d], wk);
+        else
+          ck_assert_msg(fabsf(bf16f(ko[0][i * D + d]) - bf16f(wk)) <= amax / 100 + 1e-6f, "head %u row %u dim %u K: %g, want %g",
+                        h, i, d, bf16f(ko[0][i * D + d]), bf16f(wk));
+      }
+    }
+  }
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("seq");
   TCase *tc = tcase_create("seq");
@@ -449,6 +531,7 @@ int main(void) {
   tcase_add_test(tc, fork_refused_by_budget_changes_nothing);
   tcase_add_test(tc, seq_ids_share_and_reuse_lookups);
   tcase_add_loop_test(tc, read_crosses_blocks_and_holes, 0, 4);
+  tcase_add_loop_test(tc, read_batches_keep_rows_and_positions, 0, 2);
   suite_add_tcase(s, tc);
   return it_run(s);
 }
