@@ -299,8 +299,9 @@ KVP_API int kvp_read(kvp_pool *pool, uint64_t seq, uint32_t layer, kvp_read_req 
     return kvp__err(KVP_ENOSPC, "read seq %llu layer %u head %u: needs %llu tokens, capacity_tokens is %u",
                     (unsigned long long)seq, layer, req->head, (unsigned long long)need, req->capacity_tokens);
   }
-  read_ctx c = {.pool = pool, .layer = layer, .req = req, .orow = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(req->out_dtype),
-                .out_tokens = 0, .rc = KVP_OK, .n = 0};
+  read_ctx c; /* field by field: the batch (3 KiB) is written as it fills, not cleared per call */
+  c.pool = pool, c.layer = layer, c.req = req, c.orow = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(req->out_dtype);
+  c.out_tokens = 0, c.rc = KVP_OK, c.n = 0;
 #ifdef KVP_HAVE_CUDA
   kvp__dev_batch db;
   kvp__dev_batch_init(&db, 256, NULL);
