@@ -5,7 +5,7 @@
  *   kvpool-bench [--quick] [--json] [--codecs] [--qvg] [--calib] [--heatkv] [--alloc] [--seqs] [--read]
  *
  * --seqs prints only the append and read figures (and the dry appends);
- * --read only read_ns_per_token and read_vs_pages_memcpy, on the same pool
+ * --read only read_ns_per_token, read_vs_pages_memcpy and read_vs_dram_memcpy, on the same pool
  * filled by the same appends (untimed).
  * --codecs prints only the codec figures (codec_encode_gbs, codec_decode_gbs,
  * qvg_encode_mbs, kvquant_calib_s, kvquant_calib_synthetic_s); --qvg only
@@ -44,6 +44,13 @@
  *                       rows from the same pages (views), block by block,
  *                       right after a kvp_read pass: the read's own cost
  *                       beyond moving its bytes.
+ *   read_vs_dram_memcpy  the same kvp_read; baseline: memcpy of as many
+ *                       bytes into the same output rows, head by head, from
+ *                       one contiguous buffer as large as a round of reads
+ *                       (more than the L3), in rounds of its own after the
+ *                       reads': what a plain memcpy of the bytes costs from
+ *                       DRAM, with no pages at all (read_ns_per_token's
+ *                       baseline is a memcpy within the cache).
  *   dry_append_ns      a 4096-token step-mode append per (seq, layer) on a dry
  *                       pool (KVP_POOL_DRY: counted, no payload), raw bf16 and
  *                       nvfp4; baseline: the same append on a normal pool.
@@ -182,7 +189,7 @@ static double memcpy2_ns(void *dk, const void *sk, void *dv, const void *sv, siz
 }
 
 typedef struct seq_figs {
-  double decode, decode_base, decode_paged, var, var_base, read, read_base, read_pages; /* ns */
+  double decode, decode_base, decode_paged, var, var_base, read, read_base, read_pages, read_dram; /* ns */
 } seq_figs;
 
 /* The floor of a read in the pool's layout: memcpy of the same rows from the
@@ -207,6 +214,25 @@ static double read_pages_ns(kvp_view *const *views, int nviews, uint16_t *ko, ui
       }
       __asm__ volatile("" : : "r"(ko), "r"(vo) : "memory");
     }
+  return (now_ns() - t0) / (double)toks;
+}
+
+/* What moving a read's bytes from DRAM costs without pages: memcpy of as
+ * many bytes, head by head (K then V), into the same output rows from one
+ * contiguous buffer as large as a round of reads (more than the L3), which
+ * each round streams again as the reads stream their pages; per token. */
+static double read_dram_ns(const unsigned char *src, const uint32_t *ntok, int nreads, uint16_t *ko, uint16_t *vo) {
+  uint64_t toks = 0;
+  size_t off = 0, row = (size_t)BD * 2;
+  double t0 = now_ns();
+  for (int i = 0; i < nreads; i++) {
+    size_t bytes = (size_t)ntok[i] * row;
+    memcpy(ko, src + off, bytes);
+    memcpy(vo, src + off + bytes, bytes);
+    off += 2 * bytes;
+    toks += ntok[i];
+    __asm__ volatile("" : : "r"(ko), "r"(vo) : "memory");
+  }
   return (now_ns() - t0) / (double)toks;
 }
 
@@ -236,7 +262,7 @@ static double paged_memcpy_ns(const uint16_t *k, const uint16_t *v, int steps) {
  * read finds the same layout), untimed; the figures other than the read are
  * left out (NAN). */
 static seq_figs bench_seqs(int rounds, int steps, int read_only) {
-  seq_figs f = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
+  seq_figs f = {NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN, NAN};
   double a[32], b[32];
   size_t tok_bytes = (size_t)BH * BD * 2;
   uint16_t *k = malloc(4096 * tok_bytes), *v = malloc(4096 * tok_bytes), *sink = malloc(2 * 4096 * tok_bytes);
@@ -270,8 +296,10 @@ static seq_figs bench_seqs(int rounds, int steps, int read_only) {
   for (uint64_t s = 0; s < 8; s++)
     if (kvp_view_acquire(p, s, (uint32_t)(s * 5) % BL, &views[s])) die("kvp_view_acquire", -1);
   double c[32];
+  uint32_t ntok[8 * BH];
+  uint64_t toks = 0;
   for (int r = 0; r < rounds; r++) {
-    uint64_t toks = 0;
+    toks = 0;
     double t0 = now_ns();
     for (uint64_t s = 0; s < 8; s++)
       for (uint32_t h = 0; h < BH; h++) {
@@ -279,6 +307,7 @@ static seq_figs bench_seqs(int rounds, int steps, int read_only) {
         int rc = kvp_read(p, s, (uint32_t)(s * 5) % BL, &q);
         if (rc) die("kvp_read", rc);
         toks += q.n_tokens;
+        ntok[s * BH + h] = q.n_tokens;
       }
     a[r] = (now_ns() - t0) / (double)toks;
     c[r] = read_pages_ns(views, 8, ko, vo);
@@ -288,6 +317,13 @@ static seq_figs bench_seqs(int rounds, int steps, int read_only) {
   f.read = median(a, rounds);
   f.read_base = median(b, rounds);
   f.read_pages = median(c, rounds);
+  /* after the read rounds, so their caches are left as they were */
+  unsigned char *dram = malloc((size_t)toks * BD * 2 * 2);
+  if (!dram) die("read_dram buffer", KVP_ENOMEM);
+  memset(dram, 1, (size_t)toks * BD * 2 * 2);
+  for (int r = 0; r < rounds; r++) c[r] = read_dram_ns(dram, ntok, 8 * BH, ko, vo);
+  f.read_dram = median(c, rounds);
+  free(dram);
   free(pos), free(ko), free(vo);
   kvp_pool_destroy(p);
   if (read_only) {
@@ -905,11 +941,12 @@ static void print_qvg_encode(int quick, int json_only) {
   "                     --store | --prefix]\n"                                                                    \
   "  benchmarks as ratios against a baseline measured in the same run: a table, then one JSON line\n"    \
   "  per figure (--json: the JSON lines only); --quick: fewer rounds; --seqs: the append and read\n"       \
-  "  figures alone; --read: the two kvp_read figures alone (the same pool and appends as --seqs);\n"  \
+  "  figures alone; --read: the three kvp_read figures alone (the same pool and appends as --seqs);\n"  \
   "  --calib: the kvquant calibration figure alone (--codecs prints it too);\n"        \
   "  --qvg: the qvg host encode figure alone (--codecs prints it too);\n"          \
   "  --prefix: the prefix attach figure alone (--store prints it too)\n"
 
+/* read_only (--read): the three kvp_read rows alone. */
 static void print_seqs(int rounds, int quick, int json_only, int read_only) {
   seq_figs f = bench_seqs(rounds, quick ? 16 : 64, read_only);
   if (!json_only && !read_only) {
@@ -925,6 +962,8 @@ static void print_seqs(int rounds, int quick, int json_only, int read_only) {
            "from one hot buffer)\n", "kvp_read", f.read, f.read_base, f.read / f.read_base);
     printf("%-34s %10.2f ns %10.2f ns %9.2fx   (memcpy of the same rows from the same pages, block by block, as warm "
            "as kvp_read finds them)\n", "kvp_read vs its pages' memcpy", f.read, f.read_pages, f.read / f.read_pages);
+    printf("%-34s %10.2f ns %10.2f ns %9.2fx   (memcpy of as many bytes from one contiguous buffer in DRAM, head by "
+           "head)\n", "kvp_read vs a DRAM memcpy", f.read, f.read_dram, f.read / f.read_dram);
   }
   if (!read_only) {
     printf("{\"figure\":\"decode_append_ns\",\"kvpool\":%.2f,\"baseline\":\"memcpy\",\"baseline_value\":%.2f,"
@@ -943,6 +982,9 @@ static void print_seqs(int rounds, int quick, int json_only, int read_only) {
   printf("{\"figure\":\"read_vs_pages_memcpy\",\"kvpool\":%.3f,\"baseline\":\"memcpy of the same pages\","
          "\"baseline_value\":%.3f,\"ratio\":%.3f}\n",
          f.read, f.read_pages, f.read / f.read_pages);
+  printf("{\"figure\":\"read_vs_dram_memcpy\",\"kvpool\":%.3f,\"baseline\":\"memcpy from one contiguous buffer in DRAM\","
+         "\"baseline_value\":%.3f,\"ratio\":%.3f}\n",
+         f.read, f.read_dram, f.read / f.read_dram);
 }
 
 int main(int argc, char **argv) {
