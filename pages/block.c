@@ -161,6 +161,12 @@ kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool 
   return b;
 }
 
+kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
+  kvp__block *b = kvp__meta_calloc_w(&pool->meta, sizeof *b);
+  if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw;
+  return b;
+}
+
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
                           const kvp_codec_layout *lays) {
   for (int kv = 0; kv < 2; kv++) {

@@ -405,6 +405,9 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
 /* The same in two steps: the struct (metadata only; NULL when out of
  * memory), then its pages (all or none: on failure none are left). */
 kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
+/* The same from the writer's metadata cache (kvp__meta_calloc_w): only with
+ * the writer lock held (an append's plan), never from a store callback. */
+kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
                           const kvp_codec_layout *lay);
 void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; npages = 0 */

@@ -171,7 +171,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   if (ok && pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
-    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
+    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc_w(&pool->meta, sizeof(kvp__bref)));
   if (!ok) {
     plan_undo(pool, pl, 0);
     return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
@@ -191,10 +191,10 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
       kvp__block **slot = &pl->blocks[h * pl->nb + j];
       if (j < pl->nnew) {
         bool last = j + 1 == pl->nnew;
-        *slot = kvp__block_struct(pool, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw);
+        *slot = kvp__block_struct_w(pool, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw);
       } else { /* the encoded copy of the tail */
         const kvp__block *t = kvp__seq_stream(pool, s, layer, h)->tail->blk;
-        *slot = kvp__block_struct(pool, t->pos0, t->cap_tokens, false);
+        *slot = kvp__block_struct_w(pool, t->pos0, t->cap_tokens, false);
       }
       if (!*slot) {
         plan_undo(pool, pl, h * pl->nb + j);
