@@ -28,6 +28,11 @@
  * (append_fill): no plan, the NaN/Inf screen done by the copy itself, the
  * heads' tail pages looked up once, a publication of a few stores.
  *
+ * A token that fills the tails up and opens a block per head takes the
+ * general plan, its block structs and brefs from the writer's metadata
+ * cache (kvp__meta_calloc_w) and its rows one scatter per side
+ * (fill_scatter).
+ *
  * A step-mode step under a passthrough codec (a VAR scale, a video chunk)
  * takes the fresh-block path (append_fresh): the
  * general plan and transaction, the payload one token-major scatter per
@@ -48,6 +53,7 @@
  *   nnew     new blocks: full ones encoded with the layer's codec, the last
  *            one (stream mode, partial) an OPEN raw block. */
 enum { PLAN_INLINE = 32 }; /* entries of a plan's arrays held in the plan itself */
+enum { FILL_HEADS = 64 }; /* heads per row-scatter call (their destinations on the stack) */
 typedef struct append_plan {
   uint32_t fill;          /* tokens into the OPEN tail */
   bool reseal;            /* the tail is sealed into an encoded block */
@@ -322,9 +328,54 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
   return rc;
 }
 
+/* The payload of a plan whose every block written is raw in the appended
+ * dtype (the OPEN tail's fill and new OPEN raw blocks, no reseal, every
+ * head stored: a decode token opening a block per head): per side and block
+ * index one row scatter over the heads (kvp__rows_scatter_finite) instead
+ * of a write_rows per (head, side, block). The new blocks' rows go around
+ * the caches (kvp__rows_scatter_finite_nt, fenced): pages just taken, whose
+ * lines no core holds and no one reads before a later step; the tail's rows
+ * with plain stores (the last fill asked for their lines). The input was
+ * screened (or sanitized) before: the scatter's own screen finds nothing.
+ * False, nothing written, when the plan is not of that shape. */
+static bool fill_scatter(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, n = s->cur_tokens;
+  if (pl->nskip || pl->reseal || !pool->tail[0].passthrough || !pool->tail[1].passthrough) return false;
+  for (uint32_t j = 0; j < pl->nnew; j++) /* the same kind of block at index j in every head */
+    if (!pl->blocks[j]->raw) return false;
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, 0);
+  if (pl->fill && !st[0].tail->blk->raw) return false;
+  for (int side = 0; side < 2; side++) {
+    kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
+    size_t row = stride_row(pool, side), stride = H * row;
+    const unsigned char *base = side ? kv->v : kv->k;
+    uint32_t done = 0;
+    for (uint32_t j = 0; j <= pl->nnew; j++) { /* j = 0: the tail's fill; then new block j - 1 */
+      uint32_t m = j ? n - done : pl->fill;
+      if (j && m > pl->blocks[j - 1]->cap_tokens) m = pl->blocks[j - 1]->cap_tokens;
+      for (uint32_t h0 = 0; m && h0 < H; h0 += FILL_HEADS) {
+        uint32_t nh = H - h0 < FILL_HEADS ? H - h0 : FILL_HEADS;
+        void *d[FILL_HEADS];
+        for (uint32_t i = 0; i < nh; i++) {
+          const kvp__block *b = j ? pl->blocks[(h0 + i) * pl->nb + j - 1] : st[h0 + i].tail->blk;
+          d[i] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][side]) + (j ? 0 : (size_t)b->n_tokens * row);
+        }
+        const unsigned char *src = base + (size_t)done * stride + (size_t)h0 * row;
+        bool finite = j ? kvp__rows_scatter_finite_nt(d, src, stride, dt, m, nh, D) /* fresh pages: around the caches */
+                        : kvp__rows_scatter_finite(d, src, stride, dt, m, nh, D);
+        kvp__assert(finite); /* screened before */
+        (void)finite;
+      }
+      done += m;
+    }
+  }
+  return true;
+}
+
 static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const kvp_kv *kv,
                      const append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  if (pool->cfg.memory == KVP_MEM_HOST && fill_scatter(pool, s, layer, kv, pl)) return KVP_OK;
   kvp__dev_batch *db = NULL;
 #ifdef KVP_HAVE_CUDA
   kvp__dev_batch batch;
@@ -486,8 +537,6 @@ static bool fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t step
  * looks, so nothing visible changed. The rows' lines are asked for before
  * the copy (prefetch_dsts), and after the publication the next token's
  * (prefetch_next_rows). */
-enum { FILL_HEADS = 64 }; /* heads per kernel call (their destinations on the stack) */
-
 /* The next row of the K and V pages of each OPEN tail of heads [h0, h0 +
  * nh), or false if one of them cannot take the n tokens (tail_takes). */
 static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh, uint32_t n, bool pass, void **dk,
