@@ -30,8 +30,8 @@
  *
  * A token that fills the tails up and opens a block per head takes the
  * general plan, its block structs and brefs from the writer's metadata
- * cache (kvp__meta_calloc_w) and its rows one scatter per side
- * (fill_scatter).
+ * cache (kvp__meta_calloc_w; a raw block's struct is 128 bytes, pages.h)
+ * and its rows one scatter per side (fill_scatter).
  *
  * A step-mode step under a passthrough codec (a VAR scale, a video chunk)
  * takes the fresh-block path (append_fresh): the
@@ -216,7 +216,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
 }
 
 static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
-  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &KVP__PG(b, i)[kv]);
 }
 
 /* Bytes of one appended row of side kv (head_dim elements). */
@@ -234,7 +234,7 @@ static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block 
   if (!db && b->raw && bd->passthrough) { /* an OPEN block's rows as appended: the copy raw's encode would do,
                                               without the page table, the dispatch and the dtype lookups */
     size_t row = stride_row(pool, kv);
-    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + (size_t)t0 * row;
+    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[kv]) + (size_t)t0 * row;
     if (stride == row) memcpy(dst, src, (size_t)n * row);
     else
       for (uint32_t t = 0; t < n; t++) memcpy(dst + (size_t)t * row, src + (size_t)t * stride, row);
@@ -314,7 +314,7 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
                                 stream order) */
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
       size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
-      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pg[0][side]), row,
+      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pg0[side]), row,
                       tail->cap_tokens, state, db);
     }
   }
@@ -358,7 +358,7 @@ static bool fill_scatter(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_
         void *d[FILL_HEADS];
         for (uint32_t i = 0; i < nh; i++) {
           const kvp__block *b = j ? pl->blocks[(h0 + i) * pl->nb + j - 1] : st[h0 + i].tail->blk;
-          d[i] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][side]) + (j ? 0 : (size_t)b->n_tokens * row);
+          d[i] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[side]) + (j ? 0 : (size_t)b->n_tokens * row);
         }
         const unsigned char *src = base + (size_t)done * stride + (size_t)h0 * row;
         bool finite = j ? kvp__rows_scatter_finite_nt(d, src, stride, dt, m, nh, D) /* fresh pages: around the caches */
@@ -546,8 +546,8 @@ static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh,
     const kvp__bref *t = st[h0 + j].tail;
     const kvp__block *b = t ? t->blk : NULL;
     if (!b || !tail_takes(b, n, pass)) return false;
-    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + (size_t)b->n_tokens * rk;
-    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + (size_t)b->n_tokens * rv;
+    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[0]) + (size_t)b->n_tokens * rk;
+    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[1]) + (size_t)b->n_tokens * rv;
   }
   return true;
 }
@@ -589,8 +589,8 @@ KVP__INLINE void prefetch_dsts(void *const *dk, void *const *dv, uint32_t nh, si
 }
 KVP__INLINE void prefetch_next_rows(const kvp_pool *pool, const kvp__block *b, size_t rk, size_t rv) {
   if (b->n_tokens >= b->cap_tokens) return;
-  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + b->n_tokens * rk, rk);
-  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + b->n_tokens * rv, rv);
+  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[0]) + b->n_tokens * rk, rk);
+  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[1]) + b->n_tokens * rv, rv);
 }
 
 /* The fast path: true when it stored the layer (published), false when the
@@ -676,7 +676,7 @@ static bool fresh_write(kvp_pool *pool, const kvp__seq *s, uint32_t layer, const
         void *d[FILL_HEADS];
         uint32_t nh = 0;
         for (; h0 + nh < H && nh < FILL_HEADS && !skipped(pl, h0 + nh); nh++)
-          d[nh] = kvp__page_addr(&pool->alloc, &pl->blocks[(h0 + nh) * pl->nb + j]->pg[0][side]);
+          d[nh] = kvp__page_addr(&pool->alloc, &pl->blocks[(h0 + nh) * pl->nb + j]->pg0[side]);
         if (nh) {
           const unsigned char *src = base + (size_t)t0 * stride + (size_t)h0 * row;
           finite &= nt ? kvp__rows_scatter_finite_nt(d, src, stride, dt, m, nh, D)
