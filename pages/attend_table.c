@@ -114,7 +114,7 @@ static ALWAYS_INLINE void store16(unsigned char *dst, uint64_t lo, uint64_t hi) 
 
 /* Page i of side kv in 64-byte units, or KVP__GJOB_NO_PAGE. */
 static ALWAYS_INLINE uint32_t page64(const kvp__block *b, int kv, unsigned i) {
-  return i < b->npages[kv] ? (uint32_t)(b->pg[i][kv].off / 64) : KVP__GJOB_NO_PAGE;
+  return i < b->npages[kv] ? (uint32_t)(KVP__PG(b, i)[kv].off / 64) : KVP__GJOB_NO_PAGE;
 }
 
 /* Requested bytes of a side's pages (branches, not a loop: the counts are
@@ -123,10 +123,10 @@ static ALWAYS_INLINE uint64_t side_bytes(const kvp__block *b, int kv) {
   unsigned np = b->npages[kv];
   uint64_t n = 0;
   if (np > 0) {
-    n = b->pg[0][kv].requested_bytes;
+    n = b->pg0[kv].requested_bytes;
     if (KVP__UNLIKELY(np > 1)) {
-      n += b->pg[1][kv].requested_bytes;
-      for (unsigned i = 2; i < np; i++) n += b->pg[i][kv].requested_bytes;
+      n += KVP__PG(b, 1)[kv].requested_bytes;
+      for (unsigned i = 2; i < np; i++) n += KVP__PG(b, i)[kv].requested_bytes;
     }
   }
   return n;
@@ -138,9 +138,9 @@ _Static_assert(sizeof(kvp__arec_q) == 32 && offsetof(kvp__arec_q, t0) == 24 && o
                    offsetof(kvp__arec_q, cap1) == 28 && offsetof(kvp__arec_q, tag) == 30,
                "kvp__arec_q as put() writes it");
 _Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "records are written as little-endian words");
-_Static_assert(offsetof(kvp__block, pg[0][1].requested_bytes) + 4 <= 64 &&
-                   offsetof(kvp__block, pg[1][1].requested_bytes) + 4 <= 128,
-               "a block's first pages in its first line, its second ones in the next (pages.h)");
+_Static_assert(offsetof(kvp__block, pg0[1].requested_bytes) + 4 <= 64 && offsetof(kvp__block, pgx) % 64 == 0 &&
+                   sizeof(kvp__page[2]) == 64,
+               "a block's first pages in its first line, each further row in a line of its own (pages.h)");
 
 /* Bytes the kernel reads for a record of m of b's tokens: the block's
  * requested bytes when it reads all, else their share (what bytes_read sums). */
@@ -183,7 +183,7 @@ static uint32_t run_end(const kvp__run *r) { return atomic_load_explicit(&r->p1,
 static ALWAYS_INLINE void prefetch_block(const kvp__block *b, uint32_t lines, const int form) {
   __builtin_prefetch(b);
   if (form == FORM_RAW) return;
-  for (uint32_t i = 1; i < lines; i++) __builtin_prefetch(&b->pg[i][0]);
+  for (uint32_t i = 1; i < lines; i++) __builtin_prefetch(&KVP__PG(b, i)[0]);
 }
 
 /* The record of tokens [a, e) of b (run r) at c, room made first; its

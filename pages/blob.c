@@ -66,7 +66,7 @@ uint64_t kvp__blob_group_bytes(const item *items, uint32_t n) {
   uint64_t bytes = sizeof(blob_hdr) + (uint64_t)n * sizeof(blk_rec);
   for (uint32_t i = 0; i < n; i++)
     for (int kv = 0; kv < 2; kv++)
-      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += items[i].b->pg[p][kv].requested_bytes;
+      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += KVP__PG(items[i].b, p)[kv].requested_bytes;
   return bytes;
 }
 
@@ -103,7 +103,7 @@ uint64_t kvp__blob_slot_bytes(const kvp_pool *pool, const item *items, uint32_t 
   uint64_t bytes = kvp__blob_group_bytes(items, n);
   for (uint32_t i = 0; pool->dev && i < n; i++) /* the staging area after the blob: at most the pages' classes */
     for (int kv = 0; kv < 2; kv++)
-      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += kvp__page_alloc_bytes(&items[i].b->pg[p][kv]);
+      for (unsigned p = 0; p < items[i].b->npages[kv]; p++) bytes += kvp__page_alloc_bytes(&KVP__PG(items[i].b, p)[kv]);
   return bytes;
 }
 
@@ -184,18 +184,18 @@ int kvp__blob_build_group(kvp_pool *pool, const item *items, uint32_t n, uint64_
     for (int kv = 0; kv < 2; kv++) {
       r.npages[kv] = b->npages[kv];
       for (unsigned p = 0; p < b->npages[kv]; p++) {
-        r.types[kv][p] = (uint8_t)b->pg[p][kv].tag.type;
-        r.bytes[kv][p] = b->pg[p][kv].requested_bytes;
+        r.types[kv][p] = (uint8_t)KVP__PG(b, p)[kv].tag.type;
+        r.bytes[kv][p] = KVP__PG(b, p)[kv].requested_bytes;
       }
     }
     wput(w, &r, sizeof r);
     for (int kv = 0; kv < 2 && !rc; kv++)
       for (unsigned p = 0; p < b->npages[kv] && !w->oom && !rc; p++) {
-        size_t at = w->n, nb = b->pg[p][kv].requested_bytes;
+        size_t at = w->n, nb = KVP__PG(b, p)[kv].requested_bytes;
         wput(w, NULL, nb);
         if (w->oom) break;
-        if (dev) op[nop++] = (opage){b->pg[p][kv].off, kvp__page_alloc_bytes(&b->pg[p][kv]), at, nb};
-        else rc = rg->ops->read2d(rg, w->p + at, nb, b->pg[p][kv].off, nb, nb, 1, NULL);
+        if (dev) op[nop++] = (opage){KVP__PG(b, p)[kv].off, kvp__page_alloc_bytes(&KVP__PG(b, p)[kv]), at, nb};
+        else rc = rg->ops->read2d(rg, w->p + at, nb, KVP__PG(b, p)[kv].off, nb, nb, 1, NULL);
       }
   }
   if (!rc && w->oom) rc = kvp__err(KVP_ENOMEM, "staging buffer of a store blob");
@@ -521,12 +521,12 @@ int kvp__blob_parse_group(kvp_pool *pool, uint64_t seq, const char *key, const v
     out->lh[out->n++] = lh;
     for (int kv = 0; kv < 2 && !rc; kv++)
       for (unsigned p = 0; p < b->npages[kv] && !rc; p++) {
-        size_t nb = b->pg[p][kv].requested_bytes;
+        size_t nb = KVP__PG(b, p)[kv].requested_bytes;
         if (dev) {
           kvp__assert((nsp + 1) * sizeof *sp < sp_bytes);
-          sp[nsp++] = (spage){b->pg[p][kv].off, kvp__page_alloc_bytes(&b->pg[p][kv]), r.p, nb};
+          sp[nsp++] = (spage){KVP__PG(b, p)[kv].off, kvp__page_alloc_bytes(&KVP__PG(b, p)[kv]), r.p, nb};
         } else {
-          rc = rg->ops->write2d(rg, b->pg[p][kv].off, nb, r.p, nb, nb, 1, NULL);
+          rc = rg->ops->write2d(rg, KVP__PG(b, p)[kv].off, nb, r.p, nb, nb, 1, NULL);
         }
         rget(&r, NULL, nb);
       }

@@ -130,7 +130,7 @@ uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, 
 static void free_pages(kvp_pool *pool, kvp__block *b) {
   for (int kv = 0; kv < 2; kv++)
     for (unsigned i = 0; i < b->npages[kv]; i++) {
-      int rc = kvp__alloc_free(&pool->alloc, &b->pg[i][kv]);
+      int rc = kvp__alloc_free(&pool->alloc, &KVP__PG(b, i)[kv]);
       kvp__assert(rc == KVP_OK);
       (void)rc;
     }
@@ -149,15 +149,23 @@ void kvp__block_layouts(const kvp__block *b, kvp_codec_layout *lay) {
     memset(&lay[kv], 0, sizeof lay[kv]);
     lay[kv].npages = b->npages[kv];
     for (unsigned i = 0; i < b->npages[kv]; i++) {
-      lay[kv].types[i] = (kvp_page_type)b->pg[i][kv].tag.type;
-      lay[kv].bytes[i] = b->pg[i][kv].requested_bytes;
+      lay[kv].types[i] = (kvp_page_type)KVP__PG(b, i)[kv].tag.type;
+      lay[kv].bytes[i] = KVP__PG(b, i)[kv].requested_bytes;
     }
   }
 }
 
 kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
-  kvp__block *b = kvp__meta_calloc(&pool->meta, sizeof *b);
-  if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw;
+  uint8_t npg = kvp__block_rows(raw);
+  kvp__block *b = kvp__meta_calloc(&pool->meta, kvp__block_bytes(npg));
+  if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw, b->npg = npg;
+  return b;
+}
+
+kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
+  uint8_t npg = kvp__block_rows(raw);
+  kvp__block *b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
+  if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw, b->npg = npg;
   return b;
 }
 
@@ -166,9 +174,10 @@ int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t 
   for (int kv = 0; kv < 2; kv++) {
     const kvp__binding *bd = b->raw ? &pool->tail[kv] : &pool->bind[2 * layer + kv];
     const kvp_codec_layout lay = lays[kv];
+    kvp__assert(lay.npages <= b->npg); /* a raw binding's layout is one page a side */
     for (unsigned i = 0; i < lay.npages; i++) {
       kvp__tag t = {seq, (uint16_t)layer, (uint16_t)head, (uint8_t)lay.types[i], (uint8_t)kv, (uint16_t)bd->id};
-      int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &b->pg[i][kv]);
+      int rc = kvp__alloc_page(&pool->alloc, lay.bytes[i], &t, &KVP__PG(b, i)[kv]);
       if (rc) { /* give back the pages taken so far */
         kvp__block_give_pages(pool, b);
         return rc;
@@ -190,7 +199,7 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
   if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
   int rc = kvp__block_take_pages(pool, b, seq, layer, head, lays);
   if (rc) {
-    kvp__meta_free(&pool->meta, b, sizeof *b);
+    kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
     return rc;
   }
   *out = b;
@@ -201,13 +210,13 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
 
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
   free_pages(pool, b);
-  kvp__meta_free(&pool->meta, b, sizeof *b);
+  kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
 }
 
 static uint64_t block_bytes(const kvp__block *b) {
   uint64_t n = 0;
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pg[i][kv]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&KVP__PG(b, i)[kv]);
   return n;
 }
 

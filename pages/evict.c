@@ -162,7 +162,7 @@ static uint64_t plan_freed_bytes(const kvp_pool *pool, kvp__seq *s, const kvp__e
       if (blk->pos0 >= b) break;
       if (blk->pos0 < a || !blk->sealed || atomic_load(&blk->refs) != 1) continue;
       for (int kv = 0; kv < 2; kv++)
-        for (unsigned j = 0; j < blk->npages[kv]; j++) sum += kvp__page_alloc_bytes(&blk->pg[j][kv]);
+        for (unsigned j = 0; j < blk->npages[kv]; j++) sum += kvp__page_alloc_bytes(&KVP__PG(blk, j)[kv]);
     }
   }
   return sum;
@@ -360,7 +360,7 @@ static void undo_commit(kvp_pool *pool, kvp__undo *u) {
       kvp__block *b = e->at;
       kvp__assert(!b->chunk); /* a prefix-table entry owns its blocks: never freed here */
       atomic_store_explicit(&b->refs, 0, memory_order_relaxed);
-      kvp__meta_free(&pool->meta, b, sizeof *b);
+      kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
     } else if (e->kind == KVP__UNDO_OWNER) {
       kvp__block_unowned(pool, e->at);
     }
@@ -478,7 +478,7 @@ static int make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
     e->freed = true;
     for (int kv = 0; !rc && kv < 2; kv++)
       for (unsigned j = 0; !rc && j < b->npages[kv]; j++)
-        rc = kvp__alloc_tx_reserve(&pool->alloc, &tx->atx, &b->pg[j][kv]);
+        rc = kvp__alloc_tx_reserve(&pool->alloc, &tx->atx, &KVP__PG(b, j)[kv]);
   }
   if (rc) {
     kvp__alloc_tx_release(&pool->alloc, &tx->atx);
@@ -491,7 +491,7 @@ static int make_room(kvp_pool *pool, kvp__seq *s, kvp__append_tx *tx) {
     const kvp__undo_ent *e = &u->e[i];
     const kvp__block *b = e->at;
     for (int kv = 0; e->freed && kv < 2; kv++)
-      for (unsigned j = 0; j < b->npages[kv]; j++) kvp__alloc_tx_free(&pool->alloc, &tx->atx, &b->pg[j][kv]);
+      for (unsigned j = 0; j < b->npages[kv]; j++) kvp__alloc_tx_free(&pool->alloc, &tx->atx, &KVP__PG(b, j)[kv]);
   }
   tx->room = true;
   tx->before_applied = true;

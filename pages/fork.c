@@ -51,8 +51,8 @@ static int copy_open(kvp_pool *pool, uint64_t child, uint32_t layer, uint32_t he
   kvp__block_set_n(nb, b->n_tokens);
   for (int kv = 0; kv < 2; kv++)
     for (unsigned i = 0; i < b->npages[kv] && !rc; i++)
-      rc = pool->alloc.region.ops->copy(&pool->alloc.region, nb->pg[i][kv].off, b->pg[i][kv].off,
-                                        b->pg[i][kv].requested_bytes, NULL);
+      rc = pool->alloc.region.ops->copy(&pool->alloc.region, KVP__PG(nb, i)[kv].off, KVP__PG(b, i)[kv].off,
+                                        KVP__PG(b, i)[kv].requested_bytes, NULL);
   if (rc) kvp__block_destroy(pool, nb);
   return rc;
 }
@@ -114,7 +114,7 @@ static uint64_t open_copy_bytes(kvp_pool *pool, const kvp__seq *p) {
     for (const kvp__bref *b = p->streams[i].blocks; b; b = b->next)
       if (!b->blk->sealed)
         for (int kv = 0; kv < 2; kv++)
-          for (unsigned j = 0; j < b->blk->npages[kv]; j++) sum += kvp__page_alloc_bytes(&b->blk->pg[j][kv]);
+          for (unsigned j = 0; j < b->blk->npages[kv]; j++) sum += kvp__page_alloc_bytes(&KVP__PG(b->blk, j)[kv]);
   return sum;
 }
 
@@ -163,7 +163,7 @@ typedef struct check_ctx {
 
 static void visit_block(kvp_pool *pool, kvp__block *b, check_ctx *cc) {
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) cc->fn(cc->ctx, &b->pg[i][kv]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) cc->fn(cc->ctx, &KVP__PG(b, i)[kv]);
 }
 
 static int check_runs(kvp_pool *pool, kvp__seq *s, uint32_t l, uint32_t *retained) {
@@ -193,7 +193,7 @@ static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l, uint32_
     if (!b->raw && kvp__layer_rowwise(pool, l)) {
       const void *pages[KVP_CODEC_MAX_PAGES];
       bool held = kvp__rows_on_host(pool); /* else (dry, device rows) sized by count */
-      for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+      for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &KVP__PG(b, i)[kv]);
       kvp_codec_block where = {h, b->pos0};
       if (bd->vt->open_layout(bd->inst, &where, held ? pages : NULL, b->n_tokens, NULL, 0, 0, b->cap_tokens, &lay))
         return CORRUPT("block at position %u of layer %u head %u: codec %s cannot lay out its %u rows", b->pos0, l, h,
@@ -205,10 +205,10 @@ static int check_layout(kvp_pool *pool, const kvp__block *b, uint32_t l, uint32_
       return CORRUPT("block at position %u of layer %u: %u %c pages, codec %s lays out %u", b->pos0, l, b->npages[kv],
                      "KV"[kv], bd->vt->name, lay.npages);
     for (unsigned i = 0; i < lay.npages; i++)
-      if (b->pg[i][kv].requested_bytes != lay.bytes[i] || b->pg[i][kv].tag.type != lay.types[i] ||
-          b->pg[i][kv].tag.codec != bd->id)
+      if (KVP__PG(b, i)[kv].requested_bytes != lay.bytes[i] || KVP__PG(b, i)[kv].tag.type != lay.types[i] ||
+          KVP__PG(b, i)[kv].tag.codec != bd->id)
         return CORRUPT("block at position %u of layer %u: %c page %u holds %u bytes of type %u, codec %s lays out %llu "
-                       "of type %u", b->pos0, l, "KV"[kv], i, b->pg[i][kv].requested_bytes, b->pg[i][kv].tag.type,
+                       "of type %u", b->pos0, l, "KV"[kv], i, KVP__PG(b, i)[kv].requested_bytes, KVP__PG(b, i)[kv].tag.type,
                        bd->vt->name, (unsigned long long)lay.bytes[i], (unsigned)lay.types[i]);
   }
   return KVP_OK;
@@ -338,7 +338,7 @@ int kvp__seqs_check(kvp_pool *pool, kvp__page_visit fn, void *ctx) {
   for (kvp__block *b = pool->limbo; b; b = b->onext) {
     visit_block(pool, b, &cc);
     for (int kv = 0; kv < 2; kv++)
-      for (unsigned i = 0; i < b->npages[kv]; i++) retired += kvp__page_alloc_bytes(&b->pg[i][kv]);
+      for (unsigned i = 0; i < b->npages[kv]; i++) retired += kvp__page_alloc_bytes(&KVP__PG(b, i)[kv]);
   }
   int prc = kvp__prefix_check(pool);
   if (prc) return prc;

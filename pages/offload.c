@@ -31,7 +31,7 @@ static void groups_free(groups *gs) {
 static uint64_t block_alloc_bytes(const kvp__block *b) {
   uint64_t n = 0;
   for (int kv = 0; kv < 2; kv++)
-    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&b->pg[i][kv]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) n += kvp__page_alloc_bytes(&KVP__PG(b, i)[kv]);
   return n;
 }
 

@@ -60,35 +60,53 @@ typedef struct kvp__binding {
  * raw: the pages are the side's RAW tail (appended dtype), as in an OPEN
  * block of a stream; else they are the layer's codec's. raw, pos0,
  * cap_tokens and, once published sealed, n_tokens never change.
- * Layout (a 64-byte aligned block, as the metadata arena's 320-byte class
- * gives): what a walk over many blocks reads first, K's and V's pages of
- * one index side by side, the writer's bookkeeping last:
+ * Sized by its page rows (npg, kvp__block_rows): a raw block (an OPEN one,
+ * whose RAW tail binding is the raw codec's one page a side) holds row 0
+ * alone, 128 bytes; a codec's block KVP_CODEC_MAX_PAGES rows, 320 bytes.
+ * The bytes count where a cache grows: a decode token that opens a block
+ * per head takes H structs of metadata memory never touched before (an
+ * arena's fresh pages: about 0.5 ns a byte here, the page faults with it).
+ * Row i of pg is KVP__PG(b, i) (row 0 is pg0, the rest pgx).
+ * Layout (a 64-byte aligned block, as the metadata arena's 128- and
+ * 320-byte classes give): what a walk over many blocks reads first, K's and
+ * V's pages of one index side by side, the writer's bookkeeping after row 0:
  *   0    pos0 cap_tokens n_tokens raw npages sealed
- *   16   pg[0][K]   48 pg[0][V] (its off and requested_bytes in line 0)
- *   80   pg[1][K]  112 pg[1][V] (off, requested_bytes in line 1) ... pg[3][V]
- *   272  owners refs orphan check_epoch owners_seen oprev onext chunk
+ *   16   pg0[K]   48 pg0[V] (its off and requested_bytes in line 0)
+ *   80   owners refs check_epoch owners_seen orphan npg oprev onext chunk
+ *   128  pgx[0][K] 160 pgx[0][V] (row 1: line 2) ... one line a row
  * so kvp_attend_decode's table (pages/attend_table.c) reads one line of a
  * block of one page a side (raw) and two of one of two (a codec's codes
  * and scales), and a decode token's fill of an OPEN tail (pages/stream.c:
  * append_fill) one line per head: whether it takes the token (raw,
- * sealed, n_tokens, cap_tokens) and where its rows go (pg[0][K].off,
- * pg[0][V].off). */
+ * sealed, n_tokens, cap_tokens) and where its rows go (pg0[K].off,
+ * pg0[V].off). */
 typedef struct kvp__block {
   uint32_t pos0;          /* position of token 0 */
   uint32_t cap_tokens;    /* capacity: the pages hold this many tokens */
   uint32_t n_tokens;      /* tokens written (writer only while OPEN) */
   bool raw;               /* pages of the RAW tail binding */
-  uint8_t npages[2];      /* pages per side */
+  uint8_t npages[2];      /* pages per side, at most npg */
   bool sealed;            /* full or closed: takes no more tokens */
-  kvp__page pg[KVP_CODEC_MAX_PAGES][2]; /* [codec page][K, V] */
+  kvp__page pg0[2];       /* row 0 of the pages: [K, V] */
   uint32_t owners;        /* streams referencing it (writer only) */
   _Atomic uint32_t refs;  /* owners + view pins; freed when 0 */
-  bool orphan;            /* no owner left, kept by pins (on pool->orphans) */
   uint32_t check_epoch;   /* kvp_check visit mark */
   uint32_t owners_seen;   /* kvp_check: brefs found this check */
+  bool orphan;            /* no owner left, kept by pins (on pool->orphans) */
+  uint8_t npg;            /* rows of pages the struct holds: pg0 and npg - 1 of pgx */
   struct kvp__block *oprev, *onext; /* pool->orphans list, or limbo chain (onext) */
   struct kvp__chunk *chunk; /* the prefix-table entry that lists it, or NULL (writer only) */
+  kvp__page pgx[][2];     /* rows 1 .. npg - 1: [codec page - 1][K, V] */
 } kvp__block;
+/* Row i (< b->npg) of b's pages, an array [K, V] (const when b is). */
+#define KVP__PG(b, i) ((i) == 0 ? (b)->pg0 : (b)->pgx[(i) - 1])
+/* Rows of pages a block needs: one for raw (the raw codec's one page a
+ * side), else the most any codec's layout has. */
+static inline uint8_t kvp__block_rows(bool raw) { return raw ? 1 : (uint8_t)KVP_CODEC_MAX_PAGES; }
+/* Metadata bytes of a block struct of npg rows (as it was allocated). */
+static inline size_t kvp__block_bytes(uint8_t npg) {
+  return offsetof(kvp__block, pgx) + (size_t)(npg - 1) * sizeof(kvp__page[2]);
+}
 
 /* A stream's reference to a block (blocks are shared across forks). */
 typedef struct kvp__bref {
@@ -405,6 +423,9 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
 /* The same in two steps: the struct (metadata only; NULL when out of
  * memory), then its pages (all or none: on failure none are left). */
 kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
+/* The same from the writer's metadata cache (kvp__meta_calloc_w): only with
+ * the writer lock held (an append's plan), never from a store callback. */
+kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
                           const kvp_codec_layout *lay);
 void kvp__block_give_pages(kvp_pool *pool, kvp__block *b); /* frees its pages; npages = 0 */

@@ -338,6 +338,7 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   kvp_pool *p = kvp__meta_calloc(&meta, sizeof *p);
   if (!p) return kvp__err(KVP_ENOMEM, "pool object");
   p->meta = meta;
+  kvp__meta_wcache_init(&p->meta);
   p->cfg = c;
   kvp__mutex_init(&p->lock);
   if ((rc = kvp__stats_init(&p->stats, c.n_layers, c.n_kv_heads, &p->meta))) goto fail;
@@ -380,6 +381,7 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
   *out = p;
   return KVP_OK;
 fail:
+  kvp__meta_wcache_fini(&p->meta);
   kvp__meta_free(NULL, p, sizeof *p);
   return rc;
 }
@@ -399,6 +401,7 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
   kvp__stats_fini(&pool->stats);
+  kvp__meta_wcache_fini(&pool->meta);
   kvp__meta_free(NULL, pool, sizeof *pool);
 }
 

@@ -142,25 +142,25 @@ static int read_side(read_ctx *c, int kv, kvp__block *b, uint32_t a, uint32_t e,
 #ifdef KVP_HAVE_CUDA
     kvp_codec_dev_job j = {.dst = dst, .stride_bytes = orow, .n = kvp__block_n(b), .cap_tokens = b->cap_tokens,
                            .t0 = t0, .m = m, .head = q->head, .pos0 = b->pos0};
-    for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) j.pages[i] = kvp__page_addr(&pool->alloc, &KVP__PG(b, i)[kv]);
     rc = kvp__dev_read_add(pool, c->db, bd, kv, &j, q->out_dtype, q->stream);
 #else
     rc = kvp__err(KVP_ENOTSUP, "read: built without CUDA");
 #endif
   } else if (read_is_copy(pool, c->layer, kv, b, q->out_dtype)) {
-    memcpy(dst, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * orow, (size_t)m * orow);
+    memcpy(dst, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[kv]) + t0 * orow, (size_t)m * orow);
     rc = 0;
   } else if (b->raw && pool->bind[2 * c->layer + kv].vt->decode_raw_at) { /* the codec presents its raw rows */
     const kvp__binding *lb = &pool->bind[2 * c->layer + kv];
     size_t row = (size_t)D * kvp__dtype_bytes(kvp__raw_store_dtype(bd->inst));
     kvp_codec_block where = {q->head, b->pos0};
-    rc = lb->vt->decode_raw_at(lb->inst, &where, t0, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + t0 * row, row,
+    rc = lb->vt->decode_raw_at(lb->inst, &where, t0, (const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[kv]) + t0 * row, row,
                                m, dst, orow, q->out_dtype);
     if (rc) rc = kvp__err(KVP_ECODEC, "codec %s failed to present raw rows of layer %u %c (status %d)", lb->vt->name,
                           c->layer, "KV"[kv], rc);
   } else {
     const void *pages[KVP_CODEC_MAX_PAGES];
-    for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+    for (unsigned i = 0; i < b->npages[kv]; i++) pages[i] = kvp__page_addr(&pool->alloc, &KVP__PG(b, i)[kv]);
     /* an encoded block's count is fixed; a raw OPEN block's still grows (raw decode ignores it) */
     uint32_t n = kvp__block_n(b);
     if (bd->vt->decode_at) {
@@ -259,7 +259,7 @@ static int read_batch_add(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   *t = (read_ent){.b = b, .a = a, .e = e};
   for (int kv = 0; kv < 2; kv++)
     if ((kv ? q->v_out : q->k_out) && read_is_copy(c->pool, c->layer, kv, b, q->out_dtype)) {
-      t->src[kv] = (const unsigned char *)kvp__page_addr(&c->pool->alloc, &b->pg[0][kv]) + (a - b->pos0) * c->orow;
+      t->src[kv] = (const unsigned char *)kvp__page_addr(&c->pool->alloc, &b->pg0[kv]) + (a - b->pos0) * c->orow;
       t->copy_bytes[kv] = (size_t)(e - a) * c->orow;
     }
   return c->n == READ_BATCH_RANGES ? read_batch_run(c) : 0;
@@ -369,7 +369,7 @@ static int view_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   for (int kv = 0; kv < 2; kv++) {
     vb->codec[kv] = kvp__block_binding(c->pool, c->layer, kv, b)->id;
     for (unsigned i = 0; i < b->npages[kv]; i++) {
-      const kvp__page *pg = &b->pg[i][kv];
+      const kvp__page *pg = &KVP__PG(b, i)[kv];
       vb->page[kv][pg->tag.type] = kvp__page_addr(&c->pool->alloc, pg);
       vb->page_bytes[kv][pg->tag.type] = pg->requested_bytes;
     }
@@ -473,7 +473,7 @@ KVP_API int kvp_seq_info(kvp_pool *pool, uint64_t seq, kvp_seq_desc *info) {
     for (const kvp__block *blk = kvp__bwalk_first(&w, pool, s, i); blk; blk = kvp__bwalk_next(&w, blk)) {
       for (int kv = 0; kv < 2; kv++)
         for (unsigned p = 0; p < blk->npages[kv]; p++) {
-          const kvp__page *pg = &blk->pg[p][kv];
+          const kvp__page *pg = &KVP__PG(blk, p)[kv];
           kvp_usage *u = &info->page_types[pg->tag.type];
           u->requested_bytes += pg->requested_bytes;
           u->allocated_bytes += kvp__page_alloc_bytes(pg);
@@ -498,8 +498,8 @@ void kvp__gjob_fill(kvp__gjob *r, const kvp__block *b, uint32_t head, uint32_t a
                     uint16_t tag) {
   for (int kv = 0; kv < 2; kv++)
     for (unsigned i = 0; i < KVP_CODEC_MAX_PAGES; i++) {
-      kvp__assert(i >= b->npages[kv] || b->pg[i][kv].off % 64 == 0); /* a CUDA region's pages: 64-byte aligned */
-      r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(b->pg[i][kv].off / 64) : KVP__GJOB_NO_PAGE;
+      kvp__assert(i >= b->npages[kv] || KVP__PG(b, i)[kv].off % 64 == 0); /* a CUDA region's pages: 64-byte aligned */
+      r->page[kv][i] = i < b->npages[kv] ? (uint32_t)(KVP__PG(b, i)[kv].off / 64) : KVP__GJOB_NO_PAGE;
     }
   r->row = row;
   r->pos0 = b->pos0;

@@ -59,7 +59,7 @@ typedef struct rw_plan {
 static bool rw_skipped(const rw_plan *pl, uint32_t h) { return pl->skip && (pl->skip[h / 64] >> (h % 64)) & 1; }
 
 static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
-  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &KVP__PG(b, i)[kv]);
 }
 
 static uint64_t class_bytes(const kvp_pool *pool, const kvp_codec_layout *lay) {
@@ -76,7 +76,7 @@ static int layout_sane(const kvp__binding *bd, const kvp_codec_layout *l, const 
   bool ok = l->npages >= 1 && l->npages <= KVP_CODEC_MAX_PAGES;
   for (unsigned i = 0; ok && i < l->npages; i++) {
     ok = (unsigned)l->types[i] < KVP_PAGE_TYPE_COUNT && l->bytes[i] >= 1 && l->bytes[i] <= KVP_MAX_PAGE_BYTES;
-    if (ok && old) ok = old->npages[kv] == l->npages && old->pg[i][kv].tag.type == l->types[i];
+    if (ok && old) ok = old->npages[kv] == l->npages && KVP__PG(old, i)[kv].tag.type == l->types[i];
   }
   return ok ? KVP_OK
             : kvp__err(KVP_ECODEC, "codec %s gives a bad open layout for layer %u %c", bd->vt->name, layer, "KV"[kv]);
@@ -101,7 +101,7 @@ static int rw_size(kvp_pool *pool, uint32_t layer, uint32_t h, const kvp_kv *kv,
                             "KV"[side], h, rc);
     if ((rc = layout_sane(bd, &e->lay[side], tail, side, layer))) return rc;
     for (unsigned i = 0; tail && i < e->lay[side].npages; i++)
-      in_place = in_place && e->lay[side].bytes[i] <= kvp__page_alloc_bytes(&tail->pg[i][side]);
+      in_place = in_place && e->lay[side].bytes[i] <= kvp__page_alloc_bytes(&KVP__PG(tail, i)[side]);
   }
   e->rep = in_place ? NULL : (kvp__block *)1; /* marks "needs a replacement" until taken */
   return KVP_OK;
@@ -256,15 +256,15 @@ static int rw_fill_one(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, 
                                (size_t)e->src_row * stride;
     if (e->rep)
       for (unsigned i = 0; i < e->blk->npages[side]; i++) {
-        uint64_t keep = e->blk->pg[i][side].requested_bytes < dst->pg[i][side].requested_bytes
-                            ? e->blk->pg[i][side].requested_bytes
-                            : dst->pg[i][side].requested_bytes;
+        uint64_t keep = KVP__PG(e->blk, i)[side].requested_bytes < KVP__PG(dst, i)[side].requested_bytes
+                            ? KVP__PG(e->blk, i)[side].requested_bytes
+                            : KVP__PG(dst, i)[side].requested_bytes;
         int rc;
 #ifdef KVP_HAVE_CUDA
-        if (db) rc = kvp__dev_region_copy(pool, dst->pg[i][side].off, e->blk->pg[i][side].off, keep, kv->stream);
+        if (db) rc = kvp__dev_region_copy(pool, KVP__PG(dst, i)[side].off, KVP__PG(e->blk, i)[side].off, keep, kv->stream);
         else
 #endif
-          rc = pool->alloc.region.ops->copy(&pool->alloc.region, dst->pg[i][side].off, e->blk->pg[i][side].off,
+          rc = pool->alloc.region.ops->copy(&pool->alloc.region, KVP__PG(dst, i)[side].off, KVP__PG(e->blk, i)[side].off,
                                             keep, NULL);
         if (rc) return rc;
       }
@@ -309,8 +309,8 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
       if (pl->tail && j == 0 && !e->rep) { /* in place: only requested bytes move */
         for (int side = 0; side < 2; side++)
           for (unsigned i = 0; i < e->blk->npages[side]; i++) {
-            if (e->blk->pg[i][side].requested_bytes == e->lay[side].bytes[i]) continue; /* not a grow */
-            int rc = kvp__alloc_grow(&pool->alloc, &e->blk->pg[i][side], e->lay[side].bytes[i], NULL);
+            if (KVP__PG(e->blk, i)[side].requested_bytes == e->lay[side].bytes[i]) continue; /* not a grow */
+            int rc = kvp__alloc_grow(&pool->alloc, &KVP__PG(e->blk, i)[side], e->lay[side].bytes[i], NULL);
             kvp__assert(rc == KVP_OK); /* the class holds it: never a move */
             (void)rc;
           }
@@ -321,7 +321,7 @@ static void rw_publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos
         kvp__ledger_begin(&pool->alloc.ledger);
         for (int side = 0; side < 2; side++)
           for (unsigned i = 0; i < e->blk->npages[side]; i++) {
-            const kvp__page *o = &e->blk->pg[i][side], *p = &e->rep->pg[i][side];
+            const kvp__page *o = &KVP__PG(e->blk, i)[side], *p = &KVP__PG(e->rep, i)[side];
             bool grew = p->requested_bytes != o->requested_bytes;
             kvp__count_add(&pool->alloc.ledger.grows, grew);
             kvp__count_add(&pool->alloc.ledger.grow_moves, grew && p->off != o->off);

@@ -28,6 +28,11 @@
  * (append_fill): no plan, the NaN/Inf screen done by the copy itself, the
  * heads' tail pages looked up once, a publication of a few stores.
  *
+ * A token that fills the tails up and opens a block per head takes the
+ * general plan, its block structs and brefs from the writer's metadata
+ * cache (kvp__meta_calloc_w; a raw block's struct is 128 bytes, pages.h)
+ * and its rows one scatter per side (fill_scatter).
+ *
  * A step-mode step under a passthrough codec (a VAR scale, a video chunk)
  * takes the fresh-block path (append_fresh): the
  * general plan and transaction, the payload one token-major scatter per
@@ -48,6 +53,7 @@
  *   nnew     new blocks: full ones encoded with the layer's codec, the last
  *            one (stream mode, partial) an OPEN raw block. */
 enum { PLAN_INLINE = 32 }; /* entries of a plan's arrays held in the plan itself */
+enum { FILL_HEADS = 64 }; /* heads per row-scatter call (their destinations on the stack) */
 typedef struct append_plan {
   uint32_t fill;          /* tokens into the OPEN tail */
   bool reseal;            /* the tail is sealed into an encoded block */
@@ -171,7 +177,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   if (ok && pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
-    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc(&pool->meta, sizeof(kvp__bref)));
+    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc_w(&pool->meta, sizeof(kvp__bref)));
   if (!ok) {
     plan_undo(pool, pl, 0);
     return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);
@@ -191,10 +197,10 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
       kvp__block **slot = &pl->blocks[h * pl->nb + j];
       if (j < pl->nnew) {
         bool last = j + 1 == pl->nnew;
-        *slot = kvp__block_struct(pool, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw);
+        *slot = kvp__block_struct_w(pool, start + j * bt, last ? pl->last_cap : bt, last && pl->last_raw);
       } else { /* the encoded copy of the tail */
         const kvp__block *t = kvp__seq_stream(pool, s, layer, h)->tail->blk;
-        *slot = kvp__block_struct(pool, t->pos0, t->cap_tokens, false);
+        *slot = kvp__block_struct_w(pool, t->pos0, t->cap_tokens, false);
       }
       if (!*slot) {
         plan_undo(pool, pl, h * pl->nb + j);
@@ -210,7 +216,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
 }
 
 static void page_ptrs(kvp_pool *pool, const kvp__block *b, int kv, void **out) {
-  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &b->pg[i][kv]);
+  for (unsigned i = 0; i < b->npages[kv]; i++) out[i] = kvp__page_addr(&pool->alloc, &KVP__PG(b, i)[kv]);
 }
 
 /* Bytes of one appended row of side kv (head_dim elements). */
@@ -228,7 +234,7 @@ static int write_rows(kvp_pool *pool, uint32_t layer, uint32_t head, kvp__block 
   if (!db && b->raw && bd->passthrough) { /* an OPEN block's rows as appended: the copy raw's encode would do,
                                               without the page table, the dispatch and the dtype lookups */
     size_t row = stride_row(pool, kv);
-    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][kv]) + (size_t)t0 * row;
+    unsigned char *dst = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[kv]) + (size_t)t0 * row;
     if (stride == row) memcpy(dst, src, (size_t)n * row);
     else
       for (uint32_t t = 0; t < n; t++) memcpy(dst + (size_t)t * row, src + (size_t)t * stride, row);
@@ -308,7 +314,7 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
                                 stream order) */
       kvp__block *enc = pl->blocks[h * pl->nb + pl->nnew];
       size_t row = (size_t)pool->cfg.head_dim * kvp__dtype_bytes(side ? pool->cfg.v_dtype : pool->cfg.k_dtype);
-      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pg[0][side]), row,
+      rc = write_rows(pool, layer, h, enc, side, 0, kvp__page_addr(&pool->alloc, &tail->pg0[side]), row,
                       tail->cap_tokens, state, db);
     }
   }
@@ -322,9 +328,54 @@ static int fill_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h, in
   return rc;
 }
 
+/* The payload of a plan whose every block written is raw in the appended
+ * dtype (the OPEN tail's fill and new OPEN raw blocks, no reseal, every
+ * head stored: a decode token opening a block per head): per side and block
+ * index one row scatter over the heads (kvp__rows_scatter_finite) instead
+ * of a write_rows per (head, side, block). The new blocks' rows go around
+ * the caches (kvp__rows_scatter_finite_nt, fenced): pages just taken, whose
+ * lines no core holds and no one reads before a later step; the tail's rows
+ * with plain stores (the last fill asked for their lines). The input was
+ * screened (or sanitized) before: the scatter's own screen finds nothing.
+ * False, nothing written, when the plan is not of that shape. */
+static bool fill_scatter(kvp_pool *pool, kvp__seq *s, uint32_t layer, const kvp_kv *kv, const append_plan *pl) {
+  uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim, n = s->cur_tokens;
+  if (pl->nskip || pl->reseal || !pool->tail[0].passthrough || !pool->tail[1].passthrough) return false;
+  for (uint32_t j = 0; j < pl->nnew; j++) /* the same kind of block at index j in every head */
+    if (!pl->blocks[j]->raw) return false;
+  kvp__stream *st = kvp__seq_stream(pool, s, layer, 0);
+  if (pl->fill && !st[0].tail->blk->raw) return false;
+  for (int side = 0; side < 2; side++) {
+    kvp_dtype dt = side ? pool->cfg.v_dtype : pool->cfg.k_dtype;
+    size_t row = stride_row(pool, side), stride = H * row;
+    const unsigned char *base = side ? kv->v : kv->k;
+    uint32_t done = 0;
+    for (uint32_t j = 0; j <= pl->nnew; j++) { /* j = 0: the tail's fill; then new block j - 1 */
+      uint32_t m = j ? n - done : pl->fill;
+      if (j && m > pl->blocks[j - 1]->cap_tokens) m = pl->blocks[j - 1]->cap_tokens;
+      for (uint32_t h0 = 0; m && h0 < H; h0 += FILL_HEADS) {
+        uint32_t nh = H - h0 < FILL_HEADS ? H - h0 : FILL_HEADS;
+        void *d[FILL_HEADS];
+        for (uint32_t i = 0; i < nh; i++) {
+          const kvp__block *b = j ? pl->blocks[(h0 + i) * pl->nb + j - 1] : st[h0 + i].tail->blk;
+          d[i] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[side]) + (j ? 0 : (size_t)b->n_tokens * row);
+        }
+        const unsigned char *src = base + (size_t)done * stride + (size_t)h0 * row;
+        bool finite = j ? kvp__rows_scatter_finite_nt(d, src, stride, dt, m, nh, D) /* fresh pages: around the caches */
+                        : kvp__rows_scatter_finite(d, src, stride, dt, m, nh, D);
+        kvp__assert(finite); /* screened before */
+        (void)finite;
+      }
+      done += m;
+    }
+  }
+  return true;
+}
+
 static int fill_data(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, const kvp_kv *kv,
                      const append_plan *pl) {
   uint32_t H = pool->cfg.n_kv_heads, D = pool->cfg.head_dim;
+  if (pool->cfg.memory == KVP_MEM_HOST && fill_scatter(pool, s, layer, kv, pl)) return KVP_OK;
   kvp__dev_batch *db = NULL;
 #ifdef KVP_HAVE_CUDA
   kvp__dev_batch batch;
@@ -486,8 +537,6 @@ static bool fill_only(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t step
  * looks, so nothing visible changed. The rows' lines are asked for before
  * the copy (prefetch_dsts), and after the publication the next token's
  * (prefetch_next_rows). */
-enum { FILL_HEADS = 64 }; /* heads per kernel call (their destinations on the stack) */
-
 /* The next row of the K and V pages of each OPEN tail of heads [h0, h0 +
  * nh), or false if one of them cannot take the n tokens (tail_takes). */
 static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh, uint32_t n, bool pass, void **dk,
@@ -497,8 +546,8 @@ static bool fill_dsts(kvp_pool *pool, kvp__stream *st, uint32_t h0, uint32_t nh,
     const kvp__bref *t = st[h0 + j].tail;
     const kvp__block *b = t ? t->blk : NULL;
     if (!b || !tail_takes(b, n, pass)) return false;
-    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + (size_t)b->n_tokens * rk;
-    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + (size_t)b->n_tokens * rv;
+    dk[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[0]) + (size_t)b->n_tokens * rk;
+    dv[j] = (unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[1]) + (size_t)b->n_tokens * rv;
   }
   return true;
 }
@@ -540,8 +589,8 @@ KVP__INLINE void prefetch_dsts(void *const *dk, void *const *dv, uint32_t nh, si
 }
 KVP__INLINE void prefetch_next_rows(const kvp_pool *pool, const kvp__block *b, size_t rk, size_t rv) {
   if (b->n_tokens >= b->cap_tokens) return;
-  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][0]) + b->n_tokens * rk, rk);
-  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg[0][1]) + b->n_tokens * rv, rv);
+  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[0]) + b->n_tokens * rk, rk);
+  prefetch_w((const unsigned char *)kvp__page_addr(&pool->alloc, &b->pg0[1]) + b->n_tokens * rv, rv);
 }
 
 /* The fast path: true when it stored the layer (published), false when the
@@ -627,7 +676,7 @@ static bool fresh_write(kvp_pool *pool, const kvp__seq *s, uint32_t layer, const
         void *d[FILL_HEADS];
         uint32_t nh = 0;
         for (; h0 + nh < H && nh < FILL_HEADS && !skipped(pl, h0 + nh); nh++)
-          d[nh] = kvp__page_addr(&pool->alloc, &pl->blocks[(h0 + nh) * pl->nb + j]->pg[0][side]);
+          d[nh] = kvp__page_addr(&pool->alloc, &pl->blocks[(h0 + nh) * pl->nb + j]->pg0[side]);
         if (nh) {
           const unsigned char *src = base + (size_t)t0 * stride + (size_t)h0 * row;
           finite &= nt ? kvp__rows_scatter_finite_nt(d, src, stride, dt, m, nh, D)

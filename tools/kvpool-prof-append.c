@@ -5,7 +5,7 @@
  *
  * A pool of `layers` layers, 8 KV heads, head_dim 128, bf16, raw, 16-token
  * blocks, prefaulted; `seqs` sequences prefilled with 512 tokens, then
- * `steps` decode steps of one token per sequence (each token takes 64 KiB
+ * `steps` decode steps of one token per sequence (each token takes 128 KiB
  * of a 32-layer pool: the region must hold seqs x (512 + steps) of them).
  * Prints ns per (seq, layer) append and the time spent in step_begin and
  * step_end (wall clock), then the whole loop per (seq, layer) in wall clock

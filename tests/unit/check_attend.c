@@ -50,7 +50,7 @@ static int ref_range(void *vctx, kvp__block *b, uint32_t a, uint32_t e) {
   kvp__gjob_fill(&c->recs[c->n++], b, c->head, a, e, 0, b->raw ? 1 : 0);
   for (int kv = 0; kv < 2; kv++)
     for (unsigned i = 0; i < b->npages[kv]; i++)
-      c->bytes += (double)b->pg[i][kv].requested_bytes * (e - a) / b->cap_tokens;
+      c->bytes += (double)KVP__PG(b, i)[kv].requested_bytes * (e - a) / b->cap_tokens;
   c->tokens += e - a;
   return 0;
 }
