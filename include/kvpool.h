@@ -540,9 +540,10 @@ KVP_API int kvp_gather(kvp_pool *pool, kvp_gather_req *req);
  * layer keeps its last table: a call for the same batch while the pool's
  * structure has not changed (only tokens into OPEN blocks since) redoes
  * each head's last record and, where the kernel reads records in place,
- * copies only the splits and their index (the records stay in pinned host
- * memory the pool holds, counted in host.pinned_bytes), so its
- * workspace_needed is smaller than that of a call that builds: size the
+ * copies nothing: the records, splits and index stay in pinned host memory
+ * the pool holds (counted in host.pinned_bytes) and the workspace holds the
+ * partial results alone, so its workspace_needed is smaller than that of a
+ * call that builds: size the
  * workspace for the larger, or grow it on KVP_ENOSPC. Too small a
  * workspace: KVP_ENOSPC with workspace_needed set, nothing enqueued. */
 typedef struct kvp_attend_req {
