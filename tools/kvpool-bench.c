@@ -966,6 +966,12 @@ static void print_qvg_encode(int quick, int json_only) {
   "  --prefix: the prefix attach figure alone (--store prints it too)\n"
 
 /* read_only (--read): the four kvp_read rows alone. */
+/* One JSON line of a figure against its baseline, ns to 3 places. */
+static void ratio_json(const char *figure, double v, const char *baseline, double base) {
+  printf("{\"figure\":\"%s\",\"kvpool\":%.3f,\"baseline\":\"%s\",\"baseline_value\":%.3f,\"ratio\":%.3f}\n", figure,
+         v, baseline, base, v / base);
+}
+
 static void print_seqs(int rounds, int quick, int json_only, int read_only) {
   seq_figs f = bench_seqs(rounds, quick ? 16 : 64, read_only);
   if (!json_only && !read_only) {
@@ -997,18 +1003,10 @@ static void print_seqs(int rounds, int quick, int json_only, int read_only) {
            "\"ratio\":%.3f,\"tokens\":4096}\n",
            f.var, f.var_base, f.var / f.var_base);
   }
-  printf("{\"figure\":\"read_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
-         "\"ratio\":%.3f}\n",
-         f.read, f.read_base, f.read / f.read_base);
-  printf("{\"figure\":\"read_vs_pages_memcpy\",\"kvpool\":%.3f,\"baseline\":\"memcpy of the same pages\","
-         "\"baseline_value\":%.3f,\"ratio\":%.3f}\n",
-         f.read, f.read_pages, f.read / f.read_pages);
-  printf("{\"figure\":\"read_vs_dram_memcpy\",\"kvpool\":%.3f,\"baseline\":\"memcpy from one contiguous buffer in DRAM\","
-         "\"baseline_value\":%.3f,\"ratio\":%.3f}\n",
-         f.read, f.read_dram, f.read / f.read_dram);
-  printf("{\"figure\":\"read_hot_ns_per_token\",\"kvpool\":%.3f,\"baseline\":\"memcpy\",\"baseline_value\":%.3f,"
-         "\"ratio\":%.3f}\n",
-         f.read_hot, f.read_base, f.read_hot / f.read_base);
+  ratio_json("read_ns_per_token", f.read, "memcpy", f.read_base);
+  ratio_json("read_vs_pages_memcpy", f.read, "memcpy of the same pages", f.read_pages);
+  ratio_json("read_vs_dram_memcpy", f.read, "memcpy from one contiguous buffer in DRAM", f.read_dram);
+  ratio_json("read_hot_ns_per_token", f.read_hot, "memcpy", f.read_base);
 }
 
 int main(int argc, char **argv) {

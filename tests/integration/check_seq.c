@@ -23,7 +23,8 @@ enum { L = 3, H = 2, D = 16, BT = 8 };
 static kvgen G;
 static uint16_t K[1024 * H * D], V[1024 * H * D];
 
-static kvp_pool *mkpool(uint64_t budget) {
+/* The suite's pool (codecs NULL: raw), the generator reset. */
+static kvp_pool *mkpool_codecs(uint64_t budget, const char *codecs) {
   kvp_config c;
   kvp_config_init(&c);
   c.n_layers = L;
@@ -32,11 +33,14 @@ static kvp_pool *mkpool(uint64_t budget) {
   c.region_bytes = 16ull << 20;
   c.budget_bytes = budget;
   c.block_tokens = BT;
+  c.codecs = codecs;
   kvp_pool *p;
   ck_ok(kvp_pool_create(&c, &p));
   kvgen_init(&G);
   return p;
 }
+
+static kvp_pool *mkpool(uint64_t budget) { return mkpool_codecs(budget, NULL); }
 
 static void step(kvp_pool *p, uint64_t seq, uint32_t pos0, uint32_t n) {
   ck_ok(kvp_step_begin(p, seq, n, 0));
@@ -446,26 +450,9 @@ END_TEST
  * k=int8) while V and the OPEN tail are copied: rows and positions as
  * appended (K within int8's step where encoded), K alone and V alone the
  * same bytes as K and V read together, nothing written past the last row. */
-static float bf16f(uint16_t x) {
-  uint32_t u = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
 START_TEST(read_batches_keep_rows_and_positions) {
   enum { NSTEP = 40, CAP = 1200 };
-  kvp_config c;
-  kvp_config_init(&c);
-  c.n_layers = L;
-  c.n_kv_heads = H;
-  c.head_dim = D;
-  c.region_bytes = 16ull << 20;
-  c.block_tokens = BT;
-  c.codecs = _i ? "k=int8" : NULL;
-  kvp_pool *p;
-  ck_ok(kvp_pool_create(&c, &p));
-  kvgen_init(&G);
+  kvp_pool *p = mkpool_codecs(0, _i ? "k=int8" : NULL);
   ck_ok(kvp_seq_add(p, 7, NULL));
   uint32_t p0[NSTEP + 1], n = 0;
   for (uint32_t st = 0; st < NSTEP; st++) { /* 600 tokens, then 39 steps of 1..13 */
@@ -504,15 +491,15 @@ START_TEST(read_batches_keep_rows_and_positions) {
     ck_assert_uint_eq(ko[2][0], 0xeeee);
     for (uint32_t i = 0; i < nwant; i++) {
       float amax = 0;
-      for (uint32_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(bf16f(kvgen_value(&G, 7, 1, h, want[i], d, 0))));
+      for (uint32_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(kvgen_f32(kvgen_value(&G, 7, 1, h, want[i], d, 0))));
       for (uint32_t d = 0; d < D; d++) {
         uint16_t wk = kvgen_value(&G, 7, 1, h, want[i], d, 0), wv = kvgen_value(&G, 7, 1, h, want[i], d, 1);
         ck_assert_msg(vo[0][i * D + d] == wv, "head %u row %u dim %u V: %04x, want %04x", h, i, d, vo[0][i * D + d], wv);
         if (!_i)
           ck_assert_msg(ko[0][i * D + d] == wk, "head %u row %u dim %u K: %04x, want %04x", h, i, d, ko[0][i * D + d], wk);
         else
-          ck_assert_msg(fabsf(bf16f(ko[0][i * D + d]) - bf16f(wk)) <= amax / 100 + 1e-6f, "head %u row %u dim %u K: %g, want %g",
-                        h, i, d, bf16f(ko[0][i * D + d]), bf16f(wk));
+          ck_assert_msg(fabsf(kvgen_f32(ko[0][i * D + d]) - kvgen_f32(wk)) <= amax / 100 + 1e-6f, "head %u row %u dim %u K: %g, want %g",
+                        h, i, d, kvgen_f32(ko[0][i * D + d]), kvgen_f32(wk));
       }
     }
   }

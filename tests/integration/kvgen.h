@@ -38,6 +38,14 @@ static inline uint16_t kvgen_bf16(float f) {
   return (uint16_t)(u >> 16); /* exact: the values are small integers */
 }
 
+/* The float a bf16 holds. */
+static inline float kvgen_f32(uint16_t x) {
+  uint32_t u = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 static inline uint16_t kvgen_value(const kvgen *g, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos,
                                    uint32_t ch, int kv) {
   uint64_t o = kvgen_owner(g, seq, pos);
