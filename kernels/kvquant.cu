@@ -6,8 +6,12 @@
  * threads, decode kDecodeThreads), the jobs in the kernel's parameters (a
  * __grid_constant__ batch of 8 or KVP__KERN_JOBS_PER_LAUNCH, split into
  * launches in order on the stream) or in a device table the caller staged
- * (one launch). KVQuant keeps its own kernels: its parameters carry device
- * pointers to the binding's tables and do not fit kvp__kparams.
+ * (one launch). Decode jobs that kvquant_lean_ok takes run the lean
+ * kernels (one per bits and side), the others the general ones; from the
+ * parameters the two kinds go to separate launches, from a device table
+ * the lean kernel runs only when every job is lean. KVQuant keeps its own
+ * kernels: its parameters carry device pointers to the binding's tables
+ * and do not fit kvp__kparams.
  *
  * Measured on the H100: see kernels/kvquant.cuh.
  */
@@ -72,37 +76,128 @@ __global__ void __launch_bounds__(kDecodeThreads, Tile ? kTileMinBlocks : 1)
   decode_one<Tile>(p, j, out);
 }
 
-template <bool Enc, uint32_t N>
-cudaError_t launch_params(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, uint32_t at, uint32_t n,
-                          uint64_t *status, uint32_t out, cudaStream_t s) {
+/* The lean decode (kvquant_decode_lean): B and the side fixed per kernel,
+ * the jobs those of kvquant_lean_ok. V fits 40 registers (12 CTAs an SM);
+ * K holds its 16 channel-table values too: 64 registers (8 CTAs), as
+ * ptxas spills it at 48. */
+template <uint32_t KV> constexpr int lean_min_blocks() { return KV ? 12 : 8; }
+template <uint32_t N, uint32_t B, uint32_t KV>
+__global__ void __launch_bounds__(kDecodeThreads, lean_min_blocks<KV>()) lean_kernel(const __grid_constant__ Batch<N> b) {
+  kvquant_decode_lean<B, KV>(b.p, b.jobs[blockIdx.x], b.out);
+}
+template <uint32_t B, uint32_t KV>
+__global__ void __launch_bounds__(kDecodeThreads, lean_min_blocks<KV>())
+    lean_kernel_dev(const __grid_constant__ kvp__kvq_kparams p, const kvp_codec_dev_job *__restrict__ jobs, uint32_t out) {
+  __shared__ kvp_codec_dev_job j;
+  load_job(j, jobs, blockIdx.x);
+  kvquant_decode_lean<B, KV>(p, j, out);
+}
+
+/* Launches of the lean kernel of p's bits and side: n CTAs, from a batch
+ * (b) or a device table (jobs_dev). */
+template <uint32_t N> void lean_launch(const Batch<N> &b, uint32_t n, cudaStream_t s) {
+  switch (b.p.bits * 2 + (b.p.kv ? 1 : 0)) {
+  case 4: lean_kernel<N, 2, 0><<<n, kDecodeThreads, 0, s>>>(b); break;
+  case 5: lean_kernel<N, 2, 1><<<n, kDecodeThreads, 0, s>>>(b); break;
+  case 6: lean_kernel<N, 3, 0><<<n, kDecodeThreads, 0, s>>>(b); break;
+  case 7: lean_kernel<N, 3, 1><<<n, kDecodeThreads, 0, s>>>(b); break;
+  case 8: lean_kernel<N, 4, 0><<<n, kDecodeThreads, 0, s>>>(b); break;
+  default: lean_kernel<N, 4, 1><<<n, kDecodeThreads, 0, s>>>(b); break;
+  }
+}
+void lean_launch_dev(const kvp__kvq_kparams &p, const kvp_codec_dev_job *jobs_dev, uint32_t n, uint32_t out,
+                     cudaStream_t s) {
+  switch (p.bits * 2 + (p.kv ? 1 : 0)) {
+  case 4: lean_kernel_dev<2, 0><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
+  case 5: lean_kernel_dev<2, 1><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
+  case 6: lean_kernel_dev<3, 0><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
+  case 7: lean_kernel_dev<3, 1><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
+  case 8: lean_kernel_dev<4, 0><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
+  default: lean_kernel_dev<4, 1><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
+  }
+}
+
+/* n decode jobs (n <= N) in one launch from the kernel's parameters: the
+ * lean kernel, or the general one (by tiles or a warp a row). */
+template <bool Lean, uint32_t N>
+cudaError_t dec_batch(const kvp__kvq_kparams &p, const kvp_codec_dev_job *js, uint32_t n, uint32_t out, cudaStream_t s) {
   static_assert(sizeof(Batch<N>) <= 32000, "a batch must fit the 32 KiB parameter space");
   Batch<N> b;
-  b.p = *p;
-  b.status = (unsigned long long *)status;
-  b.out = out;
-  b.job0 = at;
-  memcpy(b.jobs, jobs + at, n * sizeof *jobs);
-  if (Enc) enc_kernel<N><<<n, kThreads, 0, s>>>(b);
-  else if (kvquant_tile_ok(*p)) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
+  b.p = p, b.status = nullptr, b.out = out, b.job0 = 0;
+  memcpy(b.jobs, js, n * sizeof *js);
+  if (Lean) lean_launch<N>(b, n, s);
+  else if (kvquant_tile_ok(p)) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
   else dec_kernel<N, false><<<n, kDecodeThreads, 0, s>>>(b);
   return cudaGetLastError();
 }
+template <bool Lean>
+cudaError_t dec_flush(const kvp__kvq_kparams &p, const kvp_codec_dev_job *js, uint32_t n, uint32_t out, cudaStream_t s) {
+  if (!n) return cudaSuccess;
+  return n <= 8 ? dec_batch<Lean, 8>(p, js, n, out, s) : dec_batch<Lean, KVP__KERN_JOBS_PER_LAUNCH>(p, js, n, out, s);
+}
 
-template <bool Enc>
-int launch(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
-           uint64_t *status, uint32_t out, void *stream) {
-  cudaStream_t s = (cudaStream_t)stream;
+/* Decode: the jobs kvquant_lean_ok takes to the lean kernels, the others
+ * to the general ones (jobs write disjoint rows: their order is free).
+ * From a device table, one launch: the lean kernel when every job is
+ * lean, else the general one for all. */
+int decode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
+           uint32_t out, cudaStream_t s) {
   if (!njobs) return 0;
   if (jobs_dev) {
-    if (Enc) enc_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, (unsigned long long *)status);
+    bool lean = true;
+    for (uint32_t i = 0; lean && i < njobs; i++) lean = kvquant_lean_ok(*p, jobs[i], out);
+    if (lean) lean_launch_dev(*p, jobs_dev, njobs, out, s);
     else if (kvquant_tile_ok(*p)) dec_kernel_dev<true><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     else dec_kernel_dev<false><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     return (int)cudaGetLastError();
   }
+  constexpr uint32_t M = KVP__KERN_JOBS_PER_LAUNCH;
+  kvp_codec_dev_job lean[M], gen[M];
+  uint32_t nl = 0, ng = 0;
+  for (uint32_t i = 0; i < njobs; i++) {
+    cudaError_t e = cudaSuccess;
+    if (kvquant_lean_ok(*p, jobs[i], out)) {
+      lean[nl++] = jobs[i];
+      if (nl == M) e = dec_flush<true>(*p, lean, nl, out, s), nl = 0;
+    } else {
+      gen[ng++] = jobs[i];
+      if (ng == M) e = dec_flush<false>(*p, gen, ng, out, s), ng = 0;
+    }
+    if (e != cudaSuccess) return (int)e;
+  }
+  cudaError_t e = dec_flush<true>(*p, lean, nl, out, s);
+  if (e == cudaSuccess) e = dec_flush<false>(*p, gen, ng, out, s);
+  return (int)e;
+}
+
+/* Encode: from the kernel's parameters, launches of at most
+ * KVP__KERN_JOBS_PER_LAUNCH (8 when fewer), or from a device table (one
+ * launch). */
+template <uint32_t N>
+cudaError_t enc_batch(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, uint32_t at, uint32_t n,
+                      uint64_t *status, cudaStream_t s) {
+  static_assert(sizeof(Batch<N>) <= 32000, "a batch must fit the 32 KiB parameter space");
+  Batch<N> b;
+  b.p = *p;
+  b.status = (unsigned long long *)status;
+  b.out = 0;
+  b.job0 = at;
+  memcpy(b.jobs, jobs + at, n * sizeof *jobs);
+  enc_kernel<N><<<n, kThreads, 0, s>>>(b);
+  return cudaGetLastError();
+}
+
+int encode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
+           uint64_t *status, cudaStream_t s) {
+  if (!njobs) return 0;
+  if (jobs_dev) {
+    enc_kernel_dev<<<njobs, kThreads, 0, s>>>(*p, jobs_dev, (unsigned long long *)status);
+    return (int)cudaGetLastError();
+  }
   for (uint32_t at = 0; at < njobs; at += KVP__KERN_JOBS_PER_LAUNCH) {
     uint32_t n = njobs - at < KVP__KERN_JOBS_PER_LAUNCH ? njobs - at : KVP__KERN_JOBS_PER_LAUNCH;
-    cudaError_t e = n <= 8 ? launch_params<Enc, 8>(p, jobs, at, n, status, out, s)
-                           : launch_params<Enc, KVP__KERN_JOBS_PER_LAUNCH>(p, jobs, at, n, status, out, s);
+    cudaError_t e = n <= 8 ? enc_batch<8>(p, jobs, at, n, status, s)
+                           : enc_batch<KVP__KERN_JOBS_PER_LAUNCH>(p, jobs, at, n, status, s);
     if (e != cudaSuccess) return (int)e;
   }
   return 0;
@@ -113,10 +208,10 @@ int launch(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_c
 
 extern "C" int kvp__kern_kvq_encode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs,
                                     const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint64_t *status, void *stream) {
-  return kvpk::kvq_::launch<true>(p, jobs, jobs_dev, njobs, status, 0, stream);
+  return kvpk::kvq_::encode(p, jobs, jobs_dev, njobs, status, (cudaStream_t)stream);
 }
 
 extern "C" int kvp__kern_kvq_decode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs,
                                     const kvp_codec_dev_job *jobs_dev, uint32_t njobs, uint32_t out, void *stream) {
-  return kvpk::kvq_::launch<false>(p, jobs, jobs_dev, njobs, nullptr, out, stream);
+  return kvpk::kvq_::decode(p, jobs, jobs_dev, njobs, out, (cudaStream_t)stream);
 }

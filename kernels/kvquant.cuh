@@ -44,11 +44,21 @@
  * Traffic per token-head: encode D esize read, row_bytes + k (w + 2) (+4 V)
  * written; decode the same read back (the tables from L1/L2) and D
  * esize(out) written.
+ *   decode, the common case (kvquant_decode_lean): the tile mapping with
+ *     the bits and the side as template parameters and nothing else left
+ *     to decide per octet (no RAW row, no rotation, top-k outliers or none,
+ *     2-byte out, aligned pages and rows).
  * Measured on the H100 (make bench-gpu, codec section: 4096 16-token
- * blocks, D = 128, 3 bits, 1% outliers, bf16 out): decode 34.4 us against
- * 70.6 us for a warp a row, 0.29 of the copy's bandwidth (target 0.6; the
- * tile kernel held to 40 registers for 12 CTAs an SM: 38.0 us unbounded);
- * encode 225 us, 0.04 of the copy.
+ * blocks, D = 128, bf16 out; device times, the host's part apart): 3 bits,
+ * 1% outliers: lean 17.3 us against 21.0 us by tiles (ncu: the tile kernel
+ * issues 13.7M warp instructions, 420 a warp a pass, at 66% of the issue
+ * slots, and spills at its 40 registers), 0.39 of the copy's bandwidth
+ * (target 0.6); 2 bits 16.3 us (20.9); 4 bits with 5% outliers 26.4 us
+ * (31.3); pre-RoPE keys (by tiles) 60 us. Encode 207 us, 0.03 of the copy.
+ * Tried and dropped: resident CTAs looping over the jobs (the next job's
+ * descriptor loaded ahead) and two passes' loads issued together: slower
+ * (ncu 30.0 against 25.1 us), as the kernel is bound by instructions, not
+ * by the latency of its loads.
  */
 #ifndef KVP_KERNELS_KVQUANT_CUH
 #define KVP_KERNELS_KVQUANT_CUH
@@ -620,9 +630,87 @@ KVP_D void kvquant_decode_tile(const kvp__kvq_kparams &p, const kvp_codec_dev_jo
   }
 }
 
+/* The tile decode's common case with nothing left to decide per octet:
+ * B bits and the side (K per channel, V per token) are template
+ * parameters, and the job has no RAW row in its range, no rotation,
+ * top-k or no outliers, a 2-byte out dtype, 16-byte aligned dst rows and
+ * 4-byte aligned CODES (and SCALES) pages (kvquant_lean_ok). The codebook
+ * is read from shared memory; an octet's codes are one 32-bit word (B = 2,
+ * 4) or a funnel of two (B = 3); a thread walks its rows by pointer
+ * increments. The arithmetic is kvquant_decode_tile's, operation for
+ * operation (the bits are the host's). One barrier a job (the codebook),
+ * taken by every thread of the CTA. */
+__host__ __device__ inline bool kvquant_lean_ok(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  const uintptr_t scales = p.kv ? (uintptr_t)j.pages[p.kmax ? 2 : 1] : 0;
+  return kvquant_tile_ok(p) && p.bits >= 2 && p.bits <= 4 && !(p.prerope && p.rope_dims) && !p.thresh &&
+         out != KVP_DTYPE_F32 && p.row_bytes % 4 == 0 && (uint64_t)j.pos0 + j.t0 >= p.sink &&
+         (uintptr_t)j.pages[0] % 4 == 0 && scales % 4 == 0 && ((uintptr_t)j.dst | j.stride_bytes) % 16 == 0;
+}
+
+template <uint32_t B, uint32_t KV>
+KVP_D void kvquant_decode_lean(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  using namespace kvq_;
+  constexpr uint32_t mask = (1u << B) - 1u;
+  __shared__ float sh_lut[16];
+  const uint32_t tid = threadIdx.x;
+  if (tid <= mask) sh_lut[tid] = __ldg(&p.lut[tid]);
+  __syncthreads();
+  const uint32_t O = p.head_dim / 8, P = kTileThreads / O, r_in = tid / O, c0 = (tid - r_in * O) * 8;
+  if (r_in >= P || r_in >= j.m) return;
+  const uint32_t bit = B * c0, sh = bit & 31u, k = p.k, w = p.cw;
+  const bool two = B == 3 && (bit >> 5) + 1 < p.row_bytes / 4;
+  const uint8_t *outl = p.kmax ? (const uint8_t *)j.pages[1] : nullptr;
+  const uint8_t *scales = KV ? (const uint8_t *)j.pages[p.kmax ? 2 : 1] : nullptr;
+  const size_t cstep = (size_t)P * p.row_bytes, dstep = (size_t)P * j.stride_bytes;
+  const uint8_t *crow = (const uint8_t *)j.pages[0] + (size_t)(j.t0 + r_in) * p.row_bytes + 4 * (bit >> 5);
+  char *drow = (char *)j.dst + (size_t)r_in * j.stride_bytes + 2 * (size_t)c0;
+  const bool bf = out == kBF16;
+  float rg[8], of[8];
+  if (!KV) ld_f32x8(of, p.off + (size_t)j.head * p.head_dim + c0), ld_f32x8(rg, p.rng + (size_t)j.head * p.head_dim + c0);
+  for (uint32_t r = r_in; r < j.m; r += P, crow += cstep, drow += dstep) {
+    const uint32_t t = j.t0 + r;
+    const uint32_t w0 = *(const uint32_t *)crow, w1 = two ? *(const uint32_t *)(crow + 4) : 0u;
+    const uint32_t cw = B == 3 ? (sh ? (w0 >> sh) | (w1 << (32 - sh)) : w0) : w0 >> sh;
+    float M = 0.0f, R = 0.0f;
+    if (KV) {
+      const uint32_t rec = *(const uint32_t *)(scales + (size_t)t * 4);
+      M = f16_to_f32(rec & 0xFFFFu), R = f16_to_f32(rec >> 16);
+    }
+    float y[8];
+#pragma unroll
+    for (uint32_t i = 0; i < 8; i++) {
+      const float lut = sh_lut[cw >> (B * i) & mask];
+      y[i] = KV ? __fadd_rn(__fmul_rn(lut, R), M) : __fadd_rn(__fmul_rn(lut, rg[i]), of[i]);
+    }
+    if (outl) { /* the row's outliers in row order; this octet's added */
+      const uint8_t *orow = outl + (size_t)t * k * (w + 2);
+      for (uint32_t s = 0; s < k; s++) {
+        const uint32_t c = w == 1 ? orow[s] : ld_u16(orow, 2 * (size_t)s);
+        if (c - c0 < 8u) add_octet(y, c, c0, f16_to_f32(ld_u16(orow, (size_t)k * w + 2 * s)));
+      }
+    }
+    *(uint4 *)drow = make_uint4(half2_from_f32(bf, y[0], y[1]), half2_from_f32(bf, y[2], y[3]),
+                                half2_from_f32(bf, y[4], y[5]), half2_from_f32(bf, y[6], y[7]));
+  }
+}
+
+/* kvquant_decode_lean<B, KV> for the binding's bits and side. */
+KVP_D void kvquant_decode_lean_any(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  if (p.kv) {
+    if (p.bits == 2) kvquant_decode_lean<2, 1>(p, j, out);
+    else if (p.bits == 3) kvquant_decode_lean<3, 1>(p, j, out);
+    else kvquant_decode_lean<4, 1>(p, j, out);
+  } else {
+    if (p.bits == 2) kvquant_decode_lean<2, 0>(p, j, out);
+    else if (p.bits == 3) kvquant_decode_lean<3, 0>(p, j, out);
+    else kvquant_decode_lean<4, 0>(p, j, out);
+  }
+}
+
 /* The decode the kernels run: by tiles where the geometry allows. */
 KVP_D void kvquant_decode_job(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
-  if (kvquant_tile_ok(p)) kvquant_decode_tile(p, j, out);
+  if (kvquant_lean_ok(p, j, out)) kvquant_decode_lean_any(p, j, out);
+  else if (kvquant_tile_ok(p)) kvquant_decode_tile(p, j, out);
   else kvquant_decode(p, j, out);
 }
 

@@ -49,13 +49,17 @@ struct DecArg {
   const kvp_codec_dev_job *j;
   uint32_t out;
 };
-static void dec_body(void *a) { /* the kernels' choice (by tiles where D % 8 == 0) */
+static void dec_body(void *a) { /* the kernels' choice (lean, by tiles where D % 8 == 0, a warp a row) */
   DecArg *d = (DecArg *)a;
   kvpk::kvquant_decode_job(*d->p, *d->j, d->out);
 }
 static void dec_body_rows(void *a) { /* a warp a row, whatever D */
   DecArg *d = (DecArg *)a;
   kvpk::kvquant_decode(*d->p, *d->j, d->out);
+}
+static void dec_body_tile(void *a) { /* by tiles, where the lean decode would run too */
+  DecArg *d = (DecArg *)a;
+  kvpk::kvquant_decode_tile(*d->p, *d->j, d->out);
 }
 
 static uint64_t emu_encode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j) {
@@ -64,9 +68,11 @@ static uint64_t emu_encode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j
   emu::run(KVP__KERN_THREADS, 0, enc_body, &a);
   return st;
 }
-static void emu_decode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out, bool rows = false) {
+enum { DEC_JOB, DEC_ROWS, DEC_TILE };
+static const char *const dec_name[] = {"job", "rows", "tiles"};
+static void emu_decode(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out, int how = DEC_JOB) {
   DecArg a = {&p, &j, out};
-  emu::run(kvpk::kDecodeThreads, 0, rows ? dec_body_rows : dec_body, &a);
+  emu::run(kvpk::kDecodeThreads, 0, how == DEC_ROWS ? dec_body_rows : how == DEC_TILE ? dec_body_tile : dec_body, &a);
 }
 
 /* ---- inputs ---------------------------------------------------------------------- */
@@ -186,13 +192,14 @@ static void one_case(const kvp_codec_vtable *vt, void *inst, const kvp__kvq_kpar
     memcpy(dj.pages, dp.ptr, sizeof dj.pages);
     dj.dst = got.data(), dj.stride_bytes = orow, dj.n = n, dj.cap_tokens = cap, dj.t0 = t0, dj.m = m, dj.head = head;
     dj.pos0 = pos0;
-    for (int rows = 0; rows < 2; rows++) { /* both decodes: by tiles (D % 8 == 0) and a warp a row */
+    for (int how = DEC_JOB; how <= DEC_TILE; how++) { /* the kernels' pick (lean where it may), a warp a row, by tiles */
+      if (how == DEC_TILE && !kvpk::kvquant_tile_ok(p)) continue;
       std::fill(got.begin(), got.end(), 0x5A);
-      emu_decode(p, dj, (uint32_t)out, rows);
+      emu_decode(p, dj, (uint32_t)out, how);
       size_t k = 0;
       while (k < want.size() && got[k] == want[k]) k++;
       EXPECT(k == want.size(), "%s %c in=%d D=%u n=%u pattern %d pos0=%u: decode (%s) out=%d byte %zu (row %zu): "
-             "device %02x, host %02x", spec, "KV"[kv], (int)in, D, n, pat, pos0, rows ? "rows" : "tiles", out, k,
+             "device %02x, host %02x", spec, "KV"[kv], (int)in, D, n, pat, pos0, dec_name[how], out, k,
              t0 + k / orow, k < want.size() ? got[k] : 0, k < want.size() ? want[k] : 0);
     }
   }
