@@ -117,56 +117,66 @@ void lean_launch_dev(const kvp__kvq_kparams &p, const kvp_codec_dev_job *jobs_de
   }
 }
 
-/* n decode jobs (n <= N) in one launch from the kernel's parameters: the
- * lean kernel, or the general one (by tiles or a warp a row). */
-template <bool Lean, uint32_t N>
-cudaError_t dec_batch(const kvp__kvq_kparams &p, const kvp_codec_dev_job *js, uint32_t n, uint32_t out, cudaStream_t s) {
-  static_assert(sizeof(Batch<N>) <= 32000, "a batch must fit the 32 KiB parameter space");
-  Batch<N> b;
-  b.p = p, b.status = nullptr, b.out = out, b.job0 = 0;
-  memcpy(b.jobs, js, n * sizeof *js);
+/* The n jobs of b (n <= N) in one launch: the lean kernel, or the
+ * general one (by tiles or a warp a row). */
+template <bool Lean, uint32_t N> cudaError_t dec_launch(const Batch<N> &b, uint32_t n, cudaStream_t s) {
   if (Lean) lean_launch<N>(b, n, s);
-  else if (kvquant_tile_ok(p)) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
+  else if (kvquant_tile_ok(b.p)) dec_kernel<N, true><<<n, kDecodeThreads, 0, s>>>(b);
   else dec_kernel<N, false><<<n, kDecodeThreads, 0, s>>>(b);
   return cudaGetLastError();
 }
-template <bool Lean>
-cudaError_t dec_flush(const kvp__kvq_kparams &p, const kvp_codec_dev_job *js, uint32_t n, uint32_t out, cudaStream_t s) {
-  if (!n) return cudaSuccess;
-  return n <= 8 ? dec_batch<Lean, 8>(p, js, n, out, s) : dec_batch<Lean, KVP__KERN_JOBS_PER_LAUNCH>(p, js, n, out, s);
+
+/* A batch of up to KVP__KERN_JOBS_PER_LAUNCH decode jobs filled in place;
+ * flushed as it is, or through a batch of 8 when it holds 8 or fewer (a
+ * smaller parameter block to send). */
+constexpr uint32_t kDecMax = KVP__KERN_JOBS_PER_LAUNCH;
+static_assert(sizeof(Batch<kDecMax>) <= 32000, "a batch must fit the 32 KiB parameter space");
+template <bool Lean> cudaError_t dec_flush(Batch<kDecMax> &b, uint32_t &n, cudaStream_t s) {
+  cudaError_t e = cudaSuccess;
+  if (n > 8) e = dec_launch<Lean, kDecMax>(b, n, s);
+  else if (n) {
+    Batch<8> small;
+    small.p = b.p, small.status = nullptr, small.out = b.out, small.job0 = 0;
+    memcpy(small.jobs, b.jobs, n * sizeof *b.jobs);
+    e = dec_launch<Lean, 8>(small, n, s);
+  }
+  n = 0;
+  return e;
 }
 
-/* Decode: the jobs kvquant_lean_ok takes to the lean kernels, the others
- * to the general ones (jobs write disjoint rows: their order is free).
- * From a device table, one launch: the lean kernel when every job is
- * lean, else the general one for all. */
+/* Decode: the jobs that kvquant_lean_ok takes to the lean kernels, the
+ * others to the general ones, each copied once into its kind's batch (the
+ * jobs write disjoint rows: their order is free). From a device table,
+ * one launch: the lean kernel when every job is lean, else the general
+ * one for all. */
 int decode(const kvp__kvq_kparams *p, const kvp_codec_dev_job *jobs, const kvp_codec_dev_job *jobs_dev, uint32_t njobs,
            uint32_t out, cudaStream_t s) {
   if (!njobs) return 0;
+  const bool lean_binding = kvquant_lean_binding_ok(*p, out);
   if (jobs_dev) {
-    bool lean = true;
-    for (uint32_t i = 0; lean && i < njobs; i++) lean = kvquant_lean_ok(*p, jobs[i], out);
+    bool lean = lean_binding;
+    for (uint32_t i = 0; lean && i < njobs; i++) lean = kvquant_lean_job_ok(*p, jobs[i]);
     if (lean) lean_launch_dev(*p, jobs_dev, njobs, out, s);
     else if (kvquant_tile_ok(*p)) dec_kernel_dev<true><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     else dec_kernel_dev<false><<<njobs, kDecodeThreads, 0, s>>>(*p, jobs_dev, out);
     return (int)cudaGetLastError();
   }
-  constexpr uint32_t M = KVP__KERN_JOBS_PER_LAUNCH;
-  kvp_codec_dev_job lean[M], gen[M];
+  Batch<kDecMax> lean, gen;
+  lean.p = gen.p = *p, lean.status = gen.status = nullptr, lean.out = gen.out = out, lean.job0 = gen.job0 = 0;
   uint32_t nl = 0, ng = 0;
   for (uint32_t i = 0; i < njobs; i++) {
     cudaError_t e = cudaSuccess;
-    if (kvquant_lean_ok(*p, jobs[i], out)) {
-      lean[nl++] = jobs[i];
-      if (nl == M) e = dec_flush<true>(*p, lean, nl, out, s), nl = 0;
+    if (lean_binding && kvquant_lean_job_ok(*p, jobs[i])) {
+      lean.jobs[nl++] = jobs[i];
+      if (nl == kDecMax) e = dec_flush<true>(lean, nl, s);
     } else {
-      gen[ng++] = jobs[i];
-      if (ng == M) e = dec_flush<false>(*p, gen, ng, out, s), ng = 0;
+      gen.jobs[ng++] = jobs[i];
+      if (ng == kDecMax) e = dec_flush<false>(gen, ng, s);
     }
     if (e != cudaSuccess) return (int)e;
   }
-  cudaError_t e = dec_flush<true>(*p, lean, nl, out, s);
-  if (e == cudaSuccess) e = dec_flush<false>(*p, gen, ng, out, s);
+  cudaError_t e = dec_flush<true>(lean, nl, s);
+  if (e == cudaSuccess) e = dec_flush<false>(gen, ng, s);
   return (int)e;
 }
 

@@ -640,11 +640,17 @@ KVP_D void kvquant_decode_tile(const kvp__kvq_kparams &p, const kvp_codec_dev_jo
  * increments. The arithmetic is kvquant_decode_tile's, operation for
  * operation (the bits are the host's). One barrier a job (the codebook),
  * taken by every thread of the CTA. */
-__host__ __device__ inline bool kvquant_lean_ok(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
-  const uintptr_t scales = p.kv ? (uintptr_t)j.pages[p.kmax ? 2 : 1] : 0;
+__host__ __device__ inline bool kvquant_lean_binding_ok(const kvp__kvq_kparams &p, uint32_t out) {
   return kvquant_tile_ok(p) && p.bits >= 2 && p.bits <= 4 && !(p.prerope && p.rope_dims) && !p.thresh &&
-         out != KVP_DTYPE_F32 && p.row_bytes % 4 == 0 && (uint64_t)j.pos0 + j.t0 >= p.sink &&
-         (uintptr_t)j.pages[0] % 4 == 0 && scales % 4 == 0 && ((uintptr_t)j.dst | j.stride_bytes) % 16 == 0;
+         out != KVP_DTYPE_F32 && p.row_bytes % 4 == 0;
+}
+__host__ __device__ inline bool kvquant_lean_job_ok(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j) {
+  const uintptr_t scales = p.kv ? (uintptr_t)j.pages[p.kmax ? 2 : 1] : 0;
+  return (uint64_t)j.pos0 + j.t0 >= p.sink && (uintptr_t)j.pages[0] % 4 == 0 && scales % 4 == 0 &&
+         ((uintptr_t)j.dst | j.stride_bytes) % 16 == 0;
+}
+__host__ __device__ inline bool kvquant_lean_ok(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  return kvquant_lean_binding_ok(p, out) && kvquant_lean_job_ok(p, j);
 }
 
 template <uint32_t B, uint32_t KV>
