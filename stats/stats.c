@@ -21,6 +21,11 @@
  * breakdowns, top-N, emitters) walk it lock-free under RCU: a rebuilt
  * table is published with a release store and the old one freed after a
  * grace period.
+ *
+ * In front of the table, the last sequence's slot and KVP__SEQ_HINTS
+ * direct-mapped hints (stats.h) hold the slots of sequences counted
+ * lately. Invariant: each is NULL or a claimed slot of the current table (a
+ * key, once claimed, never changes there); a rebuild empties them all.
  */
 #include "stats.h"
 
@@ -55,7 +60,8 @@ int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__me
   st->kinds = kvp__meta_calloc(meta, KVP__STATS_KINDS * sizeof *st->kinds);
   st->places = kvp__meta_calloc(meta, (size_t)n_layers * n_heads * sizeof *st->places);
   st->seqt = table_new(meta, 64);
-  if (!st->kinds || !st->places || !st->seqt) {
+  st->seq_hint = kvp__meta_calloc(meta, KVP__SEQ_HINTS * sizeof *st->seq_hint);
+  if (!st->kinds || !st->places || !st->seqt || !st->seq_hint) {
     kvp__stats_fini(st);
     return kvp__err(KVP_ENOMEM, "stats counters for %u layers x %u heads", n_layers, n_heads);
   }
@@ -67,6 +73,8 @@ void kvp__stats_fini(kvp__stats *st) {
   kvp__meta_free(st->meta, st->kinds, KVP__STATS_KINDS * sizeof *st->kinds);
   kvp__meta_free(st->meta, st->places, (size_t)st->n_layers * st->n_heads * sizeof *st->places);
   table_free(st->seqt);
+  kvp__meta_free(st->meta, st->seq_hint, KVP__SEQ_HINTS * sizeof *st->seq_hint);
+  st->seq_hint = NULL;
   st->kinds = st->places = NULL;
   st->seqt = NULL;
 }
@@ -116,7 +124,8 @@ static int seq_rehash(kvp__stats *st, uint32_t cap) {
     slot_claim(n, slot_seq(o));
     used++;
   }
-  st->seq_last = NULL;
+  st->seq_last = NULL; /* it and the hints point into the old table */
+  memset(st->seq_hint, 0, KVP__SEQ_HINTS * sizeof *st->seq_hint);
   kvp__rcu_assign(st->seqt, t);
   st->seq_used = used;
   st->seq_deferred = true;
@@ -128,7 +137,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   if (KVP__LIKELY(found)) {
-    st->seq_last = e; /* the page about to be counted finds it without a second probe */
+    st->seq_last = st->seq_hint[kvp__seq_hint_of(seq)] = e; /* the page about to be counted finds it at once */
     return KVP_OK;
   }
   if ((st->seq_used + 1) * 2 > st->seqt->cap) {
@@ -143,7 +152,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   }
   slot_claim(e, seq);
   st->seq_used++;
-  st->seq_last = e;
+  st->seq_last = st->seq_hint[kvp__seq_hint_of(seq)] = e;
   return KVP_OK;
 }
 
@@ -228,7 +237,7 @@ kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   kvp__assert(found); /* reserved before the page was taken */
-  st->seq_last = e;
+  st->seq_last = st->seq_hint[kvp__seq_hint_of(seq)] = e;
   return e;
 }
 

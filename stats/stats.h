@@ -90,22 +90,43 @@ typedef struct kvp__stats {
   kvp__seq_table *seqt;                      /* per-sequence table (RCU pointer; writer lock to change) */
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
-  kvp__seq_usage *seq_last;                  /* slot of the last sequence counted, or NULL */
+  kvp__seq_usage *seq_last;                  /* slot of the last sequence probed for, or NULL */
+  kvp__seq_usage **seq_hint;                 /* [KVP__SEQ_HINTS]: slots of sequences counted lately, by
+                                                kvp__seq_hint_of(seq); NULL or a claimed slot of seqt, whose key
+                                                never changes while seqt lives (emptied when it is rebuilt) */
 } kvp__stats;
+
+/* In front of the table, the slot of the last sequence probed for (one
+ * compare: calls for one sequence in a row), then the slots of the
+ * sequences counted lately, direct-mapped, so that an engine's calls for
+ * many sequences in turn (a batch's decode, a free of another sequence's
+ * page) count in their slot without a probe of the table: one load and one
+ * compare of the key, in the line the counting writes anyway. 8 KiB of
+ * metadata. */
+#define KVP__SEQ_HINTS 1024u
+static inline uint32_t kvp__seq_hint_of(uint64_t seq) {
+  return (uint32_t)(seq ^ seq >> 10 ^ seq >> 20) & (KVP__SEQ_HINTS - 1); /* ids in a row: entries in a row */
+}
+/* The tag's slot if the hints have it, else NULL. Writer lock. */
+static inline kvp__seq_usage *kvp__stats_seq_hinted(const kvp__stats *st, uint64_t seq) {
+  kvp__seq_usage *e = st->seq_last;
+  if (KVP__LIKELY(e && atomic_load_explicit(&e->seq, memory_order_relaxed) == seq)) return e;
+  e = st->seq_hint[kvp__seq_hint_of(seq)];
+  return KVP__LIKELY(e && atomic_load_explicit(&e->seq, memory_order_relaxed) == seq) ? e : NULL;
+}
 
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
 void kvp__stats_fini(kvp__stats *st);
 /* Make sure the tag's sequence has a slot, so the counting that follows
- * cannot fail, and remember it as the last one. KVP_ENOMEM. Writer lock.
- * Inline: the last sequence counted is one compare. */
+ * cannot fail, and hint it. KVP_ENOMEM. Writer lock. Inline: a hinted
+ * sequence is one compare. */
 int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq);
 static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
-  if (KVP__LIKELY(st->seq_last && atomic_load_explicit(&st->seq_last->seq, memory_order_relaxed) == seq))
-    return KVP_OK;
+  if (KVP__LIKELY(kvp__stats_seq_hinted(st, seq) != NULL)) return KVP_OK;
   return kvp__stats_reserve_seq_slow(st, seq);
 }
-/* The slot of a sequence that has one (reserved), remembered as the last
- * one counted. Writer lock. */
+/* The slot of a sequence that has one (reserved), found by a probe of the
+ * table and hinted. Writer lock. */
 kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq);
 
 /* Single writer (the pool's writer lock): a relaxed load and store, plain
@@ -125,7 +146,7 @@ static inline __attribute__((always_inline)) void kvp__usage_move(kvp__usage *u,
  * The sequence slot must exist (reserve first). Inline, so that a constant
  * sign folds: the deltas are added modulo 2^64. Cost: 6 loads and stores
  * for the two grid cells, 3 (and 2 of its sequence lock) for the last
- * sequence's slot (one compare; a probe of the table otherwise). */
+ * sequence's slot (one compare if hinted; a probe of the table otherwise). */
 static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
                                                                    uint64_t requested_bytes, uint64_t allocated_bytes,
                                                                    int sign) {
@@ -133,9 +154,8 @@ static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *s
   uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
   kvp__usage_move(&st->kinds[kvp__stats_kind(tag->codec, tag->kv, tag->type)], dreq, dalloc, dpages);
   kvp__usage_move(&st->places[(uint32_t)tag->layer * st->n_heads + tag->head], dreq, dalloc, dpages);
-  kvp__seq_usage *e = st->seq_last;
-  if (KVP__UNLIKELY(!e || atomic_load_explicit(&e->seq, memory_order_relaxed) != tag->seq))
-    e = kvp__stats_seq_slot(st, tag->seq);
+  kvp__seq_usage *e = kvp__stats_seq_hinted(st, tag->seq);
+  if (KVP__UNLIKELY(!e)) e = kvp__stats_seq_slot(st, tag->seq);
   uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
   atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
   atomic_thread_fence(memory_order_release);
