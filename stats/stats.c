@@ -60,8 +60,7 @@ int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__me
   st->kinds = kvp__meta_calloc(meta, KVP__STATS_KINDS * sizeof *st->kinds);
   st->places = kvp__meta_calloc(meta, (size_t)n_layers * n_heads * sizeof *st->places);
   st->seqt = table_new(meta, 64);
-  st->seq_hint = kvp__meta_calloc(meta, KVP__SEQ_HINTS * sizeof *st->seq_hint);
-  if (!st->kinds || !st->places || !st->seqt || !st->seq_hint) {
+  if (!st->kinds || !st->places || !st->seqt) {
     kvp__stats_fini(st);
     return kvp__err(KVP_ENOMEM, "stats counters for %u layers x %u heads", n_layers, n_heads);
   }
@@ -73,8 +72,6 @@ void kvp__stats_fini(kvp__stats *st) {
   kvp__meta_free(st->meta, st->kinds, KVP__STATS_KINDS * sizeof *st->kinds);
   kvp__meta_free(st->meta, st->places, (size_t)st->n_layers * st->n_heads * sizeof *st->places);
   table_free(st->seqt);
-  kvp__meta_free(st->meta, st->seq_hint, KVP__SEQ_HINTS * sizeof *st->seq_hint);
-  st->seq_hint = NULL;
   st->kinds = st->places = NULL;
   st->seqt = NULL;
 }
@@ -125,7 +122,7 @@ static int seq_rehash(kvp__stats *st, uint32_t cap) {
     used++;
   }
   st->seq_last = NULL; /* it and the hints point into the old table */
-  memset(st->seq_hint, 0, KVP__SEQ_HINTS * sizeof *st->seq_hint);
+  memset(st->seq_hint, 0, sizeof st->seq_hint);
   kvp__rcu_assign(st->seqt, t);
   st->seq_used = used;
   st->seq_deferred = true;

@@ -82,6 +82,8 @@ static inline uint32_t kvp__stats_kind(uint32_t codec, uint32_t kv, uint32_t typ
   return (codec * 2 + kv) * KVP_PAGE_TYPE_COUNT + type;
 }
 
+#define KVP__SEQ_HINTS 1024u /* hints of sequences' slots (below) */
+
 typedef struct kvp__stats {
   kvp__meta *meta;                           /* metadata counter */
   uint32_t n_layers, n_heads;                /* sizes of the grid of places */
@@ -91,9 +93,10 @@ typedef struct kvp__stats {
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
   kvp__seq_usage *seq_last;                  /* slot of the last sequence probed for, or NULL */
-  kvp__seq_usage **seq_hint;                 /* [KVP__SEQ_HINTS]: slots of sequences counted lately, by
-                                                kvp__seq_hint_of(seq); NULL or a claimed slot of seqt, whose key
-                                                never changes while seqt lives (emptied when it is rebuilt) */
+  kvp__seq_usage *seq_hint[KVP__SEQ_HINTS];  /* slots of sequences counted lately, by kvp__seq_hint_of(seq); NULL
+                                                or a claimed slot of seqt, whose key never changes while seqt
+                                                lives (emptied when it is rebuilt); in the struct, so a hint is
+                                                one load from it */
 } kvp__stats;
 
 /* In front of the table, the slot of the last sequence probed for (one
@@ -102,8 +105,7 @@ typedef struct kvp__stats {
  * many sequences in turn (a batch's decode, a free of another sequence's
  * page) count in their slot without a probe of the table: one load and one
  * compare of the key, in the line the counting writes anyway. 8 KiB of
- * metadata. */
-#define KVP__SEQ_HINTS 1024u
+ * metadata, in the struct. */
 static inline uint32_t kvp__seq_hint_of(uint64_t seq) {
   return (uint32_t)(seq ^ seq >> 10 ^ seq >> 20) & (KVP__SEQ_HINTS - 1); /* ids in a row: entries in a row */
 }
