@@ -25,7 +25,8 @@
  * In front of the table, the last sequence's slot and KVP__SEQ_HINTS
  * direct-mapped hints (stats.h) hold the slots of sequences counted
  * lately. Invariant: each is NULL or a claimed slot of the current table (a
- * key, once claimed, never changes there); a rebuild empties them all.
+ * key, once claimed, never changes there) and a hint's key is its slot's;
+ * a rebuild empties them all.
  */
 #include "stats.h"
 
@@ -99,6 +100,14 @@ static kvp__seq_usage *seq_find(const kvp__seq_table *t, uint64_t seq, bool *fou
   }
 }
 
+/* The slot of seq, claimed, as the last one and its hint. */
+static kvp__seq_usage *hint(kvp__stats *st, uint64_t seq, kvp__seq_usage *e) {
+  kvp__seq_hint *h = &st->seq_hint[kvp__seq_hint_of(seq)];
+  h->seq = seq;
+  h->slot = e;
+  return st->seq_last = e;
+}
+
 static void slot_claim(kvp__seq_usage *e, uint64_t seq) {
   atomic_store_explicit(&e->seq, seq, memory_order_relaxed);
   atomic_store_explicit(&e->used, true, memory_order_release);
@@ -134,7 +143,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   if (KVP__LIKELY(found)) {
-    st->seq_last = st->seq_hint[kvp__seq_hint_of(seq)] = e; /* the page about to be counted finds it at once */
+    hint(st, seq, e); /* the page about to be counted finds it at once */
     return KVP_OK;
   }
   if ((st->seq_used + 1) * 2 > st->seqt->cap) {
@@ -149,7 +158,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   }
   slot_claim(e, seq);
   st->seq_used++;
-  st->seq_last = st->seq_hint[kvp__seq_hint_of(seq)] = e;
+  hint(st, seq, e);
   return KVP_OK;
 }
 
@@ -234,8 +243,7 @@ kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   kvp__assert(found); /* reserved before the page was taken */
-  st->seq_last = st->seq_hint[kvp__seq_hint_of(seq)] = e;
-  return e;
+  return hint(st, seq, e);
 }
 
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out) {

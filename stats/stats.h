@@ -82,7 +82,13 @@ static inline uint32_t kvp__stats_kind(uint32_t codec, uint32_t kv, uint32_t typ
   return (codec * 2 + kv) * KVP_PAGE_TYPE_COUNT + type;
 }
 
-#define KVP__SEQ_HINTS 1024u /* hints of sequences' slots (below) */
+/* A hint of a sequence's slot (below). */
+#define KVP__SEQ_HINTS_LG 11u
+#define KVP__SEQ_HINTS (1u << KVP__SEQ_HINTS_LG)
+typedef struct kvp__seq_hint {
+  uint64_t seq;         /* the sequence (0 when empty) */
+  kvp__seq_usage *slot; /* its claimed slot in the current table, or NULL (empty) */
+} kvp__seq_hint;
 
 typedef struct kvp__stats {
   kvp__meta *meta;                           /* metadata counter */
@@ -93,28 +99,28 @@ typedef struct kvp__stats {
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
   kvp__seq_usage *seq_last;                  /* slot of the last sequence probed for, or NULL */
-  kvp__seq_usage *seq_hint[KVP__SEQ_HINTS];  /* slots of sequences counted lately, by kvp__seq_hint_of(seq); NULL
-                                                or a claimed slot of seqt, whose key never changes while seqt
-                                                lives (emptied when it is rebuilt); in the struct, so a hint is
-                                                one load from it */
+  kvp__seq_hint seq_hint[KVP__SEQ_HINTS];    /* slots of sequences counted lately, by kvp__seq_hint_of(seq):
+                                                claimed slots of seqt, whose keys never change while it lives
+                                                (emptied when it is rebuilt); in the struct, so a hint is one load
+                                                from it */
 } kvp__stats;
 
 /* In front of the table, the slot of the last sequence probed for (one
  * compare: calls for one sequence in a row), then the slots of the
- * sequences counted lately, direct-mapped, so that an engine's calls for
- * many sequences in turn (a batch's decode, a free of another sequence's
- * page) count in their slot without a probe of the table: one load and one
- * compare of the key, in the line the counting writes anyway. 8 KiB of
- * metadata, in the struct. */
-static inline uint32_t kvp__seq_hint_of(uint64_t seq) {
-  return (uint32_t)(seq ^ seq >> 10 ^ seq >> 20) & (KVP__SEQ_HINTS - 1); /* ids in a row: entries in a row */
+ * sequences counted lately, direct-mapped with their keys, so that an
+ * engine's calls for many sequences in turn (a batch's decode, a free of
+ * another sequence's page) count in their slot without a probe of the
+ * table: one compare of the key in the hint, whose miss touches no slot.
+ * 32 KiB of metadata, in the struct. */
+static inline uint32_t kvp__seq_hint_of(uint64_t seq) { /* ids in a row: entries in a row */
+  return (uint32_t)(seq ^ seq >> KVP__SEQ_HINTS_LG ^ seq >> 2 * KVP__SEQ_HINTS_LG) & (KVP__SEQ_HINTS - 1);
 }
 /* The tag's slot if the hints have it, else NULL. Writer lock. */
 static inline kvp__seq_usage *kvp__stats_seq_hinted(const kvp__stats *st, uint64_t seq) {
   kvp__seq_usage *e = st->seq_last;
   if (KVP__LIKELY(e && atomic_load_explicit(&e->seq, memory_order_relaxed) == seq)) return e;
-  e = st->seq_hint[kvp__seq_hint_of(seq)];
-  return KVP__LIKELY(e && atomic_load_explicit(&e->seq, memory_order_relaxed) == seq) ? e : NULL;
+  const kvp__seq_hint *h = &st->seq_hint[kvp__seq_hint_of(seq)];
+  return KVP__LIKELY(h->seq == seq) ? h->slot : NULL; /* an empty hint of sequence 0: NULL too */
 }
 
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
