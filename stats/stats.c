@@ -346,6 +346,20 @@ static int cmp_slice(const kvp__stats *st, const char *name, kvp_stats_dim dim, 
   return cmp_read(name, i, &h, want);
 }
 
+/* A hint (or the last sequence's slot, any_key): NULL, or a claimed slot
+ * of the current table whose key is seq, at seq's hint. */
+static int check_hint(const kvp__stats *st, const char *what, uint32_t i, const kvp__seq_usage *e, uint64_t seq,
+                      bool any_key) {
+  if (!e) return KVP_OK;
+  const kvp__seq_table *t = st->seqt;
+  uintptr_t a = (uintptr_t)e, lo = (uintptr_t)t->slot, hi = (uintptr_t)(t->slot + t->cap);
+  if (a < lo || a >= hi || (a - lo) % sizeof *e || !slot_used(e) ||
+      (!any_key && (slot_seq(e) != seq || kvp__seq_hint_of(seq) != i)))
+    return kvp__err(KVP_ECORRUPT, "%s %u (sequence %llu): not the sequence's claimed slot of the table", what, i,
+                    (unsigned long long)seq);
+  return KVP_OK;
+}
+
 int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s) {
   int rc = KVP_OK;
   for (uint32_t i = 0; !rc && i < KVP_PAGE_TYPE_COUNT; i++)
@@ -359,5 +373,8 @@ int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s) {
                     (unsigned long long)s->unknown_seq);
   for (uint32_t i = 0; !rc && i < st->seqt->cap; i++)
     if (slot_used(&st->seqt->slot[i])) rc = cmp("sequence slot", i, &st->seqt->slot[i].u, &s->seqs[i]);
+  if (!rc) rc = check_hint(st, "last sequence slot", 0, st->seq_last, 0, true);
+  for (uint32_t i = 0; !rc && i < KVP__SEQ_HINTS; i++)
+    rc = check_hint(st, "sequence hint", i, st->seq_hint[i].slot, st->seq_hint[i].seq, false);
   return rc;
 }
