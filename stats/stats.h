@@ -83,7 +83,7 @@ static inline uint32_t kvp__stats_kind(uint32_t codec, uint32_t kv, uint32_t typ
 }
 
 /* A hint of a sequence's slot (below). */
-#define KVP__SEQ_HINTS_LG 11u
+#define KVP__SEQ_HINTS_LG 10u
 #define KVP__SEQ_HINTS (1u << KVP__SEQ_HINTS_LG)
 typedef struct kvp__seq_hint {
   uint64_t seq;         /* the sequence (0 when empty) */
@@ -99,7 +99,7 @@ typedef struct kvp__stats {
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
   kvp__seq_usage *seq_last;                  /* slot of the last sequence probed for, or NULL */
-  kvp__seq_hint seq_hint[KVP__SEQ_HINTS];    /* slots of sequences counted lately, by kvp__seq_hint_of(seq):
+  kvp__seq_hint seq_hint[KVP__SEQ_HINTS];    /* slots of sequences allocated for lately, by kvp__seq_hint_of(seq):
                                                 claimed slots of seqt, whose keys never change while it lives
                                                 (emptied when it is rebuilt); in the struct, so a hint is one load
                                                 from it */
@@ -107,11 +107,14 @@ typedef struct kvp__stats {
 
 /* In front of the table, the slot of the last sequence probed for (one
  * compare: calls for one sequence in a row), then the slots of the
- * sequences counted lately, direct-mapped with their keys, so that an
- * engine's calls for many sequences in turn (a batch's decode, a free of
- * another sequence's page) count in their slot without a probe of the
+ * sequences allocated for lately, direct-mapped with their keys, so that
+ * an engine's calls for many sequences in turn (a batch's decode, a free
+ * of another sequence's page) count in their slot without a probe of the
  * table: one compare of the key in the hint, whose miss touches no slot.
- * 32 KiB of metadata, in the struct. */
+ * Only an allocation's probe writes a hint (a free's would spend a store,
+ * often to a line out of the cache, on a sequence that may be going): with
+ * far more sequences than hints, most miss, and a write each would cost
+ * more than the hits save. 16 KiB of metadata, in the struct. */
 static inline uint32_t kvp__seq_hint_of(uint64_t seq) { /* ids in a row: entries in a row */
   return (uint32_t)(seq ^ seq >> KVP__SEQ_HINTS_LG ^ seq >> 2 * KVP__SEQ_HINTS_LG) & (KVP__SEQ_HINTS - 1);
 }
@@ -134,7 +137,7 @@ static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
   return kvp__stats_reserve_seq_slow(st, seq);
 }
 /* The slot of a sequence that has one (reserved), found by a probe of the
- * table and hinted. Writer lock. */
+ * table, as the last one (not hinted). Writer lock. */
 kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq);
 
 /* Single writer (the pool's writer lock): a relaxed load and store, plain
