@@ -243,7 +243,7 @@ kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   kvp__assert(found); /* reserved before the page was taken */
-  return st->seq_last = e;
+  return hint(st, seq, e);
 }
 
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out) {

@@ -83,7 +83,7 @@ static inline uint32_t kvp__stats_kind(uint32_t codec, uint32_t kv, uint32_t typ
 }
 
 /* A hint of a sequence's slot (below). */
-#define KVP__SEQ_HINTS_LG 10u
+#define KVP__SEQ_HINTS_LG 13u
 #define KVP__SEQ_HINTS (1u << KVP__SEQ_HINTS_LG)
 typedef struct kvp__seq_hint {
   uint64_t seq;         /* the sequence (0 when empty) */
@@ -99,7 +99,7 @@ typedef struct kvp__stats {
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
   kvp__seq_usage *seq_last;                  /* slot of the last sequence probed for, or NULL */
-  kvp__seq_hint seq_hint[KVP__SEQ_HINTS];    /* slots of sequences allocated for lately, by kvp__seq_hint_of(seq):
+  kvp__seq_hint seq_hint[KVP__SEQ_HINTS];    /* slots of sequences counted lately, by kvp__seq_hint_of(seq):
                                                 claimed slots of seqt, whose keys never change while it lives
                                                 (emptied when it is rebuilt); in the struct, so a hint is one load
                                                 from it */
@@ -107,14 +107,14 @@ typedef struct kvp__stats {
 
 /* In front of the table, the slot of the last sequence probed for (one
  * compare: calls for one sequence in a row), then the slots of the
- * sequences allocated for lately, direct-mapped with their keys, so that
- * an engine's calls for many sequences in turn (a batch's decode, a free
- * of another sequence's page) count in their slot without a probe of the
+ * sequences counted lately, direct-mapped with their keys, so that an
+ * engine's calls for many sequences in turn (a batch's decode, a free of
+ * another sequence's page) count in their slot without a probe of the
  * table: one compare of the key in the hint, whose miss touches no slot.
- * Only an allocation's probe writes a hint (a free's would spend a store,
- * often to a line out of the cache, on a sequence that may be going): with
- * far more sequences than hints, most miss, and a write each would cost
- * more than the hits save. 16 KiB of metadata, in the struct. */
+ * 8192 hints, so that each sequence of a batch of up to 8192 with ids in a
+ * row has its own (with 1024, kvpool-bench's 8192-sequence row missed 7
+ * calls in 8 and paid a probe and a hint's store for each): 128 KiB of
+ * metadata, in the struct. */
 static inline uint32_t kvp__seq_hint_of(uint64_t seq) { /* ids in a row: entries in a row */
   return (uint32_t)(seq ^ seq >> KVP__SEQ_HINTS_LG ^ seq >> 2 * KVP__SEQ_HINTS_LG) & (KVP__SEQ_HINTS - 1);
 }
@@ -137,7 +137,7 @@ static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
   return kvp__stats_reserve_seq_slow(st, seq);
 }
 /* The slot of a sequence that has one (reserved), found by a probe of the
- * table, as the last one (not hinted). Writer lock. */
+ * table, as the last one and hinted. Writer lock. */
 kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq);
 
 /* Single writer (the pool's writer lock): a relaxed load and store, plain
@@ -153,25 +153,31 @@ static inline __attribute__((always_inline)) void kvp__usage_move(kvp__usage *u,
                         memory_order_relaxed);
 }
 
-/* Count a page in (sign +1) or out (-1) in every dimension of its tag.
- * The sequence slot must exist (reserve first). Inline, so that a constant
+/* Count a page in (sign +1) or out (-1) in every dimension of its tag
+ * (_in: e, its sequence's slot, found already). The sequence slot must
+ * exist (reserve first). Inline, so that a constant
  * sign folds: the deltas are added modulo 2^64. Cost: 6 loads and stores
  * for the two grid cells, 3 (and 2 of its sequence lock) for the last
  * sequence's slot (one compare if hinted; a probe of the table otherwise). */
-static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
-                                                                   uint64_t requested_bytes, uint64_t allocated_bytes,
-                                                                   int sign) {
+static inline __attribute__((always_inline)) void kvp__stats_count_in(kvp__stats *st, kvp__seq_usage *e,
+                                                                      const kvp__tag *tag, uint64_t requested_bytes,
+                                                                      uint64_t allocated_bytes, int sign) {
   uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
   uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
   kvp__usage_move(&st->kinds[kvp__stats_kind(tag->codec, tag->kv, tag->type)], dreq, dalloc, dpages);
   kvp__usage_move(&st->places[(uint32_t)tag->layer * st->n_heads + tag->head], dreq, dalloc, dpages);
-  kvp__seq_usage *e = kvp__stats_seq_hinted(st, tag->seq);
-  if (KVP__UNLIKELY(!e)) e = kvp__stats_seq_slot(st, tag->seq);
   uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
   atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
   atomic_thread_fence(memory_order_release);
   kvp__usage_move(&e->u, dreq, dalloc, dpages);
   atomic_store_explicit(&e->ver, v + 2, memory_order_release);
+}
+static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
+                                                                   uint64_t requested_bytes, uint64_t allocated_bytes,
+                                                                   int sign) {
+  kvp__seq_usage *e = kvp__stats_seq_hinted(st, tag->seq);
+  if (KVP__UNLIKELY(!e)) e = kvp__stats_seq_slot(st, tag->seq);
+  kvp__stats_count_in(st, e, tag, requested_bytes, allocated_bytes, sign);
 }
 /* Read one usage into the public struct. */
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out);
