@@ -20,7 +20,8 @@
  *
  * Cost of the fast path (small class, a slot in the class's cache): a table
  * lookup for the class, a budget compare, a pop (a free: a push) on the
- * cache, the sequence slot probe and the per-tag counters: no slab touched,
+ * cache, the sequence's slot (the last one's compare, else its hint's; a
+ * probe of the table if neither) and the per-tag counters: no slab touched,
  * no locks of its own (the caller holds the pool's writer lock), no system
  * calls. The bitmaps are searched a half cache at a time (kvp__bin_refill).
  */

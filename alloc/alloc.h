@@ -517,10 +517,10 @@ int kvp__alloc_check(const kvp__alloc *a);
  * an open transaction) is the out-of-line path, the same code as before.
  * ==================================================================== */
 
-/* Count a page in (sign +1) or out (-1): the ledger's figures and the
- * per-tag cells. Inside the ledger's section. */
-static inline __attribute__((always_inline)) void kvp__alloc_count_as(kvp__alloc *a, const kvp__tag *tag,
-                                                                      uint64_t req, uint64_t cls, int sign) {
+/* Count a page in (sign +1) or out (-1): the ledger's figures (_ledger_as)
+ * and the per-tag cells too (_count_as). Inside the ledger's section. */
+static inline __attribute__((always_inline)) void kvp__alloc_ledger_as(kvp__alloc *a, uint64_t req, uint64_t cls,
+                                                                       int sign) {
   if (sign > 0) {
     kvp__gauge_add(&a->ledger.requested, req);
     kvp__gauge_add(&a->ledger.allocated, cls);
@@ -530,6 +530,10 @@ static inline __attribute__((always_inline)) void kvp__alloc_count_as(kvp__alloc
     kvp__gauge_sub(&a->ledger.allocated, cls);
     kvp__gauge_sub(&a->ledger.pages, 1);
   }
+}
+static inline __attribute__((always_inline)) void kvp__alloc_count_as(kvp__alloc *a, const kvp__tag *tag,
+                                                                      uint64_t req, uint64_t cls, int sign) {
+  kvp__alloc_ledger_as(a, req, cls, sign);
   kvp__stats_count(a->stats, tag, req, cls, sign);
 }
 
@@ -541,14 +545,17 @@ static inline int kvp__alloc_page_tagged(kvp__alloc *a, uint64_t bytes, const kv
     uint64_t size = kvp__sc_size(sc);
     kvp__bin *b = &a->bins[sc];
     const kvp__tag t = *tag; /* counted from this copy, not loaded back from the page's fresh stores */
+    kvp__seq_usage *e;       /* its sequence's slot: found once, counted in below */
     if (KVP__LIKELY(b->ncached && kvp__ledger_fits(&a->ledger, size) && !a->tx &&
-                    kvp__stats_reserve_seq(a->stats, t.seq) == KVP_OK)) { /* a probe if not the last sequence */
+                    ((e = kvp__stats_seq_hinted(a->stats, t.seq)) != NULL || /* else a probe (it sets the last) */
+                     (kvp__stats_reserve_seq_slow(a->stats, t.seq) == KVP_OK && (e = a->stats->seq_last) != NULL)))) {
       kvp__ledger_begin(&a->ledger);
       out->off = b->cache[--b->ncached];
       out->requested_bytes = (uint32_t)bytes;
       out->size8 = (uint32_t)(size >> 3);
       out->tag = t;
-      kvp__alloc_count_as(a, &t, bytes, size, +1);
+      kvp__alloc_ledger_as(a, bytes, size, +1);
+      kvp__stats_count_in(a->stats, e, &t, bytes, size, +1);
       kvp__count_add(&a->ledger.allocs, 1);
       kvp__ledger_end(&a->ledger);
       return KVP_OK;

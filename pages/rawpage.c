@@ -46,8 +46,8 @@ static int tag_in(const kvp_pool *pool, const kvp_page_tag *t, kvp__tag *out) {
   if ((unsigned)t->type >= KVP_PAGE_TYPE_COUNT) return kvp__err(KVP_EINVAL, "page tag: type %d unknown", (int)t->type);
   if (t->kv > 1) return kvp__err(KVP_EINVAL, "page tag: kv %u is neither 0 (K) nor 1 (V)", t->kv);
   if (t->codec >= KVP__MAX_CODECS) return kvp__err(KVP_EINVAL, "page tag: codec %u >= %u", t->codec, KVP__MAX_CODECS);
-  *out = (kvp__tag){t->seq, (uint16_t)t->layer, (uint16_t)t->head, (uint8_t)t->type, (uint8_t)t->kv,
-                    (uint16_t)t->codec};
+  *out = kvp__tag_make(t->seq, (uint16_t)t->layer, (uint16_t)t->head, (uint8_t)t->type, (uint8_t)t->kv,
+                       (uint16_t)t->codec); /* one wide store: the fast path copies it at once */
   return KVP_OK;
 }
 

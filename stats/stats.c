@@ -21,6 +21,12 @@
  * breakdowns, top-N, emitters) walk it lock-free under RCU: a rebuilt
  * table is published with a release store and the old one freed after a
  * grace period.
+ *
+ * In front of the table, the last sequence's slot and KVP__SEQ_HINTS
+ * direct-mapped hints (stats.h) hold the slots of sequences counted
+ * lately. Invariant: each is NULL or a claimed slot of the current table (a
+ * key, once claimed, never changes there) and a hint's key is its slot's;
+ * a rebuild empties them all.
  */
 #include "stats.h"
 
@@ -94,6 +100,14 @@ static kvp__seq_usage *seq_find(const kvp__seq_table *t, uint64_t seq, bool *fou
   }
 }
 
+/* The slot of seq, claimed, as the last one and its hint. */
+static kvp__seq_usage *hint(kvp__stats *st, uint64_t seq, kvp__seq_usage *e) {
+  kvp__seq_hint *h = &st->seq_hint[kvp__seq_hint_of(seq)];
+  h->seq = seq;
+  h->slot = e;
+  return st->seq_last = e;
+}
+
 static void slot_claim(kvp__seq_usage *e, uint64_t seq) {
   atomic_store_explicit(&e->seq, seq, memory_order_relaxed);
   atomic_store_explicit(&e->used, true, memory_order_release);
@@ -116,7 +130,8 @@ static int seq_rehash(kvp__stats *st, uint32_t cap) {
     slot_claim(n, slot_seq(o));
     used++;
   }
-  st->seq_last = NULL;
+  st->seq_last = NULL; /* it and the hints point into the old table */
+  memset(st->seq_hint, 0, sizeof st->seq_hint);
   kvp__rcu_assign(st->seqt, t);
   st->seq_used = used;
   st->seq_deferred = true;
@@ -128,7 +143,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   if (KVP__LIKELY(found)) {
-    st->seq_last = e; /* the page about to be counted finds it without a second probe */
+    hint(st, seq, e); /* the page about to be counted finds it at once */
     return KVP_OK;
   }
   if ((st->seq_used + 1) * 2 > st->seqt->cap) {
@@ -143,7 +158,7 @@ int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq) {
   }
   slot_claim(e, seq);
   st->seq_used++;
-  st->seq_last = e;
+  hint(st, seq, e);
   return KVP_OK;
 }
 
@@ -228,8 +243,7 @@ kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq) {
   bool found;
   kvp__seq_usage *e = seq_find(st->seqt, seq, &found);
   kvp__assert(found); /* reserved before the page was taken */
-  st->seq_last = e;
-  return e;
+  return hint(st, seq, e);
 }
 
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out) {
@@ -332,6 +346,20 @@ static int cmp_slice(const kvp__stats *st, const char *name, kvp_stats_dim dim, 
   return cmp_read(name, i, &h, want);
 }
 
+/* A hint (or the last sequence's slot, any_key): NULL, or a claimed slot
+ * of the current table whose key is seq, at seq's hint. */
+static int check_hint(const kvp__stats *st, const char *what, uint32_t i, const kvp__seq_usage *e, uint64_t seq,
+                      bool any_key) {
+  if (!e) return KVP_OK;
+  const kvp__seq_table *t = st->seqt;
+  uintptr_t a = (uintptr_t)e, lo = (uintptr_t)t->slot, hi = (uintptr_t)(t->slot + t->cap);
+  if (a < lo || a >= hi || (a - lo) % sizeof *e || !slot_used(e) ||
+      (!any_key && (slot_seq(e) != seq || kvp__seq_hint_of(seq) != i)))
+    return kvp__err(KVP_ECORRUPT, "%s %u (sequence %llu): not the sequence's claimed slot of the table", what, i,
+                    (unsigned long long)seq);
+  return KVP_OK;
+}
+
 int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s) {
   int rc = KVP_OK;
   for (uint32_t i = 0; !rc && i < KVP_PAGE_TYPE_COUNT; i++)
@@ -345,5 +373,8 @@ int kvp__stats_compare(const kvp__stats *st, const kvp__stats_sum *s) {
                     (unsigned long long)s->unknown_seq);
   for (uint32_t i = 0; !rc && i < st->seqt->cap; i++)
     if (slot_used(&st->seqt->slot[i])) rc = cmp("sequence slot", i, &st->seqt->slot[i].u, &s->seqs[i]);
+  if (!rc) rc = check_hint(st, "last sequence slot", 0, st->seq_last, 0, true);
+  for (uint32_t i = 0; !rc && i < KVP__SEQ_HINTS; i++)
+    rc = check_hint(st, "sequence hint", i, st->seq_hint[i].slot, st->seq_hint[i].seq, false);
   return rc;
 }

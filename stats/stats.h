@@ -13,6 +13,8 @@
 #include "../util/rcu.h"
 #include "../util/util.h"
 
+#include <string.h>
+
 #define KVP__MAX_CODECS 64u /* codec ids 0..63 */
 
 /* Where a page's bytes are counted: 16 bytes. */
@@ -24,6 +26,24 @@ typedef struct kvp__tag {
   uint8_t kv;        /* 0 = K, 1 = V */
   uint16_t codec;    /* codec id < KVP__MAX_CODECS */
 } kvp__tag;
+
+/* A tag from its fields, its last five written as one 64-bit word: the
+ * allocation fast path copies a tag by two 8-byte moves, and a wide load of
+ * bytes that narrower stores have just written waits for them to leave the
+ * core (a store-forwarding stall, about 10 cycles on each copy). */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "a tag's fields are packed as a little-endian word");
+_Static_assert(sizeof(kvp__tag) == 16 && offsetof(kvp__tag, layer) == 8 && offsetof(kvp__tag, head) == 10 &&
+                   offsetof(kvp__tag, type) == 12 && offsetof(kvp__tag, kv) == 13 && offsetof(kvp__tag, codec) == 14,
+               "the layout kvp__tag_make packs");
+static inline kvp__tag kvp__tag_make(uint64_t seq, uint16_t layer, uint16_t head, uint8_t type, uint8_t kv,
+                                     uint16_t codec) {
+  uint64_t w = (uint64_t)layer | (uint64_t)head << 16 | (uint64_t)type << 32 | (uint64_t)kv << 40 |
+               (uint64_t)codec << 48;
+  kvp__tag t;
+  t.seq = seq;
+  memcpy((unsigned char *)&t + offsetof(kvp__tag, layer), &w, sizeof w);
+  return t;
+}
 
 typedef struct kvp__usage {
   _Atomic uint64_t requested_bytes; /* sum over live pages */
@@ -62,6 +82,14 @@ static inline uint32_t kvp__stats_kind(uint32_t codec, uint32_t kv, uint32_t typ
   return (codec * 2 + kv) * KVP_PAGE_TYPE_COUNT + type;
 }
 
+/* A hint of a sequence's slot (below). */
+#define KVP__SEQ_HINTS_LG 13u
+#define KVP__SEQ_HINTS (1u << KVP__SEQ_HINTS_LG)
+typedef struct kvp__seq_hint {
+  uint64_t seq;         /* the sequence (0 when empty) */
+  kvp__seq_usage *slot; /* its claimed slot in the current table, or NULL (empty) */
+} kvp__seq_hint;
+
 typedef struct kvp__stats {
   kvp__meta *meta;                           /* metadata counter */
   uint32_t n_layers, n_heads;                /* sizes of the grid of places */
@@ -70,22 +98,46 @@ typedef struct kvp__stats {
   kvp__seq_table *seqt;                      /* per-sequence table (RCU pointer; writer lock to change) */
   uint32_t seq_used;                         /* used slots (live and tombstone) */
   bool seq_deferred;                         /* an old table waits for a grace period (barrier at fini) */
-  kvp__seq_usage *seq_last;                  /* slot of the last sequence counted, or NULL */
+  kvp__seq_usage *seq_last;                  /* slot of the last sequence probed for, or NULL */
+  kvp__seq_hint seq_hint[KVP__SEQ_HINTS];    /* slots of sequences counted lately, by kvp__seq_hint_of(seq):
+                                                claimed slots of seqt, whose keys never change while it lives
+                                                (emptied when it is rebuilt); in the struct, so a hint is one load
+                                                from it */
 } kvp__stats;
+
+/* In front of the table, the slot of the last sequence probed for (one
+ * compare: calls for one sequence in a row), then the slots of the
+ * sequences counted lately, direct-mapped with their keys, so that an
+ * engine's calls for many sequences in turn (a batch's decode, a free of
+ * another sequence's page) count in their slot without a probe of the
+ * table: one compare of the key in the hint, whose miss touches no slot.
+ * 8192 hints, so that each sequence of a batch of up to 8192 with ids in a
+ * row has its own (with 1024, kvpool-bench's 8192-sequence row missed 7
+ * calls in 8 and paid a probe and a hint's store for each): 128 KiB of
+ * metadata, in the struct. */
+static inline uint32_t kvp__seq_hint_of(uint64_t seq) { /* ids in a row: entries in a row */
+  return (uint32_t)(seq ^ seq >> KVP__SEQ_HINTS_LG ^ seq >> 2 * KVP__SEQ_HINTS_LG) & (KVP__SEQ_HINTS - 1);
+}
+/* The tag's slot if the hints have it, else NULL. Writer lock. */
+static inline kvp__seq_usage *kvp__stats_seq_hinted(const kvp__stats *st, uint64_t seq) {
+  kvp__seq_usage *e = st->seq_last;
+  if (KVP__LIKELY(e && atomic_load_explicit(&e->seq, memory_order_relaxed) == seq)) return e;
+  const kvp__seq_hint *h = &st->seq_hint[kvp__seq_hint_of(seq)];
+  return KVP__LIKELY(h->seq == seq) ? h->slot : NULL; /* an empty hint of sequence 0: NULL too */
+}
 
 int kvp__stats_init(kvp__stats *st, uint32_t n_layers, uint32_t n_heads, kvp__meta *meta);
 void kvp__stats_fini(kvp__stats *st);
 /* Make sure the tag's sequence has a slot, so the counting that follows
- * cannot fail, and remember it as the last one. KVP_ENOMEM. Writer lock.
- * Inline: the last sequence counted is one compare. */
+ * cannot fail, and hint it. KVP_ENOMEM. Writer lock. Inline: a hinted
+ * sequence is one compare. */
 int kvp__stats_reserve_seq_slow(kvp__stats *st, uint64_t seq);
 static inline int kvp__stats_reserve_seq(kvp__stats *st, uint64_t seq) {
-  if (KVP__LIKELY(st->seq_last && atomic_load_explicit(&st->seq_last->seq, memory_order_relaxed) == seq))
-    return KVP_OK;
+  if (KVP__LIKELY(kvp__stats_seq_hinted(st, seq) != NULL)) return KVP_OK;
   return kvp__stats_reserve_seq_slow(st, seq);
 }
-/* The slot of a sequence that has one (reserved), remembered as the last
- * one counted. Writer lock. */
+/* The slot of a sequence that has one (reserved), found by a probe of the
+ * table, as the last one and hinted. Writer lock. */
 kvp__seq_usage *kvp__stats_seq_slot(kvp__stats *st, uint64_t seq);
 
 /* Single writer (the pool's writer lock): a relaxed load and store, plain
@@ -101,26 +153,31 @@ static inline __attribute__((always_inline)) void kvp__usage_move(kvp__usage *u,
                         memory_order_relaxed);
 }
 
-/* Count a page in (sign +1) or out (-1) in every dimension of its tag.
- * The sequence slot must exist (reserve first). Inline, so that a constant
+/* Count a page in (sign +1) or out (-1) in every dimension of its tag
+ * (_in: e, its sequence's slot, found already). The sequence slot must
+ * exist (reserve first). Inline, so that a constant
  * sign folds: the deltas are added modulo 2^64. Cost: 6 loads and stores
  * for the two grid cells, 3 (and 2 of its sequence lock) for the last
- * sequence's slot (one compare; a probe of the table otherwise). */
-static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
-                                                                   uint64_t requested_bytes, uint64_t allocated_bytes,
-                                                                   int sign) {
+ * sequence's slot (one compare if hinted; a probe of the table otherwise). */
+static inline __attribute__((always_inline)) void kvp__stats_count_in(kvp__stats *st, kvp__seq_usage *e,
+                                                                      const kvp__tag *tag, uint64_t requested_bytes,
+                                                                      uint64_t allocated_bytes, int sign) {
   uint64_t neg = sign > 0 ? 0 : ~0ull; /* two's complement: (x ^ neg) - neg is x or -x */
   uint64_t dreq = (requested_bytes ^ neg) - neg, dalloc = (allocated_bytes ^ neg) - neg, dpages = (1 ^ neg) - neg;
   kvp__usage_move(&st->kinds[kvp__stats_kind(tag->codec, tag->kv, tag->type)], dreq, dalloc, dpages);
   kvp__usage_move(&st->places[(uint32_t)tag->layer * st->n_heads + tag->head], dreq, dalloc, dpages);
-  kvp__seq_usage *e = st->seq_last;
-  if (KVP__UNLIKELY(!e || atomic_load_explicit(&e->seq, memory_order_relaxed) != tag->seq))
-    e = kvp__stats_seq_slot(st, tag->seq);
   uint32_t v = atomic_load_explicit(&e->ver, memory_order_relaxed); /* readers see all three move or none */
   atomic_store_explicit(&e->ver, v + 1, memory_order_relaxed);
   atomic_thread_fence(memory_order_release);
   kvp__usage_move(&e->u, dreq, dalloc, dpages);
   atomic_store_explicit(&e->ver, v + 2, memory_order_release);
+}
+static inline __attribute__((always_inline)) void kvp__stats_count(kvp__stats *st, const kvp__tag *tag,
+                                                                   uint64_t requested_bytes, uint64_t allocated_bytes,
+                                                                   int sign) {
+  kvp__seq_usage *e = kvp__stats_seq_hinted(st, tag->seq);
+  if (KVP__UNLIKELY(!e)) e = kvp__stats_seq_slot(st, tag->seq);
+  kvp__stats_count_in(st, e, tag, requested_bytes, allocated_bytes, sign);
 }
 /* Read one usage into the public struct. */
 void kvp__usage_read(const kvp__usage *u, kvp_usage *out);

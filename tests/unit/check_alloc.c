@@ -788,6 +788,60 @@ START_TEST(check_detects_corruption) {
 }
 END_TEST
 
+/* The per-sequence slots behind the last one's and the hints: pages of
+ * more sequences than there are hints, another sequence at every call (the
+ * table rebuilt as it grows, hints taken over by colliding sequences),
+ * count each in its own sequence, exactly; kvp_check finds a hint or a
+ * last slot that is not its sequence's slot. */
+START_TEST(seq_hints_count_exactly) {
+  enum { NSEQ = 3 * KVP__SEQ_HINTS, NPG = 3 };
+  kvp_pool *p = mkpool(64 * MB, 0, 1, 1);
+  static kvp_page_id ids[NSEQ][NPG];
+  static kvp_usage want[NSEQ];
+  for (uint32_t j = 0; j < NPG; j++)
+    for (uint64_t s = 0; s < NSEQ; s++) { /* ids far apart too: every 64th is s << 32 */
+      uint64_t seq = s % 64 ? s : s << 32, bytes = 40 + (s * 13 + j) % 300;
+      kvp_page_tag t = tag_of(seq, 0, 0, KVP_PAGE_RAW, j & 1);
+      ck_ok(kvp_page_alloc(p, bytes, &t, &ids[s][j]));
+      kvp_page_desc d;
+      ck_ok(kvp_page_describe(p, ids[s][j], &d));
+      want[s].requested_bytes += bytes;
+      want[s].allocated_bytes += d.allocated_bytes;
+      want[s].npages++;
+    }
+  ck_pool(p);
+  for (uint64_t s = 0; s < NSEQ; s += 2) /* every other sequence's pages go, one page of each in turn */
+    for (uint32_t j = 0; j < NPG; j++) {
+      ck_ok(kvp_page_free(p, ids[s][j]));
+      want[s] = (kvp_usage){0, 0, 0};
+    }
+  ck_pool(p);
+  for (uint64_t s = 0; s < NSEQ; s++) {
+    kvp_usage u = {0, 0, 0};
+    int rc = kvp_stats_breakdown(p, KVP_DIM_SEQ, s % 64 ? s : s << 32, &u);
+    ck_assert(rc == KVP_OK || (rc == KVP_ENOENT && !want[s].npages));
+    ck_assert_uint_eq(u.requested_bytes, want[s].requested_bytes);
+    ck_assert_uint_eq(u.allocated_bytes, want[s].allocated_bytes);
+    ck_assert_uint_eq(u.npages, want[s].npages);
+  }
+  uint32_t h = 0;
+  while (!p->stats.seq_hint[h].slot) h++;
+  p->stats.seq_hint[h].seq ^= 1; /* a hint of another sequence's slot */
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  ck_assert(strstr(kvp_last_error(), "sequence hint") != NULL);
+  p->stats.seq_hint[h].seq ^= 1;
+  ck_pool(p);
+  kvp__seq_usage *last = p->stats.seq_last;
+  ck_assert_ptr_nonnull(last);
+  p->stats.seq_last = (kvp__seq_usage *)&p->stats; /* not a slot of the table */
+  ck_status(kvp_check(p), KVP_ECORRUPT);
+  ck_assert(strstr(kvp_last_error(), "last sequence slot") != NULL);
+  p->stats.seq_last = last;
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 /* ---- churn ------------------------------------------------------------- */
 
 /* Page sizes drawn from the codec table at D = 128 (DESIGN.md section 7):
@@ -1269,6 +1323,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, bad_sizes_and_ids);
   tcase_add_test(tc, internal_free_rejects_foreign_and_double);
   tcase_add_test(tc, check_detects_corruption);
+  tcase_add_test(tc, seq_hints_count_exactly);
   suite_add_tcase(s, tc);
   tc = tcase_create("cache");
   tcase_add_test(tc, cache_is_lifo_and_not_allocated);
