@@ -34,6 +34,8 @@
  *   ledger.bf16_equivalent = tokens_retained x 2 (K, V) x D x 2 bytes
  *   a run or bref readers may have seen is retired (uncounted now, freed
  *   after a grace period); one never published is freed now
+ *   pre-backed store (KVP_POOL_PREFAULT): every slot in [base, next) is a
+ *   live raw block struct or on the store's free list, never both
  *
  * Layering: the files that build and change sequences call one way, down
  * this list, and never up it:
@@ -53,6 +55,8 @@
 #include "pages.h"
 
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 /* ---- runs and brefs ---------------------------------------------------- */
 
@@ -114,6 +118,107 @@ bool kvp__run_extends_all(const kvp_pool *pool, const kvp__layer *L, uint32_t st
   return r->mask[nw - 1] == (H % 64 ? (1ull << H % 64) - 1 : ~0ull);
 }
 
+/* ---- the pre-backed block store -----------------------------------------
+ * A decode token that fills its OPEN tails opens a block per head: H raw
+ * block structs (128 bytes each) and H brefs. Taken from the metadata arena as the
+ * pool grows, they land on pages nothing touched before, and about one
+ * opening in four pays a page fault (microseconds: more than the 16 tokens
+ * of the block cost together). A pool created with KVP_POOL_PREFAULT asks
+ * for no first-touch cost later, so it also backs, at create, the raw
+ * block structs its region can hold:
+ *   slots = min(region_bytes / least raw block bytes over layers,
+ *               region_bytes / BSTORE_SHARE / slot bytes)
+ * in one metadata allocation (counted in metadata_bytes from create on)
+ * faulted in at once (huge pages where the kernel gives them). Structs past
+ * that, and every other struct, come from kvp__meta as before. Writer only:
+ * a slot goes back to the store's free list when its block is freed (all
+ * block frees are the writer's). Cost: a pop or a bump, instead of the
+ * arena's cache and its counters. */
+enum { BSTORE_SHARE = 32 }; /* the store holds at most 1/32 of the region's bytes */
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define BSTORE_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define BSTORE_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define BSTORE_POISON(p, n) ((void)(p), (void)(n))
+#define BSTORE_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+static inline kvp__block *bstore_take(kvp__bstore *st) {
+  void *p = st->free;
+  size_t slot = kvp__block_bytes(1);
+  if (p) {
+    BSTORE_UNPOISON(p, slot);
+    st->free = *(void **)p;
+  } else if (st->next != st->end) {
+    p = st->next;
+    st->next += slot;
+    BSTORE_UNPOISON(p, slot);
+  }
+  return p;
+}
+
+static inline bool bstore_give(kvp__bstore *st, kvp__block *b) {
+  uintptr_t a = (uintptr_t)b;
+  if (a < (uintptr_t)st->base || a >= (uintptr_t)st->end) return false;
+  kvp__assert(b->npg == 1 && (a - (uintptr_t)st->base) % kvp__block_bytes(1) == 0);
+  *(void **)b = st->free;
+  st->free = b;
+  BSTORE_POISON(b, kvp__block_bytes(1));
+  return true;
+}
+
+/* Fault [p, p + bytes) in, writable (huge pages advised first). */
+static void prefault(unsigned char *p, size_t bytes) {
+  long pg = sysconf(_SC_PAGESIZE);
+  uintptr_t page = pg > 0 ? (uintptr_t)pg : 4096, lo = ((uintptr_t)p + page - 1) & ~(page - 1);
+  uintptr_t hi = ((uintptr_t)p + bytes) & ~(page - 1);
+#ifdef MADV_HUGEPAGE
+  uintptr_t hlo = ((uintptr_t)p + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
+  uintptr_t hhi = ((uintptr_t)p + bytes) & ~(uintptr_t)((2u << 20) - 1);
+  if (hhi > hlo) madvise((void *)hlo, hhi - hlo, MADV_HUGEPAGE); /* advisory; failure is fine */
+#endif
+#ifdef MADV_POPULATE_WRITE
+  if (hi > lo && madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  volatile unsigned char *v = p;
+  for (size_t off = 0; off < bytes; off += page) v[off] = v[off];
+  (void)lo, (void)hi;
+}
+
+int kvp__bstore_init(kvp_pool *pool) {
+  kvp__bstore *st = &pool->bstore;
+  memset(st, 0, sizeof *st);
+  if (!(pool->cfg.flags & KVP_POOL_PREFAULT)) return KVP_OK;
+  uint64_t least = 0; /* allocated bytes of the smallest raw block (K + V) of a layer */
+  for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
+    uint64_t b = kvp__block_class_bytes(pool, l, true, 0, kvp__layer_bt(pool, l, KVP_SEQ_STREAM));
+    if (b && (!least || b < least)) least = b;
+  }
+  size_t slot = kvp__block_bytes(1);
+  uint64_t nslots = least ? pool->cfg.region_bytes / least : 0, most = pool->cfg.region_bytes / BSTORE_SHARE / slot;
+  if (nslots > most) nslots = most;
+  if (!nslots) return KVP_OK;
+  st->bytes = (size_t)nslots * slot;
+  if (!(st->base = kvp__meta_alloc(&pool->meta, st->bytes)))
+    return kvp__err(KVP_ENOMEM, "the pre-backed block structs of a KVP_POOL_PREFAULT pool (%llu of %zu bytes)",
+                    (unsigned long long)nslots, slot);
+  prefault(st->base, st->bytes);
+  BSTORE_POISON(st->base, st->bytes);
+  st->next = st->base;
+  st->end = st->base + st->bytes;
+  return KVP_OK;
+}
+
+void kvp__bstore_fini(kvp_pool *pool) {
+  kvp__bstore *st = &pool->bstore;
+  if (!st->base) return;
+  BSTORE_UNPOISON(st->base, st->bytes);
+  kvp__meta_free(&pool->meta, st->base, st->bytes);
+  memset(st, 0, sizeof *st);
+}
+
 /* ---- blocks ------------------------------------------------------------ */
 
 uint64_t kvp__block_class_bytes(const kvp_pool *pool, uint32_t layer, bool raw, uint32_t pos0, uint32_t cap) {
@@ -164,9 +269,15 @@ kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool 
 
 kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
   uint8_t npg = kvp__block_rows(raw);
-  kvp__block *b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
+  kvp__block *b = raw ? bstore_take(&pool->bstore) : NULL;
+  if (b) memset(b, 0, kvp__block_bytes(npg));
+  else b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
   if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw, b->npg = npg;
   return b;
+}
+
+void kvp__block_struct_free(kvp_pool *pool, kvp__block *b) {
+  if (!bstore_give(&pool->bstore, b)) kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
 }
 
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
@@ -199,7 +310,7 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
   if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
   int rc = kvp__block_take_pages(pool, b, seq, layer, head, lays);
   if (rc) {
-    kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
+    kvp__block_struct_free(pool, b);
     return rc;
   }
   *out = b;
@@ -210,7 +321,7 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
 
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
   free_pages(pool, b);
-  kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
+  kvp__block_struct_free(pool, b);
 }
 
 static uint64_t block_bytes(const kvp__block *b) {
