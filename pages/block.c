@@ -34,8 +34,8 @@
  *   ledger.bf16_equivalent = tokens_retained x 2 (K, V) x D x 2 bytes
  *   a run or bref readers may have seen is retired (uncounted now, freed
  *   after a grace period); one never published is freed now
- *   pre-backed store (KVP_POOL_PREFAULT): every slot in [base, next) is a
- *   live raw block struct or on the store's free list, never both
+ *   pre-backed stores (KVP_POOL_PREFAULT): every slot in [base, next) is
+ *   exactly one of live, on the free list, or (brefs) on the retired list
  *
  * Layering: the files that build and change sequences call one way, down
  * this list, and never up it:
@@ -58,83 +58,26 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-/* ---- runs and brefs ---------------------------------------------------- */
-
-kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask) {
-  uint32_t nwords = (pool->cfg.n_kv_heads + 63) / 64;
-  kvp__run *r = kvp__meta_alloc(&pool->meta, sizeof *r + nwords * sizeof(uint64_t));
-  if (!r) return NULL;
-  r->next = NULL;
-  r->s0 = s0;
-  r->p0 = p0;
-  atomic_init(&r->s1, s1);
-  atomic_init(&r->p1, p1);
-  r->nwords = nwords;
-  memcpy(r->mask, mask, nwords * sizeof(uint64_t));
-  return r;
-}
-
-void kvp__run_free_now(kvp_pool *pool, kvp__run *r) {
-  kvp__meta_free(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
-}
-
-void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) { kvp__meta_free(&pool->meta, b, sizeof *b); }
-
-static void run_free_cb(kvp__rcu_head *h) {
-  kvp__rcu_cb_begin(h);
-  kvp__run *r = caa_container_of(h, kvp__run, rcu);
-  kvp__meta_free(NULL, r, sizeof *r + r->nwords * sizeof(uint64_t));
-}
-
-static void bref_free_cb(kvp__rcu_head *h) {
-  kvp__rcu_cb_begin(h);
-  kvp__meta_free(NULL, caa_container_of(h, kvp__bref, rcu), sizeof(kvp__bref));
-}
-
-/* The pool's counter drops at retire; the memory goes after the grace period
- * (callbacks run on urcu's thread and count against no pool). */
-void kvp__run_retire(kvp_pool *pool, kvp__run *r) {
-  kvp__meta_uncount(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
-  kvp__rcu_call(&r->rcu, run_free_cb);
-}
-
-void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
-  kvp__meta_uncount(&pool->meta, b, sizeof *b);
-  kvp__rcu_call(&b->rcu, bref_free_cb);
-}
-/* The last run ends at this step and retains exactly the stored heads. */
-bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
-  const kvp__run *r = L->last;
-  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
-  return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
-}
-/* The same for mask = every head: no mask to build (a decode token's check). */
-bool kvp__run_extends_all(const kvp_pool *pool, const kvp__layer *L, uint32_t step) {
-  const kvp__run *r = L->last;
-  uint32_t H = pool->cfg.n_kv_heads, nw = (H + 63) / 64;
-  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step || r->nwords != nw) return false;
-  for (uint32_t w = 0; w + 1 < nw; w++)
-    if (r->mask[w] != ~0ull) return false;
-  return r->mask[nw - 1] == (H % 64 ? (1ull << H % 64) - 1 : ~0ull);
-}
-
-/* ---- the pre-backed block store -----------------------------------------
+/* ---- the pre-backed stores ------------------------------------------------
  * A decode token that fills its OPEN tails opens a block per head: H raw
- * block structs (128 bytes each) and H brefs. Taken from the metadata arena as the
- * pool grows, they land on pages nothing touched before, and about one
- * opening in four pays a page fault (microseconds: more than the 16 tokens
- * of the block cost together). A pool created with KVP_POOL_PREFAULT asks
- * for no first-touch cost later, so it also backs, at create, the raw
- * block structs its region can hold:
+ * block structs (128 bytes each) and H brefs (32 bytes). Taken from the
+ * metadata arena as the pool grows, they land on pages nothing touched
+ * before, and about one opening in four paid a page fault (microseconds:
+ * more than the 16 tokens of the block cost together). A pool created with
+ * KVP_POOL_PREFAULT asks for no first-touch cost later, so it also backs,
+ * at create, the raw block structs and brefs its region can hold:
  *   slots = min(region_bytes / least raw block bytes over layers,
- *               region_bytes / BSTORE_SHARE / slot bytes)
- * in one metadata allocation (counted in metadata_bytes from create on)
- * faulted in at once (huge pages where the kernel gives them). Structs past
- * that, and every other struct, come from kvp__meta as before. Writer only:
- * a slot goes back to the store's free list when its block is freed (all
- * block frees are the writer's). Cost: a pop or a bump, instead of the
- * arena's cache and its counters. */
-enum { BSTORE_SHARE = 32 }; /* the store holds at most 1/32 of the region's bytes */
+ *               region_bytes / BSTORE_SHARE / 128)
+ * of each, in one metadata allocation per kind (counted in metadata_bytes
+ * from create on) faulted in at once (huge pages where the kernel gives
+ * them). Structs past that, and every other struct, come from kvp__meta as
+ * before. Writer only: a block's slot goes back to its store's free list
+ * when the block is freed (all block frees are the writer's); a retired
+ * bref's, which readers may still follow, to the retired list, and from
+ * there to the free list after the next grace period (kvp__reclaim), not
+ * through an RCU callback. Cost: a pop or a bump, instead of the arena's
+ * cache and its counters. */
+enum { BSTORE_SHARE = 32 }; /* the block store holds at most 1/32 of the region's bytes (brefs: a quarter of that) */
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -145,28 +88,32 @@ enum { BSTORE_SHARE = 32 }; /* the store holds at most 1/32 of the region's byte
 #define BSTORE_UNPOISON(p, n) ((void)(p), (void)(n))
 #endif
 
-static inline kvp__block *bstore_take(kvp__bstore *st) {
+/* A slot, zeroed, or NULL when the store has none left. */
+static inline void *store_take(kvp__bstore *st) {
   void *p = st->free;
-  size_t slot = kvp__block_bytes(1);
   if (p) {
-    BSTORE_UNPOISON(p, slot);
+    BSTORE_UNPOISON(p, st->slot);
     st->free = *(void **)p;
   } else if (st->next != st->end) {
     p = st->next;
-    st->next += slot;
-    BSTORE_UNPOISON(p, slot);
+    st->next += st->slot;
+    BSTORE_UNPOISON(p, st->slot);
+  } else {
+    return NULL;
   }
-  return p;
+  return memset(p, 0, st->slot);
 }
 
-static inline bool bstore_give(kvp__bstore *st, kvp__block *b) {
-  uintptr_t a = (uintptr_t)b;
-  if (a < (uintptr_t)st->base || a >= (uintptr_t)st->end) return false;
-  kvp__assert(b->npg == 1 && (a - (uintptr_t)st->base) % kvp__block_bytes(1) == 0);
-  *(void **)b = st->free;
-  st->free = b;
-  BSTORE_POISON(b, kvp__block_bytes(1));
-  return true;
+static inline bool store_has(const kvp__bstore *st, const void *p) {
+  uintptr_t a = (uintptr_t)p;
+  return a >= (uintptr_t)st->base && a < (uintptr_t)st->end;
+}
+
+static inline void store_give(kvp__bstore *st, void *p) {
+  kvp__assert(((uintptr_t)p - (uintptr_t)st->base) % st->slot == 0);
+  *(void **)p = st->free;
+  st->free = p;
+  BSTORE_POISON(p, st->slot);
 }
 
 /* Fault [p, p + bytes) in, writable (huge pages advised first). */
@@ -187,9 +134,31 @@ static void prefault(unsigned char *p, size_t bytes) {
   (void)lo, (void)hi;
 }
 
-int kvp__bstore_init(kvp_pool *pool) {
-  kvp__bstore *st = &pool->bstore;
+static int store_init(kvp_pool *pool, kvp__bstore *st, uint64_t nslots, size_t slot, const char *what) {
+  st->slot = slot;
+  st->bytes = (size_t)nslots * slot;
+  if (!(st->base = kvp__meta_alloc(&pool->meta, st->bytes))) {
+    memset(st, 0, sizeof *st);
+    return kvp__err(KVP_ENOMEM, "the pre-backed %s of a KVP_POOL_PREFAULT pool (%llu of %zu bytes)", what,
+                    (unsigned long long)nslots, slot);
+  }
+  prefault(st->base, st->bytes);
+  BSTORE_POISON(st->base, st->bytes);
+  st->next = st->base;
+  st->end = st->base + st->bytes;
+  return KVP_OK;
+}
+
+static void store_fini(kvp_pool *pool, kvp__bstore *st) {
+  if (!st->base) return;
+  BSTORE_UNPOISON(st->base, st->bytes);
+  kvp__meta_free(&pool->meta, st->base, st->bytes);
   memset(st, 0, sizeof *st);
+}
+
+int kvp__bstore_init(kvp_pool *pool) {
+  memset(&pool->bstore, 0, sizeof pool->bstore);
+  memset(&pool->rstore, 0, sizeof pool->rstore);
   if (!(pool->cfg.flags & KVP_POOL_PREFAULT)) return KVP_OK;
   uint64_t least = 0; /* allocated bytes of the smallest raw block (K + V) of a layer */
   for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
@@ -200,23 +169,98 @@ int kvp__bstore_init(kvp_pool *pool) {
   uint64_t nslots = least ? pool->cfg.region_bytes / least : 0, most = pool->cfg.region_bytes / BSTORE_SHARE / slot;
   if (nslots > most) nslots = most;
   if (!nslots) return KVP_OK;
-  st->bytes = (size_t)nslots * slot;
-  if (!(st->base = kvp__meta_alloc(&pool->meta, st->bytes)))
-    return kvp__err(KVP_ENOMEM, "the pre-backed block structs of a KVP_POOL_PREFAULT pool (%llu of %zu bytes)",
-                    (unsigned long long)nslots, slot);
-  prefault(st->base, st->bytes);
-  BSTORE_POISON(st->base, st->bytes);
-  st->next = st->base;
-  st->end = st->base + st->bytes;
-  return KVP_OK;
+  int rc = store_init(pool, &pool->bstore, nslots, slot, "block structs");
+  if (!rc && (rc = store_init(pool, &pool->rstore, nslots, sizeof(kvp__bref), "brefs")))
+    store_fini(pool, &pool->bstore);
+  return rc;
 }
 
 void kvp__bstore_fini(kvp_pool *pool) {
-  kvp__bstore *st = &pool->bstore;
-  if (!st->base) return;
-  BSTORE_UNPOISON(st->base, st->bytes);
-  kvp__meta_free(&pool->meta, st->base, st->bytes);
-  memset(st, 0, sizeof *st);
+  store_fini(pool, &pool->bstore); /* no reader is left: retired brefs go with the rest */
+  store_fini(pool, &pool->rstore);
+}
+
+/* Retired brefs of the store to its free list: a grace period passed since
+ * they were retired (kvp__reclaim_after_grace). */
+static void rstore_recycle(kvp__bstore *st) {
+  for (void *p = st->retired, *n; p; p = n) {
+    memcpy(&n, &((kvp__bref *)p)->rcu, sizeof n);
+    store_give(st, p);
+  }
+  st->retired = NULL;
+}
+
+kvp__bref *kvp__bref_new_w(kvp_pool *pool) {
+  kvp__bref *r = store_take(&pool->rstore);
+  return r ? r : kvp__meta_calloc_w(&pool->meta, sizeof(kvp__bref));
+}
+
+/* ---- runs and brefs ---------------------------------------------------- */
+
+kvp__run *kvp__run_new(kvp_pool *pool, uint32_t s0, uint32_t p0, uint32_t s1, uint32_t p1, const uint64_t *mask) {
+  uint32_t nwords = (pool->cfg.n_kv_heads + 63) / 64;
+  kvp__run *r = kvp__meta_alloc(&pool->meta, sizeof *r + nwords * sizeof(uint64_t));
+  if (!r) return NULL;
+  r->next = NULL;
+  r->s0 = s0;
+  r->p0 = p0;
+  atomic_init(&r->s1, s1);
+  atomic_init(&r->p1, p1);
+  r->nwords = nwords;
+  memcpy(r->mask, mask, nwords * sizeof(uint64_t));
+  return r;
+}
+
+void kvp__run_free_now(kvp_pool *pool, kvp__run *r) {
+  kvp__meta_free(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
+}
+
+void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) {
+  if (store_has(&pool->rstore, b)) store_give(&pool->rstore, b);
+  else kvp__meta_free(&pool->meta, b, sizeof *b);
+}
+
+static void run_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
+  kvp__run *r = caa_container_of(h, kvp__run, rcu);
+  kvp__meta_free(NULL, r, sizeof *r + r->nwords * sizeof(uint64_t));
+}
+
+static void bref_free_cb(kvp__rcu_head *h) {
+  kvp__rcu_cb_begin(h);
+  kvp__meta_free(NULL, caa_container_of(h, kvp__bref, rcu), sizeof(kvp__bref));
+}
+
+/* The pool's counter drops at retire; the memory goes after the grace period
+ * (callbacks run on urcu's thread and count against no pool). */
+void kvp__run_retire(kvp_pool *pool, kvp__run *r) {
+  kvp__meta_uncount(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
+  kvp__rcu_call(&r->rcu, run_free_cb);
+}
+
+void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
+  if (store_has(&pool->rstore, b)) { /* recycled after the next grace period (rstore_recycle) */
+    memcpy(&b->rcu, &pool->rstore.retired, sizeof pool->rstore.retired);
+    pool->rstore.retired = b;
+    return;
+  }
+  kvp__meta_uncount(&pool->meta, b, sizeof *b);
+  kvp__rcu_call(&b->rcu, bref_free_cb);
+}
+/* The last run ends at this step and retains exactly the stored heads. */
+bool kvp__run_extends(const kvp_pool *pool, const kvp__layer *L, uint32_t step, const uint64_t *mask) {
+  const kvp__run *r = L->last;
+  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step) return false;
+  return memcmp(r->mask, mask, r->nwords * sizeof(uint64_t)) == 0 && (pool->cfg.n_kv_heads + 63) / 64 == r->nwords;
+}
+/* The same for mask = every head: no mask to build (a decode token's check). */
+bool kvp__run_extends_all(const kvp_pool *pool, const kvp__layer *L, uint32_t step) {
+  const kvp__run *r = L->last;
+  uint32_t H = pool->cfg.n_kv_heads, nw = (H + 63) / 64;
+  if (!r || atomic_load_explicit(&r->s1, memory_order_relaxed) != step || r->nwords != nw) return false;
+  for (uint32_t w = 0; w + 1 < nw; w++)
+    if (r->mask[w] != ~0ull) return false;
+  return r->mask[nw - 1] == (H % 64 ? (1ull << H % 64) - 1 : ~0ull);
 }
 
 /* ---- blocks ------------------------------------------------------------ */
@@ -269,15 +313,15 @@ kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool 
 
 kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
   uint8_t npg = kvp__block_rows(raw);
-  kvp__block *b = raw ? bstore_take(&pool->bstore) : NULL;
-  if (b) memset(b, 0, kvp__block_bytes(npg));
-  else b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
+  kvp__block *b = raw ? store_take(&pool->bstore) : NULL;
+  if (!b) b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
   if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw, b->npg = npg;
   return b;
 }
 
 void kvp__block_struct_free(kvp_pool *pool, kvp__block *b) {
-  if (!bstore_give(&pool->bstore, b)) kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
+  if (store_has(&pool->bstore, b)) store_give(&pool->bstore, b);
+  else kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
 }
 
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
@@ -373,12 +417,13 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
 }
 
 void kvp__reclaim(kvp_pool *pool) {
-  if (!pool->limbo) return;
+  if (!pool->limbo && !pool->rstore.retired) return;
   kvp__rcu_synchronize();
   kvp__reclaim_after_grace(pool);
 }
 
 void kvp__reclaim_after_grace(kvp_pool *pool) {
+  rstore_recycle(&pool->rstore);
   if (!pool->limbo) return;
   /* copies already enqueued on device streams may still touch these pages;
    * a failure here is reported by the region and the pages are freed anyway

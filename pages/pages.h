@@ -207,16 +207,20 @@ typedef struct kvp__ptable {
 
 enum { KVP__SEQ_CACHE = 64 }; /* slots of kvp_pool.seq_cache (a power of two) */
 
-/* Raw block structs pre-backed at create (KVP_POOL_PREFAULT): one metadata
- * allocation, faulted in, carved into slots of kvp__block_bytes(1) bytes;
- * the writer takes a slot from the free list, else the next never-used one
- * (next < end), and gives it back to the free list. Invariant: every slot
- * in [base, next) is a live raw block struct or on the free list. */
+/* Metadata slots pre-backed at create (KVP_POOL_PREFAULT; pages/block.c):
+ * one metadata allocation, faulted in, carved into slots of one size (raw
+ * block structs, or brefs); the writer takes a slot from the free list,
+ * else the next never-used one (next < end), and gives it back to the
+ * free list, or to the retired list first when readers may still hold it
+ * (a bref: recycled after the next grace period, kvp__reclaim).
+ * Invariant: every slot in [base, next) is live, retired or free. */
 typedef struct kvp__bstore {
-  unsigned char *base;   /* the store, or NULL: none (block structs from kvp__meta) */
+  unsigned char *base;   /* the store, or NULL: none (these structs from kvp__meta) */
   unsigned char *next;   /* the first slot never handed out */
-  unsigned char *end;    /* base + slots x slot bytes */
+  unsigned char *end;    /* base + slots x slot */
   void *free;            /* slots given back, linked through their first word */
+  void *retired;         /* brefs retired, linked through their RCU head's room (readers read the rest) */
+  size_t slot;           /* bytes per slot */
   size_t bytes;          /* of the allocation at base (counted in the pool's metadata bytes) */
 } kvp__bstore;
 
@@ -235,6 +239,7 @@ struct kvp_pool {
   uint32_t *bt;          /* [2 * L]: tokens per block of layer l, stream mode at 2l, step mode at 2l + 1 */
   kvp__block *limbo;     /* blocks waiting for a grace period (onext chain); bytes in ledger.retired */
   kvp__bstore bstore;    /* pre-backed raw block structs (KVP_POOL_PREFAULT; pages/block.c), writer only */
+  kvp__bstore rstore;    /* pre-backed brefs, the same way */
   kvp__block *orphans;   /* evicted blocks kept alive by view pins */
   struct kvp__policy *policy; /* the pool's policy (config.policy) */
   struct kvp__heatkv_cache *heatkv_cache; /* HeatKV orders and plans shared by sequences, or NULL */
@@ -427,6 +432,9 @@ void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);
 /* Retire (call_rcu) a run or bref: freed after a grace period. */
 void kvp__run_retire(kvp_pool *pool, kvp__run *r);
 void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
+/* A zeroed bref for an append's plan (writer): from the pool's pre-backed
+ * store first, else the writer's metadata cache; NULL when out of memory. */
+kvp__bref *kvp__bref_new_w(kvp_pool *pool);
 /* Allocate a block with pages for cap tokens of (seq, layer, head), raw
  * (the tail binding) or the layer's codec; writer. */
 int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
@@ -463,9 +471,9 @@ void kvp__reclaim_after_grace(kvp_pool *pool);
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b);
 /* Free a block's struct alone (its pages gone or never taken; writer). */
 void kvp__block_struct_free(kvp_pool *pool, kvp__block *b);
-/* The pre-backed store of raw block structs (KVP_POOL_PREFAULT; else
- * nothing): init after the bindings (ENOMEM, nothing taken, on failure);
- * fini after every block struct was freed. */
+/* The pre-backed stores of raw block structs and brefs (KVP_POOL_PREFAULT;
+ * else nothing): init after the bindings (ENOMEM, nothing taken, on
+ * failure); fini after every block struct and bref was freed. */
 int kvp__bstore_init(kvp_pool *pool);
 void kvp__bstore_fini(kvp_pool *pool);
 /* Wait for a grace period and free everything in the limbo (writer). */

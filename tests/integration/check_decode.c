@@ -450,15 +450,19 @@ START_TEST(prefault_block_store) {
 }
 END_TEST
 
-/* The same store under a window: its evictions free blocks as the steps
- * go, and the slots they give back are taken again by later openings. */
+/* The same stores under a window: its evictions free blocks and retire
+ * brefs as the steps go; the slots they give back (the brefs' after a
+ * reclaim) are taken again by later openings. */
 START_TEST(prefault_store_under_a_window) {
   const geo *g = &GEOS[1];
   kvp_pool *p = rv_pool(g, KVP_POOL_PREFAULT, "window:sink=2:recent=8", 0, 8ull << 20);
   for (uint64_t seq = 0; seq < 4; seq++) pf_decode(p, g, seq, PF_POS);
+  ck_ok(kvp_reclaim(p)); /* the brefs the evictions retired go back to the store */
+  ck_ok(kvp_check(p));
+  pf_decode(p, g, 4, PF_POS);
   static float ko[MAXPOS * MAXD], vo[MAXPOS * MAXD];
   static uint32_t ps[MAXPOS];
-  for (uint64_t seq = 0; seq < 4; seq++)
+  for (uint64_t seq = 0; seq < 5; seq++)
     for (uint32_t l = 0; l < L; l++)
       for (uint32_t h = 0; h < g->H; h++) {
         kvp_read_req q = {sizeof q, h, KVP_DTYPE_F32, ko, vo, ps, MAXPOS, 0, NULL};
