@@ -74,10 +74,14 @@
  * before. Writer only: a block's slot goes back to its store's free list
  * when the block is freed (all block frees are the writer's); a retired
  * bref's, which readers may still follow, to the retired list, and from
- * there to the free list after the next grace period (kvp__reclaim), not
- * through an RCU callback. Cost: a pop or a bump, instead of the arena's
+ * there to the free list after the next grace period (kvp__reclaim: one it
+ * waits for anyway, for blocks in the limbo, or once BSTORE_RETIRED_MAX
+ * brefs wait; kvp_reclaim: any), not through an RCU callback. Cost: a pop or a bump, instead of the arena's
  * cache and its counters. */
 enum { BSTORE_SHARE = 32 }; /* the block store holds at most 1/32 of the region's bytes (brefs: a quarter of that) */
+/* Retired brefs that make a reclaim wait for a grace period on their own
+ * (with blocks in the limbo it waits anyway): 128 KiB of them. */
+enum { BSTORE_RETIRED_MAX = 4096 };
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
@@ -188,6 +192,7 @@ static void rstore_recycle(kvp__bstore *st) {
     store_give(st, p);
   }
   st->retired = NULL;
+  st->nretired = 0;
 }
 
 kvp__bref *kvp__bref_new_w(kvp_pool *pool) {
@@ -242,6 +247,7 @@ void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
   if (store_has(&pool->rstore, b)) { /* recycled after the next grace period (rstore_recycle) */
     memcpy(&b->rcu, &pool->rstore.retired, sizeof pool->rstore.retired);
     pool->rstore.retired = b;
+    pool->rstore.nretired++;
     return;
   }
   kvp__meta_uncount(&pool->meta, b, sizeof *b);
@@ -417,7 +423,7 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
 }
 
 void kvp__reclaim(kvp_pool *pool) {
-  if (!pool->limbo && !pool->rstore.retired) return;
+  if (!pool->limbo && pool->rstore.nretired < BSTORE_RETIRED_MAX) return; /* no grace period for a few brefs */
   kvp__rcu_synchronize();
   kvp__reclaim_after_grace(pool);
 }
@@ -444,7 +450,10 @@ void kvp__reclaim_after_grace(kvp_pool *pool) {
 KVP_API int kvp_reclaim(kvp_pool *pool) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
-  kvp__reclaim(pool);
+  if (pool->limbo || pool->rstore.retired) { /* everything that waits, a few retired brefs too */
+    kvp__rcu_synchronize();
+    kvp__reclaim_after_grace(pool);
+  }
   kvp__alloc_trim(&pool->alloc); /* the allocator's caches too: committed bytes down to what pages hold */
   kvp__unlock(pool);
   return KVP_OK;

@@ -220,6 +220,7 @@ typedef struct kvp__bstore {
   unsigned char *end;    /* base + slots x slot */
   void *free;            /* slots given back, linked through their first word */
   void *retired;         /* brefs retired, linked through their RCU head's room (readers read the rest) */
+  uint64_t nretired;     /* how many */
   size_t slot;           /* bytes per slot */
   size_t bytes;          /* of the allocation at base (counted in the pool's metadata bytes) */
 } kvp__bstore;
