@@ -49,6 +49,11 @@ int kvp__alloc_init(kvp__alloc *a, kvp_mem mem, int device, uint64_t region_byte
     kvp__region_close(&a->region);
     return rc;
   }
+  if ((flags & KVP_POOL_PREFAULT) && (rc = kvp__extents_map_whole(&a->ext))) { /* no first-touch cost there either */
+    kvp__extents_fini(&a->ext);
+    kvp__region_close(&a->region);
+    return rc;
+  }
   kvp__ledger_init(&a->ledger, region_bytes, budget_bytes);
   a->large_cache_bytes = region_bytes / 16 < KVP__LARGE_CACHE_BYTES ? region_bytes / 16 : KVP__LARGE_CACHE_BYTES;
   return KVP_OK;

@@ -162,7 +162,9 @@ typedef struct kvp__extent {
  * KVP__RMAP_CHUNK_UNITS entries (16 MiB of region, 32 KiB of metadata)
  * exists only while one of its units is used, so a huge region (a 1 TiB dry
  * pool) costs metadata in proportion to what is allocated, not to its size:
- * 32 KiB per 16 MiB chunk holding a used unit, plus 12 bytes per 16 MiB. */
+ * 32 KiB per 16 MiB chunk holding a used unit, plus 12 bytes per 16 MiB.
+ * A prefaulted region's map is made whole at create instead (0.2% of the
+ * region: kvp__extents_map_whole). */
 #define KVP__RMAP_CHUNK_SHIFT 12u
 #define KVP__RMAP_CHUNK_UNITS (1u << KVP__RMAP_CHUNK_SHIFT)
 
@@ -185,10 +187,15 @@ typedef struct kvp__extents {
   _Atomic uint64_t hwm_bytes;   /* highest end offset a used extent ever had (never decreases; read lock-free) */
   uint64_t nlarge, nslab;       /* used extents by state */
   bool keep_chunks;             /* an allocator transaction is open: chunks that map nothing stay until it ends */
+  bool whole;                   /* every chunk made and faulted in (kvp__extents_map_whole), kept until fini */
 } kvp__extents;
 
 int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta);
 void kvp__extents_fini(kvp__extents *x);
+/* Make every chunk of the address map now, faulted in, and keep them all
+ * (a KVP_POOL_PREFAULT region: no first-touch cost when a slab or a large
+ * page first maps a unit); ENOMEM with the map as it was. */
+int kvp__extents_map_whole(kvp__extents *x);
 /* Allocate bytes (multiple of the unit) at an offset aligned to align (a
  * power of two >= unit). KVP_ENOSPC when no free extent fits (no message:
  * the caller words it), KVP_ENOMEM. */

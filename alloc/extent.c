@@ -13,7 +13,8 @@
  *   a FREE extent is in bins[kvp__ext_bin(bytes)], and that bin's bit is set
  *   rmap[u] = e for every unit u of a SLAB extent e and for the first unit of
  *   a LARGE one; NULL for every other unit (free, or inside a large page)
- *   a chunk of the address map exists iff one of its units is used, and its
+ *   a chunk of the address map exists iff one of its units is used (every
+ *   chunk, when the map is whole: a prefaulted region), and its
  *   rmap_nused[c] = its non-NULL entries (so metadata follows use, not region size)
  *   used_bytes = sum of bytes of used extents
  *
@@ -70,7 +71,7 @@ static uint64_t chunk_hi(uint64_t off, uint64_t bytes) {
 /* Free the chunks of the range that no longer map any unit (not while a
  * transaction may need them again: kvp__extents_trim at its end). */
 static void rmap_trim(kvp__extents *x, uint64_t off, uint64_t bytes) {
-  if (x->keep_chunks) return;
+  if (x->keep_chunks || x->whole) return;
   for (uint64_t c = chunk_lo(off); c < chunk_hi(off, bytes); c++)
     if (x->rmap[c] && !x->rmap_nused[c]) {
       kvp__meta_free(x->meta, x->rmap[c], sizeof *x->rmap[c]);
@@ -126,6 +127,14 @@ int kvp__extents_init(kvp__extents *x, uint64_t bytes, kvp__meta *meta) {
   x->first = e;
   x->nextents = 1;
   bin_insert(x, e);
+  return KVP_OK;
+}
+
+int kvp__extents_map_whole(kvp__extents *x) {
+  int rc = rmap_ensure(x, 0, x->bytes);
+  if (rc) return rc;
+  for (uint64_t c = 0; c < x->nchunks; c++) memset(x->rmap[c], 0, sizeof *x->rmap[c]); /* NULL entries: faulted in */
+  x->whole = true;
   return KVP_OK;
 }
 
@@ -371,14 +380,16 @@ static int check_rmap(const kvp__extents *x, const kvp__extent *e) {
   return KVP_OK;
 }
 
-/* Each chunk present maps some unit, and rmap_nused counts its entries. */
+/* Each chunk present maps some unit (a whole map: every chunk is present),
+ * and rmap_nused counts its entries. */
 static int check_chunks(const kvp__extents *x) {
   for (uint64_t c = 0; c < x->nchunks; c++) {
     const kvp__rmap_chunk *k = x->rmap[c];
+    if (!k && x->whole) return CORRUPT("address map chunk %llu is missing from a whole map", (unsigned long long)c);
     if (!k) continue;
     uint64_t n = 0;
     for (uint32_t i = 0; i < KVP__RMAP_CHUNK_UNITS; i++) n += k->unit[i] != NULL;
-    if (!n || n != x->rmap_nused[c])
+    if ((!n && !x->whole) || n != x->rmap_nused[c])
       return CORRUPT("address map chunk %llu: %llu units mapped, it counts %llu%s", (unsigned long long)c,
                      (unsigned long long)n, (unsigned long long)x->rmap_nused[c], n ? "" : " (an empty chunk is kept)");
   }

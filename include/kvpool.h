@@ -138,7 +138,11 @@ typedef struct kvp_config {
 
 /* kvp_config.flags */
 #define KVP_POOL_PREFAULT 1u /* host region: fault every page in at create, as a device
-                                allocation is backed at once (no first-touch cost later) */
+                                allocation is backed at once (no first-touch cost later); also
+                                backs at create the host metadata of the OPEN (raw) blocks the
+                                region can hold (their structs and links, up to 1/25 of
+                                region_bytes), counted in metadata_bytes from then on, so a
+                                decode token that opens blocks takes no page fault either */
 #define KVP_POOL_SANITIZE 2u /* NaN in appended K/V becomes 0 and +-Inf the dtype's largest finite value;
                                 without it such an append fails with KVP_EINVAL naming layer, head, token */
 #define KVP_POOL_DRY 4u      /* dry run, for capacity planning: pages are allocated, tagged and counted exactly

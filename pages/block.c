@@ -34,6 +34,8 @@
  *   ledger.bf16_equivalent = tokens_retained x 2 (K, V) x D x 2 bytes
  *   a run or bref readers may have seen is retired (uncounted now, freed
  *   after a grace period); one never published is freed now
+ *   pre-backed stores (KVP_POOL_PREFAULT): every slot in [base, next) is
+ *   exactly one of live, on the free list, or (brefs) on the retired list
  *
  * Layering: the files that build and change sequences call one way, down
  * this list, and never up it:
@@ -53,6 +55,150 @@
 #include "pages.h"
 
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+/* ---- the pre-backed stores ------------------------------------------------
+ * A decode token that fills its OPEN tails opens a block per head: H raw
+ * block structs (128 bytes each) and H brefs (32 bytes). Taken from the
+ * metadata arena as the pool grows, they land on pages nothing touched
+ * before, and about one opening in four paid a page fault (microseconds:
+ * more than the 16 tokens of the block cost together). A pool created with
+ * KVP_POOL_PREFAULT asks for no first-touch cost later, so it also backs,
+ * at create, the raw block structs and brefs its region can hold:
+ *   slots = min(region_bytes / least raw block bytes over layers,
+ *               region_bytes / BSTORE_SHARE / 128)
+ * of each, in one metadata allocation per kind (counted in metadata_bytes
+ * from create on) faulted in at once (huge pages where the kernel gives
+ * them). Structs past that, and every other struct, come from kvp__meta as
+ * before. Writer only: a block's slot goes back to its store's free list
+ * when the block is freed (all block frees are the writer's); a retired
+ * bref's, which readers may still follow, to the retired list, and from
+ * there to the free list after the next grace period (kvp__reclaim: one it
+ * waits for anyway, for blocks in the limbo, or once BSTORE_RETIRED_MAX
+ * brefs wait; kvp_reclaim: any), not through an RCU callback. Cost: a pop or a bump, instead of the arena's
+ * cache and its counters. */
+enum { BSTORE_SHARE = 32 }; /* the block store holds at most 1/32 of the region's bytes (brefs: a quarter of that) */
+/* Retired brefs that make a reclaim wait for a grace period on their own
+ * (with blocks in the limbo it waits anyway): 128 KiB of them. */
+enum { BSTORE_RETIRED_MAX = 4096 };
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define BSTORE_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define BSTORE_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define BSTORE_POISON(p, n) ((void)(p), (void)(n))
+#define BSTORE_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+/* A slot, zeroed, or NULL when the store has none left. */
+static inline void *store_take(kvp__bstore *st) {
+  void *p = st->free;
+  if (p) {
+    BSTORE_UNPOISON(p, st->slot);
+    st->free = *(void **)p;
+  } else if (st->next != st->end) {
+    p = st->next;
+    st->next += st->slot;
+    BSTORE_UNPOISON(p, st->slot);
+  } else {
+    return NULL;
+  }
+  return memset(p, 0, st->slot);
+}
+
+static inline bool store_has(const kvp__bstore *st, const void *p) {
+  uintptr_t a = (uintptr_t)p;
+  return a >= (uintptr_t)st->base && a < (uintptr_t)st->end;
+}
+
+static inline void store_give(kvp__bstore *st, void *p) {
+  kvp__assert(((uintptr_t)p - (uintptr_t)st->base) % st->slot == 0);
+  *(void **)p = st->free;
+  st->free = p;
+  BSTORE_POISON(p, st->slot);
+}
+
+/* Fault [p, p + bytes) in, writable (huge pages advised first). */
+static void prefault(unsigned char *p, size_t bytes) {
+  long pg = sysconf(_SC_PAGESIZE);
+  uintptr_t page = pg > 0 ? (uintptr_t)pg : 4096, lo = ((uintptr_t)p + page - 1) & ~(page - 1);
+  uintptr_t hi = ((uintptr_t)p + bytes) & ~(page - 1);
+#ifdef MADV_HUGEPAGE
+  uintptr_t hlo = ((uintptr_t)p + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1);
+  uintptr_t hhi = ((uintptr_t)p + bytes) & ~(uintptr_t)((2u << 20) - 1);
+  if (hhi > hlo) madvise((void *)hlo, hhi - hlo, MADV_HUGEPAGE); /* advisory; failure is fine */
+#endif
+#ifdef MADV_POPULATE_WRITE
+  if (hi > lo && madvise((void *)lo, hi - lo, MADV_POPULATE_WRITE) == 0) return;
+#endif
+  volatile unsigned char *v = p;
+  for (size_t off = 0; off < bytes; off += page) v[off] = v[off];
+  (void)lo, (void)hi;
+}
+
+static int store_init(kvp_pool *pool, kvp__bstore *st, uint64_t nslots, size_t slot, const char *what) {
+  st->slot = slot;
+  st->bytes = (size_t)nslots * slot;
+  if (!(st->base = kvp__meta_alloc(&pool->meta, st->bytes))) {
+    memset(st, 0, sizeof *st);
+    return kvp__err(KVP_ENOMEM, "the pre-backed %s of a KVP_POOL_PREFAULT pool (%llu of %zu bytes)", what,
+                    (unsigned long long)nslots, slot);
+  }
+  prefault(st->base, st->bytes);
+  BSTORE_POISON(st->base, st->bytes);
+  st->next = st->base;
+  st->end = st->base + st->bytes;
+  return KVP_OK;
+}
+
+static void store_fini(kvp_pool *pool, kvp__bstore *st) {
+  if (!st->base) return;
+  BSTORE_UNPOISON(st->base, st->bytes);
+  kvp__meta_free(&pool->meta, st->base, st->bytes);
+  memset(st, 0, sizeof *st);
+}
+
+int kvp__bstore_init(kvp_pool *pool) {
+  memset(&pool->bstore, 0, sizeof pool->bstore);
+  memset(&pool->rstore, 0, sizeof pool->rstore);
+  if (!(pool->cfg.flags & KVP_POOL_PREFAULT)) return KVP_OK;
+  uint64_t least = 0; /* allocated bytes of the smallest raw block (K + V) of a layer */
+  for (uint32_t l = 0; l < pool->cfg.n_layers; l++) {
+    uint64_t b = kvp__block_class_bytes(pool, l, true, 0, kvp__layer_bt(pool, l, KVP_SEQ_STREAM));
+    if (b && (!least || b < least)) least = b;
+  }
+  size_t slot = kvp__block_bytes(1);
+  uint64_t nslots = least ? pool->cfg.region_bytes / least : 0, most = pool->cfg.region_bytes / BSTORE_SHARE / slot;
+  if (nslots > most) nslots = most;
+  if (!nslots) return KVP_OK;
+  int rc = store_init(pool, &pool->bstore, nslots, slot, "block structs");
+  if (!rc && (rc = store_init(pool, &pool->rstore, nslots, sizeof(kvp__bref), "brefs")))
+    store_fini(pool, &pool->bstore);
+  return rc;
+}
+
+void kvp__bstore_fini(kvp_pool *pool) {
+  store_fini(pool, &pool->bstore); /* no reader is left: retired brefs go with the rest */
+  store_fini(pool, &pool->rstore);
+}
+
+/* Retired brefs of the store to its free list: a grace period passed since
+ * they were retired (kvp__reclaim_after_grace). */
+static void rstore_recycle(kvp__bstore *st) {
+  for (void *p = st->retired, *n; p; p = n) {
+    memcpy(&n, &((kvp__bref *)p)->rcu, sizeof n);
+    store_give(st, p);
+  }
+  st->retired = NULL;
+  st->nretired = 0;
+}
+
+kvp__bref *kvp__bref_new_w(kvp_pool *pool) {
+  kvp__bref *r = store_take(&pool->rstore);
+  return r ? r : kvp__meta_calloc_w(&pool->meta, sizeof(kvp__bref));
+}
 
 /* ---- runs and brefs ---------------------------------------------------- */
 
@@ -74,7 +220,10 @@ void kvp__run_free_now(kvp_pool *pool, kvp__run *r) {
   kvp__meta_free(&pool->meta, r, sizeof *r + r->nwords * sizeof(uint64_t));
 }
 
-void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) { kvp__meta_free(&pool->meta, b, sizeof *b); }
+void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b) {
+  if (store_has(&pool->rstore, b)) store_give(&pool->rstore, b);
+  else kvp__meta_free(&pool->meta, b, sizeof *b);
+}
 
 static void run_free_cb(kvp__rcu_head *h) {
   kvp__rcu_cb_begin(h);
@@ -95,6 +244,12 @@ void kvp__run_retire(kvp_pool *pool, kvp__run *r) {
 }
 
 void kvp__bref_retire(kvp_pool *pool, kvp__bref *b) {
+  if (store_has(&pool->rstore, b)) { /* recycled after the next grace period (rstore_recycle) */
+    memcpy(&b->rcu, &pool->rstore.retired, sizeof pool->rstore.retired);
+    pool->rstore.retired = b;
+    pool->rstore.nretired++;
+    return;
+  }
   kvp__meta_uncount(&pool->meta, b, sizeof *b);
   kvp__rcu_call(&b->rcu, bref_free_cb);
 }
@@ -164,9 +319,15 @@ kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool 
 
 kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw) {
   uint8_t npg = kvp__block_rows(raw);
-  kvp__block *b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
+  kvp__block *b = raw ? store_take(&pool->bstore) : NULL;
+  if (!b) b = kvp__meta_calloc_w(&pool->meta, kvp__block_bytes(npg));
   if (b) b->pos0 = pos0, b->cap_tokens = cap, b->raw = raw, b->npg = npg;
   return b;
+}
+
+void kvp__block_struct_free(kvp_pool *pool, kvp__block *b) {
+  if (store_has(&pool->bstore, b)) store_give(&pool->bstore, b);
+  else kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
 }
 
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
@@ -199,7 +360,7 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
   if (!b) return kvp__err(KVP_ENOMEM, "block metadata");
   int rc = kvp__block_take_pages(pool, b, seq, layer, head, lays);
   if (rc) {
-    kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
+    kvp__block_struct_free(pool, b);
     return rc;
   }
   *out = b;
@@ -210,7 +371,7 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
 
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b) {
   free_pages(pool, b);
-  kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
+  kvp__block_struct_free(pool, b);
 }
 
 static uint64_t block_bytes(const kvp__block *b) {
@@ -262,12 +423,13 @@ void kvp__block_unpinned(kvp_pool *pool, kvp__block *b) {
 }
 
 void kvp__reclaim(kvp_pool *pool) {
-  if (!pool->limbo) return;
+  if (!pool->limbo && pool->rstore.nretired < BSTORE_RETIRED_MAX) return; /* no grace period for a few brefs */
   kvp__rcu_synchronize();
   kvp__reclaim_after_grace(pool);
 }
 
 void kvp__reclaim_after_grace(kvp_pool *pool) {
+  rstore_recycle(&pool->rstore);
   if (!pool->limbo) return;
   /* copies already enqueued on device streams may still touch these pages;
    * a failure here is reported by the region and the pages are freed anyway
@@ -288,7 +450,10 @@ void kvp__reclaim_after_grace(kvp_pool *pool) {
 KVP_API int kvp_reclaim(kvp_pool *pool) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
-  kvp__reclaim(pool);
+  if (pool->limbo || pool->rstore.retired) { /* everything that waits, a few retired brefs too */
+    kvp__rcu_synchronize();
+    kvp__reclaim_after_grace(pool);
+  }
   kvp__alloc_trim(&pool->alloc); /* the allocator's caches too: committed bytes down to what pages hold */
   kvp__unlock(pool);
   return KVP_OK;

@@ -360,7 +360,7 @@ static void undo_commit(kvp_pool *pool, kvp__undo *u) {
       kvp__block *b = e->at;
       kvp__assert(!b->chunk); /* a prefix-table entry owns its blocks: never freed here */
       atomic_store_explicit(&b->refs, 0, memory_order_relaxed);
-      kvp__meta_free(&pool->meta, b, kvp__block_bytes(b->npg));
+      kvp__block_struct_free(pool, b);
     } else if (e->kind == KVP__UNDO_OWNER) {
       kvp__block_unowned(pool, e->at);
     }

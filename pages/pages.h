@@ -207,6 +207,24 @@ typedef struct kvp__ptable {
 
 enum { KVP__SEQ_CACHE = 64 }; /* slots of kvp_pool.seq_cache (a power of two) */
 
+/* Metadata slots pre-backed at create (KVP_POOL_PREFAULT; pages/block.c):
+ * one metadata allocation, faulted in, carved into slots of one size (raw
+ * block structs, or brefs); the writer takes a slot from the free list,
+ * else the next never-used one (next < end), and gives it back to the
+ * free list, or to the retired list first when readers may still hold it
+ * (a bref: recycled after the next grace period, kvp__reclaim).
+ * Invariant: every slot in [base, next) is live, retired or free. */
+typedef struct kvp__bstore {
+  unsigned char *base;   /* the store, or NULL: none (these structs from kvp__meta) */
+  unsigned char *next;   /* the first slot never handed out */
+  unsigned char *end;    /* base + slots x slot */
+  void *free;            /* slots given back, linked through their first word */
+  void *retired;         /* brefs retired, linked through their RCU head's room (readers read the rest) */
+  uint64_t nretired;     /* how many */
+  size_t slot;           /* bytes per slot */
+  size_t bytes;          /* of the allocation at base (counted in the pool's metadata bytes) */
+} kvp__bstore;
+
 struct kvp_pool {
   kvp_config cfg;        /* copy of the configuration (strings not kept) */
   kvp__mutex lock;       /* the writer lock: one mutator at a time */
@@ -221,6 +239,8 @@ struct kvp_pool {
   kvp__binding tail[2];  /* raw in the appended dtype: OPEN blocks of K and V */
   uint32_t *bt;          /* [2 * L]: tokens per block of layer l, stream mode at 2l, step mode at 2l + 1 */
   kvp__block *limbo;     /* blocks waiting for a grace period (onext chain); bytes in ledger.retired */
+  kvp__bstore bstore;    /* pre-backed raw block structs (KVP_POOL_PREFAULT; pages/block.c), writer only */
+  kvp__bstore rstore;    /* pre-backed brefs, the same way */
   kvp__block *orphans;   /* evicted blocks kept alive by view pins */
   struct kvp__policy *policy; /* the pool's policy (config.policy) */
   struct kvp__heatkv_cache *heatkv_cache; /* HeatKV orders and plans shared by sequences, or NULL */
@@ -413,6 +433,9 @@ void kvp__bref_free_now(kvp_pool *pool, kvp__bref *b);
 /* Retire (call_rcu) a run or bref: freed after a grace period. */
 void kvp__run_retire(kvp_pool *pool, kvp__run *r);
 void kvp__bref_retire(kvp_pool *pool, kvp__bref *b);
+/* A zeroed bref for an append's plan (writer): from the pool's pre-backed
+ * store first, else the writer's metadata cache; NULL when out of memory. */
+kvp__bref *kvp__bref_new_w(kvp_pool *pool);
 /* Allocate a block with pages for cap tokens of (seq, layer, head), raw
  * (the tail binding) or the layer's codec; writer. */
 int kvp__block_new(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t head, uint32_t pos0, uint32_t cap, bool raw,
@@ -423,7 +446,8 @@ int kvp__block_new_sized(kvp_pool *pool, uint64_t seq, uint32_t layer, uint32_t 
 /* The same in two steps: the struct (metadata only; NULL when out of
  * memory), then its pages (all or none: on failure none are left). */
 kvp__block *kvp__block_struct(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
-/* The same from the writer's metadata cache (kvp__meta_calloc_w): only with
+/* The same from the writer's metadata cache (kvp__meta_calloc_w), a raw
+ * one first from the pool's pre-backed store (kvp__bstore): only with
  * the writer lock held (an append's plan), never from a store callback. */
 kvp__block *kvp__block_struct_w(kvp_pool *pool, uint32_t pos0, uint32_t cap, bool raw);
 int kvp__block_take_pages(kvp_pool *pool, kvp__block *b, uint64_t seq, uint32_t layer, uint32_t head,
@@ -446,6 +470,13 @@ void kvp__block_unowned(kvp_pool *pool, kvp__block *b);
 void kvp__reclaim_after_grace(kvp_pool *pool);
 /* Free a block's pages and struct now (writer; no reader may hold it). */
 void kvp__block_destroy(kvp_pool *pool, kvp__block *b);
+/* Free a block's struct alone (its pages gone or never taken; writer). */
+void kvp__block_struct_free(kvp_pool *pool, kvp__block *b);
+/* The pre-backed stores of raw block structs and brefs (KVP_POOL_PREFAULT;
+ * else nothing): init after the bindings (ENOMEM, nothing taken, on
+ * failure); fini after every block struct and bref was freed. */
+int kvp__bstore_init(kvp_pool *pool);
+void kvp__bstore_fini(kvp_pool *pool);
 /* Wait for a grace period and free everything in the limbo (writer). */
 void kvp__reclaim(kvp_pool *pool);
 void kvp__block_unpinned(kvp_pool *pool, kvp__block *b); /* last pin of an orphan gone (writer lock) */

@@ -368,6 +368,10 @@ KVP_API int kvp_pool_create(const kvp_config *cfg, kvp_pool **out) {
     goto fail;
   }
   p->cfg.policy = NULL;
+  if ((rc = kvp__bstore_init(p))) {
+    kvp_pool_destroy(p);
+    return rc;
+  }
 #ifdef KVP_HAVE_CUDA
   if (c.memory == KVP_MEM_CUDA && !(c.flags & KVP_POOL_DRY) && (rc = kvp__dev_init(p))) {
     kvp_pool_destroy(p);
@@ -400,6 +404,7 @@ KVP_API void kvp_pool_destroy(kvp_pool *pool) {
 #endif
   kvp__rawpages_fini(pool);
   kvp__alloc_fini(&pool->alloc);
+  kvp__bstore_fini(pool); /* every block struct is freed by now */
   kvp__stats_fini(&pool->stats);
   kvp__meta_wcache_fini(&pool->meta);
   kvp__meta_free(NULL, pool, sizeof *pool);

@@ -115,7 +115,7 @@ static void rw_undo(kvp_pool *pool, rw_plan *pl) {
     if (is_tail && e->rep && e->rep != (kvp__block *)1) kvp__block_destroy(pool, e->rep);
     if (!is_tail && e->blk) kvp__block_destroy(pool, e->blk);
   }
-  for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
+  for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__bref_free_now(pool, pl->brefs[i]);
   if (pl->run) kvp__run_free_now(pool, pl->run);
   kvp__meta_free(&pool->meta, pl->e, (size_t)H * pl->per * sizeof *pl->e + 1);
   kvp__meta_free(&pool->meta, pl->brefs, (size_t)H * pl->nnew * sizeof *pl->brefs + 1);

@@ -133,7 +133,7 @@ static void plan_undo(kvp_pool *pool, append_plan *pl, uint32_t nblocks) {
   uint32_t H = pool->cfg.n_kv_heads;
   for (uint32_t i = 0; pl->blocks && i < nblocks; i++) /* either array may be missing (its allocation failed) */
     if (pl->blocks[i]) kvp__block_destroy(pool, pl->blocks[i]);
-  for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__meta_free(&pool->meta, pl->brefs[i], sizeof(kvp__bref));
+  for (uint32_t i = 0; pl->brefs && i < H * pl->nnew; i++) kvp__bref_free_now(pool, pl->brefs[i]);
   if (pl->run) kvp__run_free_now(pool, pl->run);
   plan_array_free(pool, pl->blocks, pl->blocks_in, (size_t)H * pl->nb * sizeof *pl->blocks);
   plan_array_free(pool, pl->brefs, pl->brefs_in, (size_t)H * pl->nnew * sizeof *pl->brefs);
@@ -177,7 +177,7 @@ static int plan_take(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, 
   if (ok && pl->nskip < H && (pl->run_always || !kvp__run_extends(pool, &s->layers[layer], step, mask)))
     ok = (pl->run = kvp__run_new(pool, step, pos, step + 1, pos + s->cur_tokens, mask)) != NULL;
   for (uint32_t i = 0; ok && i < H * pl->nnew; i++)
-    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__meta_calloc_w(&pool->meta, sizeof(kvp__bref)));
+    ok = skipped(pl, i / (pl->nnew ? pl->nnew : 1)) || (pl->brefs[i] = kvp__bref_new_w(pool));
   if (!ok) {
     plan_undo(pool, pl, 0);
     return kvp__err(KVP_ENOMEM, "metadata for the append of seq %llu layer %u", (unsigned long long)s->id, layer);

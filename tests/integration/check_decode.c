@@ -380,6 +380,106 @@ START_TEST(decode_under_a_window) {
 }
 END_TEST
 
+/* A KVP_POOL_PREFAULT pool backs at create the raw block structs its region
+ * can hold, up to 1/32 of the region's bytes (8 MiB: 2048 structs of 128
+ * bytes), counted in metadata_bytes from then on. Decode tokens that open
+ * blocks take them; freed sequences (after a reclaim) and a window's
+ * evictions give them back; past the store the structs come from the
+ * metadata arena. Sequences of 64 one-token steps, as many as half the
+ * region holds (for two geometries more blocks than the store has), then
+ * half of them freed and new ones decoded into the slots given back. Every
+ * value reads back, kvp_check passes as it goes, and a pool without the
+ * flag says the same. */
+enum { PF_POS = 64, PF_MAXSEQS = 48 };
+static void pf_decode(kvp_pool *p, const geo *g, uint64_t seq, uint32_t npos) {
+  ck_ok(kvp_seq_add(p, seq, NULL));
+  for (uint32_t pos = 0; pos < npos; pos++) {
+    ck_ok(kvp_step_begin(p, seq, 1, 0));
+    for (uint32_t l = 0; l < L; l++) {
+      fill(g, seq, l, pos, 1);
+      kvp_kv kv = {KB, VB, NULL};
+      ck_ok(kvp_append(p, seq, l, &kv));
+    }
+    ck_ok(kvp_step_end(p, seq));
+    if (pos % 8 == 0 || pos + 1 == npos) ck_ok(kvp_check(p));
+  }
+}
+
+/* verify's answer, asserted once per (seq, layer, head): the sweep reads
+ * too many values for an assertion each. */
+static void pf_verify(kvp_pool *p, const geo *g, uint64_t seq, uint32_t npos) {
+  static float ko[MAXPOS * MAXD], vo[MAXPOS * MAXD];
+  static uint32_t pos[MAXPOS];
+  for (uint32_t l = 0; l < L; l++)
+    for (uint32_t h = 0; h < g->H; h++) {
+      kvp_read_req q = {sizeof q, h, KVP_DTYPE_F32, ko, vo, pos, MAXPOS, 0, NULL};
+      ck_ok(kvp_read(p, seq, l, &q));
+      uint32_t bad = 0;
+      for (uint32_t t = 0; t < npos && t < q.n_tokens; t++)
+        for (uint32_t d = 0; d < g->D; d++)
+          bad += pos[t] != t || ko[t * g->D + d] != val(seq, l, h, t, d, 0) || vo[t * g->D + d] != val(seq, l, h, t, d, 1);
+      ck_assert_msg(q.n_tokens == npos && !bad, "seq %llu layer %u head %u: %u tokens, %u wrong values",
+                    (unsigned long long)seq, l, h, q.n_tokens, bad);
+    }
+}
+
+START_TEST(prefault_block_store) {
+  const geo *g = &GEOS[_i / 2];
+  bool pf = _i % 2;
+  uint64_t region = 8ull << 20, block = (uint64_t)BT * g->D * (wbytes(g->k) + wbytes(g->v)); /* requested, K + V */
+  uint64_t per_seq = 2 * block * (PF_POS / BT) * L * g->H; /* allocated bytes of a sequence, at most */
+  uint64_t nseq = region / 2 / per_seq < PF_MAXSEQS ? region / 2 / per_seq : PF_MAXSEQS;
+  ck_assert_uint_ge(nseq, 2);
+  kvp_pool *plain = rv_pool(g, 0, NULL, 0, region);
+  kvp_pool *p = rv_pool(g, pf ? KVP_POOL_PREFAULT : 0, NULL, 0, region);
+  kvp_stats s0 = rv_stats(plain), s1 = rv_stats(p);
+  uint64_t slots = region / 32 / 128 < region / (2 * block) ? region / 32 / 128 : region / (2 * block);
+  if (pf) ck_assert_uint_ge(s1.metadata_bytes.current, s0.metadata_bytes.current + slots * 128); /* the store */
+  else ck_assert_uint_eq(s1.metadata_bytes.current, s0.metadata_bytes.current);
+  kvp_pool_destroy(plain);
+  for (uint64_t seq = 0; seq < nseq; seq++) pf_decode(p, g, seq, PF_POS);
+  for (uint64_t seq = 0; seq < nseq; seq++) pf_verify(p, g, seq, PF_POS);
+  for (uint64_t seq = 0; seq < nseq; seq += 2) ck_ok(kvp_seq_free(p, seq));
+  ck_ok(kvp_reclaim(p));
+  ck_ok(kvp_check(p));
+  for (uint64_t seq = nseq; seq < nseq + (nseq + 1) / 2; seq++) pf_decode(p, g, seq, PF_POS);
+  for (uint64_t seq = 1; seq < nseq + (nseq + 1) / 2; seq += seq < nseq ? 2 : 1) pf_verify(p, g, seq, PF_POS);
+  /* nseq / 2 odd ones kept, (nseq + 1) / 2 new ones: nseq sequences */
+  ck_assert_uint_eq(rv_stats(p).tokens_retained.current, nseq * PF_POS * L * g->H);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
+/* The same stores under a window: its evictions free blocks and retire
+ * brefs as the steps go; the slots they give back (the brefs' after a
+ * reclaim) are taken again by later openings. */
+START_TEST(prefault_store_under_a_window) {
+  const geo *g = &GEOS[1];
+  kvp_pool *p = rv_pool(g, KVP_POOL_PREFAULT, "window:sink=2:recent=8", 0, 8ull << 20);
+  for (uint64_t seq = 0; seq < 4; seq++) pf_decode(p, g, seq, PF_POS);
+  ck_ok(kvp_reclaim(p)); /* the brefs the evictions retired go back to the store */
+  ck_ok(kvp_check(p));
+  pf_decode(p, g, 4, PF_POS);
+  static float ko[MAXPOS * MAXD], vo[MAXPOS * MAXD];
+  static uint32_t ps[MAXPOS];
+  for (uint64_t seq = 0; seq < 5; seq++)
+    for (uint32_t l = 0; l < L; l++)
+      for (uint32_t h = 0; h < g->H; h++) {
+        kvp_read_req q = {sizeof q, h, KVP_DTYPE_F32, ko, vo, ps, MAXPOS, 0, NULL};
+        ck_ok(kvp_read(p, seq, l, &q));
+        ck_assert_uint_lt(q.n_tokens, PF_POS);
+        ck_assert_uint_eq(ps[q.n_tokens - 1], PF_POS - 1);
+        for (uint32_t i = 0; i < q.n_tokens; i++)
+          for (uint32_t d = 0; d < g->D; d++) {
+            ck_assert(ko[i * g->D + d] == val(seq, l, h, ps[i], d, 0));
+            ck_assert(vo[i * g->D + d] == val(seq, l, h, ps[i], d, 1));
+          }
+      }
+  ck_assert_uint_gt(rv_stats(p).tokens_evicted, 0);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 int main(void) {
   Suite *s = suite_create("decode");
   TCase *tc = tcase_create("decode");
@@ -389,6 +489,8 @@ int main(void) {
   tcase_add_loop_test(tc, fork_then_decode_apart, 0, NGEOS);
   tcase_add_loop_test(tc, fork_after_exact_fill_shares, 0, NGEOS);
   tcase_add_test(tc, decode_under_a_window);
+  tcase_add_loop_test(tc, prefault_block_store, 0, 2 * NGEOS);
+  tcase_add_test(tc, prefault_store_under_a_window);
   suite_add_tcase(s, tc);
   return it_run(s);
 }

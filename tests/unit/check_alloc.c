@@ -144,6 +144,41 @@ START_TEST(extents_alignment_and_full) {
 }
 END_TEST
 
+/* A prefaulted region's map is whole: every chunk made at once, counted,
+ * and kept while extents come and go (kvp__extents_trim included); a chunk
+ * that maps nothing is no corruption then, a missing one is. */
+START_TEST(extents_address_map_whole) {
+  kvp__sc_init();
+  kvp__meta m = {0};
+  kvp__extents x;
+  uint64_t chunk_bytes = sizeof(kvp__rmap_chunk);
+  ck_ok(kvp__extents_init(&x, 64 * MB, &m));
+  uint64_t empty = m.bytes;
+  ck_ok(kvp__extents_map_whole(&x));
+  ck_assert_uint_ge(m.bytes, empty + 4 * chunk_bytes);
+  for (uint64_t c = 0; c < x.nchunks; c++) ck_assert_ptr_nonnull(x.rmap[c]);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent *a, *b;
+  ck_ok(kvp__extent_alloc(&x, KVP__SLAB_BYTES, KVP__SLAB_BYTES, KVP__EXT_SLAB, &a));
+  ck_ok(kvp__extent_alloc(&x, 20 * MB, KVP__EXTENT_UNIT, KVP__EXT_LARGE, &b));
+  ck_assert_ptr_eq(kvp__extent_at(&x, a->off + 5), a);
+  ck_assert_ptr_eq(kvp__extent_at(&x, b->off), b);
+  ck_ok(kvp__extents_check(&x));
+  kvp__extent_free(&x, a);
+  kvp__extent_free(&x, b);
+  kvp__extents_trim(&x);
+  for (uint64_t c = 0; c < x.nchunks; c++) ck_assert_ptr_nonnull(x.rmap[c]);
+  ck_assert_ptr_null(kvp__extent_at(&x, 5));
+  ck_ok(kvp__extents_check(&x));
+  kvp__rmap_chunk *keep = x.rmap[2];
+  x.rmap[2] = NULL; /* a whole map missing a chunk: corrupt */
+  ck_status(kvp__extents_check(&x), KVP_ECORRUPT);
+  x.rmap[2] = keep;
+  kvp__extents_fini(&x);
+  ck_assert_uint_eq(m.bytes, 0);
+}
+END_TEST
+
 /* The address map of a 1 TiB region is committed by chunks as extents are
  * used and given back when they are freed: metadata follows use. */
 START_TEST(extents_address_map_is_lazy) {
@@ -997,6 +1032,7 @@ static Suite *suite(void) {
   tcase_add_test(tc, extents_split_and_coalesce);
   tcase_add_test(tc, extents_alignment_and_full);
   tcase_add_test(tc, extents_address_map_is_lazy);
+  tcase_add_test(tc, extents_address_map_whole);
   tcase_add_test(tc, extents_best_fit);
   suite_add_tcase(s, tc);
   tc = tcase_create("slab");
