@@ -135,23 +135,20 @@ static void CUDART_CB gate_fn(void *arg) {
       return;
     }
 }
-static void gate_close(void) {
-  gate_open = 0;
-  if (!no_gate) CK(cudaLaunchHostFunc(S, gate_fn, NULL));
-}
 
 /* Device ms of what the host enqueues between gate_begin and gate_end:
  * the stream waits at the gate until gate_end, so the host's own part of
- * the call (checks, parameter batches, launches) is apart; host_ms (if
- * not NULL) gets that part. */
+ * the call (checks, table building, launches) is apart; host_us (if not
+ * NULL) gets that part, in microseconds. */
 static double gate_t0;
 static void gate_begin(void) {
-  gate_close();
+  gate_open = 0;
+  if (!no_gate) CK(cudaLaunchHostFunc(S, gate_fn, NULL));
   CK(cudaEventRecord(E0, S));
   gate_t0 = now_us();
 }
-static float gate_end(float *host_ms) {
-  if (host_ms) *host_ms = (float)((now_us() - gate_t0) / 1e3);
+static float gate_end(float *host_us) {
+  if (host_us) *host_us = (float)(now_us() - gate_t0);
   __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
   return ms_since_start();
 }
@@ -258,22 +255,16 @@ static void codec_figures(int rounds, int json) {
     if (!json)
       printf("%-24s %12.1f %12.1f %12.1f %9.3fx %9.3fx   (enc %.1f us, dec %.1f us, copy %.1f us, %zu B codes; "
              "host enc %.1f us, dec %.1f us)\n",
-             codecs[c], gbe, gbd, gbc, gbe / gbc, gbd / gbc, me * 1e3, md * 1e3, mc * 1e3, codes, mhe * 1e3, mhd * 1e3);
+             codecs[c], gbe, gbd, gbc, gbe / gbc, gbd / gbc, me * 1e3, md * 1e3, mc * 1e3, codes, mhe, mhd);
     printf("{\"figure\":\"gpu_codec\",\"codec\":\"%s\",\"token_heads\":%d,\"encode_us\":%.2f,\"decode_us\":%.2f,"
            "\"copy_us\":%.2f,\"encode_gbs\":%.1f,\"decode_gbs\":%.1f,\"copy_gbs\":%.1f,\"encode_vs_copy\":%.3f,"
            "\"decode_vs_copy\":%.3f,\"decode_target\":%.2f,\"encode_host_us\":%.2f,\"decode_host_us\":%.2f}\n",
            codecs[c], NB * BT, me * 1e3, md * 1e3, mc * 1e3, gbe, gbd, gbc, gbe / gbc, gbd / gbc,
-           strncmp(codecs[c], "kvquant", 7) ? 0.85 : 0.6, mhe * 1e3, mhd * 1e3);
+           strncmp(codecs[c], "kvquant", 7) ? 0.85 : 0.6, mhe, mhd);
     vt->destroy(inst);
   }
   free(jobs);
   cudaFree(jobs_dev), cudaFree(src), cudaFree(dst), cudaFree(cbuf), cudaFree(status);
-}
-
-static double host_now_us(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
 }
 
 static void qvg_figures(int rounds, int json) {
@@ -349,9 +340,9 @@ static void qvg_figures(int rounds, int json) {
     for (unsigned i = 0; i < lay.npages; i++) hp[i] = malloc(lay.bytes[i]);
     double th = 0;
     for (int b = 0; b < host_heads; b++) {
-      double t0 = host_now_us();
+      double t0 = now_us();
       KV(vt->encode(inst, h + (size_t)b * N * D, D * 2, N, N, hp));
-      th += host_now_us() - t0;
+      th += now_us() - t0;
     }
     for (unsigned i = 0; i < lay.npages; i++) free(hp[i]);
     double host_batch_ms = th / host_heads * NH / 1e3;
@@ -419,13 +410,9 @@ static void gather_figures(int rounds, int json) {
     g.workspace = ws, g.workspace_bytes = g.workspace_needed;
     float tg[64], tc[64], th[64];
     for (int r = 0; r < rounds; r++) {
-      gate_close();
-      CK(cudaEventRecord(E0, S));
-      double h0 = now_us();
+      gate_begin();
       KV(kvp_gather(p, &g));
-      th[r] = (float)(now_us() - h0);
-      __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
-      tg[r] = ms_since_start();
+      tg[r] = gate_end(&th[r]);
       tc[r] = copy_ms(ko, k, bytes, 1) + copy_ms(vo, v, bytes, 1);
     }
     float mg = median(tg, rounds), mc = median(tc, rounds), mh = median(th, rounds);
@@ -446,13 +433,9 @@ static void gather_figures(int rounds, int json) {
 /* Device ms of one kvp_attend_decode (the stream gated until the call
  * returned, so its host part is apart: *host_us). */
 static float attend_ms(kvp_pool *p, kvp_attend_req *a, float *host_us) {
-  gate_close();
-  CK(cudaEventRecord(E0, S));
-  double h0 = now_us();
+  gate_begin();
   KV(kvp_attend_decode(p, a));
-  *host_us = (float)(now_us() - h0);
-  __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
-  return ms_since_start();
+  return gate_end(host_us);
 }
 
 /* only: a comma list of spec prefixes ("kv=kivi" selects "kv=kivi:bits=2:group=16"); NULL selects all. */
@@ -560,11 +543,9 @@ static void attend_figures(int rounds, int json) {
           g.workspace = gws, g.workspace_bytes = g.workspace_needed;
           float tg[64];
           for (int r = 0; r < rounds; r++) {
-            gate_close();
-            CK(cudaEventRecord(E0, S));
+            gate_begin();
             KV(kvp_gather(p, &g));
-            __atomic_store_n(&gate_open, 1, __ATOMIC_RELEASE);
-            tg[r] = ms_since_start();
+            tg[r] = gate_end(NULL);
           }
           printf("{\"figure\":\"gpu_attend_gather\",\"codecs\":\"%s\",\"batch\":%u,\"ctx\":%u,\"gather_us\":%.2f}\n",
                  ac[c], batch[bi], ctx[x], median(tg, rounds) * 1e3);
