@@ -96,25 +96,15 @@ __global__ void __launch_bounds__(kDecodeThreads, lean_min_blocks<KV>())
 /* Launches of the lean kernel of p's bits and side: n CTAs, from a batch
  * (b) or a device table (jobs_dev). */
 template <uint32_t N> void lean_launch(const Batch<N> &b, uint32_t n, cudaStream_t s) {
-  switch (b.p.bits * 2 + (b.p.kv ? 1 : 0)) {
-  case 4: lean_kernel<N, 2, 0><<<n, kDecodeThreads, 0, s>>>(b); break;
-  case 5: lean_kernel<N, 2, 1><<<n, kDecodeThreads, 0, s>>>(b); break;
-  case 6: lean_kernel<N, 3, 0><<<n, kDecodeThreads, 0, s>>>(b); break;
-  case 7: lean_kernel<N, 3, 1><<<n, kDecodeThreads, 0, s>>>(b); break;
-  case 8: lean_kernel<N, 4, 0><<<n, kDecodeThreads, 0, s>>>(b); break;
-  default: lean_kernel<N, 4, 1><<<n, kDecodeThreads, 0, s>>>(b); break;
-  }
+  kvquant_lean_dispatch(b.p, [&](auto B, auto KV) {
+    lean_kernel<N, decltype(B)::value, decltype(KV)::value><<<n, kDecodeThreads, 0, s>>>(b);
+  });
 }
 void lean_launch_dev(const kvp__kvq_kparams &p, const kvp_codec_dev_job *jobs_dev, uint32_t n, uint32_t out,
                      cudaStream_t s) {
-  switch (p.bits * 2 + (p.kv ? 1 : 0)) {
-  case 4: lean_kernel_dev<2, 0><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
-  case 5: lean_kernel_dev<2, 1><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
-  case 6: lean_kernel_dev<3, 0><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
-  case 7: lean_kernel_dev<3, 1><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
-  case 8: lean_kernel_dev<4, 0><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
-  default: lean_kernel_dev<4, 1><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out); break;
-  }
+  kvquant_lean_dispatch(p, [&](auto B, auto KV) {
+    lean_kernel_dev<decltype(B)::value, decltype(KV)::value><<<n, kDecodeThreads, 0, s>>>(p, jobs_dev, out);
+  });
 }
 
 /* The n jobs of b (n <= N) in one launch: the lean kernel, or the

@@ -544,6 +544,15 @@ KVP_D void add_octet(float (&y)[8], uint32_t c, uint32_t c0, float v) {
     if (i == u) y[u] = __fadd_rn(y[u], v);
 }
 
+/* A top-k OUTLIERS row's residuals (k channels of w bytes, then k fp16)
+ * added in row order, those in the octet from c0. */
+KVP_D void add_topk_octet(float (&y)[8], const uint8_t *orow, uint32_t k, uint32_t w, uint32_t c0) {
+  for (uint32_t s = 0; s < k; s++) {
+    const uint32_t c = w == 1 ? orow[s] : ld_u16(orow, 2 * (size_t)s);
+    if (c - c0 < 8u) add_octet(y, c, c0, f16_to_f32(ld_u16(orow, (size_t)k * w + 2 * s)));
+  }
+}
+
 KVP_D void kvquant_decode_tile(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
   using namespace kvq_;
   __shared__ __align__(16) float sh_y[kTileElems];
@@ -581,12 +590,8 @@ KVP_D void kvquant_decode_tile(const kvp__kvq_kparams &p, const kvp_codec_dev_jo
         float lut = __ldg(&p.lut[cw >> (b * i) & mask]);
         y[i] = p.kv == 0 ? __fadd_rn(__fmul_rn(lut, rg[i]), of[i]) : __fadd_rn(__fmul_rn(lut, R), M);
       }
-      if (g.outl && !p.thresh) { /* the row's outliers in row order; this octet's added */
-        const uint8_t *orow = g.outl + (size_t)t * p.k * (w + 2);
-        for (uint32_t s = 0; s < p.k; s++) {
-          uint32_t c = w == 1 ? orow[s] : ld_u16(orow, 2 * (size_t)s);
-          if (c - c0 < 8u) add_octet(y, c, c0, f16_to_f32(ld_u16(orow, (size_t)p.k * w + 2 * s)));
-        }
+      if (g.outl && !p.thresh) {
+        add_topk_octet(y, g.outl + (size_t)t * p.k * (w + 2), p.k, w, c0);
       } else if (g.outl) {
         uint32_t s0 = ld_le32(g.outl, 4 * (size_t)t), s1 = ld_le32(g.outl, 4 * ((size_t)t + 1));
         uint32_t cnt = s1 > s0 ? (s1 - s0 < D ? s1 - s0 : D) : 0u;
@@ -688,29 +693,35 @@ KVP_D void kvquant_decode_lean(const kvp__kvq_kparams &p, const kvp_codec_dev_jo
       const float lut = sh_lut[cw >> (B * i) & mask];
       y[i] = KV ? __fadd_rn(__fmul_rn(lut, R), M) : __fadd_rn(__fmul_rn(lut, rg[i]), of[i]);
     }
-    if (outl) { /* the row's outliers in row order; this octet's added */
-      const uint8_t *orow = outl + (size_t)t * k * (w + 2);
-      for (uint32_t s = 0; s < k; s++) {
-        const uint32_t c = w == 1 ? orow[s] : ld_u16(orow, 2 * (size_t)s);
-        if (c - c0 < 8u) add_octet(y, c, c0, f16_to_f32(ld_u16(orow, (size_t)k * w + 2 * s)));
-      }
-    }
+    if (outl) add_topk_octet(y, outl + (size_t)t * k * (w + 2), k, w, c0);
     *(uint4 *)drow = make_uint4(half2_from_f32(bf, y[0], y[1]), half2_from_f32(bf, y[2], y[3]),
                                 half2_from_f32(bf, y[4], y[5]), half2_from_f32(bf, y[6], y[7]));
   }
 }
 
-/* kvquant_decode_lean<B, KV> for the binding's bits and side. */
-KVP_D void kvquant_decode_lean_any(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+/* f(B, KV) with the binding's bits (2..4, as kvquant_lean_binding_ok
+ * allows) and side as integral constants: the one map from a binding to
+ * its lean instantiation, for the device call below and the launchers. */
+template <uint32_t V> struct KvqConst {
+  static constexpr uint32_t value = V;
+};
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable /* f is a host lambda in the launchers, a device one in kvquant_decode_lean_any */
+#endif
+template <class F> __host__ __device__ inline void kvquant_lean_dispatch(const kvp__kvq_kparams &p, F &&f) {
   if (p.kv) {
-    if (p.bits == 2) kvquant_decode_lean<2, 1>(p, j, out);
-    else if (p.bits == 3) kvquant_decode_lean<3, 1>(p, j, out);
-    else kvquant_decode_lean<4, 1>(p, j, out);
+    if (p.bits == 2) f(KvqConst<2>(), KvqConst<1>());
+    else if (p.bits == 3) f(KvqConst<3>(), KvqConst<1>());
+    else f(KvqConst<4>(), KvqConst<1>());
   } else {
-    if (p.bits == 2) kvquant_decode_lean<2, 0>(p, j, out);
-    else if (p.bits == 3) kvquant_decode_lean<3, 0>(p, j, out);
-    else kvquant_decode_lean<4, 0>(p, j, out);
+    if (p.bits == 2) f(KvqConst<2>(), KvqConst<0>());
+    else if (p.bits == 3) f(KvqConst<3>(), KvqConst<0>());
+    else f(KvqConst<4>(), KvqConst<0>());
   }
+}
+
+KVP_D void kvquant_decode_lean_any(const kvp__kvq_kparams &p, const kvp_codec_dev_job &j, uint32_t out) {
+  kvquant_lean_dispatch(p, [&](auto B, auto KV) { kvquant_decode_lean<decltype(B)::value, decltype(KV)::value>(p, j, out); });
 }
 
 /* The decode the kernels run: by tiles where the geometry allows. */
