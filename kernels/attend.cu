@@ -389,40 +389,53 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
 }
 
 /* One CTA per (sequence, query head) whose KV head has several splits:
- * their partial records merged. The splits' slots are read D at a time
- * into shared memory, one load a thread: the table may sit in pinned host
- * memory (kvp__kern_attend_zero_copy), where a read one split after the
- * other would wait a crossing of the bus each (a long sequence of one has
- * dozens of splits). The merge's order is the splits', max first. */
+ * their partial records merged, in the splits' order, max first. Latency
+ * decides its time (a long sequence of one has dozens of splits, and each
+ * split's record is a load after the load of its slot), so the loads go
+ * out together: D splits at a time, thread i loads split i's slot (the
+ * table may sit in pinned host memory: kvp__kern_attend_zero_copy), max
+ * and sum into shared memory; then every thread reads its channel of 8
+ * records at once. */
 template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const __grid_constant__ AttnArgs a) {
   __shared__ uint32_t slot[D], range[2];
+  __shared__ float mx[D], sm[D];
   const uint32_t b = blockIdx.x / a.Hq, hq = blockIdx.x % a.Hq, h = hq / a.G, g = hq % a.G, bh = b * a.Hkv + h;
   const uint32_t d = threadIdx.x;
+  auto rec = [&](uint32_t sl) { return a.part + ((size_t)sl * a.G + g) * (2 + D); };
   if (d < 2) range[d] = a.bh_split0[bh + d];
   __syncthreads();
   const uint32_t s0 = range[0], s1 = range[1];
   if (s1 - s0 < 2) return;
-  /* the slots of splits c .. c + D - 1 into slot[] (all of them stay when they fit) */
-  auto load = [&](uint32_t c) {
-    __syncthreads(); /* every thread is done with the last chunk */
-    if (c + d < s1) slot[d] = a.splits[c + d].slot;
+  auto load = [&](uint32_t c) { /* splits c .. c + D - 1 (all of them stay when they fit) */
+    __syncthreads();            /* every thread is done with the last chunk */
+    if (c + d < s1) {
+      const uint32_t sl = a.splits[c + d].slot;
+      slot[d] = sl, mx[d] = rec(sl)[0], sm[d] = rec(sl)[1];
+    }
     __syncthreads();
   };
   const bool one = s1 - s0 <= D;
   float M = -INFINITY;
   for (uint32_t c = s0; c < s1; c += D) {
     load(c);
-    for (uint32_t i = 0; i < min(D, s1 - c); i++) M = fmaxf(M, a.part[((size_t)slot[i] * a.G + g) * (2 + D)]);
+    for (uint32_t i = 0; i < min(D, s1 - c); i++) M = fmaxf(M, mx[i]);
   }
   float L = 0.0f, A = 0.0f;
   if (M != -INFINITY)
     for (uint32_t c = s0; c < s1; c += D) {
       if (!one) load(c);
-      for (uint32_t i = 0; i < min(D, s1 - c); i++) {
-        const float *pr = a.part + ((size_t)slot[i] * a.G + g) * (2 + D);
-        float f = pr[0] == -INFINITY ? 0.0f : ex2(pr[0] - M);
-        L = fmaf(pr[1], f, L);
-        A = fmaf(pr[2 + d], f, A);
+      const uint32_t n = min(D, s1 - c);
+      for (uint32_t i0 = 0; i0 < n; i0 += 8) {
+        float x[8];
+#pragma unroll
+        for (uint32_t k = 0; k < 8; k++) x[k] = i0 + k < n ? rec(slot[i0 + k])[2 + d] : 0.0f;
+#pragma unroll
+        for (uint32_t k = 0; k < 8; k++)
+          if (i0 + k < n) {
+            const float f = mx[i0 + k] == -INFINITY ? 0.0f : ex2(mx[i0 + k] - M);
+            L = fmaf(sm[i0 + k], f, L);
+            A = fmaf(x[k], f, A);
+          }
       }
     }
   store_elem(a.out, a.out_dtype, ((size_t)b * a.Hq + hq) * D + d, L > 0.0f ? A / L : 0.0f);

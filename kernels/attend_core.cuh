@@ -245,8 +245,9 @@ KVP_D void softmax_step(const float (&s)[2][4], uint32_t n, float scale_log2, ui
   st.mx = mn;
   /* rescale O^T's columns: heads 2 qd and 2 qd + 1 */
   const float a0 = __shfl_sync(0xFFFFFFFFu, al, 8 * qd), a1 = __shfl_sync(0xFFFFFFFFu, al, 8 * qd + 4);
+  if (__any_sync(0xFFFFFFFFu, al != 1.0f)) /* a max moved (else the products by 1 change nothing) */
 #pragma unroll
-  for (uint32_t i = 0; i < KS; i++) st.o[i][0] *= a0, st.o[i][1] *= a1, st.o[i][2] *= a0, st.o[i][3] *= a1;
+    for (uint32_t i = 0; i < KS; i++) st.o[i][0] *= a0, st.o[i][1] *= a1, st.o[i][2] *= a0, st.o[i][3] *= a1;
   r0 = r1 = 0;
   if (BF) {
     p0 = bf16x2(pr[0], pr[1]), p1 = bf16x2(pr[2], pr[3]);

@@ -179,6 +179,20 @@ template <uint32_t KB> KVP_D uint32_t kivi_codes2_f16(uint32_t lo, uint32_t hi) 
   return h;
 }
 
+/* The low and high fp16 halves of w as f32 (exact: the hardware's
+ * conversion, one instruction, where numeric.cuh's f16_to_f32 spells out
+ * the host's bit for bit) */
+KVP_D float h2f_lo(uint32_t w) {
+  float f;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.f32.f16 %0, l;\n\t}" : "=f"(f) : "r"(w));
+  return f;
+}
+KVP_D float h2f_hi(uint32_t w) {
+  float f;
+  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.f32.f16 %0, h;\n\t}" : "=f"(f) : "r"(w));
+  return f;
+}
+
 /* c s + m, fp16x2, one rounding */
 KVP_D uint32_t kivi_fma_f16(uint32_t c, uint32_t s, uint32_t m) {
   uint32_t d;
@@ -401,10 +415,8 @@ __global__ void __launch_bounds__(kAttnThreads, KVP_ATTEND_REG_CTAS) attend_reg_
         const uint32_t m01 = __byte_perm(r.x, r.y, 0x7632u), m23 = __byte_perm(r.z, r.w, 0x7632u);
         qs[k][0] = hmul2(qa[k][0], s01), qs[k][1] = hmul2(qa[k][1], s23);
         /* the bias in f32: q . m may dwarf the part the codes carry */
-        kbias += (f16_to_f32(qa[k][0] & 0xFFFFu) * f16_to_f32(m01 & 0xFFFFu) +
-                  f16_to_f32(qa[k][0] >> 16) * f16_to_f32(m01 >> 16)) +
-                 (f16_to_f32(qa[k][1] & 0xFFFFu) * f16_to_f32(m23 & 0xFFFFu) +
-                  f16_to_f32(qa[k][1] >> 16) * f16_to_f32(m23 >> 16));
+        kbias += (h2f_lo(qa[k][0]) * h2f_lo(m01) + h2f_hi(qa[k][0]) * h2f_hi(m01)) +
+                 (h2f_lo(qa[k][1]) * h2f_lo(m23) + h2f_hi(qa[k][1]) * h2f_hi(m23));
       }
       kbias += __shfl_xor_sync(0xFFFFFFFFu, kbias, 1);
       kbias += __shfl_xor_sync(0xFFFFFFFFu, kbias, 2);
