@@ -29,8 +29,9 @@
  * the fragments hold e s exactly (at most 6 significant bits, 2^-10 ..
  * 2688) and the block's g multiplies the scores and the probabilities; with
  * K smoothing (KSM) the score of token t gains mean_t sum(q). kivi: K's
- * per-channel group records fold into Q (q s, and a bias sum(q m) in f32),
- * a step staying inside one K group; V is c s + m in one fp16 fma.
+ * per-channel group records fold into Q (q s, and a bias q . m from one
+ * more product), a step staying inside one K group; V is c s + m in one
+ * fp16 fma.
  *
  * Invariants: a stage holds exactly one step; rows past the step's end are
  * zeros (finite: they enter the products and weigh 0); every issue
@@ -177,20 +178,6 @@ template <uint32_t KB> KVP_D uint32_t kivi_codes2_f16(uint32_t lo, uint32_t hi) 
   uint32_t h = (lo & Q) | (hi & Q) << 16 | 0x64006400u;
   asm("sub.rn.f16x2 %0, %0, %1;" : "+r"(h) : "r"(0x64006400u));
   return h;
-}
-
-/* The low and high fp16 halves of w as f32 (exact: the hardware's
- * conversion, one instruction, where numeric.cuh's f16_to_f32 spells out
- * the host's bit for bit) */
-KVP_D float h2f_lo(uint32_t w) {
-  float f;
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.f32.f16 %0, l;\n\t}" : "=f"(f) : "r"(w));
-  return f;
-}
-KVP_D float h2f_hi(uint32_t w) {
-  float f;
-  asm("{\n\t.reg .b16 l, h;\n\tmov.b32 {l, h}, %1;\n\tcvt.f32.f16 %0, h;\n\t}" : "=f"(f) : "r"(w));
-  return f;
 }
 
 /* c s + m, fp16x2, one rounding */
@@ -403,9 +390,11 @@ __global__ void __launch_bounds__(kAttnThreads, KVP_ATTEND_REG_CTAS) attend_reg_
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     uint32_t p0, p1, r0, r1;
     /* kivi: K's group records fold into Q (q s per channel, fp16) and a bias
-     * sum(q m) per query head: q . (c s + m) = (q s) . c + q . m */
+     * q . m per query head, the same in every token's column: q . (c s + m)
+     * = (q s) . c + q . m. The bias is a product on the tensor cores too (Q
+     * against m as every token's row: fp16 products exact, f32 sums), and
+     * the scores start from it. */
     uint32_t qs[KS][2];
-    float kbias = 0.0f;
     if constexpr (KIVI) {
       const uint4 *rec = (const uint4 *)(sb + S::KG) + qd * (D / 16);
 #pragma unroll
@@ -414,12 +403,11 @@ __global__ void __launch_bounds__(kAttnThreads, KVP_ATTEND_REG_CTAS) attend_reg_
         const uint32_t s01 = __byte_perm(r.x, r.y, 0x5410u), s23 = __byte_perm(r.z, r.w, 0x5410u);
         const uint32_t m01 = __byte_perm(r.x, r.y, 0x7632u), m23 = __byte_perm(r.z, r.w, 0x7632u);
         qs[k][0] = hmul2(qa[k][0], s01), qs[k][1] = hmul2(qa[k][1], s23);
-        /* the bias in f32: q . m may dwarf the part the codes carry */
-        kbias += (h2f_lo(qa[k][0]) * h2f_lo(m01) + h2f_hi(qa[k][0]) * h2f_hi(m01)) +
-                 (h2f_lo(qa[k][1]) * h2f_lo(m23) + h2f_hi(qa[k][1]) * h2f_hi(m23));
+        const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
+        mma16816(s[0], qk, m01, m23);
       }
-      kbias += __shfl_xor_sync(0xFFFFFFFFu, kbias, 1);
-      kbias += __shfl_xor_sync(0xFFFFFFFFu, kbias, 2);
+#pragma unroll
+      for (int e = 0; e < 4; e++) s[1][e] = s[0][e];
     }
 #pragma unroll
     for (uint32_t j = 0; j < 2; j++) {
@@ -452,9 +440,6 @@ __global__ void __launch_bounds__(kAttnThreads, KVP_ATTEND_REG_CTAS) attend_reg_
       }
     }
     const uint32_t n = m.n;
-    if (KIVI)
-#pragma unroll
-      for (uint32_t j = 0; j < 2; j++) s[j][0] += kbias, s[j][1] += kbias;
     if (KSM) { /* q . (e s g + mean) = g (q . e s) + mean sum(q) */
       s[0][0] = __fadd_rn(__fmul_rn(s[0][0], m.gk), __fmul_rn(c.ks[0], qsum));
       s[0][1] = __fadd_rn(__fmul_rn(s[0][1], m.gk), __fmul_rn(c.ks[1], qsum));
