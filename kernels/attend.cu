@@ -17,9 +17,11 @@
  *   - raw bf16 pages (attend_bf16_kernel): the rows go to shared memory by
  *     cp.async one step ahead and enter the products as they are;
  *   - fp8, int8, nvfp4 and kivi (one width, per-channel K, per-token V) on
- *     both sides at head_dim 64 and 128 (attend_reg_kernel): the codes go
- *     from global memory straight into the registers of the matrix
- *     fragments one step ahead (see its comment);
+ *     both sides at head_dim 64 and 128 (attend_reg_kernel,
+ *     kernels/attend_reg.cuh): each warp's steps pass through a ring of
+ *     shared-memory stages by cp.async, three steps ahead, and the codes
+ *     go from there into the registers of the matrix fragments (no fp16
+ *     tile);
  *   - fp8, int8, nvfp4 on both sides at head_dim 32 and 256
  *     (attend_q_kernel): the code rows go to shared memory by cp.async one
  *     step ahead, then to fp16 tiles (fp8 and int8: the codes exactly,
@@ -28,6 +30,8 @@
  *   - any other (attend_kernel): the codec's <codec>_row8 reader (8
  *     elements of a row, the host decode's f32 bit for bit) fills fp16
  *     tiles straight from the pages.
+ * The parts every kernel shares (records, products, online softmax, the
+ * CTA's merge) are in kernels/attend_core.cuh.
  * Tiles are [16][D + 8] (padded rows, so the matrix loads hit distinct
  * banks), rows past the record's end zeros. Then, per step:
  *   1. scores S = Q K^T on the tensor cores (mma m16n8k16, f32
