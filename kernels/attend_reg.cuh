@@ -188,7 +188,11 @@ KVP_D uint32_t kivi_fma_f16(uint32_t c, uint32_t s, uint32_t m) {
 }
 
 /* The step of n tokens from row t of record fr into the stage at dst
- * (shared address): every lane issues its share of the copies. */
+ * (shared address): every lane issues its share of the copies. The bf16
+ * arrays (int8's scales, nvfp4's K means) go by 4-byte words from an even
+ * token: with an odd capacity the last word takes 2 bytes past the array,
+ * inside the page's last 64-byte unit (pages start on 64-byte
+ * boundaries), and nobody reads them. */
 template <uint32_t D, uint32_t C, bool KSM>
 KVP_D void reg_stage_fill(const AttnArgs &a, const Rec &fr, uint32_t t, uint32_t n, uint32_t lane, uint32_t dst,
                           RegMeta &o) {
