@@ -56,6 +56,8 @@
  */
 #include <string.h>
 
+#include <atomic>
+
 #include "attend_core.cuh"
 #include "attend_reg.cuh"
 #include "int8.cuh"
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
 #pragma unroll
       for (uint32_t i = 0; i < NP; i++) {
         const uint32_t r = i * RPP + rw;
-        cp_async16(cpa0 + (buf * 2 + kv) * TE * 2 + i * RPP * LD * 2, pg + (size_t)min(r, n - 1) * D * 2,
+        cp_async<16>(cpa0 + (buf * 2 + kv) * TE * 2 + i * RPP * LD * 2, pg + (size_t)min(r, n - 1) * D * 2,
                    r < n ? 16u : 0u);
       }
     }
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
         const char *pg = a.base + (uint64_t)fr.page[kv][0] * 64 + (size_t)(fr.t0 + fib) * RB;
         for (uint32_t i = lane; i < kTile * CPR; i += 32) {
           const uint32_t r = i / CPR, cc = i % CPR;
-          cp_async16(stage0 + (buf * 2 + kv) * SB + r * RB + cc * 16, pg + (size_t)min(r, o.n - 1) * RB + cc * 16,
+          cp_async<16>(stage0 + (buf * 2 + kv) * SB + r * RB + cc * 16, pg + (size_t)min(r, o.n - 1) * RB + cc * 16,
                      r < o.n ? 16u : 0u);
         }
       }
@@ -449,21 +451,27 @@ template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
 /* attend_reg_kernel's shared memory at least: a third of an SM's, so that
  * it runs two CTAs an SM at most. Where its registers allowed a third
- * (fp8 and int8 at head_dim 128), the third made it slower (fp8, batch 64,
- * 32K: 1.70 ms against 1.52; the splits then outnumber the CTAs of one
- * wave by less than a wave). Of the current device; 0 when unknown. */
+ * (fp8 and int8 at head_dim 128) the third made it slower (fp8, 32K, one
+ * device call: 1.73 ms against 1.51 at batch 64, 272 against 247 us at
+ * batch 8, 67 against 64 us at batch 1). Of the current device, whose attribute is read at its first
+ * call (every launch asks); 0 when unknown. */
 inline size_t reg_smem_floor() {
-#if KVP_ATTEND_REG_FLOOR
+  static std::atomic<int> per_sm_of[64]; /* by device ordinal; 0: not read yet */
   int dev = 0, per_sm = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
+  if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
+  const bool cached = dev >= 0 && dev < 64;
+  if (cached) per_sm = per_sm_of[dev].load(std::memory_order_relaxed);
+  if (!per_sm) {
+    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    if (cached) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
+  }
   return (size_t)per_sm / 3;
-#else
-  return 0;
-#endif
 }
 
 /* The kernel for a layer's bindings, and its shared memory */

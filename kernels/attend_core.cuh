@@ -1,8 +1,9 @@
 /*
- * kernels/attend_core.cuh - the parts of decode attention that every
- * attention kernel of kernels/attend.cu shares: the call's arguments, the
- * block records and their streams, the tensor-core products, the online
- * softmax and the CTA's final merge. Conventions (layouts of the matrix
+ * kernels/attend_core.cuh - the parts of decode attention that the kernels
+ * of kernels/attend.cu and kernels/attend_reg.cuh share: the call's
+ * arguments, the block records and their streams, the tensor-core
+ * products, the asynchronous copies, the online softmax (and the tile
+ * kernels' step over it) and the CTA's final merge. Conventions (layouts of the matrix
  * fragments, precision) are in kernels/attend.cu's banner.
  *
  * Invariants: a lane (gr, qd) of a warp holds query head gr's running max
@@ -168,9 +169,22 @@ KVP_D uint32_t bf16x2(float lo, float hi) {
   return d;
 }
 
-/* 16 bytes from global to shared, asynchronously; src_bytes 0 writes zeros */
-KVP_D void cp_async16(uint32_t dst, const void *src, uint32_t src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+/* N (4, 8 or 16) bytes from global to shared, asynchronously; src_bytes 0
+ * writes zeros. 16 bytes go around L1 (.cg, each code read once); 4 and 8
+ * (scales, records) only have .ca. */
+template <uint32_t N> KVP_D void cp_async(uint32_t dst, const void *src, uint32_t src_bytes) {
+  static_assert(N == 4 || N == 8 || N == 16, "cp.async copies 4, 8 or 16 bytes");
+  if constexpr (N == 16)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+  else
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N), "r"(src_bytes));
+}
+
+/* fp16x2 products x s2, one rounding */
+KVP_D uint32_t hmul2(uint32_t x, uint32_t s2) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(x), "r"(s2));
+  return d;
 }
 KVP_D void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> KVP_D void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
@@ -353,8 +367,7 @@ template <uint32_t C> KVP_D void codes4_f16(uint32_t w, uint32_t &lo, uint32_t &
   for (int k = 0; k < 2; k++) {
     uint32_t u = __byte_perm(w, 0u, k ? 0x4342u : 0x4140u), h; /* bytes 2k, 2k + 1 in the low bytes of the halves */
     if (C == KVP__K_FP8) {
-      u = (u & 0x007F007Fu) << 7 | (u & 0x00800080u) << 8;
-      asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(u), "r"(0x5C005C00u)); /* 256 */
+      h = hmul2((u & 0x007F007Fu) << 7 | (u & 0x00800080u) << 8, 0x5C005C00u); /* 256 */
     } else {
       u = (u ^ 0x00800080u) | 0x64006400u;
       asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(h) : "r"(u), "r"(0x64806480u)); /* 1152 */

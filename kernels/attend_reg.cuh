@@ -56,12 +56,6 @@ template <uint32_t C> __host__ __device__ constexpr uint32_t reg_code_bits() {
 template <uint32_t C> __host__ __device__ constexpr bool reg_kivi() { return C == kKivi2 || C == kKivi4; }
 
 constexpr uint32_t kRegStages = 4; /* a warp's steps in flight: this one and three ahead */
-#ifndef KVP_ATTEND_REG_CTAS
-#define KVP_ATTEND_REG_CTAS 2 /* CTAs an SM the register budget allows */
-#endif
-#ifndef KVP_ATTEND_REG_FLOOR
-#define KVP_ATTEND_REG_FLOOR 1 /* at most two CTAs an SM (attend.cu, reg_smem_floor) */
-#endif
 
 /* One stage of a warp, byte offsets: K's code rows, V's, then the side data:
  *   nvfp4: K's and V's scale rows (D / 16 bytes a token), then K's means
@@ -106,14 +100,6 @@ template <uint32_t D, uint32_t C> struct RegStep {
   uint32_t vg;        /* nvfp4: the E4M3 scales of the four V tokens, a byte each */
   uint32_t vr[4];     /* kivi: the four V tokens' records (fp16 scale, fp16 min) */
 };
-
-/* 4 and 8 bytes from global to shared, asynchronously; src_bytes 0 writes zeros */
-KVP_D void cp_async4(uint32_t dst, const void *src, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-KVP_D void cp_async8(uint32_t dst, const void *src, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 
 /* WORDS 32-bit words of shared memory at p (aligned to 16 bytes when
  * WORDS >= 4, else to 4 WORDS) */
@@ -161,13 +147,6 @@ KVP_D void e2m1_e4m3(uint32_t w, uint32_t &lo, uint32_t &hi) {
   hi = (w >> 2 & 0x1C1C1C1Cu) | (w & 0x80808080u);
 }
 
-/* fp16x2 products x s2 (one rounding; exact for nvfp4's e s) */
-KVP_D uint32_t hmul2(uint32_t x, uint32_t s2) {
-  uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(x), "r"(s2));
-  return d;
-}
-
 /* An E4M3 scale byte as fp16 in both halves, times 2^6 (undoes e2m1_e4m3's 2^-6) */
 KVP_D uint32_t fp4_scale2(uint32_t byte) { return hmul2(e4m3x2_f16((byte & 0xFFu) * 0x0101u), 0x54005400u); }
 
@@ -204,7 +183,7 @@ KVP_D void reg_stage_fill(const AttnArgs &a, const Rec &fr, uint32_t t, uint32_t
 #pragma unroll
   for (uint32_t it = 0; it < 2 * CH / 32; it++) {
     const uint32_t i = it * 32 + lane, kv = i / CH, r = i % CH / CPR, cc = i % CPR;
-    cp_async16(dst + (kv ? S::VC : S::KC) + r * RB + cc * 16,
+    cp_async<16>(dst + (kv ? S::VC : S::KC) + r * RB + cc * 16,
                (kv ? vc : kc) + (size_t)(t + min(r, n - 1)) * RB + cc * 16, r < n ? 16u : 0u);
   }
   const bool kside = lane < 16;
@@ -213,34 +192,34 @@ KVP_D void reg_stage_fill(const AttnArgs &a, const Rec &fr, uint32_t t, uint32_t
   if constexpr (S::FP4) {
     const uint32_t d = dst + (kside ? S::SK : S::SV) + r * S::NSC;
     const uint8_t *src = sc + (size_t)(t + min(r, n - 1)) * S::NSC;
-    if (S::NSC == 8) cp_async8(d, src, r < n ? 8u : 0u);
-    else cp_async4(d, src, r < n ? 4u : 0u);
+    if (S::NSC == 8) cp_async<8>(d, src, r < n ? 8u : 0u);
+    else cp_async<4>(d, src, r < n ? 4u : 0u);
     if (KSM && lane < 9) { /* the means' words from the even token at or before t */
       const uint32_t te = (t & ~1u) + 2 * lane;
-      cp_async4(dst + S::KM + 4 * lane, ksc + (size_t)fr.cap * S::NSC + (size_t)min(te, t + n - 1 & ~1u) * 2,
+      cp_async<4>(dst + S::KM + 4 * lane, ksc + (size_t)fr.cap * S::NSC + (size_t)min(te, t + n - 1 & ~1u) * 2,
                 te < t + n ? 4u : 0u);
     }
     o.gk = __ldg((const float *)(base + (uint64_t)fr.page[0][2] * 64));
     o.gv = __ldg((const float *)(base + (uint64_t)fr.page[1][2] * 64));
   } else if constexpr (S::KIVI) {
     const uint32_t GK = a.p[0].kivi_group, RV = D / a.p[2].kivi_group * 4; /* V record bytes a token */
-    if (lane < D / 4) cp_async16(dst + S::KG + 16 * lane, ksc + (size_t)(t / GK) * D * 4 + 16 * lane, 16u);
+    if (lane < D / 4) cp_async<16>(dst + S::KG + 16 * lane, ksc + (size_t)(t / GK) * D * 4 + 16 * lane, 16u);
     if (RV % 16 == 0) {
       const uint32_t cpr = RV / 16, tr = lane / cpr;
       if (lane < kTile * cpr)
-        cp_async16(dst + S::VR + 16 * lane, vsc + (size_t)(t + min(tr, n - 1)) * RV + 16 * (lane % cpr),
+        cp_async<16>(dst + S::VR + 16 * lane, vsc + (size_t)(t + min(tr, n - 1)) * RV + 16 * (lane % cpr),
                    tr < n ? 16u : 0u);
     } else {
       const uint32_t cpr = RV / 4, tr = lane / cpr;
       if (lane < kTile * cpr)
-        cp_async4(dst + S::VR + 4 * lane, vsc + (size_t)(t + min(tr, n - 1)) * RV + 4 * (lane % cpr), tr < n ? 4u : 0u);
+        cp_async<4>(dst + S::VR + 4 * lane, vsc + (size_t)(t + min(tr, n - 1)) * RV + 4 * (lane % cpr), tr < n ? 4u : 0u);
     }
   } else if (C == KVP__K_FP8) {
     if (a.p[kside ? 0 : 2].fp8_dynamic) /* f32 scales of tokens t + r */
-      cp_async4(dst + (kside ? S::SK : S::SV) + 4 * r, sc + (size_t)(t + min(r, n - 1)) * 4, r < n ? 4u : 0u);
+      cp_async<4>(dst + (kside ? S::SK : S::SV) + 4 * r, sc + (size_t)(t + min(r, n - 1)) * 4, r < n ? 4u : 0u);
   } else if (r < 9) { /* int8: the bf16 scales' words from the even token at or before t */
     const uint32_t te = (t & ~1u) + 2 * r;
-    cp_async4(dst + (kside ? S::SK : S::SV) + 4 * r, sc + (size_t)min(te, t + n - 1 & ~1u) * 2, te < t + n ? 4u : 0u);
+    cp_async<4>(dst + (kside ? S::SK : S::SV) + 4 * r, sc + (size_t)min(te, t + n - 1 & ~1u) * 2, te < t + n ? 4u : 0u);
   }
 }
 
@@ -298,7 +277,7 @@ KVP_D void reg_stage_read(const AttnArgs &a, const RegMeta &m, const unsigned ch
 }
 
 template <uint32_t D, uint32_t C, bool KSM>
-__global__ void __launch_bounds__(kAttnThreads, KVP_ATTEND_REG_CTAS) attend_reg_kernel(const __grid_constant__ AttnArgs a) {
+__global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __grid_constant__ AttnArgs a) {
   using S = RegStage<D, C>;
   constexpr uint32_t KS = D / 16, KB = reg_code_bits<C>();
   constexpr bool FP4 = C == KVP__K_NVFP4, KIVI = reg_kivi<C>();
