@@ -7,7 +7,8 @@
  *   then decode tokens in stream mode), per-head evictions (ragged heads, a
  *   head with no token left: zeros), GQA 1/4/8, D = 64/128/256, lengths 1,
  *   a block edge (16), 17, and batches mixing them; forced small splits
- *   (the merge kernel) and the automatic split; bf16 and f32 output;
+ *   (the merge kernel, a head's splits outnumbering its threads) and the
+ *   automatic split; bf16 and f32 output;
  *   128K tokens of one sequence; refusals that name the culprit and enqueue
  *   nothing.
  * Bound: max |out - ref| <= 2e-3 * max |ref| per (sequence, query head)
@@ -306,6 +307,26 @@ START_TEST(long_context) {
 }
 END_TEST
 
+/* A KV head split into more pieces than attend_reduce has threads (D =
+ * 64): its merge takes the splits' slots a chunk of 64 at a time, twice
+ * (the max, then the sums). 16-token splits of 4K tokens: 256 a head. */
+START_TEST(merge_of_many_splits) {
+  static const char *const sp[] = {"kv=bf16", "kv=nvfp4"};
+  for (int i = 0; i < 2; i++) {
+    if (gpu_spec_off(sp[i])) continue;
+    fixture f;
+    fx_open(&f, sp[i], 1, 2, 64, 64ull << 20, 1024);
+    uint64_t seq = 3;
+    fx_seq(&f, seq, 4096);
+    run a = {.split_tokens = 16, .out_dtype = KVP_DTYPE_F32};
+    attend_vs_ref(&f, 0, &seq, 1, 8, &a);
+    ck_assert_uint_gt(a.n_splits, 2 * 3 * 64); /* more than three chunks a head */
+    printf("%-10s 4K tokens in %u splits (D = 64): max rel error %.2e\n", sp[i], a.n_splits, a.worst);
+    fx_close(&f);
+  }
+}
+END_TEST
+
 /* Refusals name the culprit and leave nothing enqueued. */
 START_TEST(refusals) {
   fixture f;
@@ -365,6 +386,7 @@ int main(void) {
   tcase_add_loop_test(tc, codecs_vs_reference, 0, NSPECS);
   tcase_add_test(tc, geometry);
   tcase_add_test(tc, long_context);
+  tcase_add_test(tc, merge_of_many_splits);
   tcase_add_loop_test(tc, decode_steps_kept_in_place, 0, 4);
   tcase_add_test(tc, refusals);
   suite_add_tcase(s, tc);
