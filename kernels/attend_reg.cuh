@@ -59,7 +59,8 @@ constexpr uint32_t kRegStages = 4; /* a warp's steps in flight: this one and thr
 
 /* One stage of a warp, byte offsets: K's code rows, V's, then the side data:
  *   nvfp4: K's and V's scale rows (D / 16 bytes a token), then K's means
- *     (bf16) from the even token at or before the step's first: 18 of them;
+ *     (bf16) from the even token at or before the step's first: 18 of them,
+ *     then K's and V's g (f32);
  *   fp8: K's and V's per-token scales (f32; none when static);
  *   int8: K's and V's per-token scales (bf16) from the even token at or
  *     before the step's first: 18 of them;
@@ -71,7 +72,8 @@ template <uint32_t D, uint32_t C> struct RegStage {
   static constexpr uint32_t KC = 0, VC = kTile * RB, SIDE = 2 * kTile * RB;
   static constexpr uint32_t SK = SIDE, SV = FP4 ? SIDE + kTile * NSC : SIDE + 80, KM = SIDE + 2 * kTile * NSC;
   static constexpr uint32_t KG = SIDE, VR = SIDE + 4 * D;
-  static constexpr uint32_t BYTES = FP4 ? KM + 48 : KIVI ? VR + kTile * 32 : SIDE + 160;
+  static constexpr uint32_t G = KM + 48; /* nvfp4: K's g, V's g (f32) */
+  static constexpr uint32_t BYTES = FP4 ? G + 16 : KIVI ? VR + kTile * 32 : SIDE + 160;
   static_assert(BYTES % 16 == 0 && RB % 16 == 0, "16-byte copies");
 };
 
@@ -84,7 +86,6 @@ struct RegMeta {
   uint32_t n;      /* tokens (0: no step); kRegTail: a RAW tail's, read at its turn */
   uint32_t t;      /* its first row in the block */
   uint32_t pk, pv; /* RAW tail: K's and V's pages */
-  float gk, gv;    /* nvfp4: K's and V's g */
 };
 constexpr uint32_t kRegTail = 0x80000000u;
 
@@ -99,6 +100,7 @@ template <uint32_t D, uint32_t C> struct RegStep {
   uint32_t kg[2];     /* nvfp4: the E4M3 scales of group j's K channels (D = 128: two groups, byte each) */
   uint32_t vg;        /* nvfp4: the E4M3 scales of the four V tokens, a byte each */
   uint32_t vr[4];     /* kivi: the four V tokens' records (fp16 scale, fp16 min) */
+  float gk;           /* nvfp4: K's g */
 };
 
 /* WORDS 32-bit words of shared memory at p (aligned to 16 bytes when
@@ -199,8 +201,8 @@ KVP_D void reg_stage_fill(const AttnArgs &a, const Rec &fr, uint32_t t, uint32_t
       cp_async<4>(dst + S::KM + 4 * lane, ksc + (size_t)fr.cap * S::NSC + (size_t)min(te, t + n - 1 & ~1u) * 2,
                 te < t + n ? 4u : 0u);
     }
-    o.gk = __ldg((const float *)(base + (uint64_t)fr.page[0][2] * 64));
-    o.gv = __ldg((const float *)(base + (uint64_t)fr.page[1][2] * 64));
+    if (lane == 9 || lane == 10) /* K's and V's g: a load into registers would hold up the metas' shift */
+      cp_async<4>(dst + S::G + 4 * (lane - 9), base + (uint64_t)fr.page[lane - 9][2] * 64, 4u);
   } else if constexpr (S::KIVI) {
     const uint32_t GK = a.p[0].kivi_group, RV = D / a.p[2].kivi_group * 4; /* V record bytes a token */
     if (lane < D / 4) cp_async<16>(dst + S::KG + 16 * lane, ksc + (size_t)(t / GK) * D * 4 + 16 * lane, 16u);
@@ -249,9 +251,11 @@ KVP_D void reg_stage_read(const AttnArgs &a, const RegMeta &m, const unsigned ch
 #pragma unroll
     for (uint32_t e = 0; e < 4; e++) vg |= (uint32_t)sb[S::SV + vtok[e] * S::NSC + gr * D / 128] << (8 * e);
     c.vg = vg;
+    const float gk = *(const float *)(sb + S::G), gv = *(const float *)(sb + S::G + 4);
+    c.gk = gk;
 #pragma unroll
     for (uint32_t e = 0; e < 4; e++) {
-      c.vs[e] = m.gv, c.ks[e] = m.gk;
+      c.vs[e] = gv, c.ks[e] = gk;
       if (KSM) c.ks[e] = bf16_to_f32(*(const unsigned short *)(sb + S::KM + ((m.t & 1u) + vtok[e]) * 2));
     }
   } else if constexpr (S::KIVI) {
@@ -424,10 +428,10 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
     }
     const uint32_t n = m.n;
     if (KSM) { /* q . (e s g + mean) = g (q . e s) + mean sum(q) */
-      s[0][0] = __fadd_rn(__fmul_rn(s[0][0], m.gk), __fmul_rn(c.ks[0], qsum));
-      s[0][1] = __fadd_rn(__fmul_rn(s[0][1], m.gk), __fmul_rn(c.ks[1], qsum));
-      s[1][0] = __fadd_rn(__fmul_rn(s[1][0], m.gk), __fmul_rn(c.ks[2], qsum));
-      s[1][1] = __fadd_rn(__fmul_rn(s[1][1], m.gk), __fmul_rn(c.ks[3], qsum));
+      s[0][0] = __fadd_rn(__fmul_rn(s[0][0], c.gk), __fmul_rn(c.ks[0], qsum));
+      s[0][1] = __fadd_rn(__fmul_rn(s[0][1], c.gk), __fmul_rn(c.ks[1], qsum));
+      s[1][0] = __fadd_rn(__fmul_rn(s[1][0], c.gk), __fmul_rn(c.ks[2], qsum));
+      s[1][1] = __fadd_rn(__fmul_rn(s[1][1], c.gk), __fmul_rn(c.ks[3], qsum));
       softmax_step<D, false>(s, n, a.scale_log2, qd, st, kOnes, c.vs, p0, p1, r0, r1);
     } else {
       softmax_step<D, false>(s, n, a.scale_log2, qd, st, c.ks, c.vs, p0, p1, r0, r1);
