@@ -29,9 +29,9 @@
  * the fragments hold e s exactly (at most 6 significant bits, 2^-10 ..
  * 2688) and the block's g multiplies the scores and the probabilities; with
  * K smoothing (KSM) the score of token t gains mean_t sum(q). kivi: K's
- * per-channel group records fold into Q (q s, and a bias q . m from one
- * more product), a step staying inside one K group; V is c s + m in one
- * fp16 fma.
+ * per-channel group records fold into Q (q s as two fp16 parts, exact, and
+ * a bias q . m from one more product), a step staying inside one K group;
+ * V is c s + m in one fp16 fma.
  *
  * Invariants: a stage holds exactly one step; rows past the step's end are
  * zeros (finite: they enter the products and weigh 0); every issue
@@ -376,12 +376,18 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
     reg_stage_read<D, C, KSM>(a, m, sb, gr, qd, c);
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
     uint32_t p0, p1, r0, r1;
-    /* kivi: K's group records fold into Q (q s per channel, fp16) and a bias
+    /* kivi: K's group records fold into Q (q s per channel) and a bias
      * q . m per query head, the same in every token's column: q . (c s + m)
-     * = (q s) . c + q . m. The bias is a product on the tensor cores too (Q
+     * = (q s) . c + q . m. q s is two fp16 parts, what fp16 keeps of it and
+     * the rest (exact: q has bf16's 8 significant bits and s 11, so the
+     * rest has at most 8), in the A fragment's rows gr and gr + 8 (the
+     * latter unused by the queries): one product gives both, summed in f32 after. Rounding
+     * q s alone was most of kivi's error (40-step test: 2.35e-3 of
+     * the output against 5.3e-4 exact); the codes, up to 2^KB - 1 times q
+     * s, magnify it. The bias is a product on the tensor cores too (Q
      * against m as every token's row: fp16 products exact, f32 sums), and
      * the scores start from it. */
-    uint32_t qs[KS][2];
+    uint32_t qs[KS][2], ql[KS][2];
     if constexpr (KIVI) {
       const uint4 *rec = (const uint4 *)(sb + S::KG) + qd * (D / 16);
 #pragma unroll
@@ -390,6 +396,8 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
         const uint32_t s01 = __byte_perm(r.x, r.y, 0x5410u), s23 = __byte_perm(r.z, r.w, 0x5410u);
         const uint32_t m01 = __byte_perm(r.x, r.y, 0x7632u), m23 = __byte_perm(r.z, r.w, 0x7632u);
         qs[k][0] = hmul2(qa[k][0], s01), qs[k][1] = hmul2(qa[k][1], s23);
+        ql[k][0] = kivi_fma_f16(qa[k][0], s01, qs[k][0] ^ 0x80008000u);
+        ql[k][1] = kivi_fma_f16(qa[k][1], s23, qs[k][1] ^ 0x80008000u);
         const uint32_t qk[4] = {qa[k][0], 0u, qa[k][1], 0u};
         mma16816(s[0], qk, m01, m23);
       }
@@ -421,10 +429,12 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
           } else {
             codes4_f16_fast<C>(c.k[j][k], b0, b1);
           }
-          const uint32_t qk[4] = {KIVI ? qs[k][0] : qa[k][0], 0u, KIVI ? qs[k][1] : qa[k][1], 0u};
+          const uint32_t qk[4] = {KIVI ? qs[k][0] : qa[k][0], KIVI ? ql[k][0] : 0u, KIVI ? qs[k][1] : qa[k][1],
+                                  KIVI ? ql[k][1] : 0u};
           mma16816(s[j], qk, b0, b1);
         }
       }
+      if constexpr (KIVI) s[j][0] += s[j][2], s[j][1] += s[j][3]; /* (q s)'s two fp16 parts, summed in f32 */
     }
     const uint32_t n = m.n;
     if (KSM) { /* q . (e s g + mean) = g (q . e s) + mean sum(q) */
