@@ -32,9 +32,15 @@
  *   metadata_per_byte   host metadata bytes per managed (region) byte, and per
  *                       allocated byte at the peak of the run.
  *   decode_append_ns    host cost of one decode-step append of one (seq,
- *                       layer), H = 8, D = 128, raw bf16, 64 sequences of 512
+ *                       layer), H = 8, D = 128, raw bf16, 8 sequences of 512
  *                       tokens, step_begin/end amortized over 32 layers;
- *                       baseline: memcpy of the same K and V bytes.
+ *                       baseline: memcpy of the same K and V bytes (hot, in
+ *                       one place).
+ *   decode_append_vs_paged_memcpy  the same append; baseline: memcpy of the
+ *                       same rows into one 16-token page per (seq, layer,
+ *                       head, K|V), a buffer backed as the pool's region
+ *                       (faulted in, 2 MiB pages): the paged layout's floor,
+ *                       its rows' lines fetched for the writes.
  *   var_append_ns       host cost of appending one 4096-token VAR scale to one
  *                       (seq, layer) in step mode; baseline: memcpy.
  *   read_ns_per_token   kvp_read of every head of a (seq, layer), per retained
@@ -90,6 +96,7 @@
  */
 #include <jemalloc/jemalloc.h>
 #include <math.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -244,10 +251,18 @@ static double read_dram_ns(const unsigned char *src, const uint32_t *ntok, int n
 
 /* The floor of a decode append in a paged layout: the same 2 x H rows
  * copied into one page per (seq, layer, head, K|V) of 16-token pages spread
- * over a buffer as large as the pool's payload, no bookkeeping at all. */
+ * over a buffer as large as the pool's payload, no bookkeeping at all. The
+ * buffer is backed as the pool's region is (faulted in, 2 MiB pages asked
+ * for by MADV_HUGEPAGE): with 4 KiB pages every row would also be a TLB
+ * miss, which the pool does not pay. */
 static double paged_memcpy_ns(const uint16_t *k, const uint16_t *v, int steps) {
   size_t row = (size_t)BD * 2, page = 16 * row, npages = (size_t)NSEQ * BL * BH * 2 * 64;
-  unsigned char *buf = malloc(npages * page);
+  size_t huge = (size_t)2 << 20, bytes = (npages * page + huge - 1) / huge * huge;
+  unsigned char *buf = aligned_alloc(huge, bytes);
+  if (!buf) die("paged memcpy buffer", KVP_ENOMEM);
+#ifdef MADV_HUGEPAGE
+  madvise(buf, bytes, MADV_HUGEPAGE); /* advisory, as the pool's */
+#endif
   memset(buf, 0, npages * page); /* faulted in, as the pool's prefaulted region */
   double t0 = now_ns();
   for (int st = 0; st < steps; st++)
