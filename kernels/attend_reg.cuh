@@ -381,12 +381,12 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
      * = (q s) . c + q . m. q s is two fp16 parts, what fp16 keeps of it and
      * the rest (exact: q has bf16's 8 significant bits and s 11, so the
      * rest has at most 8), in the A fragment's rows gr and gr + 8 (the
-     * latter unused by the queries): one product gives both, summed in f32 after. Rounding
-     * q s alone was most of kivi's error (40-step test: 2.35e-3 of
-     * the output against 5.3e-4 exact); the codes, up to 2^KB - 1 times q
-     * s, magnify it. The bias is a product on the tensor cores too (Q
-     * against m as every token's row: fp16 products exact, f32 sums), and
-     * the scores start from it. */
+     * latter unused by the queries): one product gives both, summed in f32
+     * after. Rounding q s alone was most of kivi's error (40-step test:
+     * 2.35e-3 of the output against 5.3e-4 exact); the codes, up to 2^KB -
+     * 1 times q s, magnify it. The bias is a product on the tensor cores
+     * too (Q against m as every token's row: fp16 products exact, f32
+     * sums), and the scores start from it. */
     uint32_t qs[KS][2], ql[KS][2];
     if constexpr (KIVI) {
       const uint4 *rec = (const uint4 *)(sb + S::KG) + qd * (D / 16);
