@@ -96,10 +96,10 @@
  */
 #include <jemalloc/jemalloc.h>
 #include <math.h>
-#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
