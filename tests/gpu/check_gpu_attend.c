@@ -19,8 +19,15 @@
 #include "gpu_test.h"
 
 
+/* The generator restarts at each fixture from its spec and shape (fx_open),
+ * so a test's data do not depend on which tests ran before it. */
 static uint64_t seed = 11;
 static float rnd(void) { return gpu_normal(&seed); }
+static uint64_t seed_of(const char *spec, uint32_t L, uint32_t H, uint32_t D) {
+  uint64_t x = 1469598103934665603ull; /* FNV-1a */
+  for (const unsigned char *c = (const unsigned char *)spec; *c; c++) x = (x ^ *c) * 1099511628211ull;
+  return x ^ ((uint64_t)L << 40 | (uint64_t)H << 20 | D);
+}
 
 typedef struct fixture {
   kvp_pool *pool;
@@ -34,6 +41,7 @@ static void fx_open(fixture *f, const char *spec, uint32_t L, uint32_t H, uint32
                     uint32_t maxtok) {
   memset(f, 0, sizeof *f);
   f->L = L, f->H = H, f->D = D, f->maxtok = maxtok;
+  seed = seed_of(spec, L, H, D);
   kvp_config c;
   kvp_config_init(&c);
   c.n_layers = L;
