@@ -453,8 +453,8 @@ template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
  * it runs two CTAs an SM at most. Where its registers allowed a third
  * (fp8 and int8 at head_dim 128) the third made it slower (fp8, 32K, one
  * device call: 1.73 ms against 1.51 at batch 64, 272 against 247 us at
- * batch 8, 67 against 64 us at batch 1). Of the current device, whose attribute is read at its first
- * call (every launch asks); 0 when unknown. */
+ * batch 8, 67 against 64 us at batch 1). Of the current device, whose
+ * attribute is read at its first call (every launch asks); 0 when unknown. */
 inline size_t reg_smem_floor() {
   static std::atomic<int> per_sm_of[64]; /* by device ordinal; 0: not read yet */
   int dev = 0, per_sm = 0;
