@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(kAttnThreads) attend_kernel(const __grid_const
   constexpr uint32_t LD = D + 8; /* tile row, in elements */
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
+  dep_launch(); /* attend_reduce may start: it reads the table until it waits for this grid */
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
   uint16_t *kt = (uint16_t *)smem + (size_t)warp * 2 * tile_elems<D>(), *vt = kt + tile_elems<D>();
   uint32_t qa[D / 16][2];
@@ -181,6 +182,7 @@ __global__ void __launch_bounds__(kAttnThreads) attend_bf16_kernel(const __grid_
   constexpr uint32_t TPT = D / 8, RPP = 32 / TPT, NP = kTile / RPP; /* 16-byte chunks per row, rows per pass */
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
+  dep_launch(); /* attend_reduce may start: it reads the table until it waits for this grid */
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
   uint16_t *wt = (uint16_t *)smem + (size_t)warp * 4 * TE; /* [buffer][K, V] tiles */
   uint32_t qa[D / 16][2];
@@ -311,6 +313,7 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
   constexpr bool kFold = C == KVP__K_FP8 || C == KVP__K_INT8;
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
+  dep_launch(); /* attend_reduce may start: it reads the table until it waits for this grid */
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
   unsigned char *ws = smem + (size_t)warp * (4 * SB + 2 * TE * 2); /* [buffer][K, V] code rows, then the tiles */
   uint16_t *kt = (uint16_t *)(ws + 4 * SB), *vt = kt + TE;
@@ -401,7 +404,10 @@ __global__ void __launch_bounds__(kAttnThreads, C == KVP__K_NVFP4 ? 2 : 3)
  * out together: D splits at a time, thread i loads split i's slot (the
  * table may sit in pinned host memory: kvp__kern_attend_zero_copy), max
  * and sum into shared memory; then every thread reads its channel of 8
- * records at once. */
+ * records at once. On sm_90 it is launched as the attention kernel's
+ * programmatic dependent (attend_launch): it starts once every CTA of that
+ * kernel has (dep_launch), reads its part of the table, and waits for that
+ * kernel's end (dep_wait) before the partial records. */
 template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const __grid_constant__ AttnArgs a) {
   __shared__ uint32_t slot[D], range[2];
   __shared__ float mx[D], sm[D];
@@ -411,11 +417,19 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
   if (d < 2) range[d] = a.bh_split0[bh + d];
   __syncthreads();
   const uint32_t s0 = range[0], s1 = range[1];
+  /* The table is the host's (it may be read over the bus): the first
+   * chunk's slots are read before the wait for the attention kernel, whose
+   * partial records alone come after it (launched as its dependent, this
+   * kernel may start while that one runs). Every CTA waits, those with
+   * nothing to merge too: the grid ends after the attention kernel, as
+   * stream order had it. */
+  const uint32_t first = s1 - s0 >= 2 && s0 + d < s1 ? a.splits[s0 + d].slot : 0u;
+  dep_wait();
   if (s1 - s0 < 2) return;
   auto load = [&](uint32_t c) { /* splits c .. c + D - 1 (all of them stay when they fit) */
     __syncthreads();            /* every thread is done with the last chunk */
     if (c + d < s1) {
-      const uint32_t sl = a.splits[c + d].slot;
+      const uint32_t sl = c == s0 ? first : a.splits[c + d].slot;
       slot[d] = sl, mx[d] = rec(sl)[0], sm[d] = rec(sl)[1];
     }
     __syncthreads();
@@ -472,6 +486,28 @@ inline size_t reg_smem_floor() {
     if (cached) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
   }
   return (size_t)per_sm / 3;
+}
+
+/* Whether the current device takes programmatic dependent launches
+ * (compute capability 9.0 on), read once per device. */
+inline bool dep_launch_ok() {
+  static std::atomic<int> cc_of[64]; /* by device ordinal: major + 1; 0: not read yet */
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  const bool cached = dev >= 0 && dev < 64;
+  int v = cached ? cc_of[dev].load(std::memory_order_relaxed) : 0;
+  if (!v) {
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    v = major + 1;
+    if (cached) cc_of[dev].store(v, std::memory_order_relaxed);
+  }
+  return v - 1 >= 9;
 }
 
 /* The kernel for a layer's bindings, and its shared memory */
@@ -556,8 +592,15 @@ cudaError_t attend_launch(const AttnArgs &a, uint32_t nsplits, uint32_t B, bool 
   k<<<nsplits, kAttnThreads, smem, s>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e == cudaSuccess && reduce) {
-    attend_reduce<D><<<B * a.Hq, D, 0, s>>>(a);
-    e = cudaGetLastError();
+    /* the merge as the attention kernel's programmatic dependent (sm_90):
+     * its launch and its reads of the table overlap that kernel's end */
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute at[1];
+    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    at[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.gridDim = dim3(B * a.Hq), cfg.blockDim = dim3(D), cfg.dynamicSmemBytes = 0, cfg.stream = s;
+    cfg.attrs = at, cfg.numAttrs = dep_launch_ok() ? 1 : 0;
+    e = cudaLaunchKernelEx(&cfg, attend_reduce<D>, a);
   }
   return e;
 }

@@ -35,6 +35,22 @@ struct AttnArgs {
   uint32_t out_dtype, Hq, Hkv, G;
 };
 
+/* Programmatic dependent launch (sm_90): a primary kernel lets the launch
+ * that follows it on the stream start (dep_launch), and that one waits for
+ * the primary's end and its stores (dep_wait) only where it reads what the
+ * primary wrote. Both are no-ops below sm_90, and dep_wait returns at once
+ * in a kernel launched without the dependency. */
+KVP_D void dep_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+KVP_D void dep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 KVP_D float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));

@@ -287,6 +287,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) attend_reg_kernel(const __gri
   constexpr bool FP4 = C == KVP__K_NVFP4, KIVI = reg_kivi<C>();
   extern __shared__ __align__(16) unsigned char smem[];
   const kvp__asplit sp = a.splits[blockIdx.x];
+  dep_launch(); /* attend_reduce may start: it reads the table until it waits for this grid */
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, qd = lane % 4, gr = lane / 4;
   const uint32_t b = sp.bh / a.Hkv, h = sp.bh % a.Hkv;
   /* Q: row gr, channels qd D/4 + 4k .. + 3 as k-step k's A fragment (fp16);
