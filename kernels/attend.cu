@@ -463,52 +463,37 @@ template <uint32_t D> __global__ void __launch_bounds__(D) attend_reduce(const _
 
 template <uint32_t D> using AttnFn = void (*)(const AttnArgs);
 
-/* attend_reg_kernel's shared memory at least: a third of an SM's, so that
- * it runs two CTAs an SM at most. Where its registers allowed a third
- * (fp8 and int8 at head_dim 128) the third made it slower (fp8, 32K, one
- * device call: 1.73 ms against 1.51 at batch 64, 272 against 247 us at
- * batch 8, 67 against 64 us at batch 1). Of the current device, whose
- * attribute is read at its first call (every launch asks); 0 when unknown. */
-inline size_t reg_smem_floor() {
-  static std::atomic<int> per_sm_of[64]; /* by device ordinal; 0: not read yet */
-  int dev = 0, per_sm = 0;
+/* Attribute A of the current device, read at its first use on each device
+ * (every launch asks); 0 when unknown. */
+template <cudaDeviceAttr A> inline int dev_attr() {
+  static std::atomic<int> of[64]; /* by device ordinal: the value + 1; 0: not read yet */
+  int dev = 0, v = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) {
     cudaGetLastError();
     return 0;
   }
   const bool cached = dev >= 0 && dev < 64;
-  if (cached) per_sm = per_sm_of[dev].load(std::memory_order_relaxed);
-  if (!per_sm) {
-    if (cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    if (cached) per_sm_of[dev].store(per_sm, std::memory_order_relaxed);
+  const int c = cached ? of[dev].load(std::memory_order_relaxed) : 0;
+  if (c) return c - 1;
+  if (cudaDeviceGetAttribute(&v, A, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
   }
-  return (size_t)per_sm / 3;
+  if (cached) of[dev].store(v + 1, std::memory_order_relaxed);
+  return v;
 }
 
+/* attend_reg_kernel's shared memory at least: a third of an SM's, so that
+ * it runs two CTAs an SM at most. Where its registers allowed a third
+ * (fp8 and int8 at head_dim 128) the third made it slower (fp8, 32K, one
+ * device call: 1.73 ms against 1.51 at batch 64, 272 against 247 us at
+ * batch 8, 67 against 64 us at batch 1). Of the current device; 0 when
+ * unknown. */
+inline size_t reg_smem_floor() { return (size_t)dev_attr<cudaDevAttrMaxSharedMemoryPerMultiprocessor>() / 3; }
+
 /* Whether the current device takes programmatic dependent launches
- * (compute capability 9.0 on), read once per device. */
-inline bool dep_launch_ok() {
-  static std::atomic<int> cc_of[64]; /* by device ordinal: major + 1; 0: not read yet */
-  int dev = 0, major = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  const bool cached = dev >= 0 && dev < 64;
-  int v = cached ? cc_of[dev].load(std::memory_order_relaxed) : 0;
-  if (!v) {
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    v = major + 1;
-    if (cached) cc_of[dev].store(v, std::memory_order_relaxed);
-  }
-  return v - 1 >= 9;
-}
+ * (compute capability 9.0 on). */
+inline bool dep_launch_ok() { return dev_attr<cudaDevAttrComputeCapabilityMajor>() >= 9; }
 
 /* The kernel for a layer's bindings, and its shared memory */
 enum { kPickBf16, kPickFp8, kPickInt8, kPickNvfp4, kPickRaw, kPickAny, kPickNvfp4Ksm, kPickKivi2, kPickKivi4, kPickCount };
