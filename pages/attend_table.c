@@ -78,6 +78,19 @@ static int reserve(kvp__abuf *buf, uint64_t used, uint64_t need) {
 enum { FORM_RAW, FORM_Q, FORM_GJOB };
 #define FORM_BYTES(form) \
   ((form) == FORM_RAW ? sizeof(kvp__arec_raw) : (form) == FORM_Q ? sizeof(kvp__arec_q) : sizeof(kvp__gjob))
+static int form_of(uint32_t rb) {
+  return rb == sizeof(kvp__arec_raw) ? FORM_RAW : rb == sizeof(kvp__arec_q) ? FORM_Q : FORM_GJOB;
+}
+static uint32_t m1_at_of(int form) {
+  return form == FORM_RAW ? offsetof(kvp__arec_raw, m1) : form == FORM_Q ? offsetof(kvp__arec_q, m1)
+                                                                           : offsetof(kvp__gjob, m1);
+}
+/* Tokens of record r (its m1 + 1; m1 at byte m1_at of rb-byte records). */
+static inline uint32_t rec_tokens(const unsigned char *recs, uint32_t rb, uint32_t m1_at, uint32_t r) {
+  uint16_t m1;
+  memcpy(&m1, recs + (size_t)r * rb + m1_at, sizeof m1);
+  return m1 + 1u;
+}
 /* Blocks read ahead: about 16 lines in flight (kvpool-prof-attend measures
  * 16 raw blocks, one line each, and 8 of two lines best). */
 #define PREFETCH_LINES 16
@@ -91,7 +104,9 @@ typedef struct cursor {
   double part_bytes;    /* the share of the others' */
   const kvp__block *lb; /* the last record's block, run and tokens [la, le) (a kept table's tail) */
   const kvp__run *lr;
+  const kvp__bref *lref; /* the last record's bref where the walk knows it, else NULL */
   uint32_t la, le;
+  uint32_t lnb;         /* records of lb at the end (more than one where runs meet inside it) */
 } cursor;
 
 /* Room for more records (buf grows, those written kept); *rc. */
@@ -150,6 +165,14 @@ static ALWAYS_INLINE void rec_bytes_of(const kvp__block *b, uint32_t m, uint64_t
   else *part += (double)req * m / b->cap_tokens;
 }
 
+/* Bytes (rec_bytes_of) of the nb records of block b that end at record
+ * last (whose tokens those records hold). */
+static void group_bytes(const unsigned char *recs, uint32_t rb, uint32_t last, uint32_t nb, const kvp__block *b,
+                        uint64_t *whole, double *part) {
+  uint32_t m1_at = m1_at_of(form_of(rb));
+  for (uint32_t i = 0; i < nb; i++) rec_bytes_of(b, rec_tokens(recs, rb, m1_at, last - i), whole, part);
+}
+
 /* The record of tokens [a, e) of b at c->dst (room checked). The compact
  * records go out as 8-byte words (kvp__arec_raw, kvp__arec_q: little-endian
  * fields, no padding but arec_raw's zero pad). */
@@ -186,18 +209,20 @@ static ALWAYS_INLINE void prefetch_block(const kvp__block *b, uint32_t lines, co
   for (uint32_t i = 1; i < lines; i++) __builtin_prefetch(&KVP__PG(b, i)[0]);
 }
 
-/* The record of tokens [a, e) of b (run r) at c, room made first; its
- * tokens added to *t, and noted as the cursor's last (a kept table's
- * tail). What every walk writes per (block, run) overlap. */
-static ALWAYS_INLINE int record(kvp__abuf *buf, cursor *c, const kvp__block *b, const kvp__run *r, uint32_t head,
-                                uint32_t a, uint32_t e, uint64_t *t, const int form) {
+/* The record of tokens [a, e) of b (run r, bref ref or NULL) at c, room
+ * made first; its tokens added to *t, and noted as the cursor's last (a
+ * kept table's tail). What every walk writes per (block, run) overlap. */
+static ALWAYS_INLINE int record(kvp__abuf *buf, cursor *c, const kvp__block *b, const kvp__run *r,
+                                const kvp__bref *ref, uint32_t head, uint32_t a, uint32_t e, uint64_t *t,
+                                const int form) {
   if (KVP__UNLIKELY(c->dst == c->lim)) {
     int rc;
     *c = cursor_grow(buf, *c, FORM_BYTES(form), &rc);
     if (rc) return rc;
   }
   put(c, b, head, a, e, form);
-  c->lb = b, c->lr = r, c->la = a, c->le = e;
+  c->lnb = b == c->lb ? c->lnb + 1 : 1;
+  c->lb = b, c->lr = r, c->lref = ref, c->la = a, c->le = e;
   *t += e - a;
   return KVP_OK;
 }
@@ -227,6 +252,7 @@ typedef struct seq_scratch {
   const kvp__block **blk;     /* [H * per]: head h's k-th block at h * per + k */
   uint64_t per;
   const kvp__bref **cur;      /* [H]: each head's next bref */
+  const kvp__bref **last;     /* [H]: each head's last bref (collect) */
   uint32_t *nblk;             /* [H]: each head's blocks */
   uint32_t H;
   uint32_t lines;             /* a block's lines a record reads (prefetch_block) */
@@ -238,14 +264,15 @@ static int scratch_init(seq_scratch *x, uint32_t H, uint32_t lines) {
   x->H = H;
   x->lines = lines;
   x->ahead = PREFETCH_LINES / lines;
-  x->cur = kvp__meta_alloc(NULL, H * (sizeof *x->cur + sizeof *x->nblk));
+  x->cur = kvp__meta_alloc(NULL, H * (2 * sizeof *x->cur + sizeof *x->nblk));
   if (!x->cur) return kvp__err(KVP_ENOMEM, "attend scratch for %u heads", H);
-  x->nblk = (uint32_t *)(x->cur + H);
+  x->last = x->cur + H;
+  x->nblk = (uint32_t *)(x->last + H);
   return KVP_OK;
 }
 
 static void scratch_fini(seq_scratch *x) {
-  kvp__meta_free(NULL, x->cur, x->H * (sizeof *x->cur + sizeof *x->nblk));
+  kvp__meta_free(NULL, x->cur, x->H * (2 * sizeof *x->cur + sizeof *x->nblk));
   kvp__meta_free(NULL, x->runs, x->runs_cap * sizeof *x->runs);
   kvp__meta_free(NULL, x->blk, x->per * x->H * sizeof *x->blk);
 }
@@ -298,8 +325,8 @@ static int collect(seq_scratch *x, const kvp_pool *pool, kvp__seq *s, uint32_t l
       const kvp__bref *r = cur[h];
       if (!r) continue;
       col[h * per] = kvp__rcu_deref(r->blk);
-      cur[h] = r = kvp__rcu_deref(r->next);
-      if (!r) x->nblk[h] = (uint32_t)k + 1, live--;
+      cur[h] = kvp__rcu_deref(r->next);
+      if (!cur[h]) x->nblk[h] = (uint32_t)k + 1, x->last[h] = r, live--;
     }
   }
   for (uint32_t h = 0; h < H; h++) {
@@ -328,7 +355,8 @@ static ALWAYS_INLINE int walk_blocks(kvp__abuf *buf, cursor *cp, const seq_scrat
       uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
       if (p0 >= re) break; /* the next run's */
       if (be <= ra) continue;
-      int rc = record(buf, &c, b, x->runs[k].r, head, ra > p0 ? ra : p0, re < be ? re : be, &t, form);
+      int rc = record(buf, &c, b, x->runs[k].r, i + 1 == n ? x->last[head] : NULL, head, ra > p0 ? ra : p0,
+                      re < be ? re : be, &t, form);
       if (rc) return rc;
       if (be > re) break; /* the next run may begin inside it */
     }
@@ -359,7 +387,7 @@ static ALWAYS_INLINE int walk_brefs(kvp__abuf *buf, cursor *cp, const seq_scratc
       uint32_t p0 = b->pos0, be = p0 + b->cap_tokens;
       if (p0 >= re) break; /* the next run's */
       if (be <= ra) continue;
-      int rc = record(buf, &c, b, x->runs[k].r, head, ra > p0 ? ra : p0, re < be ? re : be, &t, form);
+      int rc = record(buf, &c, b, x->runs[k].r, r, head, ra > p0 ? ra : p0, re < be ? re : be, &t, form);
       if (rc) return rc;
       if (be > re) break; /* the next run may begin inside it */
     }
@@ -395,7 +423,7 @@ static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool 
     for (kvp__block *b; (b = kvp__bwalk_peek(&bw)) && b->pos0 < re;) {
       uint32_t be = b->pos0 + b->cap_tokens;
       if (be > ra) {
-        int rc = record(buf, &c, b, run, head, ra > b->pos0 ? ra : b->pos0, re < be ? re : be, &t, form);
+        int rc = record(buf, &c, b, run, NULL, head, ra > b->pos0 ? ra : b->pos0, re < be ? re : be, &t, form);
         if (rc) return rc;
         if (be > re) break;
       }
@@ -408,19 +436,33 @@ static ALWAYS_INLINE int walk_shared(kvp__abuf *buf, cursor *cp, const kvp_pool 
 }
 
 /* A (sequence, head)'s last record: tokens [a, e) of block b in run r (b
- * NULL: no record); what a kept table redoes (kvp__attend_build_kept). */
+ * NULL: no record), b's bref where the walk knew it (else NULL), the
+ * records of b at the end (nb: more than one where runs meet inside b) and
+ * the bytes they add to bytes_read (whole, part: rec_bytes_of); what a
+ * kept table redoes (kvp__attend_build_kept). */
 typedef struct atail {
   const kvp__block *b;
   const kvp__run *r;
-  uint32_t a, e;
+  const kvp__bref *ref;
+  uint32_t a, e, nb;
+  uint64_t w;
+  double p;
 } atail;
+
+/* A kept table's sequence: where it is and the tail generation of the
+ * layer read before its walk (KVP__TGEN_NONE: odd then, matched by none). */
+typedef struct aseq {
+  kvp__seq *s;
+  uint64_t tgen;
+} aseq;
+#define KVP__TGEN_NONE UINT64_MAX
 
 /* Every (sequence, head) of the batch: recs_at[bh] (bh's first record) and
  * tok_of[bh]; *c after the last record. tails (or NULL): each bh's last
- * record; *shared: a sequence held shared chunks (its records come from
- * kvp__bwalk, no tail noted). */
+ * record, and seqs[b] each sequence; *shared: a sequence held shared
+ * chunks (its records come from kvp__bwalk, no tail noted). */
 static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *pool, const kvp__atable *t,
-                                    uint32_t *recs_at, uint64_t *tok_of, atail *tails, bool *shared_any,
+                                    uint32_t *recs_at, uint64_t *tok_of, atail *tails, aseq *seqs, bool *shared_any,
                                     const int form) {
   uint32_t H = pool->cfg.n_kv_heads;
   for (uint32_t b = 0; b < t->batch; b++) {
@@ -428,6 +470,10 @@ static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, k
     if (!s)
       return kvp__err(KVP_ENOENT, "attend: seqs[%u]: sequence %llu does not exist", b, (unsigned long long)t->seqs[b]);
     const kvp__layer *L = &s->layers[t->layer];
+    if (seqs) { /* before the runs' ends: a change of the ends after this shows as another value */
+      uint64_t g = atomic_load_explicit(&L->tgen, memory_order_acquire);
+      seqs[b] = (aseq){s, g & 1 ? KVP__TGEN_NONE : g};
+    }
     uint32_t nruns;
     int rc = snap_runs(x, L, &nruns);
     /* holds are published before the positions they cover (an attach), and stay once set */
@@ -443,7 +489,13 @@ static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, k
       rc = shared  ? walk_shared(buf, c, pool, s, L, t->layer, h, tok, form)
            : close ? walk_brefs(buf, c, x, nruns, kvp__seq_stream(pool, s, t->layer, h), h, tok, form)
                    : walk_blocks(buf, c, x, nruns, h, tok, form);
-      if (tails) tails[b * H + h] = (atail){c->lb, c->lr, c->la, c->le};
+      if (tails) {
+        atail *tl = &tails[b * H + h];
+        *tl = (atail){c->lb, c->lr, c->lref, c->la, c->le, c->lnb, 0, 0};
+        if (c->lb)
+          group_bytes(buf->p, FORM_BYTES(form), (uint32_t)((uint64_t)(c->dst - buf->p) / FORM_BYTES(form)) - 1, c->lnb,
+                      c->lb, &tl->w, &tl->p);
+      }
     }
     if (rc) return rc;
   }
@@ -451,26 +503,19 @@ static ALWAYS_INLINE int walk_batch(kvp__abuf *buf, cursor *c, seq_scratch *x, k
 }
 
 static int walk_raw(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
-                    uint64_t *tok, atail *tails, bool *sh) {
-  return walk_batch(buf, c, x, p, t, at, tok, tails, sh, FORM_RAW);
+                    uint64_t *tok, atail *tails, aseq *sq, bool *sh) {
+  return walk_batch(buf, c, x, p, t, at, tok, tails, sq, sh, FORM_RAW);
 }
 static int walk_q(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
-                  uint64_t *tok, atail *tails, bool *sh) {
-  return walk_batch(buf, c, x, p, t, at, tok, tails, sh, FORM_Q);
+                  uint64_t *tok, atail *tails, aseq *sq, bool *sh) {
+  return walk_batch(buf, c, x, p, t, at, tok, tails, sq, sh, FORM_Q);
 }
 static int walk_gjob(kvp__abuf *buf, cursor *c, seq_scratch *x, kvp_pool *p, const kvp__atable *t, uint32_t *at,
-                     uint64_t *tok, atail *tails, bool *sh) {
-  return walk_batch(buf, c, x, p, t, at, tok, tails, sh, FORM_GJOB);
+                     uint64_t *tok, atail *tails, aseq *sq, bool *sh) {
+  return walk_batch(buf, c, x, p, t, at, tok, tails, sq, sh, FORM_GJOB);
 }
 
 /* ---- splits ----------------------------------------------------------------- */
-
-/* Tokens of record r (its m1 + 1; m1 at byte m1_at of rb-byte records). */
-static inline uint32_t rec_tokens(const unsigned char *recs, uint32_t rb, uint32_t m1_at, uint32_t r) {
-  uint16_t m1;
-  memcpy(&m1, recs + (size_t)r * rb + m1_at, sizeof m1);
-  return m1 + 1u;
-}
 
 /* The end of the split that begins at record r0 < end, as make_splits'
  * scan finds it, from prefix sums instead of the records: pre[x] the
@@ -498,8 +543,9 @@ static bool split_is_end(const uint32_t *pre, uint32_t r0, uint32_t end, uint64_
   return h - 1 == r0 || (uint64_t)pre[h - 1] + (h < end ? pre[h] : total) <= 2 * target;
 }
 
-/* Splits of the table: recs_at[bh] .. recs_at[bh + 1] are bh's records,
- * tok_of[bh] their tokens. Writes them at out, bh's first at bh_split0[bh],
+/* Splits of the table: recs_at[bh] .. ends[bh] are bh's records (ends =
+ * recs_at + 1 where they lie end to end; a kept table leaves room after
+ * each bh's), tok_of[bh] their tokens. Writes them at out, bh's first at bh_split0[bh],
  * and returns their number (at most splits_bound's); *slots: the
  * partial-result slots used. A bh of one split (most: those of at most
  * chunk tokens) takes all its records unread; the others' are read once,
@@ -511,11 +557,11 @@ typedef struct split_hint {
   const uint32_t *split0, *end;
 } split_hint;
 static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_at, const uint32_t *recs_at,
-                            const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint, uint32_t nbh,
-                            uint32_t chunk, kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
+                            const uint32_t *ends, const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint,
+                            uint32_t nbh, uint32_t chunk, kvp__asplit *out, uint32_t *bh_split0, uint32_t *slots) {
   uint32_t n = 0, nslot = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
-    uint32_t first = n, r = recs_at[bh], end = recs_at[bh + 1];
+    uint32_t first = n, r = recs_at[bh], end = ends[bh];
     uint64_t total = tok_of[bh];
     /* at most ceil(total / chunk) splits of about equal tokens (whole
      * records): split k ends at the record boundary nearest to k + 1 parts
@@ -553,10 +599,11 @@ static uint32_t make_splits(const unsigned char *recs, uint32_t rb, uint32_t m1_
 
 /* Splits make_splits can write: per bh at most one per part and one per
  * record, one at least. */
-static uint64_t splits_bound(const uint32_t *recs_at, const uint64_t *tok_of, uint32_t nbh, uint32_t chunk) {
+static uint64_t splits_bound(const uint32_t *recs_at, const uint32_t *ends, const uint64_t *tok_of, uint32_t nbh,
+                             uint32_t chunk) {
   uint64_t n = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
-    uint64_t parts = tok_of[bh] ? (tok_of[bh] + chunk - 1) / chunk : 1, nr = recs_at[bh + 1] - recs_at[bh];
+    uint64_t parts = tok_of[bh] ? (tok_of[bh] + chunk - 1) / chunk : 1, nr = ends[bh] - recs_at[bh];
     n += parts < nr ? parts : nr ? nr : 1;
   }
   return n;
@@ -596,23 +643,17 @@ static int table_check(const kvp_pool *pool, const kvp__atable *t) {
   return KVP_OK;
 }
 
-static int form_of(uint32_t rb) {
-  return rb == sizeof(kvp__arec_raw) ? FORM_RAW : rb == sizeof(kvp__arec_q) ? FORM_Q : FORM_GJOB;
-}
-static uint32_t m1_at_of(int form) {
-  return form == FORM_RAW ? offsetof(kvp__arec_raw, m1) : form == FORM_Q ? offsetof(kvp__arec_q, m1)
-                                                                           : offsetof(kvp__gjob, m1);
-}
 
 /* The records of t's batch at buf->p: recs_at[0 .. nbh] (the end too),
- * tok_of[bh]; tails and *shared as walk_batch's; *c the cursor after them. */
+ * tok_of[bh]; tails, seqs and *shared as walk_batch's; *c the cursor after
+ * them. */
 static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint32_t rb, uint32_t *recs_at,
-                      uint64_t *tok_of, atail *tails, bool *shared, cursor *c) {
+                      uint64_t *tok_of, atail *tails, aseq *seqs, bool *shared, cursor *c) {
   uint32_t H = pool->cfg.n_kv_heads, nbh = t->batch * H;
   int form = form_of(rb);
   kvp__assert(form != FORM_GJOB || rb == sizeof(kvp__gjob));
   kvp__assert((uintptr_t)buf->p % 16 == 0);
-  *c = (cursor){buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0, NULL, NULL, 0, 0};
+  *c = (cursor){buf->p, buf->p + buf->cap_bytes / rb * rb, 0, 0, NULL, NULL, NULL, 0, 0, 0};
   *shared = false;
   /* the lines a record reads: one per page index of the layer's codecs (a RAW tail has one page a side) */
   uint32_t lines = 1;
@@ -625,19 +666,20 @@ static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint
   seq_scratch x;
   int rc = scratch_init(&x, H, lines > KVP_CODEC_MAX_PAGES ? KVP_CODEC_MAX_PAGES : lines);
   if (!rc)
-    rc = form == FORM_RAW ? walk_raw(buf, c, &x, pool, t, recs_at, tok_of, tails, shared)
-         : form == FORM_Q ? walk_q(buf, c, &x, pool, t, recs_at, tok_of, tails, shared)
-                          : walk_gjob(buf, c, &x, pool, t, recs_at, tok_of, tails, shared);
+    rc = form == FORM_RAW ? walk_raw(buf, c, &x, pool, t, recs_at, tok_of, tails, seqs, shared)
+         : form == FORM_Q ? walk_q(buf, c, &x, pool, t, recs_at, tok_of, tails, seqs, shared)
+                          : walk_gjob(buf, c, &x, pool, t, recs_at, tok_of, tails, seqs, shared);
   scratch_fini(&x);
   if (!rc) recs_at[nbh] = (uint32_t)((uint64_t)(c->dst - buf->p) / rb);
   return rc;
 }
 
-/* The splits and the split index after nrec records at buf->p (recs_at,
- * tok_of: table_walk's), and t's outputs. bh_split0: nbh + 1 scratch. */
+/* The splits and the split index after nrec = recs_at[nbh] records at
+ * buf->p (recs_at, ends, tok_of: table_walk's, or a kept table's), and t's
+ * outputs. bh_split0: nbh + 1 scratch. */
 static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
-                        const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint, uint32_t *bh_split0,
-                        uint64_t bytes_read, bool in_place) {
+                        const uint32_t *ends, const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint,
+                        uint32_t *bh_split0, uint64_t bytes_read, bool in_place) {
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh], nslot;
   uint64_t tokens = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
@@ -647,13 +689,13 @@ static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t
   /* in_place: the records stay where they are (pre given): splits and index alone */
   uint64_t rec_bytes = in_place ? 0 : (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16),
            idx_bytes = (nbh + 1) * 4ull;
-  uint64_t most = off_splits + splits_bound(recs_at, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
+  uint64_t most = off_splits + splits_bound(recs_at, ends, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
   int rc = reserve(buf, rec_bytes, most);
   if (rc) return rc;
   unsigned char *p = buf->p;
   memset(p + rec_bytes, 0, off_splits - rec_bytes);
-  uint32_t nsplit = make_splits(in_place ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, tok_of, pre, hint, nbh, chunk,
-                                (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
+  uint32_t nsplit = make_splits(in_place ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, ends, tok_of, pre, hint, nbh,
+                                chunk, (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
   t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
   t->off_splits = off_splits;
   t->off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
@@ -681,41 +723,60 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
   cursor c;
   bool shared;
-  rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, &shared, &c);
+  rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, &shared, &c);
   if (!rc)
-    rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
-                      false);
+    rc = table_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
+                      c.whole_bytes + (uint64_t)c.part_bytes, false);
   kvp__meta_free(NULL, tok_of, scratch);
   return rc;
 }
 
 /* ---- the kept tables ---------------------------------------------------------
  * A decode step changes a layer's table only at its ends: each (sequence,
- * head)'s last record, whose run grew by the step's tokens into the same
- * OPEN block (a new block, a reseal, an eviction, a new run, a fork, a
- * free, any change of structure moves the pool's generation: pages.h).
- * So each layer keeps the last table it built (its records, per bh their
- * first record, tokens and last record's block, run and range), labelled
- * with the generation read before the walk; a call for the same batch
- * under the same generation redoes each last record from its run's end
- * (loaded with acquire, as the walk loads it) and places the splits from
- * the records' kept prefix sums (split_end: the scan's splits, found by
- * binary search). Where the kernel reads its records in place (pages on a
- * device: kvp__kern_attend_zero_copy) the kept records are pinned, the
- * splits and index are written beside them (tab, pinned too: the kernels
- * read the whole table in place, no copy and no stage) and the call goes
- * no further: O(sequences x heads + splits). Otherwise it copies
- * them to the caller's buffer: O(records) sequential bytes, not O(blocks)
- * loads. Records read in place change only after the event recorded
- * behind the kernels that read them (done) has passed, and the kept table
- * stays held until that event is recorded (kvp__attend_kept_release).
- * A generation that moved during the walk is read as a different label
- * by the next call, which builds again; an odd one (a writer in) neither
- * serves nor labels. The kept table names blocks that stay linked while
- * the generation stands, so they and their pages stay valid under the
- * caller's RCU read lock as the walk's do (pages.h: sgen). One call at a time
- * uses a layer's kept table (a try-lock; others build as before). */
+ * head)'s last record grows by the step's tokens into the same OPEN block,
+ * or, when the step passes a block's end, that block is resealed in its
+ * bref and new blocks follow it (pages.h: the layer's tail generation
+ * moves, the pool's does not); anything else (an eviction, a new run, a
+ * fork, a free) moves the pool's generation. So each layer keeps the last
+ * table it built (its records, per bh their first record, tokens and last
+ * record's block, bref, run and range; per sequence its tail generation),
+ * labelled with the pool's generation read before the walk. A call for the
+ * same batch under the same generation, per sequence:
+ *  - tail generation as labelled: redoes each last record from its run's
+ *    end (loaded with acquire, as the walk loads it);
+ *  - moved: redoes each head's ends from the last record's bref: that
+ *    record again (its block may be the resealed copy, same positions),
+ *    then a record for each block after it within the run, written into
+ *    the room the kept table leaves after each bh's records (ROOM_*); a bh
+ *    out of room, or whose last bref the walk did not note, has the whole
+ *    table built again (and laid out with new room);
+ * then places the splits from the records' kept prefix sums (split_end:
+ * the scan's splits, found by binary search). Where the kernel reads its
+ * records in place (pages on a device: kvp__kern_attend_zero_copy) the kept
+ * records are pinned, the splits and index are written beside them (tab,
+ * pinned too: the kernels read the whole table in place, no copy and no
+ * stage) and the call goes no further: O(sequences x heads + splits + new
+ * blocks). Otherwise it copies them to the caller's buffer: O(records)
+ * sequential bytes, not O(blocks) loads. A kept table's records lie with
+ * room between bhs; the splits name only records, so a kernel sees the
+ * same records as a fresh build's, in the same splits. Records read in
+ * place change only after the event recorded behind the kernels that read
+ * them (done) has passed, and the kept table stays held until that event
+ * is recorded (kvp__attend_kept_release). A generation that moved during
+ * the walk is read as a different label by the next call, which builds
+ * again (or, for a tail generation, redoes those ends); an odd one (a
+ * writer in) neither serves nor labels. The kept table names blocks,
+ * brefs and runs that stay linked while the generations stand (a bref and
+ * its run while the pool's does), so they and their pages stay valid under
+ * the caller's RCU read lock as the walk's do (pages.h: sgen, tgen). One
+ * call at a time uses a layer's kept table (a try-lock; others build as
+ * before). */
 #define KVP__ACACHE_MAX_BYTES (256ull << 20) /* records kept over all layers of a pool */
+/* Room kept after a bh's n records for the blocks decode steps add: at 16
+ * tokens a block, 8 records are 128 steps of a short sequence; a long
+ * one's (n / 8) lasts as long as an eighth of its length. */
+#define ROOM_MIN 8u
+#define ROOM_DIV 8u
 
 typedef struct kvp__acache {
   kvp__mutex lock;       /* taken by try: the call using it */
@@ -723,11 +784,13 @@ typedef struct kvp__acache {
   uint64_t gen;          /* the pool's sgen (even) read before its walk */
   uint32_t batch, kind;  /* the batch's size and the records' kernel kind */
   uint64_t *seqs;        /* [batch] its sequence ids */
-  unsigned char *recs;   /* its records (nrec = recs_at[nbh]) */
-  uint32_t *recs_at;     /* [nbh + 1] */
+  aseq *sq;              /* [batch] each sequence and its layer's tail generation as the records show it */
+  unsigned char *recs;   /* its records: bh's at recs_at[bh] .. rend[bh], room up to recs_at[bh + 1] */
+  uint32_t *recs_at;     /* [nbh + 1]: recs_at[nbh] = the record slots, room included */
+  uint32_t *rend;        /* [nbh] */
   uint64_t *tok_of;      /* [nbh] */
   atail *tails;          /* [nbh] */
-  uint32_t *pre;         /* [nrec]: the tokens of a record's bh before it (its last record's growth
+  uint32_t *pre;         /* [slots]: the tokens of a record's bh before it (its last record's growth
                             changes none of them): make_splits without reading the records */
   uint32_t *hint0, *hint_end; /* [nbh + 1], [hint_cap]: the last table's splits, bh's first and each
                             one's end record (make_splits' hint), when hinted */
@@ -739,7 +802,7 @@ typedef struct kvp__acache {
   uint64_t seqs_cap, recs_cap, bh_cap, pre_cap; /* entries the arrays hold (recs: bytes) */
   bool pinned;           /* recs is pinned host memory (kvp__dev_kept_alloc): read in place */
   unsigned char *tab;    /* pinned, after recs in one buffer: a call in place's splits and index */
-  uint64_t tab_cap;      /* bytes at tab: (records + bh) splits and (bh + 1) index words */
+  uint64_t tab_cap;      /* bytes at tab: (slots + bh) splits and (bh + 1) index words */
   void *recs_dev, *tab_dev; /* recs and tab as the device addresses them */
   uint64_t pin_bytes;    /* the pinned buffer's bytes (recs_cap + tab_cap, aligned) */
   void *done;            /* event after the last work that reads recs in place, or NULL (no device) */
@@ -763,16 +826,18 @@ static void kept_recs_free(kvp_pool *pool, kvp__acache *k, bool now) {
 
 static void kept_drop(kvp_pool *pool, kvp__acache *k, bool now) {
   kvp__meta_free(&pool->meta, k->seqs, k->seqs_cap * sizeof *k->seqs);
+  kvp__meta_free(&pool->meta, k->sq, k->seqs_cap * sizeof *k->sq);
   kept_recs_free(pool, k, now);
   kvp__meta_free(&pool->meta, k->recs_at, (k->bh_cap + 1) * sizeof *k->recs_at);
-  kvp__meta_free(&pool->meta, k->tok_of, k->bh_cap * sizeof *k->tok_of);
-  kvp__meta_free(&pool->meta, k->tails, k->bh_cap * sizeof *k->tails);
+  kvp__meta_free(&pool->meta, k->rend, k->bh_cap * sizeof *k->rend + 8);
+  kvp__meta_free(&pool->meta, k->tok_of, k->bh_cap * sizeof *k->tok_of + 8);
+  kvp__meta_free(&pool->meta, k->tails, k->bh_cap * sizeof *k->tails + 8);
   kvp__meta_free(&pool->meta, k->pre, k->pre_cap * sizeof *k->pre);
   kvp__meta_free(&pool->meta, k->hint0, (k->bh_cap + 1) * sizeof *k->hint0);
   kvp__meta_free(&pool->meta, k->hint_end, k->hint_cap * sizeof *k->hint_end);
   atomic_fetch_sub_explicit(kept_total(pool), k->bytes, memory_order_relaxed);
-  k->seqs = NULL, k->recs = NULL, k->recs_at = NULL, k->tok_of = NULL, k->tails = NULL, k->pre = NULL;
-  k->hint0 = k->hint_end = NULL;
+  k->seqs = NULL, k->sq = NULL, k->recs = NULL, k->recs_at = k->rend = NULL, k->tok_of = NULL, k->tails = NULL;
+  k->pre = NULL, k->hint0 = k->hint_end = NULL;
   k->bytes = k->seqs_cap = k->recs_cap = k->bh_cap = k->pre_cap = k->hint_cap = 0;
   k->valid = k->hinted = false;
 }
@@ -806,67 +871,87 @@ static kvp__acache *kept_of(kvp_pool *pool, uint32_t layer) {
   return k;
 }
 
-/* Keep the table just built (records at buf->p) for layer; false when it
- * is not kept (memory, the pool's bound): the kept table is then invalid. */
-static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, const unsigned char *recs, uint32_t rb,
-                       const uint32_t *recs_at, const uint64_t *tok_of, const atail *tails, uint64_t gen,
-                       const cursor *c) {
-  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh];
-  uint64_t rec_bytes = (uint64_t)nrec * rb;
-  /* the splits and index of a call in place: at most a split per record or bh (splits_bound) */
-  uint64_t tab_bytes = ((uint64_t)nrec + nbh) * sizeof(kvp__asplit) + (nbh + 1ull) * sizeof(uint32_t);
-  k->valid = false;
-  kvp__dev_event_wait(k->done); /* the records may still be read in place */
-  if (k->seqs_cap < t->batch || k->recs_cap < rec_bytes || k->bh_cap < nbh || k->pre_cap < nrec ||
-      k->hint_cap < (uint64_t)nrec + nbh || (k->pinned && k->tab_cap < tab_bytes)) {
-    uint64_t sc = t->batch > k->seqs_cap ? t->batch : k->seqs_cap, rc = rec_bytes > k->recs_cap ? rec_bytes + rec_bytes / 8 : k->recs_cap,
-             bc = nbh > k->bh_cap ? nbh : k->bh_cap, pc = nrec > k->pre_cap ? nrec + nrec / 8 : k->pre_cap;
-    /* splits_bound's most: a split per record or bh */
-    uint64_t rc_al = align_up(rc ? rc : 16, 64), hc = (rc ? rc : 16) / rb + bc,
-             tc = k->done ? hc * sizeof(kvp__asplit) + (bc + 1) * sizeof(uint32_t) : 0;
-    uint64_t need = sc * sizeof *k->seqs + rc + tc + (bc + 1) * (sizeof *k->recs_at + sizeof *k->hint0) +
-                    bc * (sizeof *k->tok_of + sizeof *k->tails) + (pc ? pc : 1) * sizeof *k->pre +
-                    hc * sizeof *k->hint_end;
-    kept_drop(pool, k, false);
-    if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
-      atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
-      return false;
-    }
-    k->bytes = need;
-    k->seqs = kvp__meta_alloc(&pool->meta, sc * sizeof *k->seqs);
-    k->recs = k->done ? kvp__dev_kept_alloc(pool, rc_al + tc) : NULL; /* pinned: read in place */
-    if (k->recs) {
-      k->tab = k->recs + rc_al, k->tab_cap = tc, k->pin_bytes = rc_al + tc;
-      k->recs_dev = kvp__dev_mapped(pool, k->recs), k->tab_dev = kvp__dev_mapped(pool, k->tab);
-      k->pinned = k->recs_dev && k->tab_dev;
-      if (!k->pinned) { /* not mapped: kept in metadata, copied per call */
-        kvp__dev_kept_free(pool, k->recs, k->pin_bytes);
-        k->recs = k->tab = NULL, k->recs_dev = k->tab_dev = NULL, k->tab_cap = k->pin_bytes = 0;
-      }
-    }
-    if (!k->recs) k->recs = kvp__meta_alloc(&pool->meta, rc ? rc : 16);
-    k->recs_at = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->recs_at);
-    k->tok_of = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tok_of + 8);
-    k->tails = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tails + 8);
-    k->pre = kvp__meta_alloc(&pool->meta, (pc ? pc : 1) * sizeof *k->pre);
-    k->hint0 = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->hint0);
-    k->hint_end = kvp__meta_alloc(&pool->meta, hc * sizeof *k->hint_end);
-    k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc, k->pre_cap = pc ? pc : 1, k->hint_cap = hc;
-    if (!k->seqs || !k->recs || !k->recs_at || !k->tok_of || !k->tails || !k->pre || !k->hint0 || !k->hint_end) {
-      kept_drop(pool, k, false);
-      return false;
+/* Room for k to hold a table of batch sequences, nbh bhs and slots records
+ * of rb bytes (the arrays grown as a whole, the old ones dropped); false
+ * when not (memory, the pool's bound): k is then empty. */
+static bool kept_room(kvp_pool *pool, kvp__acache *k, uint32_t batch, uint32_t nbh, uint64_t slots, uint32_t rb) {
+  uint64_t rec_bytes = slots * rb;
+  /* the splits and index of a call in place: at most a split per record slot or bh (splits_bound) */
+  uint64_t tab_bytes = (slots + nbh) * sizeof(kvp__asplit) + (nbh + 1ull) * sizeof(uint32_t);
+  if (k->seqs_cap >= batch && k->recs_cap >= rec_bytes && k->bh_cap >= nbh && k->pre_cap >= slots &&
+      k->hint_cap >= slots + nbh && (!k->pinned || k->tab_cap >= tab_bytes))
+    return true;
+  uint64_t sc = batch > k->seqs_cap ? batch : k->seqs_cap,
+           rc = rec_bytes > k->recs_cap ? rec_bytes + rec_bytes / 8 : k->recs_cap,
+           bc = nbh > k->bh_cap ? nbh : k->bh_cap, pc = rc / rb > k->pre_cap ? rc / rb : k->pre_cap;
+  uint64_t rc_al = align_up(rc ? rc : 16, 64), hc = (rc ? rc : 16) / rb + bc,
+           tc = k->done ? hc * sizeof(kvp__asplit) + (bc + 1) * sizeof(uint32_t) : 0;
+  uint64_t need = sc * (sizeof *k->seqs + sizeof *k->sq) + rc + tc + (bc + 1) * (sizeof *k->recs_at + sizeof *k->hint0) +
+                  bc * (sizeof *k->rend + sizeof *k->tok_of + sizeof *k->tails) + (pc ? pc : 1) * sizeof *k->pre +
+                  hc * sizeof *k->hint_end;
+  kept_drop(pool, k, false);
+  if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
+    atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
+    return false;
+  }
+  k->bytes = need;
+  k->seqs = kvp__meta_alloc(&pool->meta, sc * sizeof *k->seqs);
+  k->sq = kvp__meta_alloc(&pool->meta, sc * sizeof *k->sq);
+  k->recs = k->done ? kvp__dev_kept_alloc(pool, rc_al + tc) : NULL; /* pinned: read in place */
+  if (k->recs) {
+    k->tab = k->recs + rc_al, k->tab_cap = tc, k->pin_bytes = rc_al + tc;
+    k->recs_dev = kvp__dev_mapped(pool, k->recs), k->tab_dev = kvp__dev_mapped(pool, k->tab);
+    k->pinned = k->recs_dev && k->tab_dev;
+    if (!k->pinned) { /* not mapped: kept in metadata, copied per call */
+      kvp__dev_kept_free(pool, k->recs, k->pin_bytes);
+      k->recs = k->tab = NULL, k->recs_dev = k->tab_dev = NULL, k->tab_cap = k->pin_bytes = 0;
     }
   }
+  if (!k->recs) k->recs = kvp__meta_alloc(&pool->meta, rc ? rc : 16);
+  k->recs_at = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->recs_at);
+  k->rend = kvp__meta_alloc(&pool->meta, bc * sizeof *k->rend + 8);
+  k->tok_of = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tok_of + 8);
+  k->tails = kvp__meta_alloc(&pool->meta, bc * sizeof *k->tails + 8);
+  k->pre = kvp__meta_alloc(&pool->meta, (pc ? pc : 1) * sizeof *k->pre);
+  k->hint0 = kvp__meta_alloc(&pool->meta, (bc + 1) * sizeof *k->hint0);
+  k->hint_end = kvp__meta_alloc(&pool->meta, hc * sizeof *k->hint_end);
+  k->seqs_cap = sc, k->recs_cap = rc ? rc : 16, k->bh_cap = bc, k->pre_cap = pc ? pc : 1, k->hint_cap = hc;
+  if (!k->seqs || !k->sq || !k->recs || !k->recs_at || !k->rend || !k->tok_of || !k->tails || !k->pre || !k->hint0 ||
+      !k->hint_end) {
+    kept_drop(pool, k, false);
+    return false;
+  }
+  return true;
+}
+
+/* Keep the table just built (records at buf->p, end to end: recs_at) for
+ * layer, each bh's records followed by its room (zeros); false when it is
+ * not kept (memory, the pool's bound): the kept table is then invalid. */
+static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, const unsigned char *recs, uint32_t rb,
+                       const uint32_t *recs_at, const uint64_t *tok_of, const atail *tails, const aseq *sq,
+                       uint64_t gen, const cursor *c) {
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh];
+  uint64_t slots = nrec;
+  for (uint32_t bh = 0; bh < nbh; bh++) slots += ROOM_MIN + (recs_at[bh + 1] - recs_at[bh]) / ROOM_DIV;
+  k->valid = false;
+  if (slots >= UINT32_MAX / 2) return false;
+  kvp__dev_event_wait(k->done); /* the records may still be read in place */
+  if (!kept_room(pool, k, t->batch, nbh, slots, rb)) return false;
   memcpy(k->seqs, t->seqs, t->batch * sizeof *k->seqs);
-  memcpy(k->recs, recs, rec_bytes);
-  memcpy(k->recs_at, recs_at, (nbh + 1) * sizeof *k->recs_at);
+  memcpy(k->sq, sq, t->batch * sizeof *k->sq);
   memcpy(k->tok_of, tok_of, nbh * sizeof *k->tok_of);
   memcpy(k->tails, tails, nbh * sizeof *k->tails);
-  uint32_t m1_at = m1_at_of(form_of(rb));
+  uint32_t m1_at = m1_at_of(form_of(rb)), at = 0;
   for (uint32_t bh = 0; bh < nbh; bh++) {
-    uint32_t acc = 0;
-    for (uint32_t r = recs_at[bh]; r < recs_at[bh + 1]; r++) k->pre[r] = acc, acc += rec_tokens(recs, rb, m1_at, r);
+    uint32_t n = recs_at[bh + 1] - recs_at[bh], room = ROOM_MIN + n / ROOM_DIV, acc = 0;
+    memcpy(k->recs + (size_t)at * rb, recs + (size_t)recs_at[bh] * rb, (size_t)n * rb);
+    memset(k->recs + (size_t)(at + n) * rb, 0, (size_t)room * rb);
+    for (uint32_t r = 0; r < n; r++) k->pre[at + r] = acc, acc += rec_tokens(recs, rb, m1_at, recs_at[bh] + r);
+    memset(k->pre + at + n, 0, room * sizeof *k->pre);
+    k->recs_at[bh] = at, k->rend[bh] = at + n;
+    at += n + room;
   }
+  k->recs_at[nbh] = at;
   k->gen = gen, k->batch = t->batch, k->kind = t->kind;
   k->whole_bytes = c->whole_bytes, k->part_bytes = c->part_bytes;
   k->valid = true;
@@ -888,26 +973,94 @@ static bool kept_matches(const kvp__acache *k, const kvp__atable *t, uint64_t ge
          !memcmp(k->seqs, t->seqs, t->batch * sizeof *t->seqs);
 }
 
-/* Each bh's last record redone from its run's end (the only thing that
- * moves while the generation stands): the kept records, tokens and bytes
+/* bh's last record redone from its run's end (its block unchanged: the
+ * layer's tail generation stands): the kept record, tokens and bytes
  * updated in place. */
-static void kept_advance(kvp_pool *pool, kvp__acache *k, uint32_t rb) {
-  uint32_t nbh = k->batch * pool->cfg.n_kv_heads, m1_at = m1_at_of(form_of(rb));
-  for (uint32_t bh = 0; bh < nbh; bh++) {
-    atail *tl = &k->tails[bh];
-    if (!tl->b) continue;
-    uint32_t end = tl->b->pos0 + tl->b->cap_tokens, re = run_end(tl->r), e = re < end ? re : end;
-    if (e <= tl->e) continue; /* the run's end only grows */
-    uint64_t w0 = 0, w1 = 0;
-    double p0 = 0, p1 = 0;
-    rec_bytes_of(tl->b, tl->e - tl->a, &w0, &p0);
-    rec_bytes_of(tl->b, e - tl->a, &w1, &p1);
-    k->whole_bytes += w1 - w0, k->part_bytes += p1 - p0;
-    k->tok_of[bh] += e - tl->e;
-    uint16_t m1 = (uint16_t)(e - tl->a - 1);
-    memcpy(k->recs + (size_t)(k->recs_at[bh + 1] - 1) * rb + m1_at, &m1, sizeof m1);
-    tl->e = e;
+static void kept_advance(kvp__acache *k, uint32_t rb, uint32_t m1_at, uint32_t bh) {
+  atail *tl = &k->tails[bh];
+  if (!tl->b) return;
+  uint32_t end = tl->b->pos0 + tl->b->cap_tokens, re = run_end(tl->r), e = re < end ? re : end;
+  if (e <= tl->e) return; /* the run's end only grows */
+  k->tok_of[bh] += e - tl->e;
+  uint16_t m1 = (uint16_t)(e - tl->a - 1);
+  memcpy(k->recs + (size_t)(k->rend[bh] - 1) * rb + m1_at, &m1, sizeof m1);
+  uint64_t w = 0;
+  double p = 0;
+  group_bytes(k->recs, rb, k->rend[bh] - 1, tl->nb, tl->b, &w, &p);
+  k->whole_bytes = k->whole_bytes - tl->w + w, k->part_bytes += p - tl->p;
+  tl->e = e, tl->w = w, tl->p = p;
+}
+
+/* bh's ends redone from its last record's bref (the layer's tail
+ * generation moved): the records of its last block again, from the block
+ * the bref holds now (the resealed copy: same positions, other pages), the
+ * last to its run's end, then one for each block after it that the run
+ * covers, in bh's room; false (k partly changed: the caller drops it) when
+ * bh has no noted bref or no room left. */
+static ALWAYS_INLINE bool kept_redo(kvp__acache *k, uint32_t bh, uint32_t head, const int form) {
+  atail *tl = &k->tails[bh];
+  const kvp__bref *ref = tl->ref;
+  if (!ref) return false; /* no record, or its bref unknown (not the stream's last) */
+  const uint32_t rb = FORM_BYTES(form), m1_at = m1_at_of(form);
+  const kvp__run *run = tl->r;
+  uint32_t ra = run->p0, re = run_end(run), n = k->rend[bh] - 1;
+  const kvp__block *b = kvp__rcu_deref(ref->blk);
+  uint32_t be = b->pos0 + b->cap_tokens, e = re < be ? re : be;
+  uint16_t t0;
+  memcpy(&t0, k->recs + (size_t)n * rb + m1_at - 2, sizeof t0); /* t0 just before m1 (the records' asserts) */
+  if (b->pos0 != tl->a - t0 || e < tl->e) return false; /* not the same positions: never for a reseal */
+  cursor c = {k->recs + (size_t)(n + 1 - tl->nb) * rb, k->recs + (size_t)k->recs_at[bh + 1] * rb, 0, 0, b, run, ref,
+              tl->a, e, tl->nb};
+  for (uint32_t i = n + 1 - tl->nb; i < n; i++) { /* the block's records of earlier runs: their ranges stay */
+    memcpy(&t0, k->recs + (size_t)i * rb + m1_at - 2, sizeof t0);
+    put(&c, b, head, b->pos0 + t0, b->pos0 + t0 + rec_tokens(k->recs, rb, m1_at, i), form);
   }
+  put(&c, b, head, tl->a, e, form);
+  uint64_t tok = k->tok_of[bh] - (tl->e - tl->a) + (e - tl->a);
+  uint32_t pre = k->pre[n], m = e - tl->a;
+  for (const kvp__bref *nx = kvp__rcu_deref(ref->next); nx; nx = kvp__rcu_deref(nx->next)) {
+    const kvp__block *nb = kvp__rcu_deref(nx->blk);
+    uint32_t p0 = nb->pos0, ne = p0 + nb->cap_tokens;
+    if (p0 >= re) break; /* past the run's end: not published yet */
+    if (c.dst == c.lim) return false;
+    uint32_t a = ra > p0 ? ra : p0, z = re < ne ? re : ne;
+    k->pre[++n] = pre += m;
+    put(&c, nb, head, a, z, form);
+    c.lb = nb, c.lref = nx, c.la = a, c.le = z, c.lnb = 1;
+    tok += m = z - a;
+  }
+  uint64_t w = c.whole_bytes;
+  double p = c.part_bytes;
+  if (c.lb != b) w = 0, p = 0, rec_bytes_of(c.lb, c.le - c.la, &w, &p); /* a new last block: its one record */
+  k->whole_bytes = k->whole_bytes - tl->w + c.whole_bytes;
+  k->part_bytes += c.part_bytes - tl->p;
+  k->tok_of[bh] = tok;
+  k->rend[bh] = n + 1;
+  *tl = (atail){c.lb, run, c.lref, c.la, c.le, c.lnb, w, p};
+  return true;
+}
+static bool kept_redo_raw(kvp__acache *k, uint32_t bh, uint32_t head) { return kept_redo(k, bh, head, FORM_RAW); }
+static bool kept_redo_q(kvp__acache *k, uint32_t bh, uint32_t head) { return kept_redo(k, bh, head, FORM_Q); }
+
+/* Each sequence's ends brought up to date: advanced where its layer's tail
+ * generation is as labelled, redone where it moved (and labelled anew);
+ * false where one could not be redone (k partly changed: the caller drops
+ * it). */
+static bool kept_update(kvp_pool *pool, kvp__acache *k, uint32_t layer, uint32_t rb) {
+  uint32_t H = pool->cfg.n_kv_heads, m1_at = m1_at_of(form_of(rb));
+  bool raw = form_of(rb) == FORM_RAW;
+  for (uint32_t b = 0; b < k->batch; b++) {
+    aseq *q = &k->sq[b];
+    uint64_t g = atomic_load_explicit(&q->s->layers[layer].tgen, memory_order_acquire);
+    if (g == q->tgen) {
+      for (uint32_t h = 0; h < H; h++) kept_advance(k, rb, m1_at, b * H + h);
+      continue;
+    }
+    for (uint32_t h = 0; h < H; h++)
+      if (!(raw ? kept_redo_raw(k, b * H + h, h) : kept_redo_q(k, b * H + h, h))) return false;
+    q->tgen = g & 1 ? KVP__TGEN_NONE : g;
+  }
+  return true;
 }
 
 int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool *hit) {
@@ -920,7 +1073,8 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
   table_reset(t);
   int rc = table_check(pool, t);
   uint32_t nbh = t->batch * pool->cfg.n_kv_heads;
-  size_t scratch = (size_t)(nbh + 1) * 2 * sizeof(uint32_t) + (size_t)nbh * (sizeof(uint64_t) + sizeof(atail));
+  size_t scratch = (size_t)(nbh + 1) * 2 * sizeof(uint32_t) + (size_t)nbh * (sizeof(uint64_t) + sizeof(atail)) +
+                   (size_t)t->batch * sizeof(aseq);
   uint64_t *tok_of = rc ? NULL : kvp__meta_alloc(NULL, scratch);
   if (!rc && !tok_of) rc = kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", t->batch);
   if (rc) {
@@ -928,22 +1082,25 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
     return rc;
   }
   atail *tails = (atail *)(tok_of + nbh);
-  uint32_t *recs_at = (uint32_t *)(tails + nbh), *bh_split0 = recs_at + nbh + 1;
+  aseq *sq = (aseq *)(tails + nbh);
+  uint32_t *recs_at = (uint32_t *)(sq + t->batch), *bh_split0 = recs_at + nbh + 1;
   uint64_t gen = atomic_load(&pool->sgen); /* odd: a writer is in; the kept table is neither used nor kept */
+  bool served = false;
   if (!(gen & 1) && kept_matches(k, t, gen)) {
-    /* in place: the tails redone there and the splits and index built in
-     * tab (room for splits_bound's: kept_store), held until the caller's
+    /* in place: the ends redone there and the splits and index built in
+     * tab (room for splits_bound's: kept_room), held until the caller's
      * kernels are enqueued and done is recorded after them
      * (kvp__attend_kept_release); otherwise the records are copied to buf */
     bool in_place = k->pinned && kvp__kern_attend_zero_copy(t->kind, pool->cfg.head_dim);
     kvp__abuf tb = {k->tab, k->tab_cap, NULL, NULL}, *out = in_place ? &tb : buf;
-    uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
     kvp__dev_event_wait(k->done); /* the kernels that read the kept table in place ended */
-    if (in_place || !(rc = reserve(buf, 0, rec_bytes))) {
-      kept_advance(pool, k, rb);
+    served = kept_update(pool, k, t->layer, rb);
+    if (!served) k->valid = false; /* ends it cannot redo: built below */
+    uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
+    if (served && (in_place || !(rc = reserve(buf, 0, rec_bytes)))) {
       if (!in_place) memcpy(buf->p, k->recs, rec_bytes);
       split_hint h = {k->hint0, k->hint_end};
-      rc = table_finish(pool, t, out, rb, k->recs_at, k->tok_of, k->pre, k->hinted ? &h : NULL, bh_split0,
+      rc = table_finish(pool, t, out, rb, k->recs_at, k->rend, k->tok_of, k->pre, k->hinted ? &h : NULL, bh_split0,
                         k->whole_bytes + (uint64_t)k->part_bytes, in_place);
       *hit = !rc;
       if (!rc) kept_hint(k, nbh, (const kvp__asplit *)(out->p + t->off_splits), t->nsplit, bh_split0);
@@ -953,16 +1110,17 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
         return KVP_OK;
       }
     }
-  } else {
+  }
+  if (!served) {
     cursor c;
     bool shared;
-    rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, &shared, &c);
+    rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, sq, &shared, &c);
     if (!rc)
-      rc = table_finish(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, bh_split0, c.whole_bytes + (uint64_t)c.part_bytes,
-                        false);
+      rc = table_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
+                        c.whole_bytes + (uint64_t)c.part_bytes, false);
     if (rc || shared || (gen & 1)) k->valid = false;
-    else if (kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, gen, &c))
-      kept_hint(k, nbh, (const kvp__asplit *)(buf->p + t->off_splits), t->nsplit, bh_split0);
+    else if (kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, sq, gen, &c))
+      k->hinted = false; /* its records moved: the last splits' ends name others */
   }
   kvp__meta_free(NULL, tok_of, scratch);
   kvp__mutex_unlock(&k->lock);

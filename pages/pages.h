@@ -136,6 +136,14 @@ typedef struct kvp__stream {
 typedef struct kvp__layer {
   kvp__run *runs; /* RCU list, step order */
   kvp__run *last; /* last run (writer only) */
+  /* The tail generation (pools with kept tables: acache), a sequence
+   * count: odd while an append publishes that changes the layer's streams
+   * only at their ends (new blocks linked after the tail, the OPEN tail
+   * resealed in its bref, the last run extended: no eviction, no new run),
+   * a new even value after. Such an append leaves the pool's sgen as it
+   * was; this count tells a kept table which sequences' ends to redo
+   * (pages/attend_table.c). Any other change moves sgen. */
+  _Atomic uint64_t tgen;
 } kvp__layer;
 
 typedef struct kvp__seq {
@@ -257,12 +265,15 @@ struct kvp_pool {
    * sequences, one less (the value before) after a pure fill (w_pure). A
    * reader under the RCU read lock that loads an even value equal to the
    * one it loaded before a walk knows that walk's view is still exact but
-   * for the runs' ends, and that what it names stays valid while the read
-   * lock is held: a writer that unlinks something made the count odd
-   * before it, and frees it only after a grace period. */
+   * for the runs' ends and the ends of the layers whose tail generation
+   * (kvp__layer.tgen) moved, and that what it names stays valid while the
+   * read lock is held: a writer that unlinks something made the count (or,
+   * for a resealed tail, that layer's tgen) odd before it, and frees it
+   * only after a grace period. */
   _Atomic uint64_t sgen;  /* (pools with kept tables: acache) */
   bool w_pure;           /* writer only: the lock's holder changed no structure (kvp__unlock) */
-  bool w_fill;           /* writer only: the last publish (pages/stream.c) filled OPEN tails only */
+  bool w_fill;           /* writer only: the last publish (pages/stream.c) changed no structure that sgen
+                            must show (it filled OPEN tails, or changed one layer's ends under its tgen) */
   struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_table.c) */
   _Atomic uint64_t acache_bytes; /* metadata bytes they hold (bounded: KVP__ACACHE_MAX_BYTES) */
 };

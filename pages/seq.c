@@ -512,7 +512,7 @@ KVP_API int kvp_append(kvp_pool *pool, uint64_t seq, uint32_t layer, const kvp_k
       kvp__append_tx_fini(pool, &tx);
     }
     if (!rc) s->next_layer++;
-    pool->w_pure = !rc && pool->w_fill; /* one publish that filled OPEN tails: no change of structure */
+    pool->w_pure = !rc && pool->w_fill; /* one publish that filled OPEN tails or moved its layer's tgen */
   }
   kvp__unlock(pool);
   return rc;

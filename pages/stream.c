@@ -442,13 +442,21 @@ static void publish_head(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t h
 /* Make the append visible: every head, then the run's end. */
 static void publish(kvp_pool *pool, kvp__seq *s, uint32_t layer, uint32_t pos, append_plan *pl, kvp__append_tx *tx) {
   uint32_t H = pool->cfg.n_kv_heads, n = s->cur_tokens;
+  /* no eviction and the last run extended: the streams change at their
+   * ends only. Rows into the OPEN tails alone change no structure; new
+   * blocks or a reseal are announced by the layer's tail generation, odd
+   * from before the first change to after the run's end (pages.h: tgen).
+   * Either way the pool's generation stays. */
+  bool quiet = !tx || (!tx->before.n && !tx->after.n), grew = pl->nnew || pl->reseal,
+       ends = pool->acache && quiet && !pl->run && grew;
+  _Atomic uint64_t *tgen = &s->layers[layer].tgen;
+  if (ends) atomic_fetch_add(tgen, 1); /* sequentially consistent: before any change */
   kvp__append_tx_before_publish(pool, s, tx);
   for (uint32_t h = 0; h < H; h++) publish_head(pool, s, layer, h, pl);
   kvp__run *run = kvp__run_settle(pool, s, layer, pl->run);
   kvp__run_publish(s, layer, pos + n, run, pl->nskip == H);
-  /* rows into the OPEN tails only, the last run extended, no eviction: no
-   * change of structure (the pool's generation stays: pages.h) */
-  pool->w_fill = !pl->nnew && !pl->reseal && !run && (!tx || (!tx->before.n && !tx->after.n));
+  if (ends) atomic_fetch_add(tgen, 1); /* even: a new value, after the run's end */
+  pool->w_fill = ends || (quiet && !run && !grew);
   plan_array_free(pool, pl->blocks, pl->blocks_in, (size_t)H * pl->nb * sizeof *pl->blocks);
   plan_array_free(pool, pl->brefs, pl->brefs_in, (size_t)H * pl->nnew * sizeof *pl->brefs);
   kvp__count_tokens(pool, (int64_t)n * (H - pl->nskip), (uint64_t)n * pl->nskip);

@@ -43,7 +43,9 @@
  *                  and 64 at 32K after per-head evictions keep about 10% of each
  *                  head's 1024-token steps (HeatKV's b = 0.1, drawn per
  *                  head): time against retained/total x the full time
- *                  (target <= 1.3).
+ *                  (target <= 1.3). gpu_attend_decode: bf16 and nvfp4,
+ *                  batch 64 x 32K of staggered lengths, the host part of a
+ *                  decode step's call (attend_decode_figure).
  *   gpu_qvg        qvg and qvg-pro: encode_dev of a batch of 32 whole
  *                  4096-token blocks (one segment of 32 heads, D = 128,
  *                  bf16; the codec alone: cold starts, its own scratch),
@@ -447,6 +449,61 @@ static int selected(const char *only, const char *spec) {
   return !only;
 }
 
+/* gpu_attend_decode: decode steps of a batch of staggered lengths, as a
+ * serving engine runs them: 64 stream-mode sequences of 32K - s % 16
+ * tokens (one layer, 8 KV heads, D = 128), each call after one token
+ * appended to every sequence (not timed), so 4 of them add a block at
+ * every step. host_us: the call's host part (the layer's kept table, the
+ * ends of those 4 redone); built_us: a call after kvp_reclaim moved the
+ * pool's structure (the whole table built); attend_us the device time. */
+static void attend_decode_figure(const char *spec, void *k, void *v, void *q, void *out, int rounds, int json) {
+  enum { HQ = 32, H = 8, D = 128, B = 64, CTX = 32768, STEP = 1024 };
+  kvp_pool *p = cuda_pool(spec, 1, (uint64_t)B * CTX * H * D * 4 * 6 / 10 + (256ull << 20));
+  uint64_t seqs[B];
+  for (uint32_t sq = 0; sq < B; sq++) {
+    KV(kvp_seq_add(p, seqs[sq] = sq, NULL));
+    for (uint32_t t = 0, len = CTX - sq % 16; t < len; t += STEP) {
+      KV(kvp_step_begin(p, sq, len - t < STEP ? len - t : STEP, 0));
+      KV(kvp_append(p, sq, 0, &(kvp_kv){k, v, S}));
+      KV(kvp_step_end(p, sq));
+    }
+  }
+  kvp_attend_req a;
+  kvp_attend_req_init(&a);
+  a.layer = 0, a.seqs = seqs, a.batch = B, a.n_q_heads = HQ, a.q = q, a.out = out;
+  a.scale = 0.08838834764831845f, a.stream = S;
+  if (kvp_attend_decode(p, &a) != KVP_ENOSPC) exit(1);
+  void *ws;
+  size_t ws_bytes = a.workspace_needed * 2; /* room for the tables of the steps to come */
+  CK(cudaMalloc(&ws, ws_bytes));
+  a.workspace = ws, a.workspace_bytes = ws_bytes;
+  float t[64], th[64], tb[64];
+  int n = 3 * rounds < 64 ? 3 * rounds : 64;
+  attend_ms(p, &a, &th[0]); /* warm-up: builds and keeps the table */
+  for (int r = 0; r < n; r++) {
+    for (uint32_t sq = 0; sq < B; sq++) {
+      KV(kvp_step_begin(p, sq, 1, 0));
+      KV(kvp_append(p, sq, 0, &(kvp_kv){k, v, S}));
+      KV(kvp_step_end(p, sq));
+    }
+    t[r] = attend_ms(p, &a, &th[r]);
+  }
+  for (int r = 0; r < rounds; r++) {
+    KV(kvp_reclaim(p));
+    attend_ms(p, &a, &tb[r]);
+  }
+  float mt = median(t, n), mh = median(th, n), mb = median(tb, rounds);
+  if (!json)
+    printf("attend %-24s B=%2u ctx= 32768 decode steps, staggered lengths: host %.0f us a call (%.0f us built), "
+           "device %.1f us\n",
+           spec, B, mh, mb, mt * 1e3);
+  printf("{\"figure\":\"gpu_attend_decode\",\"codecs\":\"%s\",\"batch\":%u,\"ctx\":%u,\"host_us\":%.1f,"
+         "\"built_us\":%.1f,\"attend_us\":%.2f,\"calls\":%d}\n",
+         spec, B, CTX, mh, mb, mt * 1e3, n);
+  cudaFree(ws);
+  kvp_pool_destroy(p);
+}
+
 static void attend_figures(int rounds, int json) {
   enum { HQ = 32, H = 8, D = 128, NB = 3, NCTX = 3, STEP = 1024, MAXB = 64 };
   static const uint32_t batch[NB] = {1, 8, 64}, ctx[NCTX] = {4096, 32768, 131072};
@@ -587,6 +644,7 @@ static void attend_figures(int rounds, int json) {
       cudaFree(ws);
       cudaFreeHost(pinned);
       kvp_pool_destroy(p);
+      if (ctx[x] == 32768 && (c == 0 || c == 3)) attend_decode_figure(ac[c], k, v, q, out, rounds, json);
     }
   cudaFree(k), cudaFree(v), cudaFree(q), cudaFree(out), cudaFree(cs), cudaFree(cd), cudaFree(go_k), cudaFree(go_v);
 }

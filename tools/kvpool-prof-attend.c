@@ -3,7 +3,8 @@
  * build, pages/attend_table.c) in a loop, for a profiler; no GPU needed.
  *
  *   kvpool-prof-attend [--batch 64] [--tokens 131072] [--heads 8] [--codecs kv=bf16] [--step 1024]
- *                      [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept] [--json]
+ *                      [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept]
+ *                      [--decode] [--json]
  *
  * A dry CUDA pool (KVP_POOL_DRY: pages are allocated, 64-byte aligned and
  * laid out as in a CUDA region, nothing is written) of one layer, `heads`
@@ -20,7 +21,12 @@
  * calls go through the layer's kept table (kvp__attend_build_kept): the
  * first builds and keeps it, the timed ones reuse it (nothing changes
  * between them): what a decode step's call costs while the pool's
- * structure stands.
+ * structure stands. With --decode, the sequences are stream-mode ones of
+ * staggered lengths (sequence s holds tokens - s % 16 tokens: each passes
+ * a block's end at another step, as a serving engine's batch does) and
+ * each timed call follows one decode token appended to every sequence
+ * (not timed): a decode step's call where batch / 16 sequences add a
+ * block at every step.
  * Instructions per record:
  *   valgrind --tool=callgrind build/kvpool-prof-attend --batch 4 --tokens 16384 --rounds 3
  *   callgrind_annotate --inclusive=yes callgrind.out.* | grep kvp__attend_build
@@ -71,21 +77,21 @@ static int cmp_d(const void *a, const void *b) {
 static void usage(void) {
   puts("usage: kvpool-prof-attend [--batch 64] [--tokens 131072] [--heads 8] [--codecs kv=bf16] [--step 1024]\n"
        "                          [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept]\n"
-       "                          [--json]\n"
+       "                          [--decode] [--json]\n"
        "Builds kvp_attend_decode's block table over a dry CUDA pool in a loop; prints ns per record.");
 }
 
 int main(int argc, char **argv) {
   long batch = 64, tokens = 131072, heads = 8, rounds = 15, slots = 264, split = 0, step = 1024;
   double evict = 0;
-  int interleave = 0, kept = 0;
+  int interleave = 0, kept = 0, decode = 0;
   const char *codecs = "kv=bf16";
   int json = 0;
   static const struct option opts[] = {
       {"batch", 1, 0, 'b'}, {"tokens", 1, 0, 't'}, {"heads", 1, 0, 'H'},        {"codecs", 1, 0, 'c'},
       {"evict", 1, 0, 'e'}, {"rounds", 1, 0, 'r'}, {"slots", 1, 0, 's'},        {"split-tokens", 1, 0, 'p'},
       {"step", 1, 0, 'S'},  {"interleave", 0, 0, 'i'}, {"json", 0, 0, 'j'}, {"help", 0, 0, 'h'},
-      {"kept", 0, 0, 'k'},
+      {"kept", 0, 0, 'k'},  {"decode", 0, 0, 'd'},
       {0, 0, 0, 0}};
   for (int o; (o = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
     switch (o) {
@@ -100,6 +106,7 @@ int main(int argc, char **argv) {
     case 'S': step = atol(optarg); break;
     case 'i': interleave = 1; break;
     case 'k': kept = 1; break;
+    case 'd': decode = 1; break;
     case 'j': json = 1; break;
     case 'h': usage(); return 0;
     default: usage(); return 1;
@@ -127,7 +134,7 @@ int main(int argc, char **argv) {
   static uint16_t dummy[16]; /* a dry CUDA pool never reads K and V */
   kvp_seq_config sc;
   kvp_seq_config_init(&sc);
-  sc.mode = KVP_SEQ_STEP;
+  sc.mode = decode ? KVP_SEQ_STREAM : KVP_SEQ_STEP;
   uint64_t *seqs = malloc((size_t)batch * sizeof *seqs);
   if (!seqs) die("malloc", 0);
   double t_build = now_ns();
@@ -136,8 +143,10 @@ int main(int argc, char **argv) {
   for (long s = 0; s < batch; s++)
     if ((rc = kvp_seq_add(p, seqs[s] = (uint64_t)s, &sc))) die("kvp_seq_add", rc);
   for (long i = 0; i < batch * (long)nsteps; i++) { /* sequence-major, or step-major with --interleave */
-    long s = interleave ? i % batch : i / nsteps, k = interleave ? i / batch : i % nsteps;
-    uint32_t n = (uint32_t)(tokens - k * step < step ? tokens - k * step : step);
+    long s = interleave ? i % batch : i / nsteps, k = interleave ? i / batch : i % nsteps,
+         len = decode && tokens > 16 ? tokens - s % 16 : tokens; /* --decode: staggered */
+    if (k * step >= len) continue;
+    uint32_t n = (uint32_t)(len - k * step < step ? len - k * step : step);
     if ((rc = kvp_step_begin(p, (uint64_t)s, n, 0))) die("kvp_step_begin", rc);
     if ((rc = kvp_append(p, (uint64_t)s, 0, &(kvp_kv){dummy, dummy, NULL}))) die("kvp_append", rc);
     if ((rc = kvp_step_end(p, (uint64_t)s))) die("kvp_step_end", rc);
@@ -162,6 +171,11 @@ int main(int argc, char **argv) {
   long served = 0;
   for (long r = -1; r < rounds; r++) { /* round -1: the buffer grows (and the table is kept) */
     bool hit = false;
+    for (long s = 0; decode && r >= 0 && s < batch; s++) { /* a decode token of every sequence, not timed */
+      if ((rc = kvp_step_begin(p, (uint64_t)s, 1, 0)) || (rc = kvp_append(p, (uint64_t)s, 0, &(kvp_kv){dummy, dummy, NULL})) ||
+          (rc = kvp_step_end(p, (uint64_t)s)))
+        die("a decode step", rc);
+    }
     kvp__rcu_read_lock();
     double t0 = now_ns();
     rc = kept ? kvp__attend_build_kept(p, &t, &buf, &hit) : kvp__attend_build(p, &t, &buf);
@@ -174,18 +188,19 @@ int main(int argc, char **argv) {
   qsort(ns, (size_t)rounds, sizeof *ns, cmp_d);
   double med = ns[rounds / 2], per = t.nrec ? med / t.nrec : 0;
   if (!json)
-    printf("attend table %s B=%ld T=%ld H=%ld step=%ld%s evict=%.2f%s: %u records (%u bytes each), %u splits, %.1f MiB: "
+    printf("attend table %s B=%ld T=%ld H=%ld step=%ld%s%s evict=%.2f%s: %u records (%u bytes each), %u splits, %.1f MiB: "
            "%.2f ms per call, %.2f ns per record (median of %ld; min %.2f, max %.2f)\n",
-           codecs, batch, tokens, heads, step, interleave ? " interleaved" : "", evict,
+           codecs, batch, tokens, heads, step, interleave ? " interleaved" : "", decode ? " decode" : "", evict,
            kept ? (served == rounds ? " kept" : " kept (NOT SERVED)") : "", t.nrec,
            kvp__kern_attend_rec_bytes(t.kind), t.nsplit, t.table_bytes / 1048576.0, med / 1e6, per, rounds,
            ns[0] / (t.nrec ? t.nrec : 1),
            ns[rounds - 1] / (t.nrec ? t.nrec : 1));
   printf("{\"figure\":\"attend_table\",\"codecs\":\"%s\",\"batch\":%ld,\"tokens\":%ld,\"heads\":%ld,\"step\":%ld,"
-         "\"interleave\":%d,\"evict\":%.3f,\"kept\":%d,\"served_kept\":%ld,"
+         "\"interleave\":%d,\"decode\":%d,\"evict\":%.3f,\"kept\":%d,\"served_kept\":%ld,"
          "\"records\":%u,\"record_bytes\":%u,\"splits\":%u,\"table_bytes\":%llu,\"token_heads\":%llu,"
          "\"ms\":%.3f,\"ns_per_record\":%.3f}\n",
-         codecs, batch, tokens, heads, step, interleave, evict, kept, served, t.nrec, kvp__kern_attend_rec_bytes(t.kind),
+         codecs, batch, tokens, heads, step, interleave, decode, evict, kept, served, t.nrec,
+         kvp__kern_attend_rec_bytes(t.kind),
          t.nsplit,
          (unsigned long long)t.table_bytes, (unsigned long long)t.token_heads, med / 1e6, per);
   free(buf.p);
