@@ -674,28 +674,29 @@ static int table_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint
   return rc;
 }
 
-/* The splits and the split index after nrec = recs_at[nbh] records at
- * buf->p (recs_at, ends, tok_of: table_walk's, or a kept table's), and t's
- * outputs. bh_split0: nbh + 1 scratch. */
+/* The splits and the split index after the nbuf records at buf->p (none:
+ * a kept table's read in place), and t's outputs; recs_at, ends, tok_of:
+ * table_walk's, or a kept table's (its indices: records placed elsewhere,
+ * pre given, and the caller moves the splits to where it put them).
+ * bh_split0: nbh + 1 scratch. */
 static int table_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
                         const uint32_t *ends, const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint,
-                        uint32_t *bh_split0, uint64_t bytes_read, bool in_place) {
-  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = recs_at[nbh], nslot;
+                        uint32_t *bh_split0, uint64_t bytes_read, uint32_t nbuf) {
+  uint32_t nbh = t->batch * pool->cfg.n_kv_heads, nrec = 0, nslot;
   uint64_t tokens = 0;
-  for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh];
+  for (uint32_t bh = 0; bh < nbh; bh++) tokens += tok_of[bh], nrec += ends[bh] - recs_at[bh];
   uint64_t ch = t->split_tokens;
   if (!ch) ch = wave_chunk(tok_of, nbh, tokens, t->slots);
   uint32_t chunk = ch > UINT32_MAX ? UINT32_MAX : (uint32_t)ch;
-  /* in_place: the records stay where they are (pre given): splits and index alone */
-  uint64_t rec_bytes = in_place ? 0 : (uint64_t)nrec * rb, off_splits = align_up(rec_bytes, 16),
+  uint64_t rec_bytes = (uint64_t)nbuf * rb, off_splits = align_up(rec_bytes, 16),
            idx_bytes = (nbh + 1) * 4ull;
   uint64_t most = off_splits + splits_bound(recs_at, ends, tok_of, nbh, chunk) * sizeof(kvp__asplit) + idx_bytes;
   int rc = reserve(buf, rec_bytes, most);
   if (rc) return rc;
   unsigned char *p = buf->p;
   memset(p + rec_bytes, 0, off_splits - rec_bytes);
-  uint32_t nsplit = make_splits(in_place ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, ends, tok_of, pre, hint, nbh,
-                                chunk, (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
+  uint32_t nsplit = make_splits(pre ? NULL : p, rb, m1_at_of(form_of(rb)), recs_at, ends, tok_of, pre, hint, nbh, chunk,
+                                (kvp__asplit *)(p + off_splits), bh_split0, &nslot);
   t->nrec = nrec, t->nsplit = nsplit, t->nslot = nslot;
   t->off_splits = off_splits;
   t->off_bh = off_splits + (uint64_t)nsplit * sizeof(kvp__asplit);
@@ -726,7 +727,7 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   rc = table_walk(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, &shared, &c);
   if (!rc)
     rc = table_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
-                      c.whole_bytes + (uint64_t)c.part_bytes, false);
+                      c.whole_bytes + (uint64_t)c.part_bytes, recs_at[nbh]);
   kvp__meta_free(NULL, tok_of, scratch);
   return rc;
 }
@@ -1096,14 +1097,22 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
     kvp__dev_event_wait(k->done); /* the kernels that read the kept table in place ended */
     served = kept_update(pool, k, t->layer, rb);
     if (!served) k->valid = false; /* ends it cannot redo: built below */
-    uint64_t rec_bytes = (uint64_t)k->recs_at[nbh] * rb;
-    if (served && (in_place || !(rc = reserve(buf, 0, rec_bytes)))) {
-      if (!in_place) memcpy(buf->p, k->recs, rec_bytes);
+    /* copied: the records end to end (recs_at: where each bh's went), as a
+     * fresh build lays them out (the same workspace) */
+    uint32_t nbuf = 0;
+    for (uint32_t bh = 0; served && !in_place && bh < nbh; bh++) recs_at[bh] = nbuf, nbuf += k->rend[bh] - k->recs_at[bh];
+    if (served && (in_place || !(rc = reserve(buf, 0, (uint64_t)nbuf * rb)))) {
+      for (uint32_t bh = 0; !in_place && bh < nbh; bh++)
+        memcpy(buf->p + (size_t)recs_at[bh] * rb, k->recs + (size_t)k->recs_at[bh] * rb,
+               (size_t)(k->rend[bh] - k->recs_at[bh]) * rb);
       split_hint h = {k->hint0, k->hint_end};
       rc = table_finish(pool, t, out, rb, k->recs_at, k->rend, k->tok_of, k->pre, k->hinted ? &h : NULL, bh_split0,
-                        k->whole_bytes + (uint64_t)k->part_bytes, in_place);
+                        k->whole_bytes + (uint64_t)k->part_bytes, nbuf);
       *hit = !rc;
-      if (!rc) kept_hint(k, nbh, (const kvp__asplit *)(out->p + t->off_splits), t->nsplit, bh_split0);
+      kvp__asplit *sp = (kvp__asplit *)(out->p + t->off_splits);
+      if (!rc) kept_hint(k, nbh, sp, t->nsplit, bh_split0);
+      for (uint32_t i = 0; !rc && !in_place && i < t->nsplit; i++) /* from the kept table's places to buf's */
+        sp[i].rec0 = sp[i].rec0 - k->recs_at[sp[i].bh] + recs_at[sp[i].bh];
       if (!rc && in_place) {
         t->recs_dev = k->recs_dev, t->tab_dev = k->tab_dev, t->done = k->done, t->hold = k;
         kvp__meta_free(NULL, tok_of, scratch);
@@ -1117,7 +1126,7 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
     rc = table_walk(pool, t, buf, rb, recs_at, tok_of, tails, sq, &shared, &c);
     if (!rc)
       rc = table_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
-                        c.whole_bytes + (uint64_t)c.part_bytes, false);
+                        c.whole_bytes + (uint64_t)c.part_bytes, recs_at[nbh]);
     if (rc || shared || (gen & 1)) k->valid = false;
     else if (kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, sq, gen, &c))
       k->hinted = false; /* its records moved: the last splits' ends name others */
