@@ -458,7 +458,7 @@ static int selected(const char *only, const char *spec) {
  * pool's structure (the whole table built); attend_us the device time. */
 static void attend_decode_figure(const char *spec, void *k, void *v, void *q, void *out, int rounds, int json) {
   enum { HQ = 32, H = 8, D = 128, B = 64, CTX = 32768, STEP = 1024 };
-  kvp_pool *p = cuda_pool(spec, 1, (uint64_t)B * CTX * H * D * 4 * 6 / 10 + (256ull << 20));
+  kvp_pool *p = cuda_pool(spec, 1, (uint64_t)B * CTX * H * D * 2 * 2 * 5 / 4 + (256ull << 20)); /* raw K and V, +25% */
   uint64_t seqs[B];
   for (uint32_t sq = 0; sq < B; sq++) {
     KV(kvp_seq_add(p, seqs[sq] = sq, NULL));
