@@ -19,14 +19,15 @@
  * attention instead of preceding it.
  *
  * A decode step changes a layer's table only at each (sequence, head)'s
- * last record, so the table is kept per layer and, while the pool's
- * structure has not changed (pages.h: sgen) and the batch is the same,
- * reused with those records redone (kvp__attend_build_kept): a call's host
- * part is then a copy of the records, not a walk of every block. Where the
- * kernel reads its records in place (the zero-copy kinds above), the kept
- * records are pinned and read where they are: the call redoes the last
- * records there and places the splits by prefix sums, and only the splits
- * and the index cross. The kept table stays held (t.hold) until the kernels
+ * end, so the table is kept per layer and, while the pool's structure has
+ * not changed (pages.h: sgen) and the batch is the same, reused with those
+ * ends redone: each last record, and where a sequence's layer added blocks
+ * or resealed its tail (pages.h: tgen) its records from the last block on
+ * (kvp__attend_build_kept): a call's host part is then a copy of the
+ * records, not a walk of every block. Where the kernel reads its records in
+ * place (the zero-copy kinds above), the kept records are pinned and read
+ * where they are: the call redoes the ends there and places the splits by
+ * prefix sums, and only the splits and the index cross. The kept table stays held (t.hold) until the kernels
  * are enqueued; an event recorded after them is waited for before its
  * records change again.
  *
