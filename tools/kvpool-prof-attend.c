@@ -186,23 +186,40 @@ int main(int argc, char **argv) {
     if (r >= 0) ns[r] = dt;
   }
   qsort(ns, (size_t)rounds, sizeof *ns, cmp_d);
+  uint32_t largest = 0; /* the split that runs longest: tokens of one (sequence, head) */
+  if (!t.tab_dev) {
+    const kvp__asplit *sp = (const kvp__asplit *)(buf.p + t.off_splits);
+    uint32_t rb = kvp__kern_attend_rec_bytes(t.kind), m1_at = rb == sizeof(kvp__arec_raw) ? offsetof(kvp__arec_raw, m1)
+                                                              : rb == sizeof(kvp__arec_q) ? offsetof(kvp__arec_q, m1)
+                                                                                          : offsetof(kvp__gjob, m1);
+    for (uint32_t i = 0; i < t.nsplit; i++) {
+      uint32_t tok = 0;
+      for (uint32_t r = sp[i].rec0; r < sp[i].rec0 + sp[i].nrec; r++) {
+        uint16_t m1;
+        memcpy(&m1, buf.p + (size_t)r * rb + m1_at, 2);
+        tok += m1 + 1u;
+      }
+      if (tok > largest) largest = tok;
+    }
+  }
   double med = ns[rounds / 2], per = t.nrec ? med / t.nrec : 0;
   if (!json)
     printf("attend table %s B=%ld T=%ld H=%ld step=%ld%s%s evict=%.2f%s: %u records (%u bytes each), %u splits, %.1f MiB: "
-           "%.2f ms per call, %.2f ns per record (median of %ld; min %.2f, max %.2f)\n",
+           "%.2f ms per call, %.2f ns per record (median of %ld; min %.2f, max %.2f); largest split %u tokens of %.0f "
+           "a slot\n",
            codecs, batch, tokens, heads, step, interleave ? " interleaved" : "", decode ? " decode" : "", evict,
            kept ? (served == rounds ? " kept" : " kept (NOT SERVED)") : "", t.nrec,
            kvp__kern_attend_rec_bytes(t.kind), t.nsplit, t.table_bytes / 1048576.0, med / 1e6, per, rounds,
            ns[0] / (t.nrec ? t.nrec : 1),
-           ns[rounds - 1] / (t.nrec ? t.nrec : 1));
+           ns[rounds - 1] / (t.nrec ? t.nrec : 1), largest, (double)t.token_heads / (double)slots);
   printf("{\"figure\":\"attend_table\",\"codecs\":\"%s\",\"batch\":%ld,\"tokens\":%ld,\"heads\":%ld,\"step\":%ld,"
          "\"interleave\":%d,\"decode\":%d,\"evict\":%.3f,\"kept\":%d,\"served_kept\":%ld,"
          "\"records\":%u,\"record_bytes\":%u,\"splits\":%u,\"table_bytes\":%llu,\"token_heads\":%llu,"
-         "\"ms\":%.3f,\"ns_per_record\":%.3f}\n",
+         "\"ms\":%.3f,\"ns_per_record\":%.3f,\"largest_split_tokens\":%u}\n",
          codecs, batch, tokens, heads, step, interleave, decode, evict, kept, served, t.nrec,
          kvp__kern_attend_rec_bytes(t.kind),
          t.nsplit,
-         (unsigned long long)t.table_bytes, (unsigned long long)t.token_heads, med / 1e6, per);
+         (unsigned long long)t.table_bytes, (unsigned long long)t.token_heads, med / 1e6, per, largest);
   free(buf.p);
   free(seqs);
   kvp_pool_destroy(p);

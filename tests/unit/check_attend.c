@@ -80,7 +80,11 @@ static uint32_t ref_splits(const kvp__gjob *recs, const uint32_t *recs_at, const
   return n;
 }
 
+/* The split size: one wave of slots, or one split per bh; with more bh
+ * than the device's slots and a head longer than 5/4 of the mean, at most
+ * a quarter of a slot's share. */
 static uint64_t ref_wave_chunk(const uint64_t *tok_of, uint32_t nbh, uint64_t tokens, uint32_t slots) {
+  uint32_t device = slots;
   if (slots < nbh) slots = nbh;
   uint64_t ch = (tokens + slots - 1) / slots;
   if (ch < 64) ch = 64;
@@ -93,6 +97,13 @@ static uint64_t ref_wave_chunk(const uint64_t *tok_of, uint32_t nbh, uint64_t to
     }
     if (n <= slots || ch >= most) break;
     ch = ch * n / slots + 1;
+  }
+  uint64_t most = 0;
+  for (uint32_t bh = 0; bh < nbh; bh++)
+    if (tok_of[bh] > most) most = tok_of[bh];
+  if (nbh > device && (double)most > 1.25 * (double)tokens / nbh) {
+    uint64_t q = (tokens + 4ull * device - 1) / (4ull * device);
+    if (q < ch) ch = q < 64 ? 64 : q;
   }
   return ch;
 }
