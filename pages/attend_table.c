@@ -787,7 +787,16 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
  * the caller's RCU read lock as the walk's do (pages.h: sgen, tgen). One
  * call at a time uses a layer's kept table (a try-lock; others build as
  * before). */
-#define KVP__ACACHE_MAX_BYTES (256ull << 20) /* records kept over all layers of a pool */
+/* Bytes kept over all layers of a pool (metadata and pinned records):
+ * 256 MiB, or 1/64 of the region where that is more. A record is 16 or 32
+ * bytes per 16-token block and head, 1/64 of the region covers a batch
+ * over every layer of a full nvfp4 cache (2,304 page bytes a block and
+ * head at D = 128) with its room; past the bound a layer's tables are
+ * built at every call and not kept. */
+static uint64_t kept_bound(const kvp_pool *pool) {
+  uint64_t r = pool->alloc.region.bytes / 64;
+  return r > (256ull << 20) ? r : 256ull << 20;
+}
 /* Room kept after a bh's n records for the blocks decode steps add: at 16
  * tokens a block, 8 records are 128 steps of a short sequence; a long
  * one's (n / 8) lasts as long as an eighth of its length. */
@@ -906,7 +915,7 @@ static bool kept_room(kvp_pool *pool, kvp__acache *k, uint32_t batch, uint32_t n
                   bc * (sizeof *k->rend + sizeof *k->tok_of + sizeof *k->tails) + (pc ? pc : 1) * sizeof *k->pre +
                   hc * sizeof *k->hint_end;
   kept_drop(pool, k, false);
-  if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > KVP__ACACHE_MAX_BYTES) {
+  if (atomic_fetch_add_explicit(kept_total(pool), need, memory_order_relaxed) + need > kept_bound(pool)) {
     atomic_fetch_sub_explicit(kept_total(pool), need, memory_order_relaxed);
     return false;
   }

@@ -275,7 +275,7 @@ struct kvp_pool {
   bool w_fill;           /* writer only: the last publish (pages/stream.c) changed no structure that sgen
                             must show (it filled OPEN tails, or changed one layer's ends under its tgen) */
   struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_table.c) */
-  _Atomic uint64_t acache_bytes; /* metadata bytes they hold (bounded: KVP__ACACHE_MAX_BYTES) */
+  _Atomic uint64_t acache_bytes; /* bytes they hold (bounded: pages/attend_table.c, kept_bound) */
 };
 
 /* Tokens per block of layer for a sequence of mode (a step-mode block also
@@ -775,10 +775,11 @@ int kvp__attend_bindings(kvp_pool *pool, uint32_t layer, kvp__kparams kp[4]);
 int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf);
 /* The same table, through the layer's kept table when the pool's structure
  * has not changed since it was built for the same batch (only the records
- * of the runs' growing ends are redone: an O(batch x heads) call, not one
- * walk of every block), else built and kept (raw and per-token quantized
- * record forms; sequences without shared chunks; at most
- * KVP__ACACHE_MAX_BYTES of records a pool, in its metadata bytes). *hit:
+ * at the streams' ends are redone, those of new blocks added: an
+ * O(batch x heads + new blocks) call, not one walk of every block), else
+ * built and kept (raw and per-token quantized record forms; sequences
+ * without shared chunks; at most 256 MiB or 1/64 of the region a pool,
+ * records and metadata: kept_bound). *hit:
  * whether the kept table served. Any pool kvp__attend_build takes. */
 int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool *hit);
 /* Let go of the kept table t holds (t->hold), after its work is enqueued. */
