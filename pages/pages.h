@@ -149,6 +149,12 @@ typedef struct kvp__layer {
 typedef struct kvp__seq {
   struct cds_lfht_node node; /* in pool->seqs */
   uint64_t id;               /* the caller's id */
+  uint64_t serial;           /* this sequence among all the pool made (ids are reused, addresses too) */
+  /* Its structure generation (pools with kept tables), a sequence count:
+   * odd while a call that may change its structure alone holds the writer
+   * lock (seq.c: lock_seq), a new even value after it changed some, the
+   * value before otherwise. Such a call leaves the pool's sgen as it was. */
+  _Atomic uint64_t sgen;
   kvp_seq_mode mode;         /* stream or step */
   uint32_t *plan;            /* planned tokens per step, or NULL */
   uint32_t n_plan;           /* entries of plan */
@@ -261,17 +267,23 @@ struct kvp_pool {
                             0 when layers chose different sizes: no prefix sharing, no store tier */
   /* The structure generation, a sequence count: odd while the writer lock
    * is held; when it is left, one more (even again, a new value) after any
-   * change to a block list, a run list, a block's pages or the set of
-   * sequences, one less (the value before) after a pure fill (w_pure). A
-   * reader under the RCU read lock that loads an even value equal to the
-   * one it loaded before a walk knows that walk's view is still exact but
-   * for the runs' ends and the ends of the layers whose tail generation
-   * (kvp__layer.tgen) moved, and that what it names stays valid while the
-   * read lock is held: a writer that unlinks something made the count (or,
-   * for a resealed tail, that layer's tgen) odd before it, and frees it
-   * only after a grace period. */
+   * change to a block list, a run list or a block's pages of a sequence
+   * that stays, unless the holder changed one sequence's alone (w_seq:
+   * that sequence's sgen moves instead); one less (the value before)
+   * otherwise (w_pure: a fill, a sequence added, forked or freed). A reader
+   * under the RCU read lock that loads an even value equal to the one it
+   * loaded before a walk, and finds each sequence it walked by its id with
+   * the same serial and the same even sgen, knows that walk's view is
+   * still exact but for the runs' ends and the ends of the layers whose
+   * tail generation (kvp__layer.tgen) moved, and that what it names stays
+   * valid while the read lock is held: a writer that unlinks something
+   * made one of those counts odd before it, or removed its sequence from
+   * the table, and frees it only after a grace period. */
   _Atomic uint64_t sgen;  /* (pools with kept tables: acache) */
+  _Atomic uint64_t seq_serial; /* the last kvp__seq.serial given */
   bool w_pure;           /* writer only: the lock's holder changed no structure (kvp__unlock) */
+  struct kvp__seq *w_seq; /* writer only: the sequence whose structure alone the holder may change
+                            (its sgen odd: seq.c, lock_seq), or NULL: any */
   bool w_fill;           /* writer only: the last publish (pages/stream.c) changed no structure that sgen
                             must show (it filled OPEN tails, or changed one layer's ends under its tgen) */
   struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_table.c) */
@@ -312,7 +324,12 @@ static inline void kvp__lock(kvp_pool *p) {
   p->w_pure = false;                            /* a change of structure unless the holder says otherwise */
 }
 static inline void kvp__unlock(kvp_pool *p) {
-  if (!p->acache) { /* no kept tables (a host pool): nobody reads the count */
+  if (!p->acache) { /* no kept tables (a host pool): nobody reads the counts */
+  } else if (p->w_seq) { /* one sequence's structure at most: its count moves, the pool's goes back */
+    if (p->w_pure) atomic_fetch_sub(&p->w_seq->sgen, 1);
+    else atomic_fetch_add(&p->w_seq->sgen, 1);
+    p->w_seq = NULL;
+    atomic_fetch_sub(&p->sgen, 1);
   } else if (p->w_pure) {
     atomic_fetch_sub(&p->sgen, 1); /* no structure changed: the value before */
   } else {

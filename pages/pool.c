@@ -568,6 +568,7 @@ KVP_API int kvp_check(kvp_pool *pool) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
   int rc = check_locked(pool);
+  pool->w_pure = true; /* a check changes no structure */
   kvp__unlock(pool);
   return rc;
 }

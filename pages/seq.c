@@ -76,6 +76,7 @@ kvp__seq *kvp__seq_alloc(kvp_pool *pool, uint64_t id, const uint32_t *plan, uint
   kvp__seq *s = kvp__meta_calloc(&pool->meta, sizeof *s);
   if (!s) return NULL;
   s->id = id;
+  s->serial = atomic_fetch_add_explicit(&pool->seq_serial, 1, memory_order_relaxed) + 1;
   s->layers_bytes = pool->cfg.n_layers * sizeof(kvp__layer);
   s->streams_bytes = (size_t)pool->cfg.n_layers * pool->cfg.n_kv_heads * sizeof(kvp__stream);
   s->layers = kvp__meta_calloc(&pool->meta, s->layers_bytes);
@@ -305,6 +306,7 @@ KVP_API int kvp_seq_add(kvp_pool *pool, uint64_t seq, const kvp_seq_config *sc) 
     return rc;
   }
   kvp__seq_publish(pool, s);
+  pool->w_pure = true; /* a new sequence: no other's structure changed (kept tables look sequences up) */
   kvp__unlock(pool);
   return KVP_OK;
 }
@@ -332,11 +334,20 @@ void kvp__seq_remove(kvp_pool *pool, kvp__seq *s) {
   kvp__reclaim(pool);
 }
 
-/* Look up seq for a mutation; on failure the lock is released. */
+/* Look up seq for a mutation; on failure the lock is released. The calls
+ * that take it (free, fork, step begin and end, append, evict) change the
+ * structure of that sequence alone: its sgen is odd until kvp__unlock, and
+ * the pool's goes back then (pages.h). */
 static int lock_seq(kvp_pool *pool, uint64_t seq, kvp__seq **out) {
   if (!pool) return kvp__err(KVP_EINVAL, "pool is NULL");
   kvp__lock(pool);
-  if ((*out = find_w(pool, seq))) return KVP_OK;
+  if ((*out = find_w(pool, seq))) {
+    if (pool->acache) {
+      atomic_fetch_add(&(*out)->sgen, 1); /* odd (sequentially consistent: before any change) */
+      pool->w_seq = *out;
+    }
+    return KVP_OK;
+  }
   kvp__unlock(pool);
   return kvp__err(KVP_ENOENT, "sequence %llu does not exist", (unsigned long long)seq);
 }
@@ -345,11 +356,13 @@ KVP_API int kvp_seq_free(kvp_pool *pool, uint64_t seq) {
   kvp__seq *s;
   int rc = lock_seq(pool, seq, &s);
   if (rc) return rc;
+  if (pool->w_seq) atomic_fetch_sub(&s->sgen, 1), pool->w_seq = NULL; /* s goes (after a grace period) */
   kvp__rcu_read_lock();
   cds_lfht_del(pool->seqs, &s->node);
   kvp__rcu_read_unlock();
   seq_release(pool, s, true);
   kvp__reclaim(pool);
+  pool->w_pure = true; /* only s's structure went (kept tables look sequences up: pages/attend_table.c) */
   kvp__unlock(pool);
   return KVP_OK;
 }
@@ -385,6 +398,7 @@ KVP_API int kvp_seq_fork(kvp_pool *pool, uint64_t parent, uint64_t child) {
     kvp__ledger_begin(&pool->alloc.ledger);
     kvp__gauge_add(&pool->alloc.ledger.sequences, 1);
     kvp__ledger_end(&pool->alloc.ledger);
+    pool->w_pure = true; /* the parent's structure stays (its OPEN blocks are copied, sealed ones shared) */
   }
   kvp__unlock(pool);
   return rc;

@@ -454,8 +454,11 @@ static int selected(const char *only, const char *spec) {
  * tokens (one layer, 8 KV heads, D = 128), each call after one token
  * appended to every sequence (not timed), so 4 of them add a block at
  * every step. host_us: the call's host part (the layer's kept table, the
- * ends of those 4 redone); built_us: a call after kvp_reclaim moved the
- * pool's structure (the whole table built); attend_us the device time. */
+ * ends of those 4 redone); join_us: the same after one sequence left
+ * (freed) and a new one of 32K tokens took its place in the batch (the
+ * kept table walks the new one alone); built_us: a call after kvp_reclaim
+ * moved the pool's structure (the whole table built); attend_us the device
+ * time of the decode calls. */
 static void attend_decode_figure(const char *spec, void *k, void *v, void *q, void *out, int rounds, int json) {
   enum { HQ = 32, H = 8, D = 128, B = 64, CTX = 32768, STEP = 1024 };
   kvp_pool *p = cuda_pool(spec, 1, (uint64_t)B * CTX * H * D * 2 * 2 * 5 / 4 + (256ull << 20)); /* raw K and V, +25% */
@@ -477,7 +480,7 @@ static void attend_decode_figure(const char *spec, void *k, void *v, void *q, vo
   size_t ws_bytes = a.workspace_needed * 2; /* room for the tables of the steps to come */
   CK(cudaMalloc(&ws, ws_bytes));
   a.workspace = ws, a.workspace_bytes = ws_bytes;
-  float t[64], th[64], tb[64];
+  float t[64], th[64], tb[64], tj[64];
   int n = 3 * rounds < 64 ? 3 * rounds : 64;
   attend_ms(p, &a, &th[0]); /* warm-up: builds and keeps the table */
   for (int r = 0; r < n; r++) {
@@ -488,18 +491,29 @@ static void attend_decode_figure(const char *spec, void *k, void *v, void *q, vo
     }
     t[r] = attend_ms(p, &a, &th[r]);
   }
+  for (int r = 0; r < rounds; r++) { /* a sequence leaves, a new one takes its place */
+    uint32_t i = (uint32_t)(r * 37 % B);
+    KV(kvp_seq_free(p, seqs[i]));
+    KV(kvp_seq_add(p, seqs[i] = 1000 + (uint64_t)r, NULL));
+    for (uint32_t t0 = 0, len = CTX - i % 16; t0 < len; t0 += STEP) {
+      KV(kvp_step_begin(p, seqs[i], len - t0 < STEP ? len - t0 : STEP, 0));
+      KV(kvp_append(p, seqs[i], 0, &(kvp_kv){k, v, S}));
+      KV(kvp_step_end(p, seqs[i]));
+    }
+    attend_ms(p, &a, &tj[r]);
+  }
   for (int r = 0; r < rounds; r++) {
     KV(kvp_reclaim(p));
     attend_ms(p, &a, &tb[r]);
   }
-  float mt = median(t, n), mh = median(th, n), mb = median(tb, rounds);
+  float mt = median(t, n), mh = median(th, n), mb = median(tb, rounds), mj = median(tj, rounds);
   if (!json)
-    printf("attend %-24s B=%2u ctx= 32768 decode steps, staggered lengths: host %.0f us a call (%.0f us built), "
-           "device %.1f us\n",
-           spec, B, mh, mb, mt * 1e3);
+    printf("attend %-24s B=%2u ctx= 32768 decode steps, staggered lengths: host %.0f us a call, %.0f us after a "
+           "sequence joined (%.0f us built), device %.1f us\n",
+           spec, B, mh, mj, mb, mt * 1e3);
   printf("{\"figure\":\"gpu_attend_decode\",\"codecs\":\"%s\",\"batch\":%u,\"ctx\":%u,\"host_us\":%.1f,"
-         "\"built_us\":%.1f,\"attend_us\":%.2f,\"calls\":%d}\n",
-         spec, B, CTX, mh, mb, mt * 1e3, n);
+         "\"join_us\":%.1f,\"built_us\":%.1f,\"attend_us\":%.2f,\"calls\":%d}\n",
+         spec, B, CTX, mh, mj, mb, mt * 1e3, n);
   cudaFree(ws);
   kvp_pool_destroy(p);
 }

@@ -265,9 +265,11 @@ START_TEST(geometry) {
 END_TEST
 
 /* Decode steps between the calls: each layer's kept table is read in
- * place (pinned records, the tails redone there) while tokens fill OPEN
- * blocks, and rebuilt when a block fills; every call against the
- * reference. */
+ * place (pinned records, the ends redone there) while tokens fill OPEN
+ * blocks and new blocks follow them; from step 20 on, every fifth step the
+ * batch changes (a sequence freed and another added in its place, or two
+ * swapped): the kept table takes the sequences that stay and walks the new
+ * one. Every call against the reference. */
 START_TEST(decode_steps_kept_in_place) {
   static const char *const sp[] = {"kv=bf16", "kv=fp8", "kv=nvfp4", "kv=kivi:bits=2:group=16"};
   if (gpu_spec_off(sp[_i])) return;
@@ -280,6 +282,14 @@ START_TEST(decode_steps_kept_in_place) {
   ck_ok(kvp_stats_get(f.pool, &s0));
   double worst = 0;
   for (int step = 0; step < 40; step++) {
+    if (step >= 20 && step % 10 == 0) { /* one leaves, another joins in its place */
+      uint32_t i = (uint32_t)step / 10 % 4;
+      ck_ok(kvp_seq_free(f.pool, seqs[i]));
+      fx_seq(&f, seqs[i] = 40 + (uint64_t)step, 9 + (uint32_t)step);
+    } else if (step >= 20 && step % 5 == 0) { /* two swap places */
+      uint64_t x = seqs[0];
+      seqs[0] = seqs[3], seqs[3] = x;
+    }
     for (uint32_t i = 0; i < 4; i++) fx_step(&f, seqs[i], 1);
     for (uint32_t layer = 0; layer < 2; layer++) {
       run a = {.split_tokens = step % 3 ? 0 : 16, .out_dtype = KVP_DTYPE_F32};
@@ -289,7 +299,8 @@ START_TEST(decode_steps_kept_in_place) {
   }
   ck_ok(kvp_stats_get(f.pool, &s1));
   ck_assert_uint_gt(s1.host_pinned_bytes, s0.host_pinned_bytes); /* the kept records, pinned */
-  printf("%-28s 40 decode steps, kept tables in place: max rel error %.2e, %llu pinned bytes more\n", sp[_i], worst,
+  printf("%-28s 40 decode steps and 4 batch changes, kept tables in place: max rel error %.2e, %llu pinned bytes "
+         "more\n", sp[_i], worst,
          (unsigned long long)(s1.host_pinned_bytes - s0.host_pinned_bytes));
   fx_close(&f);
 }

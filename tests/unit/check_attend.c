@@ -561,6 +561,70 @@ START_TEST(kept_table_staggered_decode) {
 }
 END_TEST
 
+/* Continuous batching: a batch that decodes while sequences leave (freed)
+ * and join (added and prefilled, their ids new or reused), the batch's
+ * order changing with them, now and then a sequence twice, and sequences
+ * outside the batch added, forked and freed: the kept table takes the
+ * sequences it holds where they stay the same, walks the others, and is
+ * served kept at most calls. */
+START_TEST(kept_table_batch_changes) {
+  const struct tcase_spec *cs = &cases[_i];
+  kvp_pool *p = mkpool(cs->codecs, cs->dt, 1);
+  enum { N = 10, STEPS = 150 };
+  uint64_t ids[N + 1], next = 500, rng = 3 + (uint64_t)_i;
+  for (uint32_t i = 0; i < N; i++) {
+    ck_ok(kvp_seq_add(p, ids[i] = next++, NULL));
+    step(p, ids[i], 1 + (uint32_t)(t_rand(&rng) % 90), cs->dt, 1);
+  }
+  bool kept[L];
+  for (uint32_t l = 0; l < L; l++) {
+    kvp__kparams kp[4];
+    ck_ok(kvp__attend_bindings(p, l, kp));
+    kept[l] = kvp__kern_attend_rec_bytes(kvp__kern_attend_kind(kp)) != sizeof(kvp__gjob);
+  }
+  uint32_t hits = 0, calls = 0, changes = 0;
+  for (uint32_t st = 0; st < STEPS; st++) {
+    uint32_t what = (uint32_t)(t_rand(&rng) % 8), i = (uint32_t)(t_rand(&rng) % N), n = N;
+    if (what == 0) { /* one leaves, a new one joins at the end */
+      ck_ok(kvp_seq_free(p, ids[i]));
+      memmove(&ids[i], &ids[i + 1], (N - 1 - i) * sizeof *ids);
+      ck_ok(kvp_seq_add(p, ids[N - 1] = next++, NULL));
+      step(p, ids[N - 1], 1 + (uint32_t)(t_rand(&rng) % 60), cs->dt, 1);
+      changes++;
+    } else if (what == 1) { /* freed and added again under its id: another sequence */
+      ck_ok(kvp_seq_free(p, ids[i]));
+      ck_ok(kvp_seq_add(p, ids[i], NULL));
+      step(p, ids[i], 1 + (uint32_t)(t_rand(&rng) % 60), cs->dt, 1);
+      changes++;
+    } else if (what == 2) { /* two swap places */
+      uint32_t j = (uint32_t)(t_rand(&rng) % N);
+      uint64_t x = ids[i];
+      ids[i] = ids[j], ids[j] = x;
+      changes++;
+    } else if (what == 3) { /* outside the batch: a sequence added, forked, freed */
+      ck_ok(kvp_seq_add(p, 9000 + st, NULL));
+      step(p, 9000 + st, 20, cs->dt, 1);
+      ck_ok(kvp_seq_fork(p, 9000 + st, 19000 + st));
+      ck_ok(kvp_seq_free(p, 9000 + st));
+      ck_ok(kvp_seq_fork(p, ids[i], 29000 + st)); /* a fork of one in the batch */
+      ck_ok(kvp_seq_free(p, 29000 + st));
+    } else if (what == 4) { /* a sequence twice in the batch */
+      ids[N] = ids[i], n = N + 1;
+    }
+    for (uint32_t b = 0; b < N; b++) step(p, ids[b], 1, cs->dt, 1);
+    for (uint32_t l = 0; l < L; l++) {
+      int hit = kept_equal(p, ids, n, l, 3 + st % 3 * 40, cs->codecs);
+      hits += kept[l] && hit, calls += kept[l];
+    }
+  }
+  /* a batch changes at about a third of the steps; a change that only walks its new sequences is kept */
+  ck_assert_msg(hits + 4 * L >= calls, "%s: %u of %u calls served kept (%u batch changes)", cs->codecs, hits, calls,
+                changes);
+  ck_pool(p);
+  kvp_pool_destroy(p);
+}
+END_TEST
+
 /* Independent of the reference: each bh's records hold the tokens its
  * stream retains, in position order, within their blocks; the splits cover
  * the records in order (a bh's end to end; a kept table may leave room
@@ -758,6 +822,7 @@ static Suite *suite(void) {
   tcase_set_timeout(tc, 120);
   tcase_add_loop_test(tc, kept_table_follows_the_writer, 0, NCASES);
   tcase_add_loop_test(tc, kept_table_staggered_decode, 0, NCASES);
+  tcase_add_loop_test(tc, kept_table_batch_changes, 0, NCASES);
   suite_add_tcase(s, tc);
   tc = tcase_create("concurrency");
   tcase_set_timeout(tc, 60);
