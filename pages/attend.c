@@ -20,9 +20,10 @@
  *
  * A decode step changes a layer's table only at each (sequence, head)'s
  * end, so the table is kept per layer and, while the pool's structure has
- * not changed (pages.h: sgen) and the batch is the same, reused with those
- * ends redone: each last record, and where a sequence's layer added blocks
- * or resealed its tail (pages.h: tgen) its records from the last block on
+ * not changed (pages.h: sgen), reused with those ends redone: each last
+ * record, and where a sequence's layer added blocks or resealed its tail
+ * (pages.h: tgen) its records from the last block on; sequences new to the
+ * batch, or whose structure changed (kvp__seq.sgen), are walked alone
  * (kvp__attend_build_kept): a call's host part is then a copy of the
  * records, not a walk of every block. Where the kernel reads its records in
  * place (the zero-copy kinds above), the kept records are pinned and read

@@ -4,7 +4,7 @@
  *
  *   kvpool-prof-attend [--batch 64] [--tokens 131072] [--heads 8] [--codecs kv=bf16] [--step 1024]
  *                      [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept]
- *                      [--decode] [--json]
+ *                      [--decode] [--join] [--json]
  *
  * A dry CUDA pool (KVP_POOL_DRY: pages are allocated, 64-byte aligned and
  * laid out as in a CUDA region, nothing is written) of one layer, `heads`
@@ -26,7 +26,9 @@
  * a block's end at another step, as a serving engine's batch does) and
  * each timed call follows one decode token appended to every sequence
  * (not timed): a decode step's call where batch / 16 sequences add a
- * block at every step.
+ * block at every step. With --join too, before each timed call one
+ * sequence leaves (freed) and a new one of as many tokens takes its place
+ * in the batch (not timed): a call after the batch changed.
  * Instructions per record:
  *   valgrind --tool=callgrind build/kvpool-prof-attend --batch 4 --tokens 16384 --rounds 3
  *   callgrind_annotate --inclusive=yes callgrind.out.* | grep kvp__attend_build
@@ -77,21 +79,21 @@ static int cmp_d(const void *a, const void *b) {
 static void usage(void) {
   puts("usage: kvpool-prof-attend [--batch 64] [--tokens 131072] [--heads 8] [--codecs kv=bf16] [--step 1024]\n"
        "                          [--interleave] [--evict 0] [--rounds 15] [--slots 264] [--split-tokens 0] [--kept]\n"
-       "                          [--decode] [--json]\n"
+       "                          [--decode] [--join] [--json]\n"
        "Builds kvp_attend_decode's block table over a dry CUDA pool in a loop; prints ns per record.");
 }
 
 int main(int argc, char **argv) {
   long batch = 64, tokens = 131072, heads = 8, rounds = 15, slots = 264, split = 0, step = 1024;
   double evict = 0;
-  int interleave = 0, kept = 0, decode = 0;
+  int interleave = 0, kept = 0, decode = 0, join = 0;
   const char *codecs = "kv=bf16";
   int json = 0;
   static const struct option opts[] = {
       {"batch", 1, 0, 'b'}, {"tokens", 1, 0, 't'}, {"heads", 1, 0, 'H'},        {"codecs", 1, 0, 'c'},
       {"evict", 1, 0, 'e'}, {"rounds", 1, 0, 'r'}, {"slots", 1, 0, 's'},        {"split-tokens", 1, 0, 'p'},
       {"step", 1, 0, 'S'},  {"interleave", 0, 0, 'i'}, {"json", 0, 0, 'j'}, {"help", 0, 0, 'h'},
-      {"kept", 0, 0, 'k'},  {"decode", 0, 0, 'd'},
+      {"kept", 0, 0, 'k'},  {"decode", 0, 0, 'd'}, {"join", 0, 0, 'J'},
       {0, 0, 0, 0}};
   for (int o; (o = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
     switch (o) {
@@ -107,6 +109,7 @@ int main(int argc, char **argv) {
     case 'i': interleave = 1; break;
     case 'k': kept = 1; break;
     case 'd': decode = 1; break;
+    case 'J': join = decode = 1; break;
     case 'j': json = 1; break;
     case 'h': usage(); return 0;
     default: usage(); return 1;
@@ -171,9 +174,20 @@ int main(int argc, char **argv) {
   long served = 0;
   for (long r = -1; r < rounds; r++) { /* round -1: the buffer grows (and the table is kept) */
     bool hit = false;
+    if (join && r >= 0) { /* one leaves, a new one of as many tokens takes its place (not timed) */
+      long i = r * 37 % batch, len = tokens > 16 ? tokens - i % 16 : tokens;
+      if ((rc = kvp_seq_free(p, seqs[i])) || (rc = kvp_seq_add(p, seqs[i] = (uint64_t)(batch + r), &sc)))
+        die("a join", rc);
+      for (long at = 0; at < len; at += step) {
+        uint32_t n = (uint32_t)(len - at < step ? len - at : step);
+        if ((rc = kvp_step_begin(p, seqs[i], n, 0)) || (rc = kvp_append(p, seqs[i], 0, &(kvp_kv){dummy, dummy, NULL})) ||
+            (rc = kvp_step_end(p, seqs[i])))
+          die("a join's prefill", rc);
+      }
+    }
     for (long s = 0; decode && r >= 0 && s < batch; s++) { /* a decode token of every sequence, not timed */
-      if ((rc = kvp_step_begin(p, (uint64_t)s, 1, 0)) || (rc = kvp_append(p, (uint64_t)s, 0, &(kvp_kv){dummy, dummy, NULL})) ||
-          (rc = kvp_step_end(p, (uint64_t)s)))
+      if ((rc = kvp_step_begin(p, seqs[s], 1, 0)) || (rc = kvp_append(p, seqs[s], 0, &(kvp_kv){dummy, dummy, NULL})) ||
+          (rc = kvp_step_end(p, seqs[s])))
         die("a decode step", rc);
     }
     kvp__rcu_read_lock();
@@ -207,7 +221,8 @@ int main(int argc, char **argv) {
     printf("attend table %s B=%ld T=%ld H=%ld step=%ld%s%s evict=%.2f%s: %u records (%u bytes each), %u splits, %.1f MiB: "
            "%.2f ms per call, %.2f ns per record (median of %ld; min %.2f, max %.2f); largest split %u tokens of %.0f "
            "a slot\n",
-           codecs, batch, tokens, heads, step, interleave ? " interleaved" : "", decode ? " decode" : "", evict,
+           codecs, batch, tokens, heads, step, interleave ? " interleaved" : "",
+           join ? " decode+join" : decode ? " decode" : "", evict,
            kept ? (served == rounds ? " kept" : " kept (NOT SERVED)") : "", t.nrec,
            kvp__kern_attend_rec_bytes(t.kind), t.nsplit, t.table_bytes / 1048576.0, med / 1e6, per, rounds,
            ns[0] / (t.nrec ? t.nrec : 1),
