@@ -45,7 +45,8 @@
  *                  head): time against retained/total x the full time
  *                  (target <= 1.3). gpu_attend_decode: bf16 and nvfp4,
  *                  batch 64 x 32K of staggered lengths, the host part of a
- *                  decode step's call (attend_decode_figure).
+ *                  decode step's call, and of one after a sequence left
+ *                  and another joined (attend_decode_figure).
  *   gpu_qvg        qvg and qvg-pro: encode_dev of a batch of 32 whole
  *                  4096-token blocks (one segment of 32 heads, D = 128,
  *                  bf16; the codec alone: cold starts, its own scratch),
