@@ -754,10 +754,16 @@ static void *reader(void *arg) {
   race *r = arg;
   kvp__kparams kp[4];
   ck_ok(kvp__attend_bindings(r->p, 0, kp));
-  uint64_t ids[4] = {1, 2, 3, 4};
+  uint64_t ids[4] = {1, 2, 3, 4}, rng = 5;
   kvp__abuf buf = {NULL, 0, grow_heap, NULL};
   while (!atomic_load(&r->stop)) {
-    kvp__atable t = {.layer = 0, .seqs = ids, .batch = 4, .kind = kvp__kern_attend_kind(kp), .slots = 7};
+    if (t_rand(&rng) % 4 == 0) { /* another order, or fewer: the kept table takes the batch's sequences as they come */
+      uint32_t i = (uint32_t)(t_rand(&rng) % 4), j = (uint32_t)(t_rand(&rng) % 4);
+      uint64_t x = ids[i];
+      ids[i] = ids[j], ids[j] = x;
+    }
+    uint32_t n = t_rand(&rng) % 8 == 0 ? 3 : 4;
+    kvp__atable t = {.layer = 0, .seqs = ids, .batch = n, .kind = kvp__kern_attend_kind(kp), .slots = 7};
     bool hit;
     kvp__rcu_read_lock();
     int rc = r->tables % 2 ? kvp__attend_build_kept(r->p, &t, &buf, &hit) : kvp__attend_build(r->p, &t, &buf);
