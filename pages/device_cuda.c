@@ -48,7 +48,7 @@
  * layers' calls ahead of the device instead of draining its queue at each
  * (the serving engine's own launches go on queueing meanwhile). A kept
  * attention table read in place takes none: it waits only for its own
- * layer's kernels of the call before (pages/attend_table.c). */
+ * layer's kernels of the call before (pages/attend_kept.c). */
 #define GSTAGES 4
 typedef struct gstage_slot {
   pthread_mutex_t lock;           /* held by the gather that builds in the stage */
@@ -575,7 +575,7 @@ void kvp__dev_control_bytes(const kvp_pool *pool, uint64_t *device_bytes, uint64
   *pinned_bytes += kvp__xfer_pinned_bytes(pool); /* the store tier's staging */
 }
 
-/* ---- kept attention tables' records (pages/attend_table.c) ---------------- */
+/* ---- kept attention tables' records (pages/attend_kept.c) ---------------- */
 
 void *kvp__dev_kept_alloc(kvp_pool *pool, uint64_t bytes) {
   struct kvp__dev *d = pool->dev;

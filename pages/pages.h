@@ -142,7 +142,8 @@ typedef struct kvp__layer {
    * resealed in its bref, the last run extended: no eviction, no new run),
    * a new even value after. Such an append leaves the pool's sgen as it
    * was; this count tells a kept table which sequences' ends to redo
-   * (pages/attend_table.c). Any other change moves sgen. */
+   * (pages/attend_kept.c). Any other change moves the sequence's sgen or
+   * the pool's. */
   _Atomic uint64_t tgen;
 } kvp__layer;
 
@@ -286,8 +287,8 @@ struct kvp_pool {
                             (its sgen odd: seq.c, lock_seq), or NULL: any */
   bool w_fill;           /* writer only: the last publish (pages/stream.c) changed no structure that sgen
                             must show (it filled OPEN tails, or changed one layer's ends under its tgen) */
-  struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_table.c) */
-  _Atomic uint64_t acache_bytes; /* bytes they hold (bounded: pages/attend_table.c, kept_bound) */
+  struct kvp__acache **acache; /* CUDA pools: [L] the attention tables kept per layer (pages/attend_kept.c) */
+  _Atomic uint64_t acache_bytes; /* bytes they hold (bounded: pages/attend_kept.c, kept_bound) */
 };
 
 /* Tokens per block of layer for a sequence of mode (a step-mode block also
@@ -790,14 +791,15 @@ int kvp__attend_bindings(kvp_pool *pool, uint32_t layer, kvp__kparams kp[4]);
  * pages stay valid until then). KVP_ENOENT names a sequence that does not
  * exist, KVP_EINVAL a batch or table too large, KVP_ENOMEM. */
 int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf);
-/* The same table, through the layer's kept table when the pool's structure
- * has not changed since it was built for the same batch (only the records
- * at the streams' ends are redone, those of new blocks added: an
- * O(batch x heads + new blocks) call, not one walk of every block), else
- * built and kept (raw and per-token quantized record forms; sequences
- * without shared chunks; at most 256 MiB or 1/64 of the region a pool,
- * records and metadata: kept_bound). *hit:
- * whether the kept table served. Any pool kvp__attend_build takes. */
+/* pages/attend_kept.c: the same table, through the layer's kept table
+ * while the pool's structure count stands: the records at the streams'
+ * ends redone, those of new blocks added, the sequences new to the batch or
+ * changed walked alone (an O(batch x heads + new blocks + new sequences'
+ * blocks) call, not one walk of every block); else built and kept (raw
+ * and per-token quantized record forms; sequences without shared chunks;
+ * at most 256 MiB or 1/64 of the region a pool, records and metadata:
+ * kept_bound). *hit: whether the kept table served. Any pool
+ * kvp__attend_build takes. */
 int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool *hit);
 /* Let go of the kept table t holds (t->hold), after its work is enqueued. */
 void kvp__attend_kept_release(kvp_pool *pool, kvp__atable *t);
