@@ -410,7 +410,8 @@ static int kept_remap(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, uint
       if (!placed) rc = -1;
       for (uint32_t i = 0; !rc && i < nw * H; i++) { /* what kept_place entered, moved to the new arrays */
         uint32_t n = wat[i];
-        nat[n] = k->recs_at[n], nend[n] = k->rend[n], nlim[n] = k->rlim[n], ntok[n] = k->tok_of[n], ntl[n] = k->tails[n];
+        nat[n] = k->recs_at[n], nend[n] = k->rend[n], nlim[n] = k->rlim[n];
+        ntok[n] = k->tok_of[n], ntl[n] = k->tails[n];
       }
       if (rc) k->used = used;
     }
@@ -564,8 +565,8 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
         memcpy(buf->p + (size_t)recs_at[bh] * rb, k->recs + (size_t)k->recs_at[bh] * rb,
                (size_t)(k->rend[bh] - k->recs_at[bh]) * rb);
       split_hint h = {k->hint0, k->hint_end};
-      rc = kvp__atab_finish(pool, t, out, rb, k->recs_at, k->rend, k->tok_of, k->pre, k->hinted ? &h : NULL, bh_split0,
-                        whole + (uint64_t)part, nbuf);
+      rc = kvp__atab_finish(pool, t, out, rb, k->recs_at, k->rend, k->tok_of, k->pre, k->hinted ? &h : NULL,
+                            bh_split0, whole + (uint64_t)part, nbuf);
       *hit = !rc;
       kvp__asplit *sp = (kvp__asplit *)(out->p + t->off_splits);
       if (!rc) kept_hint(k, nbh, sp, t->nsplit, bh_split0);
@@ -579,12 +580,8 @@ int kvp__attend_build_kept(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, bool 
     }
   }
   if (!served) {
-    cursor c;
     bool shared;
-    rc = kvp__atab_walk(pool, t, buf, rb, recs_at, tok_of, tails, sq, &shared, &c);
-    if (!rc)
-      rc = kvp__atab_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
-                        c.whole_bytes + (uint64_t)c.part_bytes, recs_at[nbh]);
+    rc = kvp__atab_build(pool, t, buf, rb, recs_at, tok_of, tails, sq, bh_split0, &shared);
     if (rc || shared || (gen & 1)) k->valid = false;
     else kept_store(pool, k, t, buf->p, rb, recs_at, tok_of, tails, sq, gen);
   }

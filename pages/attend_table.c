@@ -576,6 +576,15 @@ int kvp__atab_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb
   return KVP_OK;
 }
 
+int kvp__atab_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, uint32_t *recs_at, uint64_t *tok_of,
+                    atail *tails, aseq *seqs, uint32_t *bh_split0, bool *shared) {
+  cursor c;
+  int rc = kvp__atab_walk(pool, t, buf, rb, recs_at, tok_of, tails, seqs, shared, &c);
+  return rc ? rc
+            : kvp__atab_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
+                               c.whole_bytes + (uint64_t)c.part_bytes, recs_at[t->batch * pool->cfg.n_kv_heads]);
+}
+
 void kvp__atab_reset(kvp__atable *t) {
   t->nrec = t->nsplit = t->nslot = 0;
   t->off_splits = t->off_bh = t->table_bytes = t->token_heads = t->bytes_read = 0;
@@ -592,12 +601,8 @@ int kvp__attend_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf) {
   uint64_t *tok_of = kvp__meta_alloc(NULL, scratch);
   if (!tok_of) return kvp__err(KVP_ENOMEM, "attend scratch for a batch of %u", t->batch);
   uint32_t *recs_at = (uint32_t *)(tok_of + nbh), *bh_split0 = recs_at + nbh + 1;
-  cursor c;
   bool shared;
-  rc = kvp__atab_walk(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, &shared, &c);
-  if (!rc)
-    rc = kvp__atab_finish(pool, t, buf, rb, recs_at, recs_at + 1, tok_of, NULL, NULL, bh_split0,
-                      c.whole_bytes + (uint64_t)c.part_bytes, recs_at[nbh]);
+  rc = kvp__atab_build(pool, t, buf, rb, recs_at, tok_of, NULL, NULL, bh_split0, &shared);
   kvp__meta_free(NULL, tok_of, scratch);
   return rc;
 }

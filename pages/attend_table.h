@@ -183,6 +183,9 @@ int kvp__atab_walk(kvp_pool *pool, const kvp__atable *t, kvp__abuf *buf, uint32_
 int kvp__atab_finish(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, const uint32_t *recs_at,
                      const uint32_t *ends, const uint64_t *tok_of, const uint32_t *pre, const split_hint *hint,
                      uint32_t *bh_split0, uint64_t bytes_read, uint32_t nbuf);
+/* kvp__atab_walk, then kvp__atab_finish over what it wrote: a fresh build. */
+int kvp__atab_build(kvp_pool *pool, kvp__atable *t, kvp__abuf *buf, uint32_t rb, uint32_t *recs_at, uint64_t *tok_of,
+                    atail *tails, aseq *seqs, uint32_t *bh_split0, bool *shared);
 
 #endif
 #endif

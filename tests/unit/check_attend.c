@@ -525,6 +525,15 @@ START_TEST(kept_table_follows_the_writer) {
 }
 END_TEST
 
+/* Which layers' tables are kept (the generic record's are not). */
+static void kept_layers(kvp_pool *p, bool kept[L]) {
+  for (uint32_t l = 0; l < L; l++) {
+    kvp__kparams kp[4];
+    ck_ok(kvp__attend_bindings(p, l, kp));
+    kept[l] = kvp__kern_attend_rec_bytes(kvp__kern_attend_kind(kp)) != sizeof(kvp__gjob);
+  }
+}
+
 /* A batch of sequences of staggered lengths decoding together, each past
  * a block's end at another step, now and then one taking a chunk of many
  * blocks: the kept table redoes the ends of those whose layer's tail
@@ -543,11 +552,7 @@ START_TEST(kept_table_staggered_decode) {
   }
   uint32_t hits = 0, calls = 0;
   bool kept[L];
-  for (uint32_t l = 0; l < L; l++) {
-    kvp__kparams kp[4];
-    ck_ok(kvp__attend_bindings(p, l, kp));
-    kept[l] = kvp__kern_attend_rec_bytes(kvp__kern_attend_kind(kp)) != sizeof(kvp__gjob); /* the generic record is not kept */
-  }
+  kept_layers(p, kept);
   for (uint32_t st = 0; st < STEPS; st++) {
     for (uint32_t i = 0; i < N; i++) step(p, ids[i], st % 10 == 9 && i == st / 10 % N ? 37 : 1, cs->dt, 1);
     for (uint32_t l = 0; l < L; l++) {
@@ -577,11 +582,7 @@ START_TEST(kept_table_batch_changes) {
     step(p, ids[i], 1 + (uint32_t)(t_rand(&rng) % 90), cs->dt, 1);
   }
   bool kept[L];
-  for (uint32_t l = 0; l < L; l++) {
-    kvp__kparams kp[4];
-    ck_ok(kvp__attend_bindings(p, l, kp));
-    kept[l] = kvp__kern_attend_rec_bytes(kvp__kern_attend_kind(kp)) != sizeof(kvp__gjob);
-  }
+  kept_layers(p, kept);
   uint32_t hits = 0, calls = 0, changes = 0;
   for (uint32_t st = 0; st < STEPS; st++) {
     uint32_t what = (uint32_t)(t_rand(&rng) % 8), i = (uint32_t)(t_rand(&rng) % N), n = N;
