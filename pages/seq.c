@@ -362,7 +362,7 @@ KVP_API int kvp_seq_free(kvp_pool *pool, uint64_t seq) {
   kvp__rcu_read_unlock();
   seq_release(pool, s, true);
   kvp__reclaim(pool);
-  pool->w_pure = true; /* only s's structure went (kept tables look sequences up: pages/attend_table.c) */
+  pool->w_pure = true; /* only s's structure went (kept tables look sequences up: pages/attend_kept.c) */
   kvp__unlock(pool);
   return KVP_OK;
 }
