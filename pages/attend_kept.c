@@ -225,24 +225,32 @@ static bool kept_room(kvp_pool *pool, kvp__acache *k, uint32_t batch, uint32_t n
   return true;
 }
 
+/* Per-bh arrays of a kept table's layout: each bh's region (records from
+ * at to end, room up to lim), tokens and last record. */
+typedef struct bh_arrays {
+  uint32_t *at, *end, *lim;
+  uint64_t *tok;
+  atail *tl;
+} bh_arrays;
+
 /* The records of a walk (recs, end to end: recs_at[0 .. n]) of n bhs into
- * new regions of k from k->used on (room after each, zeros), entered as
- * bhs at[i] (tok_of, tails: the walk's); false, k unchanged, when k has
- * no room for them. */
+ * new regions of k from k->used on (room after each, zeros), entered in
+ * dst as bhs to[i] (NULL: i), with tok_of and tails (the walk's); false,
+ * nothing changed, when k has no room for them. */
 static bool kept_place(kvp__acache *k, const unsigned char *recs, uint32_t rb, const uint32_t *recs_at, uint32_t n,
-                       const uint32_t *at, const uint64_t *tok_of, const atail *tails) {
+                       const uint32_t *to, const uint64_t *tok_of, const atail *tails, const bh_arrays *dst) {
   uint64_t need = 0, slots = k->recs_cap / rb < k->pre_cap ? k->recs_cap / rb : k->pre_cap;
   for (uint32_t i = 0; i < n; i++) need += recs_at[i + 1] - recs_at[i] + room_of(recs_at[i + 1] - recs_at[i]);
   if (k->used + need > slots) return false;
   uint32_t m1_at = m1_at_of(form_of(rb)), u = k->used;
   for (uint32_t i = 0; i < n; i++) {
-    uint32_t bh = at[i], nr = recs_at[i + 1] - recs_at[i], room = room_of(nr), acc = 0;
+    uint32_t bh = to ? to[i] : i, nr = recs_at[i + 1] - recs_at[i], room = room_of(nr), acc = 0;
     if (nr) memcpy(k->recs + (size_t)u * rb, recs + (size_t)recs_at[i] * rb, (size_t)nr * rb);
     memset(k->recs + (size_t)(u + nr) * rb, 0, (size_t)room * rb);
     for (uint32_t r = 0; r < nr; r++) k->pre[u + r] = acc, acc += rec_tokens(recs, rb, m1_at, recs_at[i] + r);
     memset(k->pre + u + nr, 0, room * sizeof *k->pre);
-    k->recs_at[bh] = u, k->rend[bh] = u + nr, k->rlim[bh] = u + nr + room;
-    k->tok_of[bh] = tok_of[i], k->tails[bh] = tails[i];
+    dst->at[bh] = u, dst->end[bh] = u + nr, dst->lim[bh] = u + nr + room;
+    dst->tok[bh] = tok_of[i], dst->tl[bh] = tails[i];
     u += nr + room;
   }
   k->used = u;
@@ -263,12 +271,8 @@ static bool kept_store(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, con
   kvp__dev_event_wait(k->done); /* the records may still be read in place */
   if (!kept_room(pool, k, t->batch, nbh, slots, rb)) return false;
   k->used = 0;
-  uint32_t *at = kvp__meta_alloc(NULL, nbh * sizeof *at + 1);
-  if (!at) return false;
-  for (uint32_t bh = 0; bh < nbh; bh++) at[bh] = bh;
-  bool ok = kept_place(k, recs, rb, recs_at, nbh, at, tok_of, tails);
-  kvp__meta_free(NULL, at, nbh * sizeof *at + 1);
-  if (!ok) return false;
+  bh_arrays dst = {k->recs_at, k->rend, k->rlim, k->tok_of, k->tails};
+  if (!kept_place(k, recs, rb, recs_at, nbh, NULL, tok_of, tails, &dst)) return false;
   memcpy(k->seqs, t->seqs, t->batch * sizeof *k->seqs);
   memcpy(k->sq, sq, t->batch * sizeof *k->sq);
   k->gen = gen, k->batch = t->batch, k->kind = t->kind;
@@ -302,12 +306,11 @@ static bool kept_same(kvp_pool *pool, const kvp__acache *k, const kvp__atable *t
   return true;
 }
 
-/* The n regions at[i] .. lim[i] (records to end[i], room after; at[i] =
- * UINT32_MAX: none) moved to the front of k's records, in their order
- * there, with their prefix sums; k->used after them. The others' (the
- * sequences that left) are given back. */
-static void kept_compact(kvp__acache *k, uint32_t rb, uint32_t *at, uint32_t *end, uint32_t *lim, uint32_t n,
-                         uint32_t *order) {
+/* The n regions of r (at[i] = UINT32_MAX: none) moved to the front of k's
+ * records, in their order there, with their prefix sums; k->used after
+ * them. The others' (the sequences that left) are given back. */
+static void kept_compact(kvp__acache *k, uint32_t rb, const bh_arrays *r, uint32_t n, uint32_t *order) {
+  uint32_t *at = r->at, *end = r->end, *lim = r->lim;
   uint32_t m = 0;
   for (uint32_t i = 0; i < n; i++)
     if (at[i] != UINT32_MAX) order[m++] = i;
@@ -398,22 +401,13 @@ static int kept_remap(kvp_pool *pool, kvp__acache *k, const kvp__atable *t, uint
         nsq[wpos[i]] = wsq[i];
         for (uint32_t h = 0; h < H; h++) wat[i * H + h] = wpos[i] * H + h;
       }
-      /* placed straight into k (its new regions lie past every region the new batch keeps); short of
-       * room, the regions kept are moved together first (those of the sequences that left given back) */
-      uint32_t used = k->used;
-      bool placed = kept_place(k, wb.p, rb, wrec, nw * H, wat, wtok, wtl);
-      if (!placed) {
-        kept_compact(k, rb, nat, nend, nlim, nbh, order);
-        placed = kept_place(k, wb.p, rb, wrec, nw * H, wat, wtok, wtl);
-        used = k->used; /* the regions moved: no way back (rc -1 drops k) */
+      /* new regions past every region k has; short of room, the regions the new batch keeps are moved
+       * together first (those of the sequences that left given back) */
+      bh_arrays dst = {nat, nend, nlim, ntok, ntl};
+      if (!kept_place(k, wb.p, rb, wrec, nw * H, wat, wtok, wtl, &dst)) {
+        kept_compact(k, rb, &dst, nbh, order); /* (the regions move: a failure after it drops k) */
+        if (!kept_place(k, wb.p, rb, wrec, nw * H, wat, wtok, wtl, &dst)) rc = -1;
       }
-      if (!placed) rc = -1;
-      for (uint32_t i = 0; !rc && i < nw * H; i++) { /* what kept_place entered, moved to the new arrays */
-        uint32_t n = wat[i];
-        nat[n] = k->recs_at[n], nend[n] = k->rend[n], nlim[n] = k->rlim[n];
-        ntok[n] = k->tok_of[n], ntl[n] = k->tails[n];
-      }
-      if (rc) k->used = used;
     }
     if (wb.p) kvp__meta_free(NULL, wb.p, wb.cap_bytes);
     if (wtok) kvp__meta_free(NULL, wtok, (size_t)nw * H * (sizeof(uint64_t) + sizeof(atail)) + nw * sizeof(aseq));

@@ -450,6 +450,16 @@ static int selected(const char *only, const char *spec) {
   return !only;
 }
 
+/* len tokens appended to layer 0 of seq in steps of at most step tokens (k
+ * and v: device rows of that many tokens). */
+static void append_tokens(kvp_pool *p, uint64_t seq, uint32_t len, uint32_t step, void *k, void *v) {
+  for (uint32_t t = 0; t < len; t += step) {
+    KV(kvp_step_begin(p, seq, len - t < step ? len - t : step, 0));
+    KV(kvp_append(p, seq, 0, &(kvp_kv){k, v, S}));
+    KV(kvp_step_end(p, seq));
+  }
+}
+
 /* gpu_attend_decode: decode steps of a batch of staggered lengths, as a
  * serving engine runs them: 64 stream-mode sequences of 32K - s % 16
  * tokens (one layer, 8 KV heads, D = 128), each call after one token
@@ -466,11 +476,7 @@ static void attend_decode_figure(const char *spec, void *k, void *v, void *q, vo
   uint64_t seqs[B];
   for (uint32_t sq = 0; sq < B; sq++) {
     KV(kvp_seq_add(p, seqs[sq] = sq, NULL));
-    for (uint32_t t = 0, len = CTX - sq % 16; t < len; t += STEP) {
-      KV(kvp_step_begin(p, sq, len - t < STEP ? len - t : STEP, 0));
-      KV(kvp_append(p, sq, 0, &(kvp_kv){k, v, S}));
-      KV(kvp_step_end(p, sq));
-    }
+    append_tokens(p, sq, CTX - sq % 16, STEP, k, v);
   }
   kvp_attend_req a;
   kvp_attend_req_init(&a);
@@ -486,9 +492,7 @@ static void attend_decode_figure(const char *spec, void *k, void *v, void *q, vo
   attend_ms(p, &a, &th[0]); /* warm-up: builds and keeps the table */
   for (int r = 0; r < n; r++) {
     for (uint32_t sq = 0; sq < B; sq++) {
-      KV(kvp_step_begin(p, sq, 1, 0));
-      KV(kvp_append(p, sq, 0, &(kvp_kv){k, v, S}));
-      KV(kvp_step_end(p, sq));
+      append_tokens(p, sq, 1, 1, k, v);
     }
     t[r] = attend_ms(p, &a, &th[r]);
   }
@@ -496,11 +500,7 @@ static void attend_decode_figure(const char *spec, void *k, void *v, void *q, vo
     uint32_t i = (uint32_t)(r * 37 % B);
     KV(kvp_seq_free(p, seqs[i]));
     KV(kvp_seq_add(p, seqs[i] = 1000 + (uint64_t)r, NULL));
-    for (uint32_t t0 = 0, len = CTX - i % 16; t0 < len; t0 += STEP) {
-      KV(kvp_step_begin(p, seqs[i], len - t0 < STEP ? len - t0 : STEP, 0));
-      KV(kvp_append(p, seqs[i], 0, &(kvp_kv){k, v, S}));
-      KV(kvp_step_end(p, seqs[i]));
-    }
+    append_tokens(p, seqs[i], CTX - i % 16, STEP, k, v);
     attend_ms(p, &a, &tj[r]);
   }
   for (int r = 0; r < rounds; r++) {
@@ -556,11 +556,7 @@ static void attend_figures(int rounds, int json) {
       uint64_t seqs[MAXB];
       for (uint32_t sq = 0; sq < MAXB; sq++) {
         KV(kvp_seq_add(p, seqs[sq] = sq, &sc));
-        for (uint32_t t = 0; t < ctx[x]; t += STEP) {
-          KV(kvp_step_begin(p, sq, STEP, 0));
-          KV(kvp_append(p, sq, 0, &(kvp_kv){k, v, S}));
-          KV(kvp_step_end(p, sq));
-        }
+        append_tokens(p, sq, ctx[x], STEP, k, v);
       }
       fprintf(stderr, "attend: %s ctx %u: pool of %u sequences built in %.1f s\n", ac[c], ctx[x], MAXB,
               (now_us() - t_build) / 1e6);

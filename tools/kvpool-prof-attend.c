@@ -38,7 +38,7 @@
  * lines it reads). It links the static library and calls the build directly
  * (internal), as the unit tests do.
  */
-#include "../pages/pages.h"
+#include "../pages/attend_table.h"
 
 #include <getopt.h>
 #include <stdio.h>
@@ -69,6 +69,15 @@ static int grow(kvp__abuf *b, uint64_t used, uint64_t need) {
   if (!p) return KVP_ENOMEM;
   b->p = p, b->cap_bytes = cap;
   return KVP_OK;
+}
+
+/* One step of n tokens of seq (layer 0; a dry CUDA pool never reads K and V). */
+static void step_of(kvp_pool *p, uint64_t seq, uint32_t n) {
+  static uint16_t dummy[16];
+  int rc;
+  if ((rc = kvp_step_begin(p, seq, n, 0))) die("kvp_step_begin", rc);
+  if ((rc = kvp_append(p, seq, 0, &(kvp_kv){dummy, dummy, NULL}))) die("kvp_append", rc);
+  if ((rc = kvp_step_end(p, seq))) die("kvp_step_end", rc);
 }
 
 static int cmp_d(const void *a, const void *b) {
@@ -134,7 +143,6 @@ int main(int argc, char **argv) {
   kvp_pool *p;
   int rc = kvp_pool_create(&c, &p);
   if (rc) die("kvp_pool_create", rc);
-  static uint16_t dummy[16]; /* a dry CUDA pool never reads K and V */
   kvp_seq_config sc;
   kvp_seq_config_init(&sc);
   sc.mode = decode ? KVP_SEQ_STREAM : KVP_SEQ_STEP;
@@ -149,10 +157,7 @@ int main(int argc, char **argv) {
     long s = interleave ? i % batch : i / nsteps, k = interleave ? i / batch : i % nsteps,
          len = decode && tokens > 16 ? tokens - s % 16 : tokens; /* --decode: staggered */
     if (k * step >= len) continue;
-    uint32_t n = (uint32_t)(len - k * step < step ? len - k * step : step);
-    if ((rc = kvp_step_begin(p, (uint64_t)s, n, 0))) die("kvp_step_begin", rc);
-    if ((rc = kvp_append(p, (uint64_t)s, 0, &(kvp_kv){dummy, dummy, NULL}))) die("kvp_append", rc);
-    if ((rc = kvp_step_end(p, (uint64_t)s))) die("kvp_step_end", rc);
+    step_of(p, (uint64_t)s, (uint32_t)(len - k * step < step ? len - k * step : step));
     if (!json && (i + 1) % (batch * (long)nsteps / 8 + 1) == 0)
       fprintf(stderr, "\rkvpool-prof-attend: %ld/%ld steps", i + 1, batch * (long)nsteps);
   }
@@ -178,18 +183,9 @@ int main(int argc, char **argv) {
       long i = r * 37 % batch, len = tokens > 16 ? tokens - i % 16 : tokens;
       if ((rc = kvp_seq_free(p, seqs[i])) || (rc = kvp_seq_add(p, seqs[i] = (uint64_t)(batch + r), &sc)))
         die("a join", rc);
-      for (long at = 0; at < len; at += step) {
-        uint32_t n = (uint32_t)(len - at < step ? len - at : step);
-        if ((rc = kvp_step_begin(p, seqs[i], n, 0)) || (rc = kvp_append(p, seqs[i], 0, &(kvp_kv){dummy, dummy, NULL})) ||
-            (rc = kvp_step_end(p, seqs[i])))
-          die("a join's prefill", rc);
-      }
+      for (long at = 0; at < len; at += step) step_of(p, seqs[i], (uint32_t)(len - at < step ? len - at : step));
     }
-    for (long s = 0; decode && r >= 0 && s < batch; s++) { /* a decode token of every sequence, not timed */
-      if ((rc = kvp_step_begin(p, seqs[s], 1, 0)) || (rc = kvp_append(p, seqs[s], 0, &(kvp_kv){dummy, dummy, NULL})) ||
-          (rc = kvp_step_end(p, seqs[s])))
-        die("a decode step", rc);
-    }
+    for (long s = 0; decode && r >= 0 && s < batch; s++) step_of(p, seqs[s], 1); /* a decode token each, not timed */
     kvp__rcu_read_lock();
     double t0 = now_ns();
     rc = kept ? kvp__attend_build_kept(p, &t, &buf, &hit) : kvp__attend_build(p, &t, &buf);
@@ -203,16 +199,10 @@ int main(int argc, char **argv) {
   uint32_t largest = 0; /* the split that runs longest: tokens of one (sequence, head) */
   if (!t.tab_dev) {
     const kvp__asplit *sp = (const kvp__asplit *)(buf.p + t.off_splits);
-    uint32_t rb = kvp__kern_attend_rec_bytes(t.kind), m1_at = rb == sizeof(kvp__arec_raw) ? offsetof(kvp__arec_raw, m1)
-                                                              : rb == sizeof(kvp__arec_q) ? offsetof(kvp__arec_q, m1)
-                                                                                          : offsetof(kvp__gjob, m1);
+    uint32_t rb = kvp__kern_attend_rec_bytes(t.kind), m1_at = m1_at_of(form_of(rb));
     for (uint32_t i = 0; i < t.nsplit; i++) {
       uint32_t tok = 0;
-      for (uint32_t r = sp[i].rec0; r < sp[i].rec0 + sp[i].nrec; r++) {
-        uint16_t m1;
-        memcpy(&m1, buf.p + (size_t)r * rb + m1_at, 2);
-        tok += m1 + 1u;
-      }
+      for (uint32_t r = sp[i].rec0; r < sp[i].rec0 + sp[i].nrec; r++) tok += rec_tokens(buf.p, rb, m1_at, r);
       if (tok > largest) largest = tok;
     }
   }
